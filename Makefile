@@ -1,0 +1,25 @@
+# Two entry points: `make demo` and `make test`. Both create .venv and install on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint install clean
+
+$(STAMP): pyproject.toml constraints.txt scripts/setup_env.sh
+	VENV=$(VENV) bash scripts/setup_env.sh
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) -m app.selfcheck
+
+clean:
+	rm -rf outputs .pytest_cache

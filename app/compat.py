@@ -1,0 +1,51 @@
+"""Environment fixes that must run before torchvision, transformers or qwen-vl-utils are imported.
+
+PyPI only ships CUDA-linked torchvision wheels. On a CPU-only torch its compiled ops fail to load, and
+torchvision's import then dies registering fake kernels for ``torchvision::nms`` ("operator does not exist"),
+which in turn breaks transformers' Qwen video processors and qwen-vl-utils. Defining the two op schemas lets the
+pure-Python parts (transforms, io helpers) import; no compiled torchvision op is used by this project.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import sys
+
+import torch
+
+_TORCHVISION_SCHEMA_LIBRARY = None  # kept alive for the process: the schemas vanish with the Library object
+
+
+def ensure_torchvision_importable() -> str:
+    """Make ``import torchvision`` work. Returns what was done: 'absent', 'already-imported', 'native' or 'schemas'."""
+    global _TORCHVISION_SCHEMA_LIBRARY
+    if "torchvision" in sys.modules:
+        return "already-imported"
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or spec.origin is None:
+        return "absent"
+    compiled = sorted(glob.glob(os.path.join(os.path.dirname(spec.origin), "_C*.so")))
+    if compiled:
+        try:
+            torch.ops.load_library(compiled[0])
+            return "native"
+        except (OSError, RuntimeError):
+            pass
+    if _TORCHVISION_SCHEMA_LIBRARY is None:
+        library = torch.library.Library("torchvision", "DEF")
+        library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        library.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        _TORCHVISION_SCHEMA_LIBRARY = library
+    return "schemas"
+
+
+def set_environment_defaults() -> None:
+    # qwen-vl-utils reads this once at import; its fallback reader (torchvision.io) no longer exists.
+    os.environ.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+TORCHVISION_STATUS = ensure_torchvision_importable()
+set_environment_defaults()

@@ -1,0 +1,80 @@
+"""Writing mp4 files (PyAV) and decoding videos through qwen-vl-utils with the decord backend."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import app  # noqa: F401  (sets FORCE_QWENVL_VIDEO_READER=decord before qwen_vl_utils is imported)
+
+
+class VideoDecodeError(RuntimeError):
+    """A video that could not be read or has no frames."""
+
+
+def write_mp4(path: str | Path, frames: np.ndarray, fps: float = 8.0) -> Path:
+    """Write uint8 frames [T, H, W, 3] (H, W even) to an H.264 mp4."""
+    import av
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frames = np.asarray(frames, dtype=np.uint8)
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"frames must be [T, H, W, 3] uint8, got shape {frames.shape}")
+    tmp = path.with_suffix(".partial.mp4")
+    with av.open(str(tmp), mode="w") as container:
+        stream = container.add_stream("libx264", rate=int(round(fps)))
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": "18", "preset": "ultrafast"}
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    os.replace(tmp, path)
+    return path
+
+
+def video_element(path: str | Path, fps: float = 2.0, max_frames: int | None = None, min_pixels: int | None = None,
+                  max_pixels: int | None = None) -> dict:
+    """A qwen-vl-utils message element; always carries min_pixels with max_pixels (its defaults assert otherwise)."""
+    element: dict = {"type": "video", "video": str(path), "fps": fps}
+    if max_frames is not None:
+        element["max_frames"] = max_frames
+    if max_pixels is not None:
+        element["max_pixels"] = max_pixels
+        element["min_pixels"] = min_pixels if min_pixels is not None else min(max_pixels, 4 * 28 * 28)
+    elif min_pixels is not None:
+        element["min_pixels"] = min_pixels
+    return element
+
+
+def decode_video(element: dict, image_patch_size: int = 14) -> tuple[torch.Tensor, dict]:
+    """Decode one video element through qwen-vl-utils (decord backend): frames [T, 3, H, W] float and metadata.
+
+    The file is opened with decord first: when decord fails, qwen-vl-utils silently retries a torchvision reader
+    that no longer exists, and its error would hide the real cause.
+    """
+    import decord
+    from qwen_vl_utils import fetch_video
+
+    path = element["video"]
+    if not Path(path).is_file():
+        raise VideoDecodeError(f"{path}: video file not found")
+    try:
+        frame_count = len(decord.VideoReader(str(path), num_threads=1))
+    except Exception as error:  # decord raises its own error types
+        raise VideoDecodeError(f"{path}: decord could not open the video ({error})") from error
+    if frame_count == 0:
+        raise VideoDecodeError(f"{path}: the video has no frames")
+    try:
+        (frames, metadata), _sample_fps = fetch_video(
+            element, image_patch_size=image_patch_size, return_video_sample_fps=True, return_video_metadata=True
+        )
+    except Exception as error:
+        raise VideoDecodeError(f"{path}: decoding failed ({error})") from error
+    return frames, dict(metadata)

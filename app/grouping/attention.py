@@ -1,0 +1,260 @@
+"""Grouped self-attention for a packed row, plugged into transformers through ``AttentionInterface``.
+
+Within a group, prefix tokens attend causally within P; tokens of response Ri attend to all of P and to their own
+earlier tokens, never to another Rj; groups never see each other. Every backend computes exactly that; they differ
+only in how the work is cut:
+
+- ``packed``  two calls per group, no prefix copy: P causally, then all response queries of the group against the
+              group's packed keys [P;R1..RG] under a block mask. Fastest and leanest on CPU.
+- ``paper``   the paper's two calls: P causally, then each response against [P;Ri], with P's keys/values
+              materialised once per response (what the ``prefix-grouper`` package does).
+- ``masked``  one call over the whole row with a dense boolean mask (the naive reference; O(T^2) memory).
+- ``flex``    one FlexAttention call with a block-sparse mask (CUDA; torch has no FlexAttention backward on CPU).
+- ``flash``   flash-attn varlen: prefixes causally, then each response against [P;Ri] (causal, bottom-right).
+
+The plan (layout + backend) reaches the function as the forward kwarg ``prefix_grouping``; transformers forwards
+extra kwargs to every attention call, also when activation checkpointing recomputes a layer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from app.grouping.layout import GroupLayout
+
+ATTENTION_NAME = "prefix_grouper"
+PLAN_KWARG = "prefix_grouping"
+BACKENDS = ("packed", "paper", "masked", "flex", "flash")
+
+
+def flash_attn_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def default_backend(device: torch.device | str | None = None) -> str:
+    """The best backend that runs here: flash-attn varlen, else FlexAttention on CUDA, else ``packed``."""
+    on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+    if on_cuda and flash_attn_available():
+        return "flash"
+    if on_cuda:
+        return "flex"
+    return "packed"
+
+
+def usable_backends(device: torch.device | str) -> tuple[str, ...]:
+    """Backends that run forward and backward on ``device``."""
+    if torch.device(device).type == "cuda":
+        return BACKENDS if flash_attn_available() else tuple(b for b in BACKENDS if b != "flash")
+    return ("packed", "paper", "masked")
+
+
+@dataclass
+class GroupedAttentionPlan:
+    """What the attention function needs for one packed forward: the layout, the backend, device-side indices."""
+
+    layout: GroupLayout
+    backend: str = "packed"
+    varlen_fn: Callable | None = None  # flash backend only; defaults to flash_attn.flash_attn_varlen_func
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown grouped-attention backend {self.backend!r}; expected one of {BACKENDS}")
+
+    def cached(self, key: str, device: torch.device, build: Callable[[], object]):
+        slot = (key, str(device))
+        if slot not in self._cache:
+            self._cache[slot] = build()
+        return self._cache[slot]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building blocks. q: [H, L, D]; k, v: [Hkv, L, D]; return [H, L, D].
+
+
+def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    rep = heads // x.shape[-3]
+    return x if rep == 1 else x.repeat_interleave(rep, dim=-3)
+
+
+def _sdpa(q, k, v, mask=None, is_causal=False, scale=None, dropout=0.0):
+    k, v = _expand_kv(k, q.shape[-3]), _expand_kv(v, q.shape[-3])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                          dropout_p=dropout)
+
+
+def suffix_block_mask(prefix_len: int, completion_lens: list[int], device) -> torch.Tensor:
+    """[S, P+S] boolean: every response query sees all of P and its own earlier tokens."""
+    lens = torch.tensor(completion_lens, device=device)
+    seg = torch.repeat_interleave(torch.arange(len(completion_lens), device=device), lens)
+    idx = torch.arange(int(lens.sum()), device=device)
+    own = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+    return torch.cat([own.new_ones(own.shape[0], prefix_len), own], dim=1)
+
+
+def dense_group_mask(layout: GroupLayout, device) -> torch.Tensor:
+    """[T, T] boolean mask of the whole packed row (reference semantics)."""
+    seg, grp = layout.segment_ids.to(device), layout.group_ids.to(device)
+    idx = torch.arange(layout.total_len, device=device)
+    causal = idx[None, :] <= idx[:, None]
+    return causal & (grp[:, None] == grp[None, :]) & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None]))
+
+
+def _packed(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
+    out = torch.empty_like(q)
+    for g, (start, prefix, lens) in enumerate(plan.layout.group_spans):
+        mid, end = start + prefix, start + prefix + sum(lens)
+        out[:, start:mid] = _sdpa(q[:, start:mid], k[:, start:mid], v[:, start:mid], is_causal=True, scale=scale,
+                                  dropout=dropout)
+        mask = plan.cached(f"suffix{g}", q.device, lambda p=prefix, ls=lens: suffix_block_mask(p, ls, q.device))
+        out[:, mid:end] = _sdpa(q[:, mid:end], k[:, start:end], v[:, start:end], mask=mask, scale=scale,
+                                dropout=dropout)
+    return out
+
+
+def _paper(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
+    """Two calls per group; the prefix K/V is copied once per response, as the paper's implementation does."""
+    heads, _, dim = q.shape
+    out = torch.empty_like(q)
+    for g, (start, prefix, lens) in enumerate(plan.layout.group_spans):
+        mid = start + prefix
+        out[:, start:mid] = _sdpa(q[:, start:mid], k[:, start:mid], v[:, start:mid], is_causal=True, scale=scale,
+                                  dropout=dropout)
+        longest, count = max(lens), len(lens)
+
+        def build(prefix=prefix, lens=lens, longest=longest):
+            valid = torch.arange(longest, device=q.device)[None, :] < torch.tensor(lens, device=q.device)[:, None]
+            own = torch.ones(longest, longest, dtype=torch.bool, device=q.device).tril()
+            suffix = own[None] & valid[:, None, :]
+            mask = torch.cat([suffix.new_ones(len(lens), longest, prefix), suffix], dim=2)
+            offsets = torch.tensor([0, *lens[:-1]], device=q.device).cumsum(0) + prefix
+            rows = (offsets[:, None] + torch.arange(longest, device=q.device)[None, :]).clamp_max(sum(lens) + prefix - 1)
+            return mask[:, None], rows, valid
+
+        mask, rows, valid = plan.cached(f"paper{g}", q.device, build)
+        span_q, span_k, span_v = q[:, start:], k[:, start:], v[:, start:]
+        # [G, H, longest, D] queries; keys [G, Hkv, prefix + longest, D] with P repeated per response.
+        qs = span_q[:, rows].transpose(0, 1)
+        ks = torch.cat([span_k[:, :prefix][None].expand(count, -1, -1, -1), span_k[:, rows].transpose(0, 1)], dim=2)
+        vs = torch.cat([span_v[:, :prefix][None].expand(count, -1, -1, -1), span_v[:, rows].transpose(0, 1)], dim=2)
+        res = _sdpa(qs, ks, vs, mask=mask, scale=scale, dropout=dropout)  # [G, H, longest, D]
+        out[:, mid : mid + sum(lens)] = res.transpose(0, 1)[:, valid].reshape(heads, sum(lens), dim)
+    return out
+
+
+def _masked(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
+    mask = plan.cached("dense", q.device, lambda: dense_group_mask(plan.layout, q.device))
+    return _sdpa(q, k, v, mask=mask, scale=scale, dropout=dropout)
+
+
+_compiled_flex = None
+
+
+def _flex(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _compiled_flex
+    if dropout:
+        raise NotImplementedError("the flex backend has no attention dropout")
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+
+    def build():
+        seg = plan.layout.segment_ids.to(q.device)
+        grp = plan.layout.group_ids.to(q.device)
+
+        def mask_mod(b, h, qi, ki):
+            return (ki <= qi) & (grp[qi] == grp[ki]) & ((seg[ki] == 0) | (seg[ki] == seg[qi]))
+
+        length = plan.layout.total_len
+        return create_block_mask(mask_mod, None, None, length, length, device=q.device)
+
+    block_mask = plan.cached("flex", q.device, build)
+    out = _compiled_flex(q[None], k[None], v[None], block_mask=block_mask, scale=scale,
+                         enable_gqa=q.shape[0] != k.shape[0])
+    return out[0]
+
+
+def _flash(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
+    fn = plan.varlen_fn
+    if fn is None:
+        from flash_attn import flash_attn_varlen_func as fn
+
+    def build():
+        layout, dev = plan.layout, q.device
+        prefix_idx, suffix_q_idx, suffix_k_idx = [], [], []
+        cu_p, cu_sq, cu_sk = [0], [0], [0]
+        for start, prefix, lens in layout.group_spans:
+            prefix_idx.append(torch.arange(start, start + prefix))
+            cu_p.append(cu_p[-1] + prefix)
+            cursor = start + prefix
+            for length in lens:
+                suffix_q_idx.append(torch.arange(cursor, cursor + length))
+                suffix_k_idx += [torch.arange(start, start + prefix), torch.arange(cursor, cursor + length)]
+                cu_sq.append(cu_sq[-1] + length)
+                cu_sk.append(cu_sk[-1] + prefix + length)
+                cursor += length
+        i32 = dict(dtype=torch.int32, device=dev)
+        return dict(
+            prefix_idx=torch.cat(prefix_idx).to(dev), suffix_q_idx=torch.cat(suffix_q_idx).to(dev),
+            suffix_k_idx=torch.cat(suffix_k_idx).to(dev), cu_p=torch.tensor(cu_p, **i32),
+            cu_sq=torch.tensor(cu_sq, **i32), cu_sk=torch.tensor(cu_sk, **i32),
+            max_p=max(layout.prefix_lens), max_sq=max(layout.completion_lens),
+            max_sk=max(layout.prefix_lens[g] + n for g, n in zip(layout.group_of_completion, layout.completion_lens)),
+        )
+
+    idx = plan.cached("flash", q.device, build)
+    # flash-attn takes [tokens, heads, dim] and handles GQA itself.
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    out = torch.empty_like(qt)
+    p = idx["prefix_idx"]
+    out[p] = fn(qt[p], kt[p], vt[p], idx["cu_p"], idx["cu_p"], idx["max_p"], idx["max_p"], dropout_p=dropout,
+                softmax_scale=scale, causal=True)
+    sq, sk = idx["suffix_q_idx"], idx["suffix_k_idx"]
+    # causal=True aligns the mask bottom-right when keys are longer than queries: Ri sees all of P.
+    out[sq] = fn(qt[sq], kt[sk], vt[sk], idx["cu_sq"], idx["cu_sk"], idx["max_sq"], idx["max_sk"],
+                 dropout_p=dropout, softmax_scale=scale, causal=True)
+    return out.transpose(0, 1)
+
+
+_BACKEND_FNS = {"packed": _packed, "paper": _paper, "masked": _masked, "flex": _flex, "flash": _flash}
+
+
+def grouped_attention(plan: GroupedAttentionPlan, query, key, value, scale=None, dropout=0.0) -> torch.Tensor:
+    """q [1, H, T, D], k/v [1, Hkv, T, D] of one packed row -> [1, H, T, D]."""
+    if query.shape[0] != 1:
+        raise ValueError(f"grouped attention expects one packed row (batch 1), got batch {query.shape[0]}")
+    if query.shape[2] != plan.layout.total_len:
+        raise ValueError(f"packed row has {query.shape[2]} tokens but the layout describes {plan.layout.total_len}")
+    out = _BACKEND_FNS[plan.backend](plan, query[0], key[0], value[0], scale, dropout)
+    return out[None]
+
+
+def prefix_grouper_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                             sliding_window=None, **kwargs):
+    """transformers ``AttentionInterface`` entry point."""
+    plan = kwargs.get(PLAN_KWARG)
+    if plan is None:
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_NAME!r} was called without a '{PLAN_KWARG}' plan; run the model "
+            "through app.grouping.completion_logprobs, or set the text attention back to 'sdpa'"
+        )
+    if sliding_window is not None:
+        raise NotImplementedError("grouped attention does not support sliding-window layers")
+    if query.shape[2] != key.shape[2]:
+        raise RuntimeError("grouped attention runs without a KV cache (use_cache=False)")
+    out = grouped_attention(plan, query, key, value, scale=scaling, dropout=dropout if module.training else 0.0)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register the grouped attention with transformers (idempotent). Returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, prefix_grouper_attention)
+    return ATTENTION_NAME

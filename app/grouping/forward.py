@@ -1,0 +1,234 @@
+"""Per-token completion log-probs from ONE packed row per batch (grouped) or from [P;Ri] rows (repeated).
+
+Both modes take the same inputs, so every caller can A/B them:
+- prompts: a processor's output for B prompts (``input_ids``, ``attention_mask`` left-padded, and for VL models
+  ``mm_token_type_ids`` plus the vision tensors, given once per prompt);
+- completions: ``completion_ids`` / ``completion_mask`` [N, Lc], right-padded, N = sum(group_sizes), groups in
+  prompt order.
+
+``grouped`` runs the vision tower once per prompt and every prefix token once; ``repeated`` is the ordinary
+batch: each completion gets its own row [P;Ri] with its own copy of the prompt and of its video.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from app.grouping import attention
+from app.grouping.layout import GroupLayout, LayoutError
+from app.grouping.positions import (
+    VISION_KEYS,
+    check_max_positions,
+    packed_positions,
+    prompt_positions,
+    rope_index_owner,
+)
+
+MODES = ("grouped", "repeated")
+
+
+class GroupingMismatchError(RuntimeError):
+    """The grouped forward disagreed with the repeated forward beyond tolerance."""
+
+
+@dataclass
+class CompletionScores:
+    logprobs: torch.Tensor  # [N, Lc] log p(token) of each completion token, 0 at padding
+    mask: torch.Tensor  # [N, Lc] completion mask (bool)
+    logits: torch.Tensor | None = None  # [N, Lc, V] when requested, 0 at padding
+    layout: GroupLayout | None = None
+
+
+def text_config(model):
+    config = model.config
+    return getattr(config, "text_config", None) or config
+
+
+def _set_text_attention(model, name: str) -> None:
+    if text_config(model)._attn_implementation == name:
+        return
+    if name == attention.ATTENTION_NAME:
+        attention.register()
+    if getattr(model.config, "vision_config", None) is not None:
+        model.set_attn_implementation({"text_config": name})
+    else:
+        model.set_attn_implementation(name)
+
+
+def split_vision_inputs(model, prompts: Mapping) -> list[dict]:
+    """Cut the batch's vision tensors into per-prompt pieces, checking tokens against features."""
+    ids = prompts["input_ids"]
+    per_prompt = [dict() for _ in range(ids.shape[0])]
+    config = model.config
+    merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", 2)
+    for kind, token_key, pixel_key, grid_key in (
+        ("image", "image_token_id", "pixel_values", "image_grid_thw"),
+        ("video", "video_token_id", "pixel_values_videos", "video_grid_thw"),
+    ):
+        grid = prompts.get(grid_key)
+        if grid is None:
+            continue
+        pixels = prompts[pixel_key]
+        tokens_per_item = (grid.prod(-1) // (merge * merge)).tolist()
+        patches_per_item = grid.prod(-1).tolist()
+        token_id = getattr(config, token_key)
+        item, patch = 0, 0
+        for b in range(ids.shape[0]):
+            need = int((ids[b][prompts["attention_mask"][b].bool()] == token_id).sum())
+            first_item, first_patch = item, patch
+            have = 0
+            while have < need and item < len(tokens_per_item):
+                have += tokens_per_item[item]
+                patch += patches_per_item[item]
+                item += 1
+            if have != need:
+                raise LayoutError(
+                    f"prompt {b} has {need} {kind} tokens but its {kind} features give {have}; the {grid_key} rows "
+                    "do not match the prompts' placeholder tokens"
+                )
+            if item > first_item:
+                per_prompt[b][pixel_key] = pixels[first_patch:patch]
+                per_prompt[b][grid_key] = grid[first_item:item]
+                if kind == "video" and prompts.get("second_per_grid_ts") is not None:
+                    per_prompt[b]["second_per_grid_ts"] = prompts["second_per_grid_ts"][first_item:item]
+        if item != len(tokens_per_item):
+            raise LayoutError(f"{len(tokens_per_item) - item} {kind}(s) in {grid_key} have no placeholder tokens")
+    return per_prompt
+
+
+def _vision_kwargs(prompts: Mapping) -> dict:
+    return {k: prompts[k] for k in VISION_KEYS if prompts.get(k) is not None}
+
+
+def _logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+def _grouped(model, prompts, completion_ids, completion_mask, layout: GroupLayout, backend, temperature,
+             return_logits, extra_forward_kwargs):
+    device = completion_ids.device
+    _set_text_attention(model, attention.ATTENTION_NAME)
+    plan = attention.GroupedAttentionPlan(layout, backend or attention.default_backend(device))
+    input_ids = layout.pack(prompts["input_ids"], completion_ids)[None]
+    prompt_pos = prompt_positions(model, prompts["input_ids"], prompts["attention_mask"], prompts)
+    position_ids = packed_positions(layout, prompt_pos)
+    check_max_positions(position_ids, getattr(text_config(model), "max_position_embeddings", None), layout)
+    if position_ids.shape[0] == 1:
+        position_ids = position_ids[0]
+    kwargs = _vision_kwargs(prompts)
+    if prompts.get("mm_token_type_ids") is not None:
+        kwargs["mm_token_type_ids"] = layout.pack(
+            prompts["mm_token_type_ids"], torch.zeros_like(completion_ids))[None]
+    predict = layout.predict_index.to(device)
+    out = model(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False,
+                logits_to_keep=predict, **{attention.PLAN_KWARG: plan}, **kwargs, **extra_forward_kwargs)
+    logits = out.logits[0]  # [K, V]
+    targets = completion_ids.flatten().index_select(0, layout.target_index.to(device))
+    logprobs = layout.unpack_completion_tokens(_logprobs_from_logits(logits, targets, temperature))
+    full_logits = layout.unpack_completion_tokens(logits) if return_logits else None
+    return logprobs, full_logits
+
+
+def repeated_inputs(model, prompts: Mapping, completion_ids, completion_mask, group_sizes: Sequence[int]) -> dict:
+    """The ordinary batch: row n = [prompt of n's group ; completion n], vision inputs copied per row."""
+    group = torch.repeat_interleave(torch.arange(len(group_sizes)), torch.tensor(group_sizes)).to(completion_ids.device)
+    batch = {
+        "input_ids": torch.cat([prompts["input_ids"][group], completion_ids], dim=1),
+        "attention_mask": torch.cat([prompts["attention_mask"][group], completion_mask.to(prompts["attention_mask"].dtype)], dim=1),
+    }
+    if prompts.get("mm_token_type_ids") is not None:
+        batch["mm_token_type_ids"] = torch.cat(
+            [prompts["mm_token_type_ids"][group], torch.zeros_like(completion_ids)], dim=1)
+    if _vision_kwargs(prompts):
+        pieces = split_vision_inputs(model, prompts)
+        for key in VISION_KEYS:
+            parts = [pieces[g][key] for g in group.tolist() if key in pieces[g]]
+            if parts:
+                batch[key] = torch.cat(parts)
+    return batch
+
+
+def _repeated(model, prompts, completion_ids, completion_mask, layout: GroupLayout, temperature, return_logits,
+              extra_forward_kwargs):
+    _set_text_attention(model, "sdpa")
+    batch = repeated_inputs(model, prompts, completion_ids, completion_mask, layout.group_sizes)
+    if rope_index_owner(model) is None:
+        batch["position_ids"] = (batch["attention_mask"].long().cumsum(-1) - 1).clamp_min(0)
+    width = completion_ids.shape[1]
+    out = model(**batch, use_cache=False, logits_to_keep=width + 1, **extra_forward_kwargs)
+    logits = out.logits[:, :-1]  # [N, Lc, V]: position Lp-1+j predicts completion token j
+    mask = completion_mask.bool()
+    logprobs = _logprobs_from_logits(logits, completion_ids, temperature).masked_fill(~mask, 0.0)
+    full_logits = logits.masked_fill(~mask[..., None], 0.0) if return_logits else None
+    return logprobs, full_logits
+
+
+def completion_logprobs(
+    model,
+    prompts: Mapping[str, torch.Tensor],
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    group_sizes: int | Sequence[int],
+    mode: str = "grouped",
+    backend: str | None = None,
+    temperature: float = 1.0,
+    return_logits: bool = False,
+    **forward_kwargs,
+) -> CompletionScores:
+    """Log-probs of each completion token given its prompt, through the grouped or the repeated layout.
+
+    Differentiable: call ``.backward()`` on any function of the result. Keep the model's attention setting
+    unchanged until that backward has finished (activation checkpointing recomputes through it).
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown grouping mode {mode!r}; expected one of {MODES}")
+    for key in ("input_ids", "attention_mask"):
+        if key not in prompts:
+            raise LayoutError(f"prompts lack {key!r}")
+    if prompts["input_ids"].shape != prompts["attention_mask"].shape:
+        raise LayoutError(
+            f"prompt input_ids {tuple(prompts['input_ids'].shape)} and attention_mask "
+            f"{tuple(prompts['attention_mask'].shape)} differ in shape"
+        )
+    if completion_ids.shape != completion_mask.shape:
+        raise LayoutError(
+            f"completion_ids {tuple(completion_ids.shape)} and completion_mask {tuple(completion_mask.shape)} "
+            "differ in shape"
+        )
+    layout = GroupLayout.from_masks(prompts["attention_mask"], completion_mask, group_sizes)
+    if mode == "grouped":
+        logprobs, logits = _grouped(model, prompts, completion_ids, completion_mask, layout, backend, temperature,
+                                    return_logits, forward_kwargs)
+    else:
+        logprobs, logits = _repeated(model, prompts, completion_ids, completion_mask, layout, temperature,
+                                     return_logits, forward_kwargs)
+    return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), logits=logits, layout=layout)
+
+
+def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes, backend: str | None = None,
+                    rtol: float = 1e-4, atol: float = 1e-5) -> float:
+    """Run both layouts on one batch; raise GroupingMismatchError if their log-probs differ. Returns max |diff|.
+
+    Compare before training on a new model or backend: it costs one repeated forward, once.
+    """
+    previous = text_config(model)._attn_implementation
+    with torch.no_grad():
+        grouped = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped", backend)
+        repeated = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "repeated")
+    _set_text_attention(model, previous)
+    diff = (grouped.logprobs - repeated.logprobs).abs()
+    bound = atol + rtol * repeated.logprobs.abs()
+    if bool((diff > bound).any()):
+        n, j = divmod(int((diff - bound).argmax()), diff.shape[1])
+        raise GroupingMismatchError(
+            f"grouped and repeated log-probs differ by {float(diff.max()):.3g} (completion {n}, token {j}; "
+            f"rtol={rtol}, atol={atol}); backend={backend or attention.default_backend(completion_ids.device)}, "
+            f"model={type(model).__name__}"
+        )
+    return float(diff.max())

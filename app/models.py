@@ -1,0 +1,253 @@
+"""Loading policy, reference and processor from a local path, and building tiny checkpoints without any hub.
+
+Tiny checkpoints are the real transformers model classes with small random weights, a tokenizer built here, and
+the real processor classes. They are written with ``save_pretrained`` and read back with ``from_pretrained``
+through exactly the code path a user's local 7B checkpoint takes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import app  # noqa: F401  (torchvision fix before transformers)
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3")
+VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+# Reasoning tags are ordinary added tokens: decoding with skip_special_tokens keeps them.
+TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
+
+# ChatML, as in Qwen2-VL's template: media items become <|vision_start|><|X_pad|><|vision_end|>, which the
+# processor expands to one pad per merged patch.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS_WORDS = (
+    "the a an is are was which what how many colour color shape moves move moving left right up down red green "
+    "blue yellow purple orange white black circle square triangle video frame first last appears appear answer "
+    "think question option options choose letter number count one two three four five six seven eight nine ten "
+    "zero A B C D E because so then therefore the object objects in of to and or it this that there see we "
+    "please output final reasoning between tags within"
+).split()
+
+
+def build_tokenizer(vocab_size: int = 640):
+    """A small byte-level BPE tokenizer with Qwen's special tokens and the <think>/<answer> tags."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    words = _CORPUS_WORDS
+    corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))] + [str(n) for n in range(1000)]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=32768,
+    )
+    fast.add_tokens(TAG_TOKENS)
+    return fast
+
+
+@dataclass(frozen=True)
+class TinySizes:
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    intermediate: int = 128
+    vision_hidden: int = 32
+    vision_depth: int = 2
+    vision_heads: int = 2
+    max_positions: int = 32768
+
+
+def _token_ids(tokenizer) -> dict[str, int]:
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+
+
+def tiny_config(family: str, tokenizer, sizes: TinySizes = TinySizes()):
+    """A transformers config of ``family`` with tiny sizes and special-token ids matching ``tokenizer``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3VLConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+    ids = _token_ids(tokenizer)
+    vocab = len(tokenizer)
+    half = sizes.head_dim // 2
+    mrope_section = [half - 2 * (half // 3), half // 3, half // 3]  # sums to head_dim / 2
+    text = dict(
+        vocab_size=vocab,
+        hidden_size=sizes.hidden,
+        intermediate_size=sizes.intermediate,
+        num_hidden_layers=sizes.layers,
+        num_attention_heads=sizes.heads,
+        num_key_value_heads=sizes.kv_heads,
+        max_position_embeddings=sizes.max_positions,
+        eos_token_id=ids["eos_token_id"],
+        pad_token_id=ids["pad_token_id"],
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    special = {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    if family == "qwen2":
+        return Qwen2Config(**text)
+    if family == "qwen3":
+        return Qwen3Config(head_dim=sizes.head_dim, **text)
+    if family == "qwen2_vl":
+        rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope_section}
+        vision = dict(
+            depth=sizes.vision_depth, embed_dim=sizes.vision_hidden, hidden_size=sizes.hidden, mlp_ratio=2,
+            num_heads=sizes.vision_heads, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+        )
+        return Qwen2VLConfig(text_config={**text, "rope_parameters": rope}, vision_config=vision, **special,
+                             eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
+    if family == "qwen2_5_vl":
+        rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope_section}
+        vision = dict(
+            depth=sizes.vision_depth, hidden_size=sizes.vision_hidden, intermediate_size=2 * sizes.vision_hidden,
+            num_heads=sizes.vision_heads, out_hidden_size=sizes.hidden, patch_size=14, spatial_merge_size=2,
+            temporal_patch_size=2, window_size=56, fullatt_block_indexes=[sizes.vision_depth - 1],
+            tokens_per_second=2,
+        )
+        return Qwen2_5_VLConfig(text_config={**text, "rope_parameters": rope}, vision_config=vision, **special,
+                                eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
+    # qwen3_vl: interleaved M-RoPE, patch 16, deepstack features injected into the first decoder layers.
+    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": mrope_section, "mrope_interleaved": True}
+    vision = dict(
+        depth=sizes.vision_depth, hidden_size=sizes.vision_hidden, intermediate_size=2 * sizes.vision_hidden,
+        num_heads=sizes.vision_heads, out_hidden_size=sizes.hidden, patch_size=16, spatial_merge_size=2,
+        temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[0],
+    )
+    return Qwen3VLConfig(text_config={**text, "head_dim": sizes.head_dim, "rope_parameters": rope},
+                         vision_config=vision, **special,
+                         eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
+
+
+def build_processor(family: str, tokenizer, min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 16):
+    """The real processor class of ``family`` around ``tokenizer``; small pixel bounds keep tiny frames tiny."""
+    if family not in VL_FAMILIES:
+        return tokenizer
+    from transformers import (
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    if family == "qwen3_vl":
+        patch = 32 * 32
+        size = {"shortest_edge": patch * 4, "longest_edge": patch * 16}
+        image_processor = Qwen2VLImageProcessor(size=size, patch_size=16, merge_size=2, temporal_patch_size=2)
+        video_processor = Qwen3VLVideoProcessor(size={"shortest_edge": patch * 4, "longest_edge": patch * 64})
+        return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                video_processor=video_processor, chat_template=CHAT_TEMPLATE)
+    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    image_processor = Qwen2VLImageProcessor(size=size, patch_size=14, merge_size=2, temporal_patch_size=2)
+    video_processor = Qwen2VLVideoProcessor(size=size, patch_size=14, merge_size=2, temporal_patch_size=2)
+    cls = Qwen2_5_VLProcessor if family == "qwen2_5_vl" else Qwen2VLProcessor
+    return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+               chat_template=CHAT_TEMPLATE)
+
+
+def model_class(config):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    is_vl = getattr(config, "vision_config", None) is not None
+    return AutoModelForImageTextToText if is_vl else AutoModelForCausalLM
+
+
+def build_tiny_checkpoint(out_dir: str | Path, family: str = "qwen2_5_vl", seed: int = 0,
+                          sizes: TinySizes = TinySizes()) -> Path:
+    """Write a randomly initialised tiny checkpoint (model + processor/tokenizer) with save_pretrained."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = tiny_config(family, tokenizer, sizes)
+    torch.manual_seed(seed)
+    model = model_class(config).from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = config.eos_token_id if hasattr(config, "eos_token_id") else None
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    build_processor(family, tokenizer).save_pretrained(out)
+    (out / "tiny_checkpoint.json").write_text(json.dumps({"family": family, "seed": seed, **sizes.__dict__}))
+    return out
+
+
+def load_processor(path: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoProcessor, AutoTokenizer
+
+    config_path = Path(path) / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{path}: no config.json; expected a Hugging Face checkpoint directory")
+    if _is_vl(json.loads(config_path.read_text())):
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
+               trust_remote_code: bool = False):
+    """Load a policy or reference model from a local checkpoint directory."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: no config.json; expected a Hugging Face checkpoint directory")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return model_class(config).from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+    )
+
+
+def _is_vl(config_dict: dict) -> bool:
+    return "vision_config" in config_dict
+
+
+def is_vl_model(model) -> bool:
+    return getattr(model.config, "vision_config", None) is not None

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs the project with torch pinned to 2.13.0.
+# torch goes in first and every later pip call carries constraints.txt, so no other
+# requirement can pull a different (CUDA) torch build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install --upgrade "pip>=24" setuptools wheel
+"${PIP[@]}" install -c constraints.txt torch==2.13.0
+# deepspeed's setup.py imports torch: build it against the torch already installed.
+"${PIP[@]}" install -c constraints.txt --no-build-isolation deepspeed==0.19.8
+"${PIP[@]}" install -c constraints.txt -e ".[dev]"
+if command -v nvidia-smi >/dev/null 2>&1 && [ "${INSTALL_FLASH_ATTN:-0}" = "1" ]; then
+  "${PIP[@]}" install -c constraints.txt --no-build-isolation flash-attn || echo "flash-attn did not build; other backends still work" >&2
+fi
+"$VENV/bin/python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"

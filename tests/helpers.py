@@ -1,0 +1,88 @@
+"""Test helpers: prompt batches through the real processor and qwen-vl-utils, random completions, comparisons."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+
+from app.data.prompts import encode_prompts
+from app.data.video import video_element
+from app.models import VL_FAMILIES, load_model, load_processor
+
+QUESTIONS = [
+    "Which colour appears first in the video? Answer with a letter.",
+    "How many shapes move?",
+    "Describe it",
+    "the red circle moves left or right",
+]
+
+
+def patch_size(family: str) -> int:
+    return 16 if family == "qwen3_vl" else 14
+
+
+def load(family: str, checkpoints, sharpen: float | None = 0.2):
+    """Model + processor; ``sharpen`` re-draws weights with a large std so attention and positions matter."""
+    model = load_model(checkpoints[family])
+    processor = load_processor(checkpoints[family])
+    if sharpen:
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.ndim >= 2:
+                    param.normal_(0.0, sharpen, generator=generator)
+    return model, processor
+
+
+def tokenizer_of(processor):
+    return getattr(processor, "tokenizer", processor)
+
+
+def prompt_batch(family: str, processor, videos, kinds: list[str], fps: float = 2.0) -> dict:
+    """Prompts of the given kinds ('video', 'image', 'text'), encoded with the chat template and the processor."""
+    factor = 2 * patch_size(family)
+    conversations = []
+    for i, kind in enumerate(kinds):
+        content = [{"type": "text", "text": QUESTIONS[i % len(QUESTIONS)]}]
+        if kind == "video" and family in VL_FAMILIES:
+            content.insert(0, video_element(videos[i % len(videos)], fps=fps, min_pixels=factor * factor * 2,
+                                            max_pixels=factor * factor * 6))
+        elif kind == "image" and family in VL_FAMILIES:
+            pixels = np.random.default_rng(i).integers(0, 255, (factor * 2, factor * 3, 3), dtype=np.uint8)
+            content.insert(0, {"type": "image", "image": Image.fromarray(pixels), "min_pixels": factor * factor * 2,
+                               "max_pixels": factor * factor * 6})
+        conversations.append([{"role": "user", "content": content}])
+    return encode_prompts(processor, conversations)
+
+
+def random_completions(lengths: list[int], vocab: int, pad_id: int, width: int | None = None, seed: int = 0):
+    """Right-padded completion ids and masks with the given real lengths (the pad token fills the rest)."""
+    generator = torch.Generator().manual_seed(seed)
+    width = width or max(lengths)
+    ids = torch.randint(10, vocab, (len(lengths), width), generator=generator)
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return ids * mask + pad_id * (1 - mask), mask
+
+
+def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to max |b| (elementwise rtol would be meaningless for near-zero entries)."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def run_and_grad(model, prompts, ids, mask, group_sizes, mode, backend=None):
+    from app.grouping import completion_logprobs
+
+    model.zero_grad(set_to_none=True)
+    scores = completion_logprobs(model, prompts, ids, mask, group_sizes, mode=mode, backend=backend,
+                                 return_logits=True)
+    # A loss that weights tokens differently, so every position's gradient path matters.
+    weights = torch.linspace(0.5, 1.5, ids.shape[1])[None, :]
+    ((scores.logprobs * weights).sum() + 1e-3 * (scores.logits ** 2).sum()).backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return scores.logprobs.detach(), scores.logits.detach(), grads
+
+
+def text_layers(model):
+    inner = model.model
+    return getattr(inner, "language_model", inner).layers

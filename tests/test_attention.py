@@ -1,0 +1,131 @@
+"""Attention backends against a naive per-query reference, and against the paper's `prefix-grouper` package."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from app.grouping import GroupedAttentionPlan, GroupLayout, grouped_attention
+
+CPU_BACKENDS = ("packed", "paper", "masked", "flash")
+
+
+def naive_attention(layout: GroupLayout, q, k, v):
+    """Loop over queries; each sees exactly the keys the grouped semantics allow. q [1,H,T,D], k/v [1,Hkv,T,D]."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    seg, grp = layout.segment_ids.tolist(), layout.group_ids.tolist()
+    rows = []
+    for i in range(layout.total_len):
+        allowed = [j for j in range(i + 1) if grp[j] == grp[i] and (seg[j] == 0 or seg[j] == seg[i])]
+        scores = q[0, :, i : i + 1] @ k[0, :, allowed].transpose(-1, -2) / q.shape[-1] ** 0.5
+        rows.append(torch.softmax(scores, dim=-1) @ v[0, :, allowed])
+    return torch.cat(rows, dim=1)[None]
+
+
+def sdpa_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=True):
+    """Stand-in for flash_attn_varlen_func (same signature and bottom-right causal alignment) for CPU tests."""
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qi = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)
+        ki = k[cu_k[i] : cu_k[i + 1]].transpose(0, 1)
+        vi = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1)
+        rep = qi.shape[0] // ki.shape[0]
+        ki, vi = ki.repeat_interleave(rep, 0), vi.repeat_interleave(rep, 0)
+        mask = torch.ones(qi.shape[1], ki.shape[1], dtype=torch.bool).tril(ki.shape[1] - qi.shape[1])
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@st.composite
+def layouts(draw):
+    groups = draw(st.integers(1, 3))
+    sizes = tuple(draw(st.integers(1, 4)) for _ in range(groups))
+    prefixes = tuple(draw(st.integers(1, 12)) for _ in range(groups))
+    completions = tuple(draw(st.integers(1, 8)) for _ in range(sum(sizes)))
+    return GroupLayout(sizes, prefixes, completions, max(prefixes), max(completions))
+
+
+def qkv(layout, heads, kv_heads, dim=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape_q, shape_kv = (1, heads, layout.total_len, dim), (1, kv_heads, layout.total_len, dim)
+    return [torch.randn(s, generator=g, dtype=dtype).requires_grad_() for s in (shape_q, shape_kv, shape_kv)]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=layouts(), heads=st.sampled_from([(2, 2), (4, 2), (4, 1)]), seed=st.integers(0, 2**16))
+def test_backends_match_naive_reference(layout, heads, seed):
+    q, k, v = qkv(layout, *heads, seed=seed)
+    expected = naive_attention(layout, q, k, v)
+    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(seed), dtype=expected.dtype)
+    expected_grads = torch.autograd.grad((expected * weight).sum(), (q, k, v))
+    for backend in CPU_BACKENDS:
+        plan = GroupedAttentionPlan(layout, backend, varlen_fn=sdpa_varlen if backend == "flash" else None)
+        out = grouped_attention(plan, q, k, v)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10, msg=f"{backend} output")
+        grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+        for name, got, want in zip("qkv", grads, expected_grads):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=f"{backend} d{name}")
+
+
+def test_flex_forward_on_cpu():
+    """FlexAttention runs forward on CPU (compiled); its backward needs CUDA, where the same code runs."""
+    layout = GroupLayout((1, 3, 2), (5, 7, 3), (2, 1, 4, 3, 1, 6), 7, 6)
+    q, k, v = (t.detach() for t in qkv(layout, 4, 2, dim=16, dtype=torch.float32))
+    out = grouped_attention(GroupedAttentionPlan(layout, "flex"), q, k, v)
+    torch.testing.assert_close(out, naive_attention(layout, q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_matches_prefix_grouper_package():
+    """Same q/k/v through the paper's library (its AttentionForward with an SDPA attention function) and ours."""
+    from prefix_grouper import PrefixGrouper
+    from prefix_grouper.forward import AttentionForward
+
+    layout = GroupLayout((2, 3, 1), (9, 4, 6), (3, 5, 1, 7, 2, 4), 9, 7)
+    heads = 4
+    q, k, v = (t.detach() for t in qkv(layout, heads, heads, dim=16, dtype=torch.float32, seed=3))
+
+    # The package's layout: one right-padded row per group, [P; R1; ...; RG].
+    width = max(p + sum(ls) for _, p, ls in layout.group_spans)
+    def to_rows(x):
+        rows = torch.zeros(layout.num_groups, x.shape[1], width, x.shape[3])
+        for g, (start, prefix, lens) in enumerate(layout.group_spans):
+            rows[g, :, : prefix + sum(lens)] = x[0, :, start : start + prefix + sum(lens)]
+        return rows
+
+    def attn_func(q_, k_, v_, padding_mask):
+        # padding_mask [b, Lk]; queries are the last Lq keys' positions (bottom-right causal alignment).
+        lq, lk = q_.shape[2], k_.shape[2]
+        causal = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+        mask = causal[None, None] & padding_mask[:, None, None, :].bool()
+        diagonal = torch.zeros(lq, lk, dtype=torch.bool)
+        diagonal[torch.arange(lq), torch.arange(lq) + lk - lq] = True
+        mask = mask | diagonal  # padded query rows stay finite (they are dropped by the package)
+        return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask).transpose(1, 2)
+
+    group_info = [[prefix, *lens] for _, prefix, lens in layout.group_spans]
+    grouper = PrefixGrouper(group_info, device="cpu", padding_mode="right")
+    theirs = AttentionForward(attn_func)(grouper, to_rows(q), to_rows(k), to_rows(v))  # [b, L, H, D]
+    ours = grouped_attention(GroupedAttentionPlan(layout, "packed"), q, k, v)  # [1, H, T, D]
+    for g, (start, prefix, lens) in enumerate(layout.group_spans):
+        length = prefix + sum(lens)
+        torch.testing.assert_close(ours[0, :, start : start + length].transpose(0, 1), theirs[g, :length],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_attention_without_plan_is_refused():
+    from app.grouping.attention import prefix_grouper_attention
+
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(RuntimeError, match="without a 'prefix_grouping' plan"):
+        prefix_grouper_attention(torch.nn.Module(), q, q, q, None)
+
+
+def test_unknown_backend_is_refused():
+    layout = GroupLayout((1,), (2,), (1,), 2, 1)
+    with pytest.raises(ValueError, match="unknown grouped-attention backend 'fast'"):
+        GroupedAttentionPlan(layout, "fast")

@@ -1,0 +1,117 @@
+"""Tiny checkpoints through save_pretrained/from_pretrained, the self-check, and the errors bad input gets."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from app.grouping import GroupingMismatchError, LayoutError, completion_logprobs, verify_grouping
+from app.models import (
+    FAMILIES,
+    VL_FAMILIES,
+    build_processor,
+    build_tokenizer,
+    load_model,
+    load_processor,
+    model_class,
+    tiny_config,
+)
+from tests.helpers import load, max_rel_diff, prompt_batch, random_completions, tokenizer_of
+
+
+def test_torchvision_fix_in_a_fresh_interpreter():
+    code = (
+        "import app, app.compat as c; import torchvision, qwen_vl_utils; "
+        "from transformers import Qwen2ForCausalLM, Qwen2VLVideoProcessor; print(c.TORCHVISION_STATUS)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] in {"native", "schemas"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_load_round_trip_runs_grouped(family, tmp_path, videos):
+    tokenizer = build_tokenizer()
+    config = tiny_config(family, tokenizer)
+    torch.manual_seed(0)
+    original = model_class(config).from_config(config)
+    original.save_pretrained(tmp_path)
+    build_processor(family, tokenizer).save_pretrained(tmp_path)
+
+    loaded, processor = load_model(tmp_path), load_processor(tmp_path)
+    assert type(loaded) is type(original)
+    assert type(processor).__name__.endswith("Processor") == (family in VL_FAMILIES)
+    for (name, a), (_, b) in zip(original.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+    prompts = prompt_batch(family, processor, videos, ["video", "text"])
+    tok = tokenizer_of(processor)
+    ids, mask = random_completions([4, 1, 7], len(tok), tok.pad_token_id)
+    with torch.no_grad():
+        grouped = completion_logprobs(loaded, prompts, ids, mask, [2, 1]).logprobs
+        repeated = completion_logprobs(original, prompts, ids, mask, [2, 1], mode="repeated").logprobs
+    assert max_rel_diff(grouped, repeated) <= 1e-5
+    assert verify_grouping(loaded, prompts, ids, mask, [2, 1]) < 1e-4
+
+
+def test_self_check_raises_on_a_broken_backend(tiny_checkpoints, videos, monkeypatch):
+    import app.grouping.attention as attention_module
+
+    model, processor = load("qwen2_5_vl", tiny_checkpoints)
+    prompts = prompt_batch("qwen2_5_vl", processor, videos, ["video", "video"])
+    tok = tokenizer_of(processor)
+    ids, mask = random_completions([5, 3, 6, 2], len(tok), tok.pad_token_id)
+    monkeypatch.setitem(attention_module._BACKEND_FNS, "packed",
+                        lambda plan, q, k, v, scale, dropout: attention_module._sdpa(q, k, v, is_causal=True))
+    with pytest.raises(GroupingMismatchError, match="grouped and repeated log-probs differ"):
+        verify_grouping(model, prompts, ids, mask, 2, backend="packed")
+
+
+@pytest.fixture
+def vl_case(tiny_checkpoints, videos):
+    model, processor = load("qwen2_5_vl", tiny_checkpoints, sharpen=None)
+    prompts = prompt_batch("qwen2_5_vl", processor, videos, ["video", "text"])
+    tok = tokenizer_of(processor)
+    ids, mask = random_completions([3, 2], len(tok), tok.pad_token_id)
+    return model, prompts, ids, mask
+
+
+def test_video_tokens_not_matching_features(vl_case):
+    model, prompts, ids, mask = vl_case
+    broken = dict(prompts, video_grid_thw=prompts["video_grid_thw"] * torch.tensor([[2, 1, 1]]))
+    with pytest.raises(LayoutError, match="prompt 0 has .* video tokens but its video features give"):
+        completion_logprobs(model, broken, ids, mask, 1, mode="repeated")
+
+
+def test_rows_beyond_max_positions(vl_case):
+    model, prompts, ids, mask = vl_case
+    model.config.text_config.max_position_embeddings = 20
+    with pytest.raises(LayoutError, match="group 0 reaches position .* max_position_embeddings=20"):
+        completion_logprobs(model, prompts, ids, mask, 1)
+
+
+def test_missing_mm_token_type_ids(vl_case):
+    model, prompts, ids, mask = vl_case
+    prompts = {k: v for k, v in prompts.items() if k != "mm_token_type_ids"}
+    with pytest.raises(LayoutError, match="mm_token_type_ids"):
+        completion_logprobs(model, prompts, ids, mask, 1)
+
+
+def test_mismatched_completion_shapes(vl_case):
+    model, prompts, ids, mask = vl_case
+    with pytest.raises(LayoutError, match="completion_ids .* and completion_mask .* differ in shape"):
+        completion_logprobs(model, prompts, ids, mask[:, :1], 1)
+
+
+def test_unknown_mode(vl_case):
+    model, prompts, ids, mask = vl_case
+    with pytest.raises(ValueError, match="unknown grouping mode 'fast'"):
+        completion_logprobs(model, prompts, ids, mask, 1, mode="fast")
+
+
+def test_missing_checkpoint_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(tmp_path / "nowhere")
