@@ -12,6 +12,9 @@ only in how the work is cut:
 - ``flex``    one FlexAttention call with a block-sparse mask (CUDA; torch has no FlexAttention backward on CPU).
 - ``flash``   flash-attn varlen: prefixes causally, then each response against [P;Ri] (causal, bottom-right).
 
+Decoding (``decode.py``): the same function, given a ``GroupedKVCache`` instead of a plan, attends each sample's
+single new query to its prompt's prefix K/V (held once per prompt) and its own generated K/V.
+
 The plan (layout + backend) reaches the function as the forward kwarg ``prefix_grouping``; transformers forwards
 extra kwargs to every attention call, also when activation checkpointing recomputes a layer.
 """
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from app.grouping.decode import GroupedKVCache, decode_attention
 from app.grouping.layout import GroupLayout
 
 ATTENTION_NAME = "prefix_grouper"
@@ -246,6 +250,8 @@ def prefix_grouper_attention(module, query, key, value, attention_mask, dropout=
         )
     if sliding_window is not None:
         raise NotImplementedError("grouped attention does not support sliding-window layers")
+    if isinstance(plan, GroupedKVCache):
+        return decode_attention(plan, module.layer_idx, query, key, value, scaling), None
     if query.shape[2] != key.shape[2]:
         raise RuntimeError("grouped attention runs without a KV cache (use_cache=False)")
     out = grouped_attention(plan, query, key, value, scale=scaling, dropout=dropout if module.training else 0.0)

@@ -1,0 +1,248 @@
+"""Rollouts: G sampled responses per prompt from ONE prefill of that prompt.
+
+HF ``generate(num_return_sequences=G)`` copies the prompt and its video G times, so the vision tower and the
+prefill run G times. Here each prompt is prefilled once (vision tower once), then its G samples decode together
+with grouped attention: the prompt's K/V is held once and each sample appends only its own
+(``app.grouping.decode``). M-RoPE decode positions continue from the last prefix position + 1, passed explicitly.
+
+``engine="hf"`` keeps plain HF generate on the repeated batch for A/B comparisons.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from app.grouping import attention
+from app.grouping.decode import GroupedKVCache
+from app.grouping.forward import _set_text_attention, repeated_inputs, text_config
+from app.grouping.layout import normalize_group_sizes
+from app.grouping.positions import VISION_KEYS, prompt_positions
+
+ENGINES = ("grouped", "hf")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k filter
+    max_new_tokens: int = 256
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Rollout:
+    completion_ids: torch.Tensor  # [N, L] right-padded with the pad id
+    completion_mask: torch.Tensor  # [N, L] 1 up to and including EOS / the token completing a stop string
+    logprobs: torch.Tensor  # [N, L] log softmax(logits / T) of each sampled token (T=1 when greedy), 0 at pads
+    group_sizes: list[int]
+    stop_reasons: list[str]  # per completion: "eos", "stop_string" or "length"
+    prefill_tokens: int  # prompt tokens the decoder processed in prefill
+    extra: dict = field(default_factory=dict)
+
+
+def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None):
+    """Pick tokens from [N, V] logits; return (tokens, log-probs of the tempered, unfiltered distribution)."""
+    logits = logits.float()
+    if sampling.temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    scaled = logits / sampling.temperature
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    filtered = scaled
+    if sampling.top_k and sampling.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(filtered, descending=True, dim=-1)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= sampling.top_p  # keep the token that crosses
+        filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(filtered, dim=-1)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class _StopTracker:
+    def __init__(self, count: int, eos_ids: Sequence[int], stop_strings: Sequence[str], tokenizer, device):
+        self.eos = torch.tensor(sorted(set(eos_ids)), device=device, dtype=torch.long)
+        self.stop_strings = tuple(stop_strings)
+        if self.stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer")
+        self.tokenizer = tokenizer
+        self.finished = torch.zeros(count, dtype=torch.bool, device=device)
+        self.reasons = ["length"] * count
+        self.tokens: list[list[int]] = [[] for _ in range(count)]
+
+    def update(self, tokens: torch.Tensor) -> None:
+        active = ~self.finished
+        hit_eos = torch.isin(tokens, self.eos) & active if self.eos.numel() else torch.zeros_like(active)
+        for n in active.nonzero().flatten().tolist():
+            self.tokens[n].append(int(tokens[n]))
+            if hit_eos[n]:
+                self.reasons[n] = "eos"
+            elif self.stop_strings:
+                tail = self.tokenizer.decode(self.tokens[n][-16:], skip_special_tokens=False)
+                if any(s in tail for s in self.stop_strings):
+                    self.reasons[n] = "stop_string"
+                    hit_eos[n] = True
+        self.finished |= hit_eos
+
+
+def _all_finished(finished: torch.Tensor, synced: bool) -> bool:
+    done = torch.tensor([1.0 if bool(finished.all()) else 0.0], device=finished.device)
+    if synced:
+        import torch.distributed as dist
+
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)  # keep stepping while any rank still decodes (ZeRO-3 gathers)
+    return bool(done.item() == 1.0)
+
+
+def _default_synced() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def eos_token_ids(model, tokenizer=None) -> list[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = getattr(text_config(model), "eos_token_id", None)
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [int(i) for i in ([ids] if isinstance(ids, int) else ids)]
+
+
+@torch.no_grad()
+def generate_groups(
+    model,
+    prompts: Mapping[str, torch.Tensor],
+    group_sizes: int | Sequence[int],
+    sampling: SamplingConfig = SamplingConfig(),
+    tokenizer=None,
+    eos_ids: Sequence[int] | None = None,
+    pad_id: int | None = None,
+    engine: str = "grouped",
+    synced: bool | None = None,
+) -> Rollout:
+    """Sample ``group_sizes[b]`` completions for each prompt b of a processor batch (left-padded)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown generation engine {engine!r}; expected one of {ENGINES}")
+    num_prompts = prompts["input_ids"].shape[0]
+    sizes = [group_sizes] * num_prompts if isinstance(group_sizes, int) else list(group_sizes)
+    sizes = list(normalize_group_sizes(sizes, num_prompts, sum(sizes)))
+    eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(model, tokenizer)
+    if pad_id is None:
+        pad_id = getattr(tokenizer, "pad_token_id", None)
+        pad_id = pad_id if pad_id is not None else (eos_ids[0] if eos_ids else 0)
+    synced = _default_synced() if synced is None else synced
+    if engine == "hf":
+        return _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id)
+    return _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, synced)
+
+
+def _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, synced) -> Rollout:
+    device = prompts["input_ids"].device
+    previous = text_config(model)._attn_implementation
+    generator = None
+    if sampling.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    group_of_sample = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+    count = len(group_of_sample)
+
+    # Prefill: each prompt (and its video) once.
+    _set_text_attention(model, "sdpa")
+    positions = prompt_positions(model, prompts["input_ids"], prompts["attention_mask"], prompts)
+    vision = {k: prompts[k] for k in VISION_KEYS if prompts.get(k) is not None}
+    out = model(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
+                position_ids=positions if positions.shape[0] > 1 else positions[0], use_cache=True,
+                logits_to_keep=1, **vision)
+    cache = GroupedKVCache(out.past_key_values, prompts["attention_mask"], sizes, sampling.max_new_tokens)
+    logits = out.logits[:, -1][group_of_sample]  # [N, V]: every sample of a group starts from the same distribution
+    last_position = positions[:, :, -1][:, group_of_sample]  # [axes, N]
+
+    _set_text_attention(model, attention.ATTENTION_NAME)
+    tracker = _StopTracker(count, eos_ids, sampling.stop_strings, tokenizer, device)
+    tokens_out, logprobs_out, masks_out = [], [], []
+    try:
+        for step in range(sampling.max_new_tokens):
+            tokens, logprobs = _sample(logits, sampling, generator)
+            active = ~tracker.finished
+            tokens = torch.where(active, tokens, torch.full_like(tokens, pad_id))
+            tokens_out.append(tokens)
+            logprobs_out.append(torch.where(active, logprobs, torch.zeros_like(logprobs)))
+            masks_out.append(active.long())
+            tracker.update(tokens)
+            if step == sampling.max_new_tokens - 1 or _all_finished(tracker.finished, synced):
+                break
+            step_positions = (last_position + 1 + step)[:, :, None]  # [axes, N, 1]
+            out = model(input_ids=tokens[:, None], attention_mask=None,
+                        position_ids=step_positions if step_positions.shape[0] > 1 else step_positions[0],
+                        past_key_values=cache, use_cache=True, **{attention.PLAN_KWARG: cache})
+            logits = out.logits[:, -1]
+    finally:
+        _set_text_attention(model, previous)
+    return Rollout(
+        completion_ids=torch.stack(tokens_out, dim=1),
+        completion_mask=torch.stack(masks_out, dim=1),
+        logprobs=torch.stack(logprobs_out, dim=1),
+        group_sizes=sizes,
+        stop_reasons=tracker.reasons,
+        prefill_tokens=int(prompts["attention_mask"].sum()),
+    )
+
+
+def _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id) -> Rollout:
+    """Plain HF generate on the repeated batch (prompt and video copied per sample): the A/B baseline."""
+    device = prompts["input_ids"].device
+    previous = text_config(model)._attn_implementation
+    _set_text_attention(model, "sdpa")
+    empty = prompts["input_ids"].new_zeros(sum(sizes), 0)
+    batch = repeated_inputs(model, prompts, empty, empty, sizes)
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
+    kwargs = dict(max_new_tokens=sampling.max_new_tokens, do_sample=sampling.temperature > 0,
+                  output_logits=True, return_dict_in_generate=True, pad_token_id=pad_id, eos_token_id=eos_ids or None)
+    if sampling.temperature > 0:
+        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+    else:
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    if sampling.stop_strings:
+        kwargs.update(stop_strings=list(sampling.stop_strings), tokenizer=tokenizer)
+    try:
+        out = model.generate(**batch, **kwargs)
+    finally:
+        _set_text_attention(model, previous)
+    prompt_width = batch["input_ids"].shape[1]
+    ids = out.sequences[:, prompt_width:]
+    raw = torch.stack(out.logits, dim=1).float()
+    scaled = raw / sampling.temperature if sampling.temperature > 0 else raw
+    logprobs = torch.log_softmax(scaled, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
+    tracker = _StopTracker(ids.shape[0], eos_ids, sampling.stop_strings, tokenizer, device)
+    masks = []
+    for step in range(ids.shape[1]):
+        masks.append((~tracker.finished).long())
+        tracker.update(ids[:, step])
+    mask = torch.stack(masks, dim=1)
+    return Rollout(
+        completion_ids=torch.where(mask.bool(), ids, torch.full_like(ids, pad_id)),
+        completion_mask=mask,
+        logprobs=logprobs * mask,
+        group_sizes=sizes,
+        stop_reasons=tracker.reasons,
+        prefill_tokens=int(batch["attention_mask"].sum()),
+    )

@@ -1,0 +1,95 @@
+"""Shared-prefill rollouts: greedy equals HF generate, sampling log-probs equal the grouped forward, seeding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.grouping import completion_logprobs
+from app.rollout import SamplingConfig, generate_groups
+from tests.helpers import load, prompt_batch, tokenizer_of
+
+KINDS = {"qwen2": ["text", "text"], "qwen2_vl": ["video", "text"], "qwen2_5_vl": ["text", "video"],
+         "qwen3_vl": ["video", "text"]}
+
+
+def setup(family, checkpoints, videos):
+    model, processor = load(family, checkpoints)
+    prompts = prompt_batch(family, processor, videos, KINDS[family])
+    assert prompts["attention_mask"].sum(1).unique().numel() == 2  # prompts of different lengths
+    return model, prompts, tokenizer_of(processor)
+
+
+@pytest.mark.parametrize("family", list(KINDS))
+def test_greedy_equals_hf_generate(family, tiny_checkpoints, videos):
+    model, prompts, tok = setup(family, tiny_checkpoints, videos)
+    greedy = SamplingConfig(temperature=0, max_new_tokens=12)
+    ours = generate_groups(model, prompts, 1, greedy, tokenizer=tok, eos_ids=[])
+    hf = generate_groups(model, prompts, 1, greedy, tokenizer=tok, eos_ids=[], engine="hf")
+    assert ours.completion_ids.shape == (2, 12)
+    assert torch.equal(ours.completion_ids, hf.completion_ids)
+    torch.testing.assert_close(ours.logprobs, hf.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(KINDS))
+def test_sampling_logprobs_equal_grouped_forward(family, tiny_checkpoints, videos):
+    model, prompts, tok = setup(family, tiny_checkpoints, videos)
+    rollout = generate_groups(model, prompts, [3, 2], SamplingConfig(temperature=1.0, max_new_tokens=10, seed=1),
+                              tokenizer=tok)
+    with torch.no_grad():
+        forward = completion_logprobs(model, prompts, rollout.completion_ids, rollout.completion_mask, [3, 2])
+    assert rollout.completion_ids.shape[0] == 5
+    torch.testing.assert_close(rollout.logprobs, forward.logprobs, rtol=0, atol=1e-5)
+
+
+def test_same_seed_same_samples_different_seed_different(tiny_checkpoints, videos):
+    model, prompts, tok = setup("qwen2_5_vl", tiny_checkpoints, videos)
+    def run(seed):
+        return generate_groups(model, prompts, 4, SamplingConfig(max_new_tokens=8, seed=seed), tokenizer=tok)
+    a, b, c = run(7), run(7), run(8)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    # the G samples of one group differ from each other: each continues the shared prefix independently
+    assert len({tuple(row.tolist()) for row in a.completion_ids[:4]}) > 1
+
+
+def test_eos_and_stop_strings_cut_completions(tiny_checkpoints, videos):
+    model, prompts, tok = setup("qwen2_5_vl", tiny_checkpoints, videos)
+    greedy = SamplingConfig(temperature=0, max_new_tokens=10)
+    free = generate_groups(model, prompts, 1, greedy, tokenizer=tok, eos_ids=[])
+    eos = int(free.completion_ids[0, 3])
+    first = int((free.completion_ids[0] == eos).nonzero()[0])
+    cut = generate_groups(model, prompts, 1, greedy, tokenizer=tok, eos_ids=[eos])
+    assert cut.completion_mask[0].tolist() == [1] * (first + 1) + [0] * (cut.completion_ids.shape[1] - first - 1)
+    assert cut.stop_reasons[0] == "eos"
+    assert torch.equal(cut.completion_ids[0, : first + 1], free.completion_ids[0, : first + 1])
+    assert (cut.completion_ids[0, first + 1 :] == tok.pad_token_id).all()
+    assert (cut.logprobs[0, first + 1 :] == 0).all()
+
+    text = tok.decode(free.completion_ids[1, 2:4])
+    stop = generate_groups(model, prompts, 1, SamplingConfig(temperature=0, max_new_tokens=10, stop_strings=(text,)),
+                           tokenizer=tok, eos_ids=[])
+    assert stop.stop_reasons[1] == "stop_string"
+    assert int(stop.completion_mask[1].sum()) <= 4
+
+
+def test_vision_tower_and_prefill_run_once_per_prompt(tiny_checkpoints, videos):
+    model, prompts, tok = setup("qwen2_5_vl", tiny_checkpoints, videos)
+    patches = []
+    hook = model.model.visual.register_forward_hook(lambda m, args, out: patches.append(args[0].shape[0]))
+    sampling = SamplingConfig(max_new_tokens=4, seed=0)
+    ours = generate_groups(model, prompts, 4, sampling, tokenizer=tok)
+    ours_patches = sum(patches)
+    patches.clear()
+    hf = generate_groups(model, prompts, 4, sampling, tokenizer=tok, engine="hf")
+    hook.remove()
+    assert ours_patches == int(prompts["video_grid_thw"].prod(-1).sum())
+    assert sum(patches) == 4 * ours_patches
+    assert ours.prefill_tokens * 4 == hf.prefill_tokens == 4 * int(prompts["attention_mask"].sum())
+
+
+def test_bad_sampling_settings():
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingConfig(top_p=0)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        SamplingConfig(max_new_tokens=0)
