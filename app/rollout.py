@@ -32,6 +32,8 @@ class SamplingConfig:
     max_new_tokens: int = 256
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
+    # Never sampled (vision placeholders by default); their log-probs are still reported unfiltered.
+    suppress_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -53,15 +55,17 @@ class Rollout:
     extra: dict = field(default_factory=dict)
 
 
-def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None):
+def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
+            suppress: torch.Tensor | None = None):
     """Pick tokens from [N, V] logits; return (tokens, log-probs of the tempered, unfiltered distribution)."""
     logits = logits.float()
+    allowed = logits if suppress is None else logits.index_fill(-1, suppress, float("-inf"))
     if sampling.temperature == 0:
-        tokens = logits.argmax(dim=-1)
+        tokens = allowed.argmax(dim=-1)
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     scaled = logits / sampling.temperature
     logprobs = torch.log_softmax(scaled, dim=-1)
-    filtered = scaled
+    filtered = allowed / sampling.temperature
     if sampling.top_k and sampling.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]
         filtered = filtered.masked_fill(filtered < kth, float("-inf"))
@@ -116,6 +120,12 @@ def _default_synced() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def vision_token_ids(model) -> list[int]:
+    config = getattr(model, "module", model).config
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [int(getattr(config, n)) for n in names if getattr(config, n, None) is not None]
+
+
 def eos_token_ids(model, tokenizer=None) -> list[int]:
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if ids is None:
@@ -163,6 +173,8 @@ def _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_i
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
     group_of_sample = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
     count = len(group_of_sample)
+    suppress_ids = vision_token_ids(model) if sampling.suppress_token_ids is None else list(sampling.suppress_token_ids)
+    suppress = torch.tensor(suppress_ids, device=device, dtype=torch.long) if suppress_ids else None
 
     # Prefill: each prompt (and its video) once.
     _set_text_attention(model, "sdpa")
@@ -180,7 +192,7 @@ def _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_i
     tokens_out, logprobs_out, masks_out = [], [], []
     try:
         for step in range(sampling.max_new_tokens):
-            tokens, logprobs = _sample(logits, sampling, generator)
+            tokens, logprobs = _sample(logits, sampling, generator, suppress)
             active = ~tracker.finished
             tokens = torch.where(active, tokens, torch.full_like(tokens, pad_id))
             tokens_out.append(tokens)
@@ -223,6 +235,9 @@ def _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id) ->
         kwargs.update(temperature=None, top_p=None, top_k=None)
     if sampling.stop_strings:
         kwargs.update(stop_strings=list(sampling.stop_strings), tokenizer=tokenizer)
+    suppress_ids = vision_token_ids(model) if sampling.suppress_token_ids is None else list(sampling.suppress_token_ids)
+    if suppress_ids:
+        kwargs.update(suppress_tokens=suppress_ids)
     try:
         out = model.generate(**batch, **kwargs)
     finally:

@@ -26,13 +26,14 @@ def image_patch_size(processor) -> int:
     return getattr(getattr(processor, "image_processor", None), "patch_size", 14)
 
 
-def encode_prompts(processor, conversations: Sequence[Sequence[dict]]) -> dict[str, torch.Tensor]:
+def encode_prompts(processor, conversations: Sequence[Sequence[dict]],
+                   shuffle_frames_seed: int | None = None) -> dict[str, torch.Tensor]:
     """Encode B conversations (each ending with the user turn) into one left-padded batch.
 
     Video elements ({"type": "video", "video": path, "fps", "max_frames", "min_pixels", "max_pixels"}) are decoded
     with decord through qwen-vl-utils; the real fps goes to the processor as metadata (without it Qwen2.5-VL
     assumes 24 fps for ``second_per_grid_ts``). Images ({"type": "image", "image": path or PIL image}) go through
-    qwen-vl-utils' ``fetch_image``.
+    qwen-vl-utils' ``fetch_image``. ``shuffle_frames_seed`` permutes each video's frames (temporal GRPO).
     """
     texts = [processor.apply_chat_template(list(c), add_generation_prompt=True, tokenize=False) for c in conversations]
     if not is_multimodal_processor(processor):
@@ -47,6 +48,9 @@ def encode_prompts(processor, conversations: Sequence[Sequence[dict]]) -> dict[s
         for element in media_elements(conversation):
             if element["type"] == "video":
                 frames, meta = decode_video(element, image_patch_size=patch)
+                if shuffle_frames_seed is not None:
+                    order = torch.randperm(frames.shape[0], generator=torch.Generator().manual_seed(shuffle_frames_seed))
+                    frames = frames[order]
                 videos.append(frames)
                 metadata.append(meta)
             else:
@@ -57,3 +61,24 @@ def encode_prompts(processor, conversations: Sequence[Sequence[dict]]) -> dict[s
     if images:
         kwargs.update(images=images)
     return dict(processor(text=texts, padding=True, padding_side="left", return_tensors="pt", **kwargs))
+
+
+PADDED_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
+CONCATENATED_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def collate_prompts(items: Sequence[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Join single-prompt processor outputs into one left-padded batch; vision tensors are concatenated."""
+    width = max(item["input_ids"].shape[1] for item in items)
+    batch: dict[str, torch.Tensor] = {}
+    for key in PADDED_KEYS:
+        if key not in items[0]:
+            continue
+        fill = pad_id if key == "input_ids" else 0
+        rows = [torch.nn.functional.pad(item[key], (width - item[key].shape[1], 0), value=fill) for item in items]
+        batch[key] = torch.cat(rows)
+    for key in CONCATENATED_KEYS:
+        parts = [item[key] for item in items if item.get(key) is not None]
+        if parts:
+            batch[key] = torch.cat(parts)
+    return batch

@@ -42,12 +42,18 @@ class CompletionScores:
     layout: GroupLayout | None = None
 
 
+def unwrap(model):
+    """The transformers model inside a wrapper such as a DeepSpeed engine (which is still what gets called)."""
+    return getattr(model, "module", model)
+
+
 def text_config(model):
-    config = model.config
+    config = unwrap(model).config
     return getattr(config, "text_config", None) or config
 
 
 def _set_text_attention(model, name: str) -> None:
+    model = unwrap(model)
     if text_config(model)._attn_implementation == name:
         return
     if name == attention.ATTENTION_NAME:
@@ -62,7 +68,7 @@ def split_vision_inputs(model, prompts: Mapping) -> list[dict]:
     """Cut the batch's vision tensors into per-prompt pieces, checking tokens against features."""
     ids = prompts["input_ids"]
     per_prompt = [dict() for _ in range(ids.shape[0])]
-    config = model.config
+    config = unwrap(model).config
     merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", 2)
     for kind, token_key, pixel_key, grid_key in (
         ("image", "image_token_id", "pixel_values", "image_grid_thw"),
@@ -116,7 +122,7 @@ def _grouped(model, prompts, completion_ids, completion_mask, layout: GroupLayou
     _set_text_attention(model, attention.ATTENTION_NAME)
     plan = attention.GroupedAttentionPlan(layout, backend or attention.default_backend(device))
     input_ids = layout.pack(prompts["input_ids"], completion_ids)[None]
-    prompt_pos = prompt_positions(model, prompts["input_ids"], prompts["attention_mask"], prompts)
+    prompt_pos = prompt_positions(unwrap(model), prompts["input_ids"], prompts["attention_mask"], prompts)
     position_ids = packed_positions(layout, prompt_pos)
     check_max_positions(position_ids, getattr(text_config(model), "max_position_embeddings", None), layout)
     if position_ids.shape[0] == 1:
@@ -158,7 +164,7 @@ def _repeated(model, prompts, completion_ids, completion_mask, layout: GroupLayo
               extra_forward_kwargs):
     _set_text_attention(model, "sdpa")
     batch = repeated_inputs(model, prompts, completion_ids, completion_mask, layout.group_sizes)
-    if rope_index_owner(model) is None:
+    if rope_index_owner(unwrap(model)) is None:
         batch["position_ids"] = (batch["attention_mask"].long().cumsum(-1) - 1).clamp_min(0)
     width = completion_ids.shape[1]
     out = model(**batch, use_cache=False, logits_to_keep=width + 1, **extra_forward_kwargs)
@@ -167,6 +173,20 @@ def _repeated(model, prompts, completion_ids, completion_mask, layout: GroupLayo
     logprobs = _logprobs_from_logits(logits, completion_ids, temperature).masked_fill(~mask, 0.0)
     full_logits = logits.masked_fill(~mask[..., None], 0.0) if return_logits else None
     return logprobs, full_logits
+
+
+def _refuse_placeholders_in_completions(model, completion_ids, completion_mask) -> None:
+    config = unwrap(model).config
+    for name in ("image_token_id", "video_token_id"):
+        token = getattr(config, name, None)
+        if token is None:
+            continue
+        hits = ((completion_ids == token) & completion_mask.bool()).nonzero()
+        if len(hits):
+            raise LayoutError(
+                f"completion {int(hits[0, 0])} contains the {name.split('_')[0]} placeholder token {token} at "
+                f"position {int(hits[0, 1])}; the model would take it for vision input (sample with it suppressed)"
+            )
 
 
 def completion_logprobs(
@@ -202,6 +222,7 @@ def completion_logprobs(
             "differ in shape"
         )
     layout = GroupLayout.from_masks(prompts["attention_mask"], completion_mask, group_sizes)
+    _refuse_placeholders_in_completions(model, completion_ids, completion_mask)
     if mode == "grouped":
         logprobs, logits = _grouped(model, prompts, completion_ids, completion_mask, layout, backend, temperature,
                                     return_logits, forward_kwargs)
@@ -229,6 +250,6 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
         raise GroupingMismatchError(
             f"grouped and repeated log-probs differ by {float(diff.max()):.3g} (completion {n}, token {j}; "
             f"rtol={rtol}, atol={atol}); backend={backend or attention.default_backend(completion_ids.device)}, "
-            f"model={type(model).__name__}"
+            f"model={type(unwrap(model)).__name__}"
         )
     return float(diff.max())

@@ -1,0 +1,128 @@
+"""Checkpoints that a crash mid-save cannot destroy, resume state, and the final Hugging Face export.
+
+Layout under ``output_dir/checkpoints``: ``step-0000010/`` (DeepSpeed's engine checkpoint + one trainer-state JSON
+per rank) and ``latest`` (a text file naming the newest complete one). A save is written to ``.incoming/`` and
+renamed into place only after every rank has finished; ``latest`` is replaced atomically after that. A crash at
+any point leaves the previous checkpoint and ``latest`` untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from app import distributed
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state().tolist()}
+
+
+def set_rng_state(state: dict) -> None:
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    numpy = state["numpy"]
+    np.random.set_state((numpy[0], np.array(numpy[1], dtype=np.uint32), *numpy[2:]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+def _jsonable(value):
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def save_checkpoint(engine, output_dir: str | Path, step: int, trainer_state: dict, keep: int = 2) -> Path:
+    root = Path(output_dir) / "checkpoints"
+    tag = f"step-{step:07d}"
+    incoming = root / ".incoming"
+    rank = distributed.rank()
+    if rank == 0:
+        shutil.rmtree(incoming / tag, ignore_errors=True)  # leftovers of a save that crashed
+        incoming.mkdir(parents=True, exist_ok=True)
+    distributed.barrier()
+    engine.save_checkpoint(str(incoming), tag=tag, save_latest=False)
+    state = _jsonable({**trainer_state, "rng": rng_state()})
+    _atomic_write(incoming / tag / f"trainer_state_rank{rank}.json", json.dumps(state))
+    distributed.barrier()
+    final = root / tag
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(incoming / tag, final)
+        _atomic_write(root / "latest", tag)
+        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    distributed.barrier()
+    return final
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    root = Path(output_dir) / "checkpoints"
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def load_checkpoint(engine, path: Path) -> dict:
+    """Restore engine (weights, optimizer, scheduler) and return this rank's trainer state."""
+    loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
+    if loaded is None:
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint at {path}")
+    state_file = path / f"trainer_state_rank{distributed.rank()}.json"
+    if not state_file.is_file():
+        raise RuntimeError(f"{state_file} is missing: was the checkpoint written with a different number of ranks?")
+    state = json.loads(state_file.read_text())
+    set_rng_state(state.pop("rng"))
+    return state
+
+
+def export_hf(engine, processor, out_dir: str | Path, source_path: str | Path, dtype: torch.dtype) -> Path:
+    """Write model + processor in Hugging Face format (loadable by from_pretrained); rank 0 writes.
+
+    The trained weights go into an unsharded copy loaded from the source checkpoint, so the file keeps the source's
+    key naming whatever the ZeRO stage (a ZeRO-3 module records no load-time key conversions to revert).
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    from app.models import load_model
+
+    out = Path(out_dir)
+    state = distributed.gathered_state_dict(engine)
+    if distributed.rank() == 0:
+        tmp = out.with_name(f".{out.name}.incoming")
+        shutil.rmtree(tmp, ignore_errors=True)
+        saved_ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+        hf_deepspeed.unset_hf_deepspeed_config()
+        try:
+            plain = load_model(source_path, dtype=dtype)
+        finally:
+            hf_deepspeed._hf_deepspeed_config_weak_ref = saved_ref
+        plain.load_state_dict(state, strict=True)
+        plain.save_pretrained(tmp, safe_serialization=True)
+        processor.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    distributed.barrier()
+    return out

@@ -1,0 +1,283 @@
+"""Typed configuration: YAML files, ``key=value`` overrides, validation that names the bad key.
+
+    cfg = load_config("configs/demo_cpu.yaml", ["grpo.beta=0.0", "train.max_steps=20"])
+
+Every field carries a help string (``python -m app.config`` prints them all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run, with the offending key named."""
+
+
+def _f(default, help: str, **kwargs):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kwargs})
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("", "Local checkpoint directory (Hugging Face format). Nothing is downloaded.")
+    reference_path: str = _f("", "Reference model directory; empty means the same as `path`.")
+    dtype: str = _f("float32", "Parameter dtype: float32 (CPU) or bfloat16 (GPU).", choices=("float32", "bfloat16"))
+    vision_attention: str = _f("sdpa", "Attention implementation for the vision tower.")
+    gradient_checkpointing: bool = _f(False, "Activation checkpointing in the policy forward.")
+    trust_remote_code: bool = _f(False, "Allow code from the checkpoint directory to run. Off by default.")
+
+
+@dataclass
+class DataConfig:
+    train_file: str = _f("", "JSON or JSONL file in Video-R1's schema.")
+    data_root: str = _f("", "Directory that record `path`s are relative to; empty means the train file's folder.")
+    fps: float = _f(2.0, "Frames per second sampled from each video.")
+    max_frames: int = _f(16, "Upper bound on sampled frames per video.")
+    min_pixels: int = _f(3136, "Lower bound on pixels per video frame (always passed with max_pixels).")
+    max_pixels: int = _f(100352, "Upper bound on pixels per video frame.")
+    image_min_pixels: int = _f(3136, "Lower bound on pixels per image.")
+    image_max_pixels: int = _f(401408, "Upper bound on pixels per image.")
+    max_prompt_length: int = _f(16384, "Prompts longer than this (tokens, video included) are dropped, never cut.")
+    max_skip_fraction: float = _f(0.1, "Fail when more than this fraction of records is unusable.")
+    system_prompt: str = _f(
+        "A conversation between User and Assistant. The Assistant first thinks about the question and then "
+        "answers. The reasoning goes in <think> </think> tags and the final answer in <answer> </answer> tags.",
+        "System message of every prompt.",
+    )
+    shuffle: bool = _f(True, "Shuffle the records each epoch (seeded by train.seed).")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = _f("grouped", "grouped: one prefill per prompt (shared prefix); hf: plain HF generate on the "
+                     "repeated batch, for A/B.", choices=("grouped", "hf"))
+    group_size: int = _f(8, "Completions sampled per prompt (G).")
+    temperature: float = _f(1.0, "Sampling temperature.")
+    top_p: float = _f(1.0, "Nucleus sampling threshold.")
+    top_k: int = _f(0, "Top-k filter; 0 disables it.")
+    max_completion_length: int = _f(768, "Maximum new tokens per completion.")
+    stop_strings: list = _f([], "Extra strings that end a completion (EOS always does).")
+
+
+@dataclass
+class GRPOConfig:
+    grouping: str = _f("grouped", "grouped: one packed row per batch of groups (Prefix Grouper); repeated: the "
+                       "ordinary [P;Ri] batch, for A/B.", choices=("grouped", "repeated"))
+    attention_backend: str = _f("auto", "Grouped attention backend: auto, packed, paper, masked, flex, flash.",
+                                choices=("auto", "packed", "paper", "masked", "flex", "flash"))
+    self_check: bool = _f(True, "On the first step, compare grouped and repeated log-probs and stop on a mismatch.")
+    beta: float = _f(0.04, "KL coefficient (k3 estimator). 0 loads no reference model.")
+    epsilon_low: float = _f(0.2, "Lower clip of the importance ratio (1 - eps_low).")
+    epsilon_high: float = _f(0.2, "Upper clip of the importance ratio (1 + eps_high); DAPO uses 0.28.")
+    loss_aggregation: str = _f("sequence", "sequence: mean over tokens of each completion, then over completions "
+                               "(GRPO); token: mean over all tokens of the batch (DAPO).",
+                               choices=("sequence", "token"))
+    scale_rewards: bool = _f(True, "Divide advantages by the group's reward std.")
+    num_iterations: int = _f(1, "Policy updates per rollout batch (mu); >1 uses old log-probs.")
+
+
+@dataclass
+class RewardConfig:
+    functions: list = _f(["format", "accuracy"], "Reward functions: format, accuracy, length, or "
+                         "path/to/file.py:function for a custom one (called as fn(completions, records)).")
+    weights: list = _f([], "One weight per function; empty means all 1.")
+    length_min_tokens: int = _f(320, "Length bonus: lower bound of the rewarded completion length.")
+    length_max_tokens: int = _f(512, "Length bonus: upper bound of the rewarded completion length.")
+    length_bonus: float = _f(0.2, "Length bonus added to correct completions inside the bounds.")
+    temporal: bool = _f(False, "Temporal GRPO: a second group on shuffled frames; correct answers earn "
+                        "`temporal_alpha` when ordered accuracy beats shuffled accuracy x `temporal_ratio`.")
+    temporal_alpha: float = _f(0.3, "Temporal GRPO bonus.")
+    temporal_ratio: float = _f(0.8, "Temporal GRPO margin.")
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = _f("outputs/run", "Where checkpoints, metrics and the final export go.")
+    seed: int = _f(0, "Seed for data order, sampling and initialisation.")
+    max_steps: int = _f(100, "Optimizer steps (each on a fresh rollout batch when num_iterations is 1).")
+    prompts_per_rank: int = _f(1, "Prompts (groups) each rank takes per step; a group never spans ranks.")
+    groups_per_micro_batch: int = _f(1, "Groups per forward/backward; the rest is gradient accumulation.")
+    learning_rate: float = _f(1e-6, "Peak learning rate (AdamW).")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    warmup_steps: int = _f(0, "Linear warmup steps before the cosine decay.")
+    min_lr_ratio: float = _f(0.0, "Cosine decays to learning_rate x this.")
+    max_grad_norm: float = _f(1.0, "Gradient clipping (0 disables).")
+    deepspeed_config: str = _f("deepspeed_configs/zero3.json", "DeepSpeed JSON (ZeRO stage, offload).")
+    save_every: int = _f(50, "Checkpoint every N steps (and at the end); 0 saves only at the end.")
+    keep_checkpoints: int = _f(2, "How many recent checkpoints to keep.")
+    resume: bool = _f(False, "Continue from the latest checkpoint in output_dir (same data order and steps).")
+    export_hf: bool = _f(True, "Write the final model + processor in Hugging Face format to output_dir/final.")
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: str = _f("offline", "wandb mode: online, offline or disabled.", choices=("online", "offline", "disabled"))
+    project: str = _f("prefix-grpo", "wandb project.")
+    run_name: str = _f("", "wandb run name; empty lets wandb choose.")
+    tags: list = _f([], "wandb tags.")
+    log_every: int = _f(1, "Log metrics every N steps.")
+    sample_table_every: int = _f(10, "Log a table of sample completions every N steps (0 disables).")
+    progress_bar: bool = _f(True, "Show a progress bar on rank 0.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _section_types() -> dict[str, type]:
+    hints = get_type_hints(Config)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _section_types().items() for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _all_keys(), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _coerce(key: str, value: Any, annotation) -> Any:
+    target = annotation if get_origin(annotation) is None else get_origin(annotation)
+    if target is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"'{key}' must be true or false, got {value!r}")
+    if target is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"'{key}' must be an integer, got {value!r}")
+        return value
+    if target is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"'{key}' must be a number, got {value!r}")
+        return float(value)
+    if target is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"'{key}' must be a string, got {value!r}")
+        return str(value)
+    if target is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"'{key}' must be a list, got {value!r}")
+        return value
+    return value
+
+
+def _apply(config: Config, section: str, values: dict, source: str) -> None:
+    types = _section_types()
+    if section not in types:
+        raise _unknown(section)
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: section '{section}' must be a mapping")
+    target = getattr(config, section)
+    hints = get_type_hints(types[section])
+    names = {f.name: f for f in dataclasses.fields(types[section])}
+    for name, value in values.items():
+        key = f"{section}.{name}"
+        if name not in names:
+            raise _unknown(key)
+        value = _coerce(key, value, hints[name])
+        choices = names[name].metadata.get("choices")
+        if choices and value not in choices:
+            raise ConfigError(f"'{key}' must be one of {list(choices)}, got {value!r}")
+        setattr(target, name, value)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' is not of the form section.key=value")
+    key, raw = text.split("=", 1)
+    if key.count(".") != 1:
+        raise ConfigError(f"override key '{key}' must be section.key (e.g. grpo.beta=0.0)")
+    section, name = key.split(".")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override '{text}': value is not valid YAML ({error})") from error
+    return section, name, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    config = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path}: not valid YAML ({error})") from error
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+        for section, values in raw.items():
+            _apply(config, section, values, str(path))
+    for text in overrides:
+        section, name, value = parse_override(text)
+        _apply(config, section, {name: value}, f"override '{text}'")
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    def need(condition: bool, key: str, message: str) -> None:
+        if not condition:
+            raise ConfigError(f"'{key}' {message}")
+
+    need(bool(config.model.path), "model.path", "is required (a local checkpoint directory)")
+    need(bool(config.data.train_file), "data.train_file", "is required")
+    need(config.rollout.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages compare a group)")
+    need(config.rollout.max_completion_length >= 1, "rollout.max_completion_length", "must be >= 1")
+    need(config.rollout.temperature > 0, "rollout.temperature", "must be > 0 for GRPO sampling")
+    need(config.grpo.beta >= 0, "grpo.beta", "must be >= 0")
+    need(config.grpo.num_iterations >= 1, "grpo.num_iterations", "must be >= 1")
+    need(config.grpo.epsilon_low >= 0 and config.grpo.epsilon_high >= 0, "grpo.epsilon_low",
+         "and grpo.epsilon_high must be >= 0")
+    need(config.train.max_steps >= 1, "train.max_steps", "must be >= 1")
+    need(config.train.prompts_per_rank >= 1, "train.prompts_per_rank", "must be >= 1")
+    need(config.train.groups_per_micro_batch >= 1, "train.groups_per_micro_batch", "must be >= 1")
+    need(config.train.prompts_per_rank % config.train.groups_per_micro_batch == 0, "train.groups_per_micro_batch",
+         f"must divide train.prompts_per_rank ({config.train.prompts_per_rank})")
+    need(0 <= config.data.max_skip_fraction <= 1, "data.max_skip_fraction", "must be in [0, 1]")
+    need(config.data.min_pixels <= config.data.max_pixels, "data.min_pixels", "must be <= data.max_pixels")
+    weights = config.rewards.weights
+    need(not weights or len(weights) == len(config.rewards.functions), "rewards.weights",
+         f"needs one weight per function ({len(config.rewards.functions)})")
+    need(bool(config.rewards.functions), "rewards.functions", "needs at least one reward function")
+
+
+def describe() -> str:
+    lines = []
+    for section, cls in _section_types().items():
+        lines.append(f"{section}:")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {f.name} = {default!r}\n      {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(describe()) if len(sys.argv) == 1 else print(yaml.safe_dump(load_config(sys.argv[1], sys.argv[2:]).to_dict()))

@@ -1,0 +1,233 @@
+"""Video-R1 records: reading, validation, prompts, and a resumable per-rank stream of encoded prompts.
+
+Fields: ``problem_id``, ``problem``, ``data_type`` (image | video), ``problem_type``, ``options``, ``solution``
+(``<answer>X</answer>``), ``path`` (relative to the data root), ``data_source``. Bad records are skipped with a
+warning that names the file, the line and the reason; the run fails only when more than ``max_skip_fraction`` of
+the records are unusable. A video is never substituted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.data.prompts import encode_prompts
+from app.data.video import VideoDecodeError, video_element
+from app.rewards import PROBLEM_TYPES
+
+log = logging.getLogger(__name__)
+
+REQUIRED_FIELDS = ("problem", "problem_type", "solution")
+
+TYPE_TEMPLATES = {
+    "multiple choice": " Please provide only the single option letter (e.g., A, B, C, D, etc.) within the "
+                       "<answer> </answer> tags.",
+    "numerical": " Please provide the numerical value (e.g., 42 or 3.14) within the <answer> </answer> tags.",
+    "OCR": " Please transcribe text from the image/video clearly and provide your text answer within the "
+           "<answer> </answer> tags.",
+    "free-form": " Please provide your text answer within the <answer> </answer> tags.",
+    "regression": " Please provide the numerical value (e.g., 42 or 3.14) within the <answer> </answer> tags.",
+}
+QUESTION_TEMPLATE = ("{question}\nPlease think about this question as if you were a human pondering deeply. "
+                     "Provide your detailed reasoning between the <think> </think> tags, and then give your final "
+                     "answer between the <answer> </answer> tags.")
+
+
+class DataError(ValueError):
+    """Unusable data: too many bad records, or a file that cannot be read at all."""
+
+
+@dataclass
+class Skipped:
+    where: str  # "file:line (problem_id)"
+    reason: str
+
+
+def read_records(path: str | Path) -> tuple[list[dict], list[Skipped]]:
+    """Read JSON (a list) or JSONL. Malformed lines are reported, not fatal."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    records, skipped = [], []
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{path}: not valid JSON ({error})") from error
+        if not isinstance(data, list):
+            raise DataError(f"{path}: a .json data file must hold a list of records")
+        for i, record in enumerate(data):
+            if isinstance(record, dict):
+                records.append({**record, "_where": f"{path}[{i}]"})
+            else:
+                skipped.append(Skipped(f"{path}[{i}]", "record is not a JSON object"))
+        return records, skipped
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            skipped.append(Skipped(f"{path}:{number}", f"malformed JSON line ({error.msg})"))
+            continue
+        if not isinstance(record, dict):
+            skipped.append(Skipped(f"{path}:{number}", "line is not a JSON object"))
+            continue
+        records.append({**record, "_where": f"{path}:{number}"})
+    return records, skipped
+
+
+def check_record(record: dict, data_root: Path) -> str | None:
+    """The reason a record is unusable, or None."""
+    for name in REQUIRED_FIELDS:
+        if not isinstance(record.get(name), str) or not record[name].strip():
+            return f"missing or empty field '{name}'"
+    if record["problem_type"] not in PROBLEM_TYPES:
+        return f"unknown problem_type {record['problem_type']!r} (known: {', '.join(PROBLEM_TYPES)})"
+    data_type = record.get("data_type")
+    if data_type not in (None, "", "image", "video", "text"):
+        return f"unknown data_type {data_type!r} (image, video or text)"
+    if data_type in ("image", "video"):
+        if not record.get("path"):
+            return f"data_type {data_type} but no 'path'"
+        if not (data_root / record["path"]).is_file():
+            return f"{data_type} file not found: {data_root / record['path']}"
+    options = record.get("options")
+    if options is not None and not isinstance(options, list):
+        return "field 'options' must be a list"
+    return None
+
+
+def where(record: dict) -> str:
+    pid = record.get("problem_id")
+    return f"{record.get('_where', '?')}" + (f" (problem_id {pid})" if pid is not None else "")
+
+
+def question_text(record: dict) -> str:
+    question = record["problem"]
+    if record["problem_type"] == "multiple choice" and record.get("options"):
+        question = question + "\nOptions:\n" + "\n".join(str(o) for o in record["options"])
+    return QUESTION_TEMPLATE.format(question=question) + TYPE_TEMPLATES[record["problem_type"]]
+
+
+def build_conversation(record: dict, data_root: Path, data_cfg) -> list[dict]:
+    content: list[dict] = []
+    if record.get("data_type") == "video":
+        content.append(video_element(data_root / record["path"], fps=data_cfg.fps, max_frames=data_cfg.max_frames,
+                                     min_pixels=data_cfg.min_pixels, max_pixels=data_cfg.max_pixels))
+    elif record.get("data_type") == "image":
+        content.append({"type": "image", "image": str(data_root / record["path"]),
+                        "min_pixels": data_cfg.image_min_pixels, "max_pixels": data_cfg.image_max_pixels})
+    content.append({"type": "text", "text": question_text(record)})
+    messages = [{"role": "system", "content": data_cfg.system_prompt}] if data_cfg.system_prompt else []
+    return messages + [{"role": "user", "content": content}]
+
+
+@dataclass
+class EncodedPrompt:
+    record: dict
+    inputs: dict  # processor output for this one prompt (batch dimension 1)
+
+    @property
+    def length(self) -> int:
+        return int(self.inputs["attention_mask"].sum())
+
+
+@dataclass
+class PromptStream:
+    """Deterministic, resumable stream of encoded prompts for one rank (records i = rank mod world per epoch)."""
+
+    records: list[dict]
+    data_root: Path
+    data_cfg: object
+    processor: object
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    position: int = 0  # prompts of this rank's stream consumed so far (encoded or skipped)
+    skipped: Counter = field(default_factory=Counter)
+    load_skipped: int = 0
+    total_records: int = 0
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        if self.data_cfg.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        usable = len(order) - len(order) % self.world_size if len(order) >= self.world_size else len(order)
+        return order[:usable][self.rank :: self.world_size]
+
+    def _record_at(self, position: int) -> dict:
+        per_epoch = len(self._order(0))
+        if per_epoch == 0:
+            raise DataError("no usable records for this rank")
+        epoch, index = divmod(position, per_epoch)
+        return self.records[self._order(epoch)[index]]
+
+    def _skip(self, record: dict, reason: str) -> None:
+        log.warning("skipping %s: %s", where(record), reason)
+        self.skipped[reason.split(":")[0].split(" (")[0]] += 1
+        limit = self.data_cfg.max_skip_fraction * max(self.total_records, 1)
+        if self.load_skipped + sum(self.skipped.values()) > limit:
+            raise DataError(
+                f"{self.load_skipped + sum(self.skipped.values())} of {self.total_records} records are unusable, "
+                f"more than data.max_skip_fraction={self.data_cfg.max_skip_fraction}; last: {where(record)}: {reason}"
+            )
+
+    def encode(self, record: dict, shuffle_frames_seed: int | None = None) -> EncodedPrompt | None:
+        conversation = build_conversation(record, self.data_root, self.data_cfg)
+        try:
+            inputs = encode_prompts(self.processor, [conversation], shuffle_frames_seed=shuffle_frames_seed)
+        except VideoDecodeError as error:
+            self._skip(record, f"undecodable video: {error}")
+            return None
+        except Exception as error:  # the processor rejects odd media in many ways
+            self._skip(record, f"could not build the prompt: {type(error).__name__}: {error}")
+            return None
+        prompt = EncodedPrompt(record, inputs)
+        if prompt.length > self.data_cfg.max_prompt_length:
+            self._skip(record, f"prompt too long: {prompt.length} tokens > data.max_prompt_length="
+                               f"{self.data_cfg.max_prompt_length} (never truncated)")
+            return None
+        return prompt
+
+    def next_prompts(self, count: int) -> list[EncodedPrompt]:
+        out: list[EncodedPrompt] = []
+        while len(out) < count:
+            record = self._record_at(self.position)
+            self.position += 1
+            prompt = self.encode(record)
+            if prompt is not None:
+                out.append(prompt)
+        return out
+
+
+def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int) -> PromptStream:
+    records, skipped = read_records(data_cfg.train_file)
+    data_root = Path(data_cfg.data_root) if data_cfg.data_root else Path(data_cfg.train_file).parent
+    usable = []
+    for record in records:
+        reason = check_record(record, data_root)
+        if reason:
+            skipped.append(Skipped(where(record), reason))
+        else:
+            usable.append(record)
+    total = len(records) + sum(1 for s in skipped if "malformed" in s.reason or "not a JSON" in s.reason)
+    for s in skipped:
+        log.warning("skipping %s: %s", s.where, s.reason)
+    if total and len(skipped) > data_cfg.max_skip_fraction * total:
+        raise DataError(f"{len(skipped)} of {total} records in {data_cfg.train_file} are unusable (more than "
+                        f"data.max_skip_fraction={data_cfg.max_skip_fraction}); first: {skipped[0].where}: "
+                        f"{skipped[0].reason}")
+    if not usable:
+        raise DataError(f"{data_cfg.train_file}: no usable records")
+    stream = PromptStream(usable, data_root, data_cfg, processor, seed=seed, rank=rank, world_size=world_size,
+                          load_skipped=len(skipped), total_records=total)
+    for s in skipped:
+        stream.skipped[s.reason.split(":")[0].split(" (")[0]] += 1
+    stream.load_skipped = 0  # counted in `skipped` now
+    return stream

@@ -1,0 +1,147 @@
+"""DeepSpeed set-up (ZeRO-2 / ZeRO-3 / offload), process-group start, rank helpers.
+
+On CPU the accelerator is DeepSpeed's ``cpu`` with the gloo backend; parameters stay float32. On GPU, nccl and
+the dtype from the config (bf16). The optimizer is torch AdamW handed to DeepSpeed (no CPUAdam build needed).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> tuple[int, int]:
+    """Start (or join) the process group; a plain `python -m ...` run becomes a world of one."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        deepspeed.init_distributed(dist_backend=backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def local_device() -> torch.device:
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def load_deepspeed_config(path: str | Path, *, gradient_accumulation_steps: int, max_grad_norm: float,
+                          dtype: str) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"DeepSpeed config not found: {path}")
+    config = json.loads(path.read_text())
+    config["train_micro_batch_size_per_gpu"] = 1  # one micro-batch of groups per forward
+    config["gradient_accumulation_steps"] = gradient_accumulation_steps
+    config["train_batch_size"] = gradient_accumulation_steps * world_size()
+    config["gradient_clipping"] = max_grad_norm
+    config["bf16"] = {"enabled": dtype == "bfloat16"}
+    config.setdefault("fp16", {"enabled": False})
+    config["zero_allow_untested_optimizer"] = True
+    config.setdefault("steps_per_print", 10**9)
+    config.setdefault("wall_clock_breakdown", False)
+    zero = config.setdefault("zero_optimization", {"stage": 0})
+    if zero.get("stage") == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return config
+
+
+def zero_stage(ds_config: dict) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def hf_deepspeed_config(ds_config: dict):
+    """Under ZeRO-3, from_pretrained must partition while loading: keep the returned object alive."""
+    if zero_stage(ds_config) != 3:
+        return None
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(ds_config)
+
+
+def build_engine(model, ds_config: dict, optimizer, lr_scheduler):
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                           config=ds_config, model_parameters=None)
+    return engine
+
+
+def build_reference(model, ds_config: dict, device: torch.device):
+    """Frozen reference: partitioned like the policy under ZeRO-3, otherwise a plain module on the device."""
+    model.requires_grad_(False)
+    model.eval()
+    if zero_stage(ds_config) != 3:
+        return model.to(device)
+    import deepspeed
+
+    config = copy.deepcopy(ds_config)
+    config.pop("optimizer", None)
+    config.pop("scheduler", None)
+    config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items()
+                                   if not k.startswith("offload_optimizer")}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine
+
+
+def unwrap(model):
+    return getattr(model, "module", model)
+
+
+def gathered_state_dict(engine) -> dict | None:
+    """Full state dict on rank 0 (None elsewhere), gathering ZeRO-3 partitions."""
+    module = unwrap(engine)
+    if hasattr(engine, "zero_optimization_partition_weights") and engine.zero_optimization_partition_weights():
+        import deepspeed
+
+        # Gathered in the module's own naming, so save_pretrained maps keys exactly as for an unsharded model.
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if rank() == 0 else None
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()} if rank() == 0 else None

@@ -1,0 +1,200 @@
+"""Rule-based rewards: format, accuracy per problem type, length bonus, plug-ins. Pure Python, no model code.
+
+A reward function takes the decoded completions and their records and returns one float per completion:
+``fn(completions: list[str], records: list[dict]) -> list[float]``. Custom ones load from
+``path/to/file.py:function``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+RewardFn = Callable[[list[str], list[dict]], list[float]]
+
+FORMAT_PATTERN = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+ANSWER_PATTERN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+class RewardError(ValueError):
+    """A reward specification or a record the rewards cannot score."""
+
+
+def extract_answer(text: str) -> str:
+    """The last <answer>...</answer> content, stripped; the whole text if there is no tag."""
+    found = ANSWER_PATTERN.findall(text)
+    return found[-1].strip() if found else text.strip()
+
+
+def _number(text: str) -> float | None:
+    match = re.search(r"-?\d+(?:[.,]\d+)?", text.replace(" ", ""))
+    if not match:
+        return None
+    try:
+        return float(match.group(0).replace(",", "."))
+    except ValueError:
+        return None
+
+
+def _choice(text: str) -> str:
+    match = re.search(r"\b([A-Z])\b", text.strip().upper()) or re.search(r"([A-Z])", text.strip().upper())
+    return match.group(1) if match else ""
+
+
+def word_error_rate(reference: str, hypothesis: str) -> float:
+    ref, hyp = reference.split(), hypothesis.split()
+    if not ref:
+        return 0.0 if not hyp else 1.0
+    previous = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        current = [i] + [0] * len(hyp)
+        for j, h in enumerate(hyp, 1):
+            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (r != h))
+        previous = current
+    return previous[-1] / len(ref)
+
+
+_rouge = None
+
+
+def mean_rouge(reference: str, hypothesis: str) -> float:
+    global _rouge
+    if _rouge is None:
+        from rouge_score import rouge_scorer
+
+        _rouge = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=False)
+    scores = _rouge.score(reference, hypothesis)
+    return sum(s.fmeasure for s in scores.values()) / len(scores)
+
+
+def _multiple_choice(pred: str, truth: str) -> float:
+    return float(_choice(pred) != "" and _choice(pred) == _choice(truth))
+
+
+def _numerical(pred: str, truth: str) -> float:
+    p, t = _number(pred), _number(truth)
+    return float(p is not None and t is not None and round(p, 2) == round(t, 2))
+
+
+def _ocr(pred: str, truth: str) -> float:
+    return max(0.0, 1.0 - word_error_rate(truth.lower(), pred.lower()))
+
+
+def _free_form(pred: str, truth: str) -> float:
+    return mean_rouge(truth, pred) if pred.strip() else 0.0
+
+
+def _regression(pred: str, truth: str) -> float:
+    p, t = _number(pred), _number(truth)
+    if p is None or t is None:
+        return 0.0
+    if t == 0:
+        return float(p == 0)
+    return min(1.0, max(0.0, 1.0 - abs(p - t) / abs(t)))
+
+
+ACCURACY_BY_PROBLEM_TYPE: dict[str, Callable[[str, str], float]] = {
+    "multiple choice": _multiple_choice,
+    "numerical": _numerical,
+    "OCR": _ocr,
+    "free-form": _free_form,
+    "regression": _regression,
+}
+PROBLEM_TYPES = tuple(ACCURACY_BY_PROBLEM_TYPE)
+
+
+def check_problem_type(problem_type: str) -> None:
+    if problem_type not in ACCURACY_BY_PROBLEM_TYPE:
+        raise RewardError(f"unknown problem_type {problem_type!r}; known: {', '.join(PROBLEM_TYPES)}")
+
+
+def accuracy_of(completion: str, record: dict) -> float:
+    check_problem_type(record["problem_type"])
+    if not completion.strip():
+        return 0.0
+    return ACCURACY_BY_PROBLEM_TYPE[record["problem_type"]](extract_answer(completion), extract_answer(record["solution"]))
+
+
+def format_reward(completions: list[str], records: list[dict]) -> list[float]:
+    return [float(bool(FORMAT_PATTERN.match(c))) for c in completions]
+
+
+def accuracy_reward(completions: list[str], records: list[dict]) -> list[float]:
+    return [accuracy_of(c, r) for c, r in zip(completions, records)]
+
+
+def length_reward(min_tokens: int, max_tokens: int, bonus: float, count_tokens: Callable[[str], int]) -> RewardFn:
+    """Bonus for correct completions whose length falls inside [min_tokens, max_tokens]."""
+
+    def reward(completions: list[str], records: list[dict]) -> list[float]:
+        return [bonus if accuracy_of(c, r) > 0.5 and min_tokens <= count_tokens(c) <= max_tokens else 0.0
+                for c, r in zip(completions, records)]
+
+    return reward
+
+
+def load_plugin(spec: str) -> RewardFn:
+    """Load ``path/to/file.py:function``."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise RewardError(f"custom reward {spec!r} must look like path/to/file.py:function")
+    file = Path(path)
+    if not file.is_file():
+        raise RewardError(f"custom reward {spec!r}: file {file} not found")
+    module_spec = importlib.util.spec_from_file_location(f"reward_plugin_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise RewardError(f"custom reward {spec!r}: {file} has no function {name!r}")
+    return fn
+
+
+def build_rewards(names: Sequence[str], weights: Sequence[float] = (), *, length_min_tokens: int = 320,
+                  length_max_tokens: int = 512, length_bonus: float = 0.2,
+                  count_tokens: Callable[[str], int] = lambda s: len(s.split())) -> list[tuple[str, RewardFn, float]]:
+    """Resolve reward names into (name, function, weight)."""
+    weights = list(weights) or [1.0] * len(names)
+    if len(weights) != len(names):
+        raise RewardError(f"{len(weights)} reward weights for {len(names)} reward functions")
+    resolved = []
+    for name, weight in zip(names, weights):
+        if name == "format":
+            fn = format_reward
+        elif name == "accuracy":
+            fn = accuracy_reward
+        elif name == "length":
+            fn = length_reward(length_min_tokens, length_max_tokens, length_bonus, count_tokens)
+        elif ":" in name:
+            fn = load_plugin(name)
+        else:
+            raise RewardError(f"unknown reward function {name!r}; use format, accuracy, length or file.py:function")
+        resolved.append((name, fn, float(weight)))
+    return resolved
+
+
+def score(rewards: list[tuple[str, RewardFn, float]], completions: list[str], records: list[dict]) -> dict[str, list[float]]:
+    """Per reward name, one value per completion (unweighted). Non-finite values are refused."""
+    out = {}
+    for name, fn, _ in rewards:
+        values = [float(v) for v in fn(completions, records)]
+        if len(values) != len(completions):
+            raise RewardError(f"reward {name!r} returned {len(values)} values for {len(completions)} completions")
+        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+        if bad:
+            raise RewardError(f"reward {name!r} returned a non-finite value for completion {bad[0]}")
+        out[name] = values
+    return out
+
+
+def temporal_bonus(ordered_accuracy: Sequence[float], shuffled_accuracy: Sequence[float], alpha: float,
+                   ratio: float) -> list[float]:
+    """T-GRPO: when the group answers better with ordered frames than with shuffled ones (by ``ratio``), each
+    correct ordered completion earns ``alpha``."""
+    ordered = sum(ordered_accuracy) / max(len(ordered_accuracy), 1)
+    shuffled = sum(shuffled_accuracy) / max(len(shuffled_accuracy), 1)
+    earned = ordered > ratio * shuffled
+    return [alpha if earned and a > 0.5 else 0.0 for a in ordered_accuracy]

@@ -1,0 +1,69 @@
+"""Metrics to wandb (online, offline or disabled), always to a local JSONL file, plus a progress bar."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class Tracker:
+    def __init__(self, logging_cfg, output_dir: str | Path, config: dict, is_main: bool, total_steps: int,
+                 start_step: int = 0):
+        self.cfg = logging_cfg
+        self.is_main = is_main
+        self.output_dir = Path(output_dir)
+        self.jsonl = self.output_dir / "metrics.jsonl"
+        self.run = None
+        self.bar = None
+        if not is_main:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if start_step == 0 and self.jsonl.exists():
+            self.jsonl.unlink()
+        if logging_cfg.wandb_mode != "disabled":
+            import wandb
+
+            id_file = self.output_dir / "wandb_run_id"
+            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+            id_file.write_text(run_id)
+            os.environ.setdefault("WANDB_DIR", str(self.output_dir))
+            self.run = wandb.init(project=logging_cfg.project, name=logging_cfg.run_name or None,
+                                  tags=list(logging_cfg.tags) or None, mode=logging_cfg.wandb_mode, config=config,
+                                  dir=str(self.output_dir), id=run_id, resume="allow")
+        if logging_cfg.progress_bar:
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.is_main:
+            return
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            shown = {k: metrics[k] for k in ("reward/mean", "accuracy", "kl") if k in metrics}
+            self.bar.set_postfix({k.split("/")[-1]: f"{v:.3f}" for k, v in shown.items()})
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        if not self.is_main or not rows:
+            return
+        with (self.output_dir / "samples.jsonl").open("a") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **row}) + "\n")
+        if self.run is not None:
+            import wandb
+
+            columns = list(rows[0])
+            self.run.log({"samples": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])},
+                         step=step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.run is not None:
+            self.run.finish()

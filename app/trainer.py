@@ -1,0 +1,336 @@
+"""The GRPO recipe, top to bottom.
+
+    python -m app.trainer configs/demo_cpu.yaml [section.key=value ...]      (one process)
+    scripts/train.sh configs/demo_cpu.yaml [section.key=value ...]           (NPROC_PER_NODE processes)
+
+One step on every rank: take `prompts_per_rank` prompts -> sample G completions each from one prefill ->
+score them -> group-normalised advantages -> reference (and old) log-probs -> clipped GRPO loss on the grouped
+forward, micro-batch by micro-batch -> DeepSpeed step -> metrics, checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from app import checkpoint, distributed
+from app.config import Config, load_config
+from app.data.prompts import collate_prompts
+from app.data.records import EncodedPrompt, load_stream
+from app.grouping import completion_logprobs, verify_grouping
+from app.grpo import group_advantages, grpo_loss
+from app.models import load_model, load_processor
+from app.rewards import accuracy_of, build_rewards, score, temporal_bonus
+from app.rollout import Rollout, SamplingConfig, generate_groups
+from app.tracking import Tracker
+
+log = logging.getLogger("app.trainer")
+CRASH_ENV = "PREFIX_GRPO_CRASH_AFTER_STEP"  # tests: die right after this step, as a crash would
+
+
+def step_seed(seed: int, step: int, rank: int, salt: str = "") -> int:
+    digest = hashlib.sha256(f"{seed}/{step}/{rank}/{salt}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def cosine_with_warmup(optimizer, warmup: int, total: int, min_ratio: float):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def to_device(batch: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+@dataclass
+class StepBatch:
+    prompts: list[EncodedPrompt]
+    rollout: Rollout
+    texts: list[str]
+    rewards: dict[str, list[float]]
+    total_reward: torch.Tensor
+    advantages: torch.Tensor
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.rank, self.world = distributed.init_distributed()
+        self.device = distributed.local_device()
+        torch.manual_seed(cfg.train.seed)
+        self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        self.gas = cfg.train.prompts_per_rank // cfg.train.groups_per_micro_batch
+        self.ds_config = distributed.load_deepspeed_config(
+            cfg.train.deepspeed_config, gradient_accumulation_steps=self.gas,
+            max_grad_norm=cfg.train.max_grad_norm, dtype=cfg.model.dtype)
+        self._hf_ds = distributed.hf_deepspeed_config(self.ds_config)  # must outlive from_pretrained (weakref)
+
+        self.processor = load_processor(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        policy = load_model(cfg.model.path, dtype=self.dtype, attn_implementation=cfg.model.vision_attention,
+                            trust_remote_code=cfg.model.trust_remote_code)
+        if cfg.model.gradient_checkpointing:
+            policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.train.learning_rate,
+                                      weight_decay=cfg.train.weight_decay)
+        total_updates = cfg.train.max_steps * cfg.grpo.num_iterations
+        scheduler = cosine_with_warmup(optimizer, cfg.train.warmup_steps, total_updates, cfg.train.min_lr_ratio)
+        self.engine = distributed.build_engine(policy, self.ds_config, optimizer, scheduler)
+        self.reference = None
+        if cfg.grpo.beta > 0:
+            reference = load_model(cfg.model.reference_path or cfg.model.path, dtype=self.dtype,
+                                   attn_implementation=cfg.model.vision_attention,
+                                   trust_remote_code=cfg.model.trust_remote_code)
+            self.reference = distributed.build_reference(reference, self.ds_config, self.device)
+
+        self.rewards = build_rewards(
+            cfg.rewards.functions, cfg.rewards.weights, length_min_tokens=cfg.rewards.length_min_tokens,
+            length_max_tokens=cfg.rewards.length_max_tokens, length_bonus=cfg.rewards.length_bonus,
+            count_tokens=lambda text: len(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+        self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.rank, self.world)
+        self.backend = None if cfg.grpo.attention_backend == "auto" else cfg.grpo.attention_backend
+        self.output_dir = Path(cfg.train.output_dir)
+        self.start_step = 0
+        if cfg.train.resume:
+            self._resume()
+        self.tracker = Tracker(cfg.logging, self.output_dir, cfg.to_dict(), self.rank == 0, cfg.train.max_steps,
+                               self.start_step)
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    def train(self) -> Path | None:
+        cfg = self.cfg
+        crash_after = int(os.environ.get(CRASH_ENV, "-1"))
+        for step in range(self.start_step, cfg.train.max_steps):
+            metrics = self.train_step(step)
+            if (step + 1) % cfg.logging.log_every == 0 or step + 1 == cfg.train.max_steps:
+                self.tracker.log(step + 1, metrics)
+            if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 and step + 1 < cfg.train.max_steps:
+                self.save(step + 1)
+            if step + 1 == crash_after:
+                log.error("simulated crash after step %d (%s)", step + 1, CRASH_ENV)
+                os._exit(17)
+        self.save(cfg.train.max_steps)
+        final = None
+        if cfg.train.export_hf:
+            final = checkpoint.export_hf(self.engine, self.processor, self.output_dir / "final", cfg.model.path,
+                                         self.dtype)
+        self.tracker.close()
+        return final
+
+    def train_step(self, step: int) -> dict:
+        cfg = self.cfg
+        timings = {}
+        start = time.perf_counter()
+        prompts = self.stream.next_prompts(cfg.train.prompts_per_rank)
+        batch = self.rollout_and_score(step, prompts)
+        timings["rollout"] = time.perf_counter() - start
+
+        micro_batches = [list(range(i, i + cfg.train.groups_per_micro_batch))
+                         for i in range(0, len(prompts), cfg.train.groups_per_micro_batch)]
+        start = time.perf_counter()
+        reference = [self.logprobs(self.reference, batch, mb) for mb in micro_batches] if self.reference else None
+        old = ([self.logprobs(self.engine, batch, mb) for mb in micro_batches]
+               if cfg.grpo.num_iterations > 1 else None)
+        timings["reference"] = time.perf_counter() - start
+        if step == self.start_step and cfg.grpo.self_check and cfg.grpo.grouping == "grouped":
+            self.self_check(batch, micro_batches[0])
+
+        start = time.perf_counter()
+        losses, loss_metrics, tokens = [], [], 0
+        self.engine.train()
+        for _ in range(cfg.grpo.num_iterations):
+            for index, mb in enumerate(micro_batches):
+                inputs, ids, mask, sizes, rows = self.micro_batch(batch, mb)
+                scores = completion_logprobs(self.engine, inputs, ids, mask, sizes, mode=cfg.grpo.grouping,
+                                             backend=self.backend)
+                old_lp = old[index] if old is not None else scores.logprobs.detach()
+                ref_lp = reference[index] if reference is not None else None
+                loss, metrics = grpo_loss(scores.logprobs, old_lp, batch.advantages[rows].to(self.device), mask,
+                                          ref_lp, cfg.grpo.beta, cfg.grpo.epsilon_low, cfg.grpo.epsilon_high,
+                                          cfg.grpo.loss_aggregation)
+                self.engine.backward(loss)
+                self.engine.step()
+                losses.append(float(loss.detach()))
+                loss_metrics.append(metrics)
+                layout = scores.layout
+                tokens += layout.packed_tokens if cfg.grpo.grouping == "grouped" else layout.repeated_tokens
+        timings["policy"] = time.perf_counter() - start
+        return self.step_metrics(step, batch, losses, loss_metrics, timings, tokens)
+
+    # ---- stages ---------------------------------------------------------------------------------------------
+    def rollout_and_score(self, step: int, prompts: list[EncodedPrompt]) -> StepBatch:
+        cfg = self.cfg
+        inputs = to_device(collate_prompts([p.inputs for p in prompts], self.tokenizer.pad_token_id), self.device)
+        sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                  top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_completion_length,
+                                  stop_strings=tuple(cfg.rollout.stop_strings),
+                                  seed=step_seed(cfg.train.seed, step, self.rank))
+        self.engine.eval()
+        rollout = generate_groups(distributed.unwrap(self.engine), inputs, cfg.rollout.group_size, sampling,
+                                  tokenizer=self.tokenizer, engine=cfg.rollout.engine)
+        texts = self.decode(rollout)
+        records = [p.record for p in prompts for _ in range(cfg.rollout.group_size)]
+        rewards = score(self.rewards, texts, records)
+        if cfg.rewards.temporal:
+            rewards["temporal"] = self.temporal_rewards(step, prompts, texts, records, sampling)
+        weights = {name: weight for name, _, weight in self.rewards}
+        total = torch.tensor([sum(weights.get(name, 1.0) * values[i] for name, values in rewards.items())
+                              for i in range(len(texts))], dtype=torch.float32)
+        advantages = group_advantages(total, rollout.group_sizes, scale=cfg.grpo.scale_rewards)
+        return StepBatch(prompts, rollout, texts, rewards, total, advantages)
+
+    def temporal_rewards(self, step, prompts, texts, records, sampling) -> list[float]:
+        """T-GRPO: the same prompts with shuffled frames; bonus when ordered frames answer better."""
+        shuffled = []
+        for i, prompt in enumerate(prompts):
+            if prompt.record.get("data_type") != "video":
+                shuffled.append(None)
+                continue
+            again = self.stream.encode(prompt.record, shuffle_frames_seed=step_seed(self.cfg.train.seed, step, i))
+            shuffled.append(again)
+        bonus = [0.0] * len(texts)
+        video = [i for i, s in enumerate(shuffled) if s is not None]
+        if not video:
+            return bonus
+        inputs = to_device(collate_prompts([shuffled[i].inputs for i in video], self.tokenizer.pad_token_id),
+                           self.device)
+        rollout = generate_groups(distributed.unwrap(self.engine), inputs, self.cfg.rollout.group_size, sampling,
+                                  tokenizer=self.tokenizer, engine=self.cfg.rollout.engine)
+        shuffled_texts = self.decode(rollout)
+        g = self.cfg.rollout.group_size
+        for k, i in enumerate(video):
+            ordered = [accuracy_of(t, records[i * g]) for t in texts[i * g : (i + 1) * g]]
+            mixed = [accuracy_of(t, records[i * g]) for t in shuffled_texts[k * g : (k + 1) * g]]
+            bonus[i * g : (i + 1) * g] = temporal_bonus(ordered, mixed, self.cfg.rewards.temporal_alpha,
+                                                        self.cfg.rewards.temporal_ratio)
+        return bonus
+
+    def decode(self, rollout: Rollout) -> list[str]:
+        return [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+                for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+
+    def micro_batch(self, batch: StepBatch, group_indices: list[int]):
+        g = self.cfg.rollout.group_size
+        rows = torch.tensor([i * g + j for i in group_indices for j in range(g)])
+        mask = batch.rollout.completion_mask[rows]
+        width = int(mask.sum(1).max())
+        inputs = to_device(collate_prompts([batch.prompts[i].inputs for i in group_indices],
+                                           self.tokenizer.pad_token_id), self.device)
+        ids = batch.rollout.completion_ids[rows, :width].to(self.device)
+        return inputs, ids, mask[:, :width].to(self.device), [g] * len(group_indices), rows
+
+    @torch.no_grad()
+    def logprobs(self, model, batch: StepBatch, group_indices: list[int]) -> torch.Tensor:
+        inputs, ids, mask, sizes, _ = self.micro_batch(batch, group_indices)
+        was_training = distributed.unwrap(model).training
+        distributed.unwrap(model).eval()
+        scores = completion_logprobs(model, inputs, ids, mask, sizes, mode=self.cfg.grpo.grouping,
+                                     backend=self.backend)
+        distributed.unwrap(model).train(was_training)
+        return scores.logprobs
+
+    @torch.no_grad()
+    def self_check(self, batch: StepBatch, group_indices: list[int]) -> None:
+        inputs, ids, mask, sizes, _ = self.micro_batch(batch, group_indices)
+        diff = verify_grouping(self.engine, inputs, ids, mask, sizes, backend=self.backend)
+        log.info("self-check: grouped vs repeated log-probs max |diff| = %.3g", diff)
+
+    # ---- bookkeeping ----------------------------------------------------------------------------------------
+    def step_metrics(self, step, batch: StepBatch, losses, loss_metrics, timings, tokens) -> dict:
+        cfg = self.cfg
+        rollout = batch.rollout
+        lengths = rollout.completion_mask.sum(1).float()
+        layouts_saved = sum(
+            (p.length * (cfg.rollout.group_size - 1)) for p in batch.prompts)  # prefix tokens not re-encoded
+        local = {
+            "reward/mean": float(batch.total_reward.mean()),
+            "reward/std": float(batch.total_reward.std()) if batch.total_reward.numel() > 1 else 0.0,
+            "accuracy": sum(accuracy_of(t, p.record) for t, p in zip(batch.texts, [
+                q for q in batch.prompts for _ in range(cfg.rollout.group_size)])) / len(batch.texts),
+            "completion_length": float(lengths.mean()),
+            "completions/empty": float(sum(1 for t in batch.texts if not t.strip())),
+            "completions/eos_fraction": sum(r != "length" for r in rollout.stop_reasons) / len(rollout.stop_reasons),
+            "loss": sum(losses) / len(losses),
+            "kl": sum(m["kl"] for m in loss_metrics) / len(loss_metrics),
+            "clip_fraction": sum(m["clip_fraction"] for m in loss_metrics) / len(loss_metrics),
+            "time/rollout": timings["rollout"],
+            "time/reference": timings["reference"],
+            "time/policy": timings["policy"],
+            "tokens/policy_forward": float(tokens),
+            "tokens/prefix_saved_by_grouping": float(layouts_saved if cfg.grpo.grouping == "grouped" else 0),
+        }
+        for name, values in batch.rewards.items():
+            local[f"reward/{name}"] = sum(values) / len(values)
+        keys = sorted(local)
+        summed = distributed.all_reduce_sum([local[k] for k in keys])
+        averaged = {k: v / self.world for k, v in zip(keys, summed)}
+        for key in ("completions/empty", "tokens/policy_forward", "tokens/prefix_saved_by_grouping"):
+            averaged[key] = averaged[key] * self.world  # totals, not means
+        step_time = timings["rollout"] + timings["reference"] + timings["policy"]
+        averaged["time/step"] = step_time
+        averaged["tokens_per_second"] = averaged["tokens/policy_forward"] / max(timings["policy"], 1e-9)
+        averaged["learning_rate"] = float(self.engine.get_lr()[0])
+        grad_norm = self.engine.get_global_grad_norm()
+        averaged["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        averaged["data/skipped"] = float(sum(self.stream.skipped.values()))
+        every = cfg.logging.sample_table_every
+        if every and (step + 1) % every == 0 and self.rank == 0:
+            g = cfg.rollout.group_size
+            self.tracker.log_samples(step + 1, [
+                {"problem_id": str(batch.prompts[i // g].record.get("problem_id", "")),
+                 "question": batch.prompts[i // g].record["problem"][:200],
+                 "solution": batch.prompts[i // g].record["solution"], "completion": batch.texts[i],
+                 "reward": float(batch.total_reward[i])}
+                for i in range(min(len(batch.texts), 2 * g))])
+        return averaged
+
+    def trainer_state(self, step: int) -> dict:
+        return {"step": step, "stream_position": self.stream.position, "skipped": dict(self.stream.skipped),
+                "world_size": self.world}
+
+    def save(self, step: int) -> None:
+        checkpoint.save_checkpoint(self.engine, self.output_dir, step, self.trainer_state(step),
+                                   keep=self.cfg.train.keep_checkpoints)
+
+    def _resume(self) -> None:
+        path = checkpoint.latest_checkpoint(self.output_dir)
+        if path is None:
+            log.warning("train.resume=true but %s has no checkpoint; starting from step 0", self.output_dir)
+            return
+        state = checkpoint.load_checkpoint(self.engine, path)
+        if state["world_size"] != self.world:
+            raise RuntimeError(f"{path} was written by {state['world_size']} ranks, this run has {self.world}")
+        self.start_step = state["step"]
+        self.stream.position = state["stream_position"]
+        self.stream.skipped.update(state["skipped"])
+        log.info("resumed from %s at step %d", path, self.start_step)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print("Configuration keys (python -m app.config lists them with help):")
+        raise SystemExit(0 if argv else 2)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_config(argv[0], argv[1:])
+    trainer = GRPOTrainer(cfg)
+    trainer.train()
+    distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()

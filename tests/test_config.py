@@ -1,0 +1,53 @@
+"""Configuration: YAML + key=value overrides, errors that name the key."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from app.config import ConfigError, describe, load_config
+
+ROOT_CONFIGS = ["configs/demo_cpu.yaml", "configs/qwen2_5_vl_7b_video.yaml"]
+
+
+@pytest.mark.parametrize("path", ROOT_CONFIGS)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.rollout.group_size >= 2
+
+
+def test_overrides_are_typed():
+    cfg = load_config("configs/demo_cpu.yaml", ["grpo.beta=0.1", "train.max_steps=3", "rewards.functions=[format]",
+                                                "rewards.weights=[2]", "data.shuffle=false"])
+    assert cfg.grpo.beta == 0.1 and cfg.train.max_steps == 3 and cfg.rewards.functions == ["format"]
+    assert cfg.data.shuffle is False
+
+
+def test_qwen_7b_config_matches_video_r1_settings():
+    cfg = load_config("configs/qwen2_5_vl_7b_video.yaml")
+    assert (cfg.data.max_frames, cfg.data.max_prompt_length, cfg.rollout.max_completion_length) == (16, 16384, 768)
+    assert (cfg.rollout.group_size, cfg.train.learning_rate, cfg.grpo.beta) == (8, 1e-6, 0.04)
+    assert cfg.train.deepspeed_config.endswith("zero3.json")
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("grpo.betta=0.1", "unknown config key 'grpo.betta' (did you mean 'grpo.beta'?)"),
+    ("gropo.beta=0.1", "unknown config key 'gropo'"),
+    ("train.max_steps=many", "'train.max_steps' must be an integer"),
+    ("grpo.grouping=fast", "'grpo.grouping' must be one of"),
+    ("rollout.group_size=1", "'rollout.group_size' must be >= 2"),
+    ("train.groups_per_micro_batch=3", "'train.groups_per_micro_batch' must divide"),
+    ("rewards.weights=[1]", "'rewards.weights' needs one weight per function"),
+    ("beta=0.1", "must be section.key"),
+    ("grpo.beta", "is not of the form"),
+])
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("configs/demo_cpu.yaml", [override])
+
+
+def test_missing_file_and_help():
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("configs/nope.yaml")
+    assert "grpo:" in describe() and "KL coefficient" in describe()

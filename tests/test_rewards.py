@@ -1,0 +1,132 @@
+"""Reward functions on hand-made cases for every problem type, plug-ins, and GRPO maths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.grpo import group_advantages, grpo_loss, k3_kl
+from app.rewards import (
+    PROBLEM_TYPES,
+    RewardError,
+    accuracy_of,
+    build_rewards,
+    extract_answer,
+    format_reward,
+    score,
+    temporal_bonus,
+    word_error_rate,
+)
+
+
+def rec(problem_type: str, answer: str) -> dict:
+    return {"problem_type": problem_type, "solution": f"<answer>{answer}</answer>"}
+
+
+def said(answer: str) -> str:
+    return f"<think>because</think><answer>{answer}</answer>"
+
+
+@pytest.mark.parametrize(("problem_type", "truth", "answer", "expected"), [
+    ("multiple choice", "B", "B", 1.0),
+    ("multiple choice", "B", "b. green", 1.0),
+    ("multiple choice", "B", "C", 0.0),
+    ("multiple choice", "B", "", 0.0),
+    ("numerical", "3.14", "3.141", 1.0),
+    ("numerical", "3.14", "3.2", 0.0),
+    ("numerical", "12", "about 12 squares", 1.0),
+    ("numerical", "12", "many", 0.0),
+    ("OCR", "hello big world", "hello big world", 1.0),
+    ("OCR", "hello big world", "hello world", pytest.approx(2 / 3)),
+    ("OCR", "a b", "x y z w", 0.0),
+    ("free-form", "the red square moves left", "the red square moves left", pytest.approx(1.0)),
+    ("free-form", "the red square moves left", "blue circle", 0.0),
+    ("regression", "10", "10", 1.0),
+    ("regression", "10", "8", pytest.approx(0.8)),
+    ("regression", "10", "30", 0.0),
+    ("regression", "0", "0", 1.0),
+])
+def test_accuracy_per_problem_type(problem_type, truth, answer, expected):
+    assert accuracy_of(said(answer), rec(problem_type, truth)) == expected
+
+
+def test_every_problem_type_has_a_case():
+    assert set(PROBLEM_TYPES) == {"multiple choice", "numerical", "OCR", "free-form", "regression"}
+
+
+def test_free_form_partial_credit_is_mean_rouge():
+    value = accuracy_of(said("the red square"), rec("free-form", "the red square moves left"))
+    assert 0.3 < value < 1.0
+
+
+def test_format_reward():
+    assert format_reward([said("A"), "<answer>A</answer>", "<think>x</think> <answer>A</answer> trailing", ""],
+                         [{}] * 4) == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_empty_completion_scores_zero_not_error():
+    assert accuracy_of("", rec("multiple choice", "A")) == 0.0
+    assert accuracy_of("   ", rec("free-form", "words")) == 0.0
+
+
+def test_unknown_problem_type_is_an_error():
+    with pytest.raises(RewardError, match="unknown problem_type 'poetry'"):
+        accuracy_of(said("x"), rec("poetry", "x"))
+
+
+def test_extract_answer_and_wer():
+    assert extract_answer("<answer> A </answer> then <answer>B</answer>") == "B"
+    assert extract_answer("no tags") == "no tags"
+    assert word_error_rate("a b c", "a x c") == pytest.approx(1 / 3)
+
+
+def test_length_bonus_and_plugin(tmp_path):
+    plugin = tmp_path / "my_reward.py"
+    plugin.write_text("def shout(completions, records):\n    return [float(c.isupper()) for c in completions]\n")
+    rewards = build_rewards(["length", f"{plugin}:shout"], [0.5, 2.0], length_min_tokens=2, length_max_tokens=4,
+                            length_bonus=0.2)
+    values = score(rewards, ["<think>one two three</think><answer>A</answer>",
+                             "<think>one two three four five six</think><answer>A</answer>", "LOUD"],
+                   [rec("multiple choice", "A")] * 3)
+    assert values["length"] == [0.2, 0.0, 0.0]
+    assert values[f"{plugin}:shout"] == [0.0, 0.0, 1.0]
+    assert [w for _, _, w in rewards] == [0.5, 2.0]
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("nonsense", "unknown reward function 'nonsense'"),
+    ("missing.py:f", "file missing.py not found"),
+])
+def test_bad_reward_specs(spec, message):
+    with pytest.raises(RewardError, match=message):
+        build_rewards([spec])
+
+
+def test_temporal_bonus():
+    assert temporal_bonus([1, 1, 0, 1], [0, 1, 0, 0], alpha=0.3, ratio=0.8) == [0.3, 0.3, 0.0, 0.3]
+    assert temporal_bonus([1, 0, 0, 0], [1, 1, 0, 0], alpha=0.3, ratio=0.8) == [0.0] * 4
+
+
+def test_group_advantages():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0])
+    adv = group_advantages(rewards, [4, 2])
+    assert adv[:4].sum().abs() < 1e-6 and adv[0] > 0 > adv[1]
+    assert torch.equal(adv[4:], torch.zeros(2))  # equal rewards: no signal
+    assert torch.allclose(group_advantages(rewards, [4, 2], scale=False)[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+
+
+def test_grpo_loss_clipping_and_aggregation():
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
+    old = torch.log(torch.tensor([[0.25, 0.5, 0.5], [0.5, 0.5, 0.5]]))  # ratio 2 on one token
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    adv = torch.tensor([1.0, -1.0])
+    loss, metrics = grpo_loss(logp, old, adv, mask, epsilon_low=0.2, epsilon_high=0.2, aggregation="sequence")
+    # completion 0: tokens (ratio 2 clipped to 1.2, ratio 1) -> -(1.2 + 1)/2; completion 1: +1 per token
+    assert loss.item() == pytest.approx((-(1.2 + 1.0) / 2 + 1.0) / 2)
+    assert metrics["clip_fraction_high"] == pytest.approx(1 / 5)
+    token_loss, _ = grpo_loss(logp, old, adv, mask, aggregation="token")
+    assert token_loss.item() == pytest.approx((-1.2 - 1.0 + 3.0) / 5)
+    ref = logp - 0.1
+    with_kl, metrics = grpo_loss(logp, old, adv, mask, ref_logprobs=ref, beta=0.5)
+    assert metrics["kl"] == pytest.approx(float(k3_kl(logp, ref)[0, 0]), rel=1e-5)
+    assert with_kl.item() > loss.item()
