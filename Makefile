@@ -3,8 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
-.PHONY: demo test lint install clean
+.PHONY: demo selfcheck test lint install clean
 
 $(STAMP): pyproject.toml constraints.txt scripts/setup_env.sh
 	VENV=$(VENV) bash scripts/setup_env.sh
@@ -19,7 +20,10 @@ test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(PY) -m app.selfcheck
+	$(PY) -m app.demo $(DEMO_ARGS)
 
 clean:
 	rm -rf outputs .pytest_cache
+
+selfcheck: $(STAMP)
+	$(PY) -m app.selfcheck

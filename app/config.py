@@ -131,6 +131,19 @@ class LoggingConfig:
 
 
 @dataclass
+class EvalConfig:
+    output_dir: str = _f("outputs/eval", "Where predictions.jsonl, summary.json and summary.md go.")
+    samples: int = _f(1, "Completions per question (k). 1 with temperature 0 is greedy; k > 1 reports pass@k "
+                      "and mean accuracy, all k drawn from one shared prefill.")
+    temperature: float = _f(0.0, "0 for greedy; > 0 samples.")
+    top_p: float = _f(1.0, "Nucleus sampling threshold when sampling.")
+    max_new_tokens: int = _f(256, "Maximum new tokens per completion.")
+    batch_size: int = _f(4, "Questions per generate call on each rank.")
+    seed: int = _f(0, "Sampling seed.")
+    resume: bool = _f(True, "Keep finished predictions found in output_dir and score only the rest.")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -139,6 +152,7 @@ class Config:
     rewards: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -173,6 +187,11 @@ def _coerce(key: str, value: Any, annotation) -> Any:
             raise ConfigError(f"'{key}' must be an integer, got {value!r}")
         return value
     if target is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"'{key}' must be a number, got {value!r}")
         return float(value)
@@ -221,7 +240,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, name, value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                training: bool = True) -> Config:
     config = Config()
     if path is not None:
         path = Path(path)
@@ -238,16 +258,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for text in overrides:
         section, name, value = parse_override(text)
         _apply(config, section, {name: value}, f"override '{text}'")
-    validate(config)
+    validate(config, training)
     return config
 
 
-def validate(config: Config) -> None:
+def validate(config: Config, training: bool = True) -> None:
     def need(condition: bool, key: str, message: str) -> None:
         if not condition:
             raise ConfigError(f"'{key}' {message}")
 
     need(bool(config.model.path), "model.path", "is required (a local checkpoint directory)")
+    need(config.eval.samples >= 1, "eval.samples", "must be >= 1")
+    need(config.eval.temperature >= 0, "eval.temperature", "must be >= 0")
+    need(config.eval.temperature > 0 or config.eval.samples == 1, "eval.samples",
+         "> 1 needs eval.temperature > 0 (greedy samples would all be the same)")
+    if not training:
+        return
     need(bool(config.data.train_file), "data.train_file", "is required")
     need(config.rollout.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages compare a group)")
     need(config.rollout.max_completion_length >= 1, "rollout.max_completion_length", "must be >= 1")

@@ -96,6 +96,7 @@ class TinySizes:
     vision_depth: int = 2
     vision_heads: int = 2
     max_positions: int = 32768
+    init_std: float = 0.02  # transformers' initializer_range; larger makes a random tiny model less uniform
 
 
 def _token_ids(tokenizer) -> dict[str, int]:
@@ -132,8 +133,10 @@ def tiny_config(family: str, tokenizer, sizes: TinySizes = TinySizes()):
         pad_token_id=ids["pad_token_id"],
         bos_token_id=None,
         tie_word_embeddings=False,
+        initializer_range=sizes.init_std,
     )
     special = {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    special["initializer_range"] = sizes.init_std  # VL top-level config; the sub-configs get it below
     if family == "qwen2":
         return Qwen2Config(**text)
     if family == "qwen3":
@@ -143,6 +146,7 @@ def tiny_config(family: str, tokenizer, sizes: TinySizes = TinySizes()):
         vision = dict(
             depth=sizes.vision_depth, embed_dim=sizes.vision_hidden, hidden_size=sizes.hidden, mlp_ratio=2,
             num_heads=sizes.vision_heads, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+            initializer_range=sizes.init_std,
         )
         return Qwen2VLConfig(text_config={**text, "rope_parameters": rope}, vision_config=vision, **special,
                              eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
@@ -152,7 +156,7 @@ def tiny_config(family: str, tokenizer, sizes: TinySizes = TinySizes()):
             depth=sizes.vision_depth, hidden_size=sizes.vision_hidden, intermediate_size=2 * sizes.vision_hidden,
             num_heads=sizes.vision_heads, out_hidden_size=sizes.hidden, patch_size=14, spatial_merge_size=2,
             temporal_patch_size=2, window_size=56, fullatt_block_indexes=[sizes.vision_depth - 1],
-            tokens_per_second=2,
+            tokens_per_second=2, initializer_range=sizes.init_std,
         )
         return Qwen2_5_VLConfig(text_config={**text, "rope_parameters": rope}, vision_config=vision, **special,
                                 eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
@@ -162,6 +166,7 @@ def tiny_config(family: str, tokenizer, sizes: TinySizes = TinySizes()):
         depth=sizes.vision_depth, hidden_size=sizes.vision_hidden, intermediate_size=2 * sizes.vision_hidden,
         num_heads=sizes.vision_heads, out_hidden_size=sizes.hidden, patch_size=16, spatial_merge_size=2,
         temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[0],
+        initializer_range=sizes.init_std,
     )
     return Qwen3VLConfig(text_config={**text, "head_dim": sizes.head_dim, "rope_parameters": rope},
                          vision_config=vision, **special,

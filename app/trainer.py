@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from app import checkpoint, distributed
-from app.config import Config, load_config
+from app.config import Config, ConfigError, load_config
 from app.data.prompts import collate_prompts
 from app.data.records import EncodedPrompt, load_stream
 from app.grouping import completion_logprobs, verify_grouping
@@ -326,7 +326,10 @@ def main(argv: list[str] | None = None) -> None:
         print("Configuration keys (python -m app.config lists them with help):")
         raise SystemExit(0 if argv else 2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_config(argv[0], argv[1:])
+    try:
+        cfg = load_config(argv[0], argv[1:])
+    except ConfigError as error:
+        raise SystemExit(f"config error: {error}") from None
     trainer = GRPOTrainer(cfg)
     trainer.train()
     distributed.barrier()

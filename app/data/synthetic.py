@@ -22,10 +22,11 @@ DIRECTIONS = ("left", "right", "up", "down")
 TASKS = ("colour", "direction", "count")
 
 
-def render(colours: list[str], direction: str, frames: int, size: int, rng: random.Random) -> np.ndarray:
+def render(colours: list[str], direction: str, frames: int, size: int, rng: random.Random,
+           side: int | None = None) -> np.ndarray:
     """Squares of the given colours moving together in one direction over a dark background."""
     video = np.full((frames, size, size, 3), 16, dtype=np.uint8)
-    side = max(6, size // 5)
+    side = side or max(6, size // 5)
     step = (size - side) // max(frames - 1, 1)
     dx, dy = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}[direction]
     starts = []
@@ -42,15 +43,17 @@ def render(colours: list[str], direction: str, frames: int, size: int, rng: rand
     return video
 
 
-def make_item(index: int, task: str, rng: random.Random, out: Path, frames: int, size: int, fps: int) -> dict:
+def make_item(index: int, task: str, rng: random.Random, out: Path, frames: int, size: int, fps: int,
+              shuffle_options: bool = True) -> dict:
     direction = rng.choice(DIRECTIONS)
     if task == "count":
-        count = rng.randint(1, 3)
+        count = rng.randint(1, 4)
         colours = [rng.choice(list(COLOURS)) for _ in range(count)]
     else:
         colours = [rng.choice(list(COLOURS))]
     path = Path("videos") / f"clip{index:05d}.mp4"
-    write_mp4(out / path, render(colours, direction, frames, size, rng), fps=fps)
+    side = size // 2 if task == "colour" else None  # one big square: colour fills much of the frame
+    write_mp4(out / path, render(colours, direction, frames, size, rng, side), fps=fps)
     letters = "ABCD"
     if task == "colour":
         options, answer = list(COLOURS), colours[0]
@@ -61,7 +64,8 @@ def make_item(index: int, task: str, rng: random.Random, out: Path, frames: int,
     else:
         options, answer = ["1", "2", "3", "4"], str(len(colours))
         question = "How many squares are in the video?"
-    rng.shuffle(options)
+    if shuffle_options:
+        rng.shuffle(options)
     letter = letters[options.index(answer)]
     return {
         "problem_id": index,
@@ -76,7 +80,7 @@ def make_item(index: int, task: str, rng: random.Random, out: Path, frames: int,
 
 
 def generate(out: str | Path, train: int, heldout: int, seed: int = 0, tasks: tuple[str, ...] = TASKS,
-             frames: int = 8, size: int = 56, fps: int = 4) -> dict[str, Path]:
+             frames: int = 8, size: int = 56, fps: int = 4, shuffle_options: bool = True) -> dict[str, Path]:
     out = Path(out)
     (out / "videos").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -85,13 +89,14 @@ def generate(out: str | Path, train: int, heldout: int, seed: int = 0, tasks: tu
     for split, count in (("train", train), ("heldout", heldout)):
         records = []
         for _ in range(count):
-            records.append(make_item(index, tasks[index % len(tasks)], rng, out, frames, size, fps))
+            records.append(make_item(index, tasks[index % len(tasks)], rng, out, frames, size, fps, shuffle_options))
             index += 1
         path = out / f"{split}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
         files[split] = path
     (out / "meta.json").write_text(json.dumps({"seed": seed, "train": train, "heldout": heldout,
-                                               "tasks": list(tasks), "frames": frames, "size": size, "fps": fps}))
+                                               "tasks": list(tasks), "frames": frames, "size": size, "fps": fps,
+                                               "shuffle_options": shuffle_options}))
     return files
 
 
@@ -104,12 +109,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {TASKS}")
     parser.add_argument("--frames", type=int, default=8)
     parser.add_argument("--size", type=int, default=56)
+    parser.add_argument("--fixed-options", action="store_true", help="keep options in one order (A. red ...)")
     args = parser.parse_args(argv)
     tasks = tuple(t for t in args.tasks.split(",") if t)
     unknown = set(tasks) - set(TASKS)
     if unknown:
         parser.error(f"unknown task(s) {sorted(unknown)}; choose from {TASKS}")
-    files = generate(args.out, args.train, args.heldout, args.seed, tasks, args.frames, args.size)
+    files = generate(args.out, args.train, args.heldout, args.seed, tasks, args.frames, args.size,
+                     shuffle_options=not args.fixed_options)
     print(json.dumps({k: str(v) for k, v in files.items()}))
 
 

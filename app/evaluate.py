@@ -1,0 +1,218 @@
+"""Held-out evaluation of any checkpoint on any file in Video-R1's schema.
+
+    python -m app.evaluate MODEL_DIR DATA.jsonl [section.key=value ...]
+    scripts/eval.sh MODEL_DIR DATA.jsonl [section.key=value ...]     (NPROC_PER_NODE ranks, results merged)
+
+Greedy (eval.samples=1, eval.temperature=0) or k sampled completions per question drawn from one shared prefill
+(pass@k and mean accuracy). Scoring is the trainer's reward code (``app.rewards.accuracy_of``), so training and
+evaluation cannot disagree. Writes ``predictions.jsonl``, ``summary.json`` and ``summary.md`` to
+``eval.output_dir``; a killed run resumes from the predictions already written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from app.config import ConfigError, load_config
+from app.data.prompts import collate_prompts, encode_prompts
+from app.data.records import build_conversation, check_record, read_records, where
+from app.data.video import VideoDecodeError
+from app.models import load_model, load_processor
+from app.rewards import accuracy_of, extract_answer
+from app.rollout import SamplingConfig, generate_groups
+
+log = logging.getLogger("app.evaluate")
+CRASH_ENV = "PREFIX_GRPO_EVAL_CRASH_AFTER"  # tests: die after this many questions, as a crash would
+
+
+def record_key(record: dict) -> str:
+    return str(record["problem_id"]) if record.get("problem_id") is not None else record["_where"]
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if dist.is_initialized():
+        return dist, dist.get_rank(), dist.get_world_size()
+    return None, 0, 1
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash mid-write: that question is scored again
+    return rows
+
+
+def _append(path: Path, row: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+
+
+def summarize(predictions: list[dict], skipped: list[dict], samples: int) -> dict:
+    def block(rows):
+        return {"count": len(rows), "accuracy": sum(r["accuracy"] for r in rows) / len(rows) if rows else 0.0,
+                f"pass@{samples}": sum(r["pass"] for r in rows) / len(rows) if rows else 0.0}
+
+    by_type, by_source = defaultdict(list), defaultdict(list)
+    for row in predictions:
+        by_type[row["problem_type"]].append(row)
+        by_source[row["data_source"]].append(row)
+    summary = {"overall": block(predictions), "samples_per_question": samples,
+               "by_problem_type": {k: block(v) for k, v in sorted(by_type.items())},
+               "by_data_source": {k: block(v) for k, v in sorted(by_source.items())},
+               "skipped": dict(Counter(s["reason_kind"] for s in skipped)), "skipped_total": len(skipped)}
+    if "regression" in by_type:
+        summary["regression_mean_relative_accuracy"] = block(by_type["regression"])["accuracy"]
+    return summary
+
+
+def markdown(summary: dict, title: str) -> str:
+    k = summary["samples_per_question"]
+    lines = [f"# {title}", "", f"| group | questions | accuracy | pass@{k} |", "|---|---|---|---|"]
+    o = summary["overall"]
+    lines.append(f"| **overall** | {o['count']} | {o['accuracy']:.3f} | {o[f'pass@{k}']:.3f} |")
+    for label, section in (("type", "by_problem_type"), ("source", "by_data_source")):
+        for name, b in summary[section].items():
+            lines.append(f"| {label}: {name} | {b['count']} | {b['accuracy']:.3f} | {b[f'pass@{k}']:.3f} |")
+    if summary.get("regression_mean_relative_accuracy") is not None:
+        lines.append(f"\nRegression mean relative accuracy: {summary['regression_mean_relative_accuracy']:.3f}")
+    lines.append(f"\nSkipped records: {summary['skipped_total']}")
+    for reason, count in summary["skipped"].items():
+        lines.append(f"- {reason}: {count}")
+    return "\n".join(lines) + "\n"
+
+
+def evaluate(model_dir: str | Path, data_file: str | Path, overrides: list[str] = ()) -> dict | None:
+    cfg = load_config(None, [f"model.path={model_dir}", *overrides], training=False)
+    ev, data_cfg = cfg.eval, cfg.data
+    dist, rank, world = _dist()
+    out = Path(ev.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    records, bad_lines = read_records(data_file)
+    data_root = Path(data_cfg.data_root) if data_cfg.data_root else Path(data_file).parent
+    skipped = [{"where": s.where, "reason": s.reason, "reason_kind": "malformed line"} for s in bad_lines]
+    usable = []
+    for record in records:
+        reason = check_record(record, data_root)
+        if reason:
+            skipped.append({"where": where(record), "reason": reason, "reason_kind": reason.split(" (")[0]
+                            .split(":")[0]})
+        else:
+            usable.append(record)
+
+    merged_file, rank_file = out / "predictions.jsonl", out / f"predictions.rank{rank}.jsonl"
+    if not ev.resume and rank == 0:
+        for path in [merged_file, *out.glob("predictions.rank*.jsonl"), *out.glob("skipped.rank*.jsonl")]:
+            path.unlink(missing_ok=True)
+    if dist:
+        dist.barrier()
+    done = {row["key"] for path in [merged_file, *out.glob("predictions.rank*.jsonl")] for row in _read_jsonl(path)}
+    mine = [r for i, r in enumerate(usable) if i % world == rank and record_key(r) not in done]
+    resumed = sum(1 for i, r in enumerate(usable) if i % world == rank and record_key(r) in done)
+
+    model = load_model(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    model.eval()
+    processor = load_processor(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    sampling = SamplingConfig(temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens,
+                              seed=ev.seed + rank)
+    crash_after = int(os.environ.get(CRASH_ENV, "-1"))
+    scored = 0
+    bar = tqdm(total=len(mine), desc=f"eval rank {rank}", disable=rank != 0, dynamic_ncols=True)
+    for start in range(0, len(mine), ev.batch_size):
+        batch, prompts = [], []
+        for record in mine[start : start + ev.batch_size]:
+            try:
+                inputs = encode_prompts(processor, [build_conversation(record, data_root, data_cfg)])
+            except VideoDecodeError as error:
+                _append(out / f"skipped.rank{rank}.jsonl", {"where": where(record), "reason": str(error),
+                                                             "reason_kind": "undecodable video"})
+                continue
+            if int(inputs["attention_mask"].sum()) > data_cfg.max_prompt_length:
+                _append(out / f"skipped.rank{rank}.jsonl", {"where": where(record), "reason_kind": "prompt too long",
+                                                             "reason": f"> {data_cfg.max_prompt_length} tokens"})
+                continue
+            batch.append(record)
+            prompts.append(inputs)
+        if batch:
+            with torch.no_grad():
+                rollout = generate_groups(model, collate_prompts(prompts, tokenizer.pad_token_id), ev.samples,
+                                          sampling, tokenizer=tokenizer, synced=False)
+            for i, record in enumerate(batch):
+                rows = range(i * ev.samples, (i + 1) * ev.samples)
+                texts = [tokenizer.decode(rollout.completion_ids[n][rollout.completion_mask[n].bool()],
+                                          skip_special_tokens=True) for n in rows]
+                accuracies = [accuracy_of(t, record) for t in texts]
+                _append(rank_file, {
+                    "key": record_key(record), "problem_id": record.get("problem_id"),
+                    "problem_type": record["problem_type"], "data_source": record.get("data_source", "unknown"),
+                    "solution": record["solution"], "answers": [extract_answer(t) for t in texts],
+                    "completions": texts, "accuracies": accuracies,
+                    "accuracy": sum(accuracies) / len(accuracies), "pass": float(max(accuracies) >= 0.5),
+                })
+                scored += 1
+                if scored == crash_after:
+                    log.error("simulated crash after %d questions (%s)", scored, CRASH_ENV)
+                    os._exit(17)
+        bar.update(len(mine[start : start + ev.batch_size]))
+    bar.close()
+    counts = torch.tensor([scored, resumed], dtype=torch.long)
+    if dist:
+        dist.all_reduce(counts)
+        dist.barrier()
+    if rank != 0:
+        return None
+    order = {record_key(r): i for i, r in enumerate(usable)}
+    rows = {}
+    for path in [merged_file, *sorted(out.glob("predictions.rank*.jsonl"))]:
+        for row in _read_jsonl(path):
+            rows[row["key"]] = row
+    predictions = sorted(rows.values(), key=lambda r: order.get(r["key"], len(order)))
+    skip_rows = {s["where"]: s for path in sorted(out.glob("skipped.rank*.jsonl")) for s in _read_jsonl(path)}
+    skipped += list(skip_rows.values())
+    tmp = merged_file.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in predictions))
+    os.replace(tmp, merged_file)
+    for path in out.glob("predictions.rank*.jsonl"):
+        path.unlink()
+    summary = summarize(predictions, skipped, ev.samples)
+    summary.update(model=str(model_dir), data=str(data_file), scored_this_run=int(counts[0]),
+                   resumed_from_file=int(counts[1]), world_size=world)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.md").write_text(markdown(summary, f"Evaluation of {model_dir} on {data_file}"))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2 or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        summary = evaluate(argv[0], argv[1], argv[2:])
+    except ConfigError as error:
+        raise SystemExit(f"config error: {error}") from None
+    if summary is not None:
+        print(markdown(summary, f"Evaluation of {argv[0]}"))
+
+
+if __name__ == "__main__":
+    main()
