@@ -18,8 +18,8 @@ import torch
 from app.grouping import attention
 from app.grouping.decode import GroupedKVCache
 from app.grouping.forward import _set_text_attention, repeated_inputs, text_config
-from app.grouping.layout import normalize_group_sizes
-from app.grouping.positions import VISION_KEYS, prompt_positions
+from app.grouping.layout import GroupLayout, normalize_group_sizes
+from app.grouping.positions import VISION_KEYS, prompt_positions, rope_index_owner
 
 ENGINES = ("grouped", "hf")
 
@@ -105,13 +105,25 @@ class _StopTracker:
         self.finished |= hit_eos
 
 
-def _all_finished(finished: torch.Tensor, synced: bool) -> bool:
-    done = torch.tensor([1.0 if bool(finished.all()) else 0.0], device=finished.device)
-    if synced:
-        import torch.distributed as dist
+def _all_done(done_here: bool, synced: bool, device) -> bool:
+    """True when every rank is done; ranks keep stepping together (ZeRO-3 gathers parameters collectively)."""
+    if not synced:
+        return done_here
+    import torch.distributed as dist
 
-        dist.all_reduce(done, op=dist.ReduceOp.MIN)  # keep stepping while any rank still decodes (ZeRO-3 gathers)
+    done = torch.tensor([1.0 if done_here else 0.0], device=device)
+    dist.all_reduce(done, op=dist.ReduceOp.MIN)
     return bool(done.item() == 1.0)
+
+
+def _idle_forward(model, device) -> None:
+    """A two-token grouped forward through the same modules as a decode step, for a rank that has finished."""
+    layout = GroupLayout((1,), (1,), (1,), 1, 1)
+    is_vl = rope_index_owner(getattr(model, "module", model)) is not None
+    positions = torch.arange(2, device=device).view(1, 1, 2).expand(3 if is_vl else 1, 1, 2)
+    model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), attention_mask=None,
+          position_ids=positions if is_vl else positions[0], use_cache=False,
+          **{attention.PLAN_KWARG: attention.GroupedAttentionPlan(layout, "masked")})
 
 
 def _default_synced() -> bool:
@@ -191,21 +203,28 @@ def _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_i
     tracker = _StopTracker(count, eos_ids, sampling.stop_strings, tokenizer, device)
     tokens_out, logprobs_out, masks_out = [], [], []
     try:
-        for step in range(sampling.max_new_tokens):
-            tokens, logprobs = _sample(logits, sampling, generator, suppress)
-            active = ~tracker.finished
-            tokens = torch.where(active, tokens, torch.full_like(tokens, pad_id))
-            tokens_out.append(tokens)
-            logprobs_out.append(torch.where(active, logprobs, torch.zeros_like(logprobs)))
-            masks_out.append(active.long())
-            tracker.update(tokens)
-            if step == sampling.max_new_tokens - 1 or _all_finished(tracker.finished, synced):
+        step, done_here = 0, False
+        while True:
+            if not done_here:
+                tokens, logprobs = _sample(logits, sampling, generator, suppress)
+                active = ~tracker.finished
+                tokens = torch.where(active, tokens, torch.full_like(tokens, pad_id))
+                tokens_out.append(tokens)
+                logprobs_out.append(torch.where(active, logprobs, torch.zeros_like(logprobs)))
+                masks_out.append(active.long())
+                tracker.update(tokens)
+                done_here = bool(tracker.finished.all()) or step == sampling.max_new_tokens - 1
+            if _all_done(done_here, synced, device):
                 break
-            step_positions = (last_position + 1 + step)[:, :, None]  # [axes, N, 1]
-            out = model(input_ids=tokens[:, None], attention_mask=None,
-                        position_ids=step_positions if step_positions.shape[0] > 1 else step_positions[0],
-                        past_key_values=cache, use_cache=True, **{attention.PLAN_KWARG: cache})
-            logits = out.logits[:, -1]
+            if done_here:
+                _idle_forward(model, device)  # this rank is done; the others still gather parameters (ZeRO-3)
+            else:
+                step_positions = (last_position + 1 + step)[:, :, None]  # [axes, N, 1]
+                out = model(input_ids=tokens[:, None], attention_mask=None,
+                            position_ids=step_positions if step_positions.shape[0] > 1 else step_positions[0],
+                            past_key_values=cache, use_cache=True, **{attention.PLAN_KWARG: cache})
+                logits = out.logits[:, -1]
+                step += 1
     finally:
         _set_text_attention(model, previous)
     return Rollout(

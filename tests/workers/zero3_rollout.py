@@ -1,0 +1,55 @@
+"""Run under torchrun with 2 processes: grouped rollouts with the policy partitioned by ZeRO-3.
+
+Each rank has its own prompts, group size and an EOS that stops its samples at a different step, so the ranks
+decode for different numbers of steps; ZeRO-3 gathers parameters collectively at every forward, so a rank that
+finished early must keep stepping with the others. Writes rank{r}.json into the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import app  # noqa: F401
+from app import distributed
+from app.data.prompts import encode_prompts
+from app.data.video import video_element
+from app.models import load_model, load_processor
+from app.rollout import SamplingConfig, generate_groups
+
+
+def main(checkpoint: str, video: str, out: str) -> None:
+    rank, world = distributed.init_distributed()
+    ds_config = distributed.load_deepspeed_config("deepspeed_configs/zero3.json", gradient_accumulation_steps=1,
+                                                  max_grad_norm=1.0, dtype="float32")
+    keep = distributed.hf_deepspeed_config(ds_config)
+    model = load_model(checkpoint)
+    engine = distributed.build_engine(model, ds_config, torch.optim.AdamW(model.parameters(), lr=1e-3), None)
+    partitioned = all(getattr(p, "ds_numel", None) is not None for p in engine.module.parameters())
+    processor = load_processor(checkpoint)
+    tokenizer = processor.tokenizer
+    questions = ["What colour is the square?", "How many squares are there?"][: rank + 1]
+    conversations = [[{"role": "user", "content": [video_element(video, fps=2, min_pixels=3136, max_pixels=3136),
+                                                   {"type": "text", "text": q}]}] for q in questions]
+    prompts = encode_prompts(processor, conversations)
+    greedy = SamplingConfig(temperature=0, max_new_tokens=12)
+    free = generate_groups(engine.module, prompts, 2 + rank, greedy, tokenizer=tokenizer, eos_ids=[])
+    # Rank 0 stops at its third token, rank 1 runs to the limit: uneven decode lengths across ranks.
+    eos = [int(free.completion_ids[0, 2])] if rank == 0 else []
+    cut = generate_groups(engine.module, prompts, 2 + rank, greedy, tokenizer=tokenizer, eos_ids=eos)
+    sampled = generate_groups(engine.module, prompts, 2 + rank, SamplingConfig(max_new_tokens=6 + 4 * rank, seed=rank),
+                              tokenizer=tokenizer)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({
+        "world": world, "partitioned": partitioned, "free": free.completion_ids.tolist(),
+        "cut_lengths": cut.completion_mask.sum(1).tolist(), "cut_steps": cut.completion_ids.shape[1],
+        "sampled_shape": list(sampled.completion_ids.shape), "prompts": questions, "keep": keep is not None,
+    }))
+    distributed.barrier()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
