@@ -88,15 +88,17 @@ def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _sdpa(q, k, v, mask=None, is_causal=False, scale=None, dropout=0.0):
     k, v = _expand_kv(k, q.shape[-3]), _expand_kv(v, q.shape[-3])
+    if q.dim() == 3:  # the fused CPU kernels take 4-D inputs only; 3-D falls back to the O(L^2)-memory math path
+        return _sdpa(q[None], k[None], v[None], mask, is_causal, scale, dropout)[0]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                           dropout_p=dropout)
 
 
 def suffix_block_mask(prefix_len: int, completion_lens: list[int], device) -> torch.Tensor:
     """[S, P+S] boolean: every response query sees all of P and its own earlier tokens."""
-    lens = torch.tensor(completion_lens, device=device)
-    seg = torch.repeat_interleave(torch.arange(len(completion_lens), device=device), lens)
-    idx = torch.arange(int(lens.sum()), device=device)
+    # Small index vectors come from the CPU; the S x (P+S) mask itself is built on the device.
+    seg = torch.repeat_interleave(torch.arange(len(completion_lens)), torch.tensor(completion_lens)).to(device)
+    idx = torch.arange(sum(completion_lens), device=device)
     own = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
     return torch.cat([own.new_ones(own.shape[0], prefix_len), own], dim=1)
 
@@ -132,22 +134,26 @@ def _paper(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
         longest, count = max(lens), len(lens)
 
         def build(prefix=prefix, lens=lens, longest=longest):
-            valid = torch.arange(longest, device=q.device)[None, :] < torch.tensor(lens, device=q.device)[:, None]
-            own = torch.ones(longest, longest, dtype=torch.bool, device=q.device).tril()
+            dev = q.device
+            valid = torch.arange(longest, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
+            own = torch.ones(longest, longest, dtype=torch.bool, device=dev).tril()
             suffix = own[None] & valid[:, None, :]
             mask = torch.cat([suffix.new_ones(len(lens), longest, prefix), suffix], dim=2)
-            offsets = torch.tensor([0, *lens[:-1]], device=q.device).cumsum(0) + prefix
-            rows = (offsets[:, None] + torch.arange(longest, device=q.device)[None, :]).clamp_max(sum(lens) + prefix - 1)
-            return mask[:, None], rows, valid
+            offsets = torch.tensor([0, *lens[:-1]], device=dev).cumsum(0) + prefix
+            rows = (offsets[:, None] + torch.arange(longest, device=dev)[None, :]).clamp_max(sum(lens) + prefix - 1)
+            # Index of the real (unpadded) query rows, from Python ints: no data-dependent op on the device.
+            keep = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(lens)]).to(dev)
+            return mask[:, None], rows, keep
 
-        mask, rows, valid = plan.cached(f"paper{g}", q.device, build)
+        mask, rows, keep = plan.cached(f"paper{g}", q.device, build)
         span_q, span_k, span_v = q[:, start:], k[:, start:], v[:, start:]
         # [G, H, longest, D] queries; keys [G, Hkv, prefix + longest, D] with P repeated per response.
         qs = span_q[:, rows].transpose(0, 1)
         ks = torch.cat([span_k[:, :prefix][None].expand(count, -1, -1, -1), span_k[:, rows].transpose(0, 1)], dim=2)
         vs = torch.cat([span_v[:, :prefix][None].expand(count, -1, -1, -1), span_v[:, rows].transpose(0, 1)], dim=2)
         res = _sdpa(qs, ks, vs, mask=mask, scale=scale, dropout=dropout)  # [G, H, longest, D]
-        out[:, mid : mid + sum(lens)] = res.transpose(0, 1)[:, valid].reshape(heads, sum(lens), dim)
+        flat = res.transpose(0, 1).reshape(heads, count * longest, dim)
+        out[:, mid : mid + sum(lens)] = flat.index_select(1, keep)
     return out
 
 

@@ -1,0 +1,101 @@
+"""Shared benchmark plumbing: environment record, isolated child runs (peak memory per point), reports."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def environment() -> dict:
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+    except OSError:
+        commit = ""
+    env = {"machine": platform.platform(), "processor": platform.processor() or platform.machine(),
+           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "commit": commit,
+           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+           "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return env
+
+
+def device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def peak_memory_mb() -> float:
+    """Peak memory of this process: CUDA max allocated on GPU, peak RSS on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def isolated(target: str, **kwargs) -> dict:
+    """Run ``module:function(**kwargs)`` in a fresh interpreter; return its dict plus that process's peak memory."""
+    result = subprocess.run([sys.executable, "-m", "app.bench.common", target, json.dumps(kwargs)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=3600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if result.returncode != 0:
+        raise RuntimeError(f"{target}({kwargs}) failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def timed(fn, repeats: int = 3, warmup: int = 1) -> float:
+    """Median wall seconds of ``fn()`` after warm-up runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def markdown_table(rows: list[dict], columns: list[str], formats: dict | None = None) -> str:
+    formats = formats or {}
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = []
+        for c in columns:
+            value = row.get(c, "")
+            cells.append(format(value, formats[c]) if c in formats and isinstance(value, (int, float)) else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_report(out: Path, name: str, payload: dict, table: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"environment": environment(), **payload}, indent=2))
+    (out / f"{name}.md").write_text(table + "\n")
+    print(table, flush=True)
+    return out / f"{name}.json"
+
+
+def _child() -> None:
+    target, kwargs = sys.argv[1], json.loads(sys.argv[2])
+    module, function = target.split(":")
+    result = getattr(importlib.import_module(module), function)(**kwargs)
+    result["peak_memory_mb"] = peak_memory_mb()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _child()
