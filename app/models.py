@@ -209,7 +209,7 @@ def model_class(config):
 
 
 def build_tiny_checkpoint(out_dir: str | Path, family: str = "qwen2_5_vl", seed: int = 0,
-                          sizes: TinySizes = TinySizes()) -> Path:
+                          sizes: TinySizes = TinySizes(), max_pixels: int = 28 * 28 * 16) -> Path:
     """Write a randomly initialised tiny checkpoint (model + processor/tokenizer) with save_pretrained."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -220,7 +220,7 @@ def build_tiny_checkpoint(out_dir: str | Path, family: str = "qwen2_5_vl", seed:
     model.generation_config.eos_token_id = config.eos_token_id if hasattr(config, "eos_token_id") else None
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
-    build_processor(family, tokenizer).save_pretrained(out)
+    build_processor(family, tokenizer, max_pixels=max_pixels).save_pretrained(out)
     (out / "tiny_checkpoint.json").write_text(json.dumps({"family": family, "seed": seed, **sizes.__dict__}))
     return out
 

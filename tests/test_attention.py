@@ -129,3 +129,18 @@ def test_unknown_backend_is_refused():
     layout = GroupLayout((1,), (2,), (1,), 2, 1)
     with pytest.raises(ValueError, match="unknown grouped-attention backend 'fast'"):
         GroupedAttentionPlan(layout, "fast")
+
+
+def test_packed_backend_chunks_long_responses():
+    from app.grouping.attention import response_chunks
+
+    assert response_chunks(8, [3, 3, 3, 1]) == [[3, 3], [3, 1]]
+    assert response_chunks(2, [5, 1, 1, 4]) == [[5], [1, 1], [4]]
+    layout = GroupLayout((4, 2), (2, 9), (5, 1, 1, 4, 3, 8), 9, 8)
+    q, k, v = qkv(layout, 4, 2, seed=11)
+    expected = naive_attention(layout, q, k, v)
+    out = grouped_attention(GroupedAttentionPlan(layout, "packed"), q, k, v)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

@@ -26,7 +26,11 @@ def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
     checkpoint = build_tiny_checkpoint(root / "tiny", "qwen2_5_vl", seed=0)
     files = generate(root / "data", train=16, heldout=4, seed=0)
-    return {"root": root, "checkpoint": checkpoint, "train": files["train"]}
+    # A random tiny model earns format/accuracy rewards only by luck; a reward that varies within every group
+    # guarantees non-zero advantages, so parameters always move and the comparisons below can fail.
+    plugin = root / "varied_reward.py"
+    plugin.write_text("def varied(completions, records):\n    return [len(c) % 5 / 4 for c in completions]\n")
+    return {"root": root, "checkpoint": checkpoint, "train": files["train"], "plugin": f"{plugin}:varied"}
 
 
 def overrides(assets, out: Path, **extra) -> list[str]:
@@ -36,6 +40,7 @@ def overrides(assets, out: Path, **extra) -> list[str]:
         "train.learning_rate": 1e-3, "train.save_every": 0, "rollout.group_size": 4,
         "rollout.max_completion_length": 8, "grpo.beta": 0.04, "logging.progress_bar": False,
         "logging.wandb_mode": "disabled", "train.deepspeed_config": "deepspeed_configs/zero2.json",
+        "rewards.functions": f"[format, accuracy, '{assets['plugin']}']",
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
@@ -134,6 +139,8 @@ def test_crash_then_resume_equals_uninterrupted(assets, tmp_path):
     assert not (tmp_path / "resumed" / "final").exists()
     run(trainer(assets, tmp_path / "resumed", **settings, **{"train.resume": True}))
     straight, resumed = weights(tmp_path / "straight" / "final"), weights(tmp_path / "resumed" / "final")
+    initial = weights(assets["checkpoint"])
+    assert sum(not torch.equal(straight[n], initial[n]) for n in straight) > len(straight) // 2
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0, msg=name)
     steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
@@ -183,3 +190,13 @@ def test_bad_records_are_skipped_with_named_reasons(assets, tmp_path):
                                                            "data.max_skip_fraction": 0.1}), check=False)
     assert failing.returncode != 0
     assert "records in" in failing.stderr and "are unusable" in failing.stderr
+
+
+def test_temporal_grpo_and_dapo_settings_run(assets, tmp_path):
+    """T-GRPO (a second group on shuffled frames), token-level loss, eps_high, mu=2 and the HF rollout engine."""
+    out = tmp_path / "run"
+    run(trainer(assets, out, **{"rewards.temporal": True, "grpo.loss_aggregation": "token", "grpo.epsilon_high": 0.28,
+                                "grpo.num_iterations": 2, "rollout.engine": "hf", "train.max_steps": 1,
+                                "train.export_hf": False}))
+    metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "reward/temporal" in metrics and metrics["reward/temporal"] >= 0

@@ -10,13 +10,12 @@ its own (a child that only builds the inputs gives the baseline that every varia
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from app.bench.common import device, isolated, markdown_table, timed, write_report
+from app.bench.common import cli, device, isolated, markdown_table, timed, write_report
 from app.grouping import GroupedAttentionPlan, GroupLayout, grouped_attention, usable_backends
 
 DEFAULT = {"heads": 8, "head_dim": 64, "prefix": 4096, "group": 8, "suffix": 256}
@@ -107,11 +106,7 @@ def run(out: Path, quick: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="outputs/bench/attention")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (for tests)")
-    args = parser.parse_args(argv)
-    run(Path(args.out), args.quick)
+    cli(run, __doc__, "outputs/bench/attention", argv)
 
 
 if __name__ == "__main__":

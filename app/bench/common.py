@@ -89,6 +89,17 @@ def write_report(out: Path, name: str, payload: dict, table: str) -> Path:
     return out / f"{name}.json"
 
 
+def cli(run, doc: str, default_out: str, argv: list[str] | None = None) -> None:
+    """The command line every benchmark shares: --out DIR, --quick."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=default_out)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (for tests)")
+    args = parser.parse_args(argv)
+    run(Path(args.out), args.quick)
+
+
 def _child() -> None:
     target, kwargs = sys.argv[1], json.loads(sys.argv[2])
     module, function = target.split(":")

@@ -11,15 +11,14 @@ real on the subset that fits the machine.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from app.bench.common import device, isolated, markdown_table, timed, write_report
+from app.bench.common import cli, device, isolated, markdown_table, timed, write_report
 from app.grouping import GroupedAttentionPlan, GroupLayout, completion_logprobs
-from app.grouping.attention import PLAN_KWARG
+from app.grouping.attention import PLAN_KWARG, response_chunks
 from app.grouping.forward import _set_text_attention
 from app.models import TinySizes, build_tokenizer, model_class, tiny_config
 
@@ -56,9 +55,10 @@ def analytic(prefix: int, suffix: int, group: int, config, variant: str) -> floa
         tokens, pairs, logits = group * (prefix + suffix), group * (prefix + suffix) ** 2, group * (suffix + 1)
     elif variant == "paper":  # P with itself, each Ri against [P; Ri]
         tokens, pairs, logits = prefix + group * suffix, prefix**2 + group * suffix * (prefix + suffix), group * suffix
-    else:  # packed: P with itself, all responses of the group against [P; R1..RG]
+    else:  # packed: P with itself, each chunk of responses against [P; chunk]
         tokens = prefix + group * suffix
-        pairs, logits = prefix**2 + group * suffix * (prefix + group * suffix), group * suffix
+        chunks = [sum(c) for c in response_chunks(prefix, [suffix] * group)]
+        pairs, logits = prefix**2 + sum(c * (prefix + c) for c in chunks), group * suffix
     return 3.0 * (tokens * tok + pairs * pair + logits * head)
 
 
@@ -210,11 +210,7 @@ def plot(flop_rows: list[dict], measured: list[dict], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="outputs/bench/grid")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (for tests)")
-    args = parser.parse_args(argv)
-    run(Path(args.out), args.quick)
+    cli(run, __doc__, "outputs/bench/grid", argv)
 
 
 if __name__ == "__main__":

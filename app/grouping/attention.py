@@ -4,8 +4,9 @@ Within a group, prefix tokens attend causally within P; tokens of response Ri at
 earlier tokens, never to another Rj; groups never see each other. Every backend computes exactly that; they differ
 only in how the work is cut:
 
-- ``packed``  two calls per group, no prefix copy: P causally, then all response queries of the group against the
-              group's packed keys [P;R1..RG] under a block mask. Fastest and leanest on CPU.
+- ``packed``  P causally, then the responses chunk by chunk (chunks of at most max(P, longest response)
+              tokens) against [P; chunk] under a block mask. The first chunk follows P in the row, so when the
+              responses are short next to P there is one call and no copy of P. Leanest on CPU.
 - ``paper``   the paper's two calls: P causally, then each response against [P;Ri], with P's keys/values
               materialised once per response (what the ``prefix-grouper`` package does).
 - ``masked``  one call over the whole row with a dense boolean mask (the naive reference; O(T^2) memory).
@@ -111,15 +112,41 @@ def dense_group_mask(layout: GroupLayout, device) -> torch.Tensor:
     return causal & (grp[:, None] == grp[None, :]) & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None]))
 
 
+def response_chunks(prefix_len: int, completion_lens: list[int]) -> list[list[int]]:
+    """Consecutive responses packed into chunks of at most max(P, longest response) tokens.
+
+    A chunk's queries attend to [P; chunk] under a block mask, so the work spent on masked-out pairs (responses of
+    the same chunk seeing each other) stays below the prefix work. The first chunk sits right after P in the
+    packed row and needs no copy; later chunks take a copy of P's keys/values.
+    """
+    budget = max(prefix_len, max(completion_lens))
+    chunks, current, total = [], [], 0
+    for length in completion_lens:
+        if current and total + length > budget:
+            chunks.append(current)
+            current, total = [], 0
+        current.append(length)
+        total += length
+    return [*chunks, current]
+
+
 def _packed(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
     out = torch.empty_like(q)
     for g, (start, prefix, lens) in enumerate(plan.layout.group_spans):
-        mid, end = start + prefix, start + prefix + sum(lens)
+        mid = start + prefix
         out[:, start:mid] = _sdpa(q[:, start:mid], k[:, start:mid], v[:, start:mid], is_causal=True, scale=scale,
                                   dropout=dropout)
-        mask = plan.cached(f"suffix{g}", q.device, lambda p=prefix, ls=lens: suffix_block_mask(p, ls, q.device))
-        out[:, mid:end] = _sdpa(q[:, mid:end], k[:, start:end], v[:, start:end], mask=mask, scale=scale,
-                                dropout=dropout)
+        offset = mid
+        for c, chunk in enumerate(response_chunks(prefix, lens)):
+            end = offset + sum(chunk)
+            mask = plan.cached(f"suffix{g}.{c}", q.device, lambda p=prefix, ls=chunk: suffix_block_mask(p, ls, q.device))
+            if offset == mid:  # [P; chunk] is contiguous in the packed row
+                keys, values = k[:, start:end], v[:, start:end]
+            else:
+                keys = torch.cat([k[:, start:mid], k[:, offset:end]], dim=1)
+                values = torch.cat([v[:, start:mid], v[:, offset:end]], dim=1)
+            out[:, offset:end] = _sdpa(q[:, offset:end], keys, values, mask=mask, scale=scale, dropout=dropout)
+            offset = end
     return out
 
 

@@ -1,0 +1,38 @@
+"""The benchmark code paths on tiny shapes, so they don't rot. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from app.bench.grid import analytic, bench_model, count_flops
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(("prefix", "suffix", "group"), [(64, 16, 2), (128, 256, 4)])
+def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
+    config = bench_model(meta=True).config
+    for variant in ("repeated", "paper", "packed"):
+        counted = count_flops(prefix, suffix, group, variant)
+        assert counted == pytest.approx(analytic(prefix, suffix, group, config, variant), rel=0.02)
+    assert count_flops(prefix, suffix, group, "paper") < count_flops(prefix, suffix, group, "repeated")
+
+
+@pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e"])
+def test_benchmark_runs_quick(name, tmp_path):
+    out = tmp_path / name
+    result = subprocess.run(["bash", "scripts/bench.sh", name, "--out", str(out), "--quick"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((out / f"{name}.json").read_text())
+    assert report["environment"]["torch"] and "commit" in report["environment"]
+    assert (out / f"{name}.md").read_text().count("|") > 10
+    if name == "grid":
+        assert report["worst_flop_ratio_error"] <= 0.02
+        assert (out / "grid_flops.png").is_file() and (out / "grid_memory.png").is_file()
+    if name == "attention":
+        assert report["max_abs_difference_vs_package"] < 1e-4
