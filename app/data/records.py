@@ -150,8 +150,7 @@ class PromptStream:
     rank: int = 0
     world_size: int = 1
     position: int = 0  # prompts of this rank's stream consumed so far (encoded or skipped)
-    skipped: Counter = field(default_factory=Counter)
-    load_skipped: int = 0
+    skipped: Counter = field(default_factory=Counter)  # reason -> count, from loading and from encoding
     total_records: int = 0
 
     def _order(self, epoch: int) -> list[int]:
@@ -172,9 +171,9 @@ class PromptStream:
         log.warning("skipping %s: %s", where(record), reason)
         self.skipped[reason.split(":")[0].split(" (")[0]] += 1
         limit = self.data_cfg.max_skip_fraction * max(self.total_records, 1)
-        if self.load_skipped + sum(self.skipped.values()) > limit:
+        if sum(self.skipped.values()) > limit:
             raise DataError(
-                f"{self.load_skipped + sum(self.skipped.values())} of {self.total_records} records are unusable, "
+                f"{sum(self.skipped.values())} of {self.total_records} records are unusable, "
                 f"more than data.max_skip_fraction={self.data_cfg.max_skip_fraction}; last: {where(record)}: {reason}"
             )
 
@@ -225,9 +224,6 @@ def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int) -> P
                         f"{skipped[0].reason}")
     if not usable:
         raise DataError(f"{data_cfg.train_file}: no usable records")
-    stream = PromptStream(usable, data_root, data_cfg, processor, seed=seed, rank=rank, world_size=world_size,
-                          load_skipped=len(skipped), total_records=total)
-    for s in skipped:
-        stream.skipped[s.reason.split(":")[0].split(" (")[0]] += 1
-    stream.load_skipped = 0  # counted in `skipped` now
-    return stream
+    reasons = Counter(s.reason.split(":")[0].split(" (")[0] for s in skipped)
+    return PromptStream(usable, data_root, data_cfg, processor, seed=seed, rank=rank, world_size=world_size,
+                        skipped=reasons, total_records=total)

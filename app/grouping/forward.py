@@ -116,8 +116,8 @@ def _logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatu
     return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
 
 
-def _grouped(model, prompts, completion_ids, completion_mask, layout: GroupLayout, backend, temperature,
-             return_logits, extra_forward_kwargs):
+def _grouped(model, prompts, completion_ids, layout: GroupLayout, backend, temperature, return_logits,
+             extra_forward_kwargs):
     device = completion_ids.device
     _set_text_attention(model, attention.ATTENTION_NAME)
     plan = attention.GroupedAttentionPlan(layout, backend or attention.default_backend(device))
@@ -224,8 +224,8 @@ def completion_logprobs(
     layout = GroupLayout.from_masks(prompts["attention_mask"], completion_mask, group_sizes)
     _refuse_placeholders_in_completions(model, completion_ids, completion_mask)
     if mode == "grouped":
-        logprobs, logits = _grouped(model, prompts, completion_ids, completion_mask, layout, backend, temperature,
-                                    return_logits, forward_kwargs)
+        logprobs, logits = _grouped(model, prompts, completion_ids, layout, backend, temperature, return_logits,
+                                    forward_kwargs)
     else:
         logprobs, logits = _repeated(model, prompts, completion_ids, completion_mask, layout, temperature,
                                      return_logits, forward_kwargs)
