@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from app.grouping import GroupedAttentionPlan, GroupLayout, grouped_attention
 
-CPU_BACKENDS = ("packed", "paper", "masked", "flash")
+CPU_BACKENDS = ("packed", "paper", "masked", "split", "flash")
 
 
 def naive_attention(layout: GroupLayout, q, k, v):

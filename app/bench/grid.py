@@ -139,15 +139,18 @@ def run(out: Path, quick: bool = False) -> dict:
         base = isolated("app.bench.grid:measure_point", prefix=prefix, suffix=suffix, group=group,
                         variant="baseline")["peak_memory_mb"]
         row = {"prefix": prefix, "suffix": suffix, "G": group, "baseline_mb": base}
-        for variant in ("repeated", "paper", "packed"):
+        for variant in ("repeated", "paper", "packed", "split"):
             result = isolated("app.bench.grid:measure_point", prefix=prefix, suffix=suffix, group=group,
                               variant=variant, repeats=1 if quick else 2)
             row[f"seconds_{variant}"], row[f"peak_mb_{variant}"] = result["seconds"], result["peak_memory_mb"]
-        for variant in ("paper", "packed"):
+        for variant in ("paper", "packed", "split"):
             row[f"time_ratio_{variant}"] = row[f"seconds_{variant}"] / row["seconds_repeated"]
             row[f"memory_ratio_{variant}"] = row[f"peak_mb_{variant}"] / row["peak_mb_repeated"]
-            row[f"flop_ratio_{variant}"] = analytic(prefix, suffix, group, config, variant) / analytic(
+            # split computes the paper's rectangles (S x P per response, then its own S x S block)
+            counted = "paper" if variant == "split" else variant
+            row[f"flop_ratio_{variant}"] = analytic(prefix, suffix, group, config, counted) / analytic(
                 prefix, suffix, group, config, "repeated")
+            row[f"time_over_flop_ratio_{variant}"] = row[f"time_ratio_{variant}"] / row[f"flop_ratio_{variant}"]
         measured.append(row)
     flop_table = markdown_table(flop_rows, ["prefix", "suffix", "G", "ratio_paper", "analytic_ratio_paper",
                                             "ratio_error_paper", "ratio_packed", "analytic_ratio_packed",
@@ -155,14 +158,11 @@ def run(out: Path, quick: bool = False) -> dict:
                                 {k: ".4f" for k in ("ratio_paper", "analytic_ratio_paper", "ratio_packed",
                                                     "analytic_ratio_packed")} | {"ratio_error_paper": ".2e",
                                                                                   "ratio_error_packed": ".2e"})
-    measured_table = markdown_table(measured, ["prefix", "suffix", "G", "seconds_repeated", "seconds_paper",
-                                               "seconds_packed", "flop_ratio_paper", "time_ratio_paper",
-                                               "time_ratio_packed", "peak_mb_repeated", "memory_ratio_paper",
-                                               "memory_ratio_packed"],
-                                    {k: ".3f" for k in ("seconds_repeated", "seconds_paper", "seconds_packed",
-                                                        "flop_ratio_paper", "time_ratio_paper", "time_ratio_packed",
-                                                        "memory_ratio_paper", "memory_ratio_packed")}
-                                    | {"peak_mb_repeated": ".0f"})
+    columns = ["prefix", "suffix", "G", "seconds_repeated", "seconds_split", "seconds_paper", "seconds_packed",
+               "flop_ratio_paper", "time_ratio_split", "time_over_flop_ratio_split", "time_ratio_paper",
+               "time_ratio_packed", "peak_mb_repeated", "memory_ratio_split", "memory_ratio_paper",
+               "memory_ratio_packed"]
+    measured_table = markdown_table(measured, columns, {k: ".3f" for k in columns[3:]} | {"peak_mb_repeated": ".0f"})
     worst = max(max(r["ratio_error_paper"], r["ratio_error_packed"]) for r in flop_rows)
     table = (f"## FLOPs, grouped / repeated (forward+backward; worst deviation from the analytic ratio: {worst:.2e})"
              f"\n\n{flop_table}\n\n## Measured on {device().type} (wall time, peak memory)\n\n{measured_table}")
@@ -199,8 +199,8 @@ def plot(flop_rows: list[dict], measured: list[dict], out: Path) -> None:
         fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
         labels = [f"P{r['prefix']} S{r['suffix']} G{r['G']}" for r in measured]
         x = range(len(measured))
-        for offset, variant in ((-0.25, "repeated"), (0.0, "paper"), (0.25, "packed")):
-            ax.bar([i + offset for i in x], [r[f"peak_mb_{variant}"] for r in measured], width=0.25, label=variant)
+        for offset, variant in ((-0.3, "repeated"), (-0.1, "split"), (0.1, "paper"), (0.3, "packed")):
+            ax.bar([i + offset for i in x], [r[f"peak_mb_{variant}"] for r in measured], width=0.2, label=variant)
         ax.set_xticks(list(x), labels)
         ax.set_ylabel("peak memory (MB)")
         ax.set_title("peak memory per point (fresh process each)")

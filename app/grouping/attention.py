@@ -4,9 +4,12 @@ Within a group, prefix tokens attend causally within P; tokens of response Ri at
 earlier tokens, never to another Rj; groups never see each other. Every backend computes exactly that; they differ
 only in how the work is cut:
 
+- ``split``   (CPU default) P causally; then all response queries against P in one unmasked call (P is never
+              copied) and each response against itself with is_causal, merged exactly by log-sum-exp in a custom
+              autograd function over torch's fused CPU kernel and its backward. Fastest and leanest on CPU.
 - ``packed``  P causally, then the responses chunk by chunk (chunks of at most max(P, longest response)
               tokens) against [P; chunk] under a block mask. The first chunk follows P in the row, so when the
-              responses are short next to P there is one call and no copy of P. Leanest on CPU.
+              responses are short next to P there is one call and no copy of P.
 - ``paper``   the paper's two calls: P causally, then each response against [P;Ri], with P's keys/values
               materialised once per response (what the ``prefix-grouper`` package does).
 - ``masked``  one call over the whole row with a dense boolean mask (the naive reference; O(T^2) memory).
@@ -34,7 +37,7 @@ from app.grouping.layout import GroupLayout
 
 ATTENTION_NAME = "prefix_grouper"
 PLAN_KWARG = "prefix_grouping"
-BACKENDS = ("packed", "paper", "masked", "flex", "flash")
+BACKENDS = ("packed", "paper", "masked", "flex", "flash", "split")
 
 
 def flash_attn_available() -> bool:
@@ -42,20 +45,21 @@ def flash_attn_available() -> bool:
 
 
 def default_backend(device: torch.device | str | None = None) -> str:
-    """The best backend that runs here: flash-attn varlen, else FlexAttention on CUDA, else ``packed``."""
+    """The best backend that runs here: flash-attn varlen, else FlexAttention on CUDA, else ``split`` on CPU."""
     on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
     if on_cuda and flash_attn_available():
         return "flash"
     if on_cuda:
         return "flex"
-    return "packed"
+    return "split"
 
 
 def usable_backends(device: torch.device | str) -> tuple[str, ...]:
     """Backends that run forward and backward on ``device``."""
     if torch.device(device).type == "cuda":
-        return BACKENDS if flash_attn_available() else tuple(b for b in BACKENDS if b != "flash")
-    return ("packed", "paper", "masked")
+        gpu = ("packed", "paper", "masked", "flex", "flash")
+        return gpu if flash_attn_available() else gpu[:-1]
+    return ("packed", "paper", "masked", "split")
 
 
 @dataclass
@@ -259,7 +263,78 @@ def _flash(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
     return out.transpose(0, 1)
 
 
-_BACKEND_FNS = {"packed": _packed, "paper": _paper, "masked": _masked, "flex": _flex, "flash": _flash}
+class _PrefixPlusOwnAttention(torch.autograd.Function):
+    """Softmax over [P ; own earlier tokens] for every response query, as two fused CPU calls merged exactly.
+
+    Part A: all the group's response queries against P in one unmasked call (no copy of P, no mask). Part B: each
+    response against itself with ``is_causal=True`` (the kernel skips the upper triangle). The outputs merge by
+    log-sum-exp; the backward hands each part the MERGED output and log-sum-exp, so its kernel computes the joint
+    probabilities and exact gradients (as ring attention does).
+    """
+
+    @staticmethod
+    def forward(ctx, q, prefix_k, prefix_v, own_k, own_v, lens, scale):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out_a, lse_a = flash(q, prefix_k, prefix_v, 0.0, False, scale=scale)
+        parts, lses, start = [], [], 0
+        for length in lens:
+            sl = slice(start, start + length)
+            o, lse = flash(q[:, :, sl], own_k[:, :, sl], own_v[:, :, sl], 0.0, True, scale=scale)
+            parts.append(o)
+            lses.append(lse)
+            start += length
+        out_b, lse_b = torch.cat(parts, dim=2), torch.cat(lses, dim=2)
+        lse = torch.logaddexp(lse_a, lse_b)
+        out = (torch.exp(lse_a - lse)[..., None] * out_a.to(lse.dtype)
+               + torch.exp(lse_b - lse)[..., None] * out_b.to(lse.dtype))
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, prefix_k, prefix_v, own_k, own_v, out, lse)
+        ctx.lens, ctx.scale = lens, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, prefix_k, prefix_v, own_k, own_v, out, lse = ctx.saved_tensors
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grad_out = grad_out.contiguous()
+        dq, dpk, dpv = backward(grad_out, q, prefix_k, prefix_v, out, lse, 0.0, False, scale=ctx.scale)
+        dq = dq.clone()
+        dok, dov = torch.zeros_like(own_k), torch.zeros_like(own_v)
+        start = 0
+        for length in ctx.lens:
+            sl = slice(start, start + length)
+            gq, gk, gv = backward(grad_out[:, :, sl].contiguous(), q[:, :, sl].contiguous(),
+                                  own_k[:, :, sl].contiguous(), own_v[:, :, sl].contiguous(),
+                                  out[:, :, sl].contiguous(), lse[:, :, sl].contiguous(), 0.0, True, scale=ctx.scale)
+            dq[:, :, sl] += gq
+            dok[:, :, sl] = gk
+            dov[:, :, sl] = gv
+            start += length
+        return dq, dpk, dpv, dok, dov, None, None
+
+
+def _split(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
+    if dropout:
+        raise NotImplementedError("the split backend has no attention dropout")
+    if q.device.type != "cpu":
+        raise NotImplementedError("the split backend uses torch's fused CPU attention kernel; on GPU use flash/flex")
+    heads = q.shape[0]
+    out = torch.empty_like(q)
+    for start, prefix, lens in plan.layout.group_spans:
+        mid, end = start + prefix, start + prefix + sum(lens)
+        out[:, start:mid] = _sdpa(q[:, start:mid], k[:, start:mid], v[:, start:mid], is_causal=True, scale=scale)
+
+        def four_d(x, expand=True):
+            return (_expand_kv(x, heads) if expand else x)[None].contiguous()
+
+        out[:, mid:end] = _PrefixPlusOwnAttention.apply(
+            four_d(q[:, mid:end], expand=False), four_d(k[:, start:mid]), four_d(v[:, start:mid]),
+            four_d(k[:, mid:end]), four_d(v[:, mid:end]), list(lens), scale)[0]
+    return out
+
+
+_BACKEND_FNS = {"packed": _packed, "paper": _paper, "masked": _masked, "flex": _flex, "flash": _flash,
+                "split": _split}
 
 
 def grouped_attention(plan: GroupedAttentionPlan, query, key, value, scale=None, dropout=0.0) -> torch.Tensor:
