@@ -60,6 +60,7 @@ class StepBatch:
     prompts: list[EncodedPrompt]
     rollout: Rollout
     texts: list[str]
+    accuracy: list[float]  # per completion, scored once (metrics and the temporal bonus reuse it)
     rewards: dict[str, list[float]]
     total_reward: torch.Tensor
     advantages: torch.Tensor
@@ -184,15 +185,16 @@ class GRPOTrainer:
         texts = self.decode(rollout)
         records = [p.record for p in prompts for _ in range(cfg.rollout.group_size)]
         rewards = score(self.rewards, texts, records)
+        accuracy = [accuracy_of(t, r) for t, r in zip(texts, records)]
         if cfg.rewards.temporal:
-            rewards["temporal"] = self.temporal_rewards(step, prompts, texts, records, sampling)
+            rewards["temporal"] = self.temporal_rewards(step, prompts, accuracy, records, sampling)
         weights = {name: weight for name, _, weight in self.rewards}
         total = torch.tensor([sum(weights.get(name, 1.0) * values[i] for name, values in rewards.items())
                               for i in range(len(texts))], dtype=torch.float32)
         advantages = group_advantages(total, rollout.group_sizes, scale=cfg.grpo.scale_rewards)
-        return StepBatch(prompts, rollout, texts, rewards, total, advantages)
+        return StepBatch(prompts, rollout, texts, accuracy, rewards, total, advantages)
 
-    def temporal_rewards(self, step, prompts, texts, records, sampling) -> list[float]:
+    def temporal_rewards(self, step, prompts, accuracy, records, sampling) -> list[float]:
         """T-GRPO: the same prompts with shuffled frames; bonus when ordered frames answer better."""
         shuffled = []
         for i, prompt in enumerate(prompts):
@@ -201,7 +203,7 @@ class GRPOTrainer:
                 continue
             again = self.stream.encode(prompt.record, shuffle_frames_seed=step_seed(self.cfg.train.seed, step, i))
             shuffled.append(again)
-        bonus = [0.0] * len(texts)
+        bonus = [0.0] * len(accuracy)
         video = [i for i, s in enumerate(shuffled) if s is not None]
         if not video:
             return bonus
@@ -212,7 +214,7 @@ class GRPOTrainer:
         shuffled_texts = self.decode(rollout)
         g = self.cfg.rollout.group_size
         for k, i in enumerate(video):
-            ordered = [accuracy_of(t, records[i * g]) for t in texts[i * g : (i + 1) * g]]
+            ordered = accuracy[i * g : (i + 1) * g]
             mixed = [accuracy_of(t, records[i * g]) for t in shuffled_texts[k * g : (k + 1) * g]]
             bonus[i * g : (i + 1) * g] = temporal_bonus(ordered, mixed, self.cfg.rewards.temporal_alpha,
                                                         self.cfg.rewards.temporal_ratio)
@@ -258,8 +260,7 @@ class GRPOTrainer:
         local = {
             "reward/mean": float(batch.total_reward.mean()),
             "reward/std": float(batch.total_reward.std()) if batch.total_reward.numel() > 1 else 0.0,
-            "accuracy": sum(accuracy_of(t, p.record) for t, p in zip(batch.texts, [
-                q for q in batch.prompts for _ in range(cfg.rollout.group_size)])) / len(batch.texts),
+            "accuracy": sum(batch.accuracy) / len(batch.accuracy),
             "completion_length": float(lengths.mean()),
             "completions/empty": float(sum(1 for t in batch.texts if not t.strip())),
             "completions/eos_fraction": sum(r != "length" for r in rollout.stop_reasons) / len(rollout.stop_reasons),
