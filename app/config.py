@@ -67,6 +67,11 @@ class RolloutConfig:
     top_k: int = _f(0, "Top-k filter; 0 disables it.")
     max_completion_length: int = _f(768, "Maximum new tokens per completion.")
     stop_strings: list = _f([], "Extra strings that end a completion (EOS always does).")
+    zero3_gather: str = _f("full", "ZeRO-3 only: full gathers the policy's (and reference's) parameters once per "
+                           "rollout / reference pass and runs it hook-free (about ZeRO-2 speed, needs one full copy "
+                           "of the weights per GPU; refused with a message when it does not fit); per_step "
+                           "re-gathers every layer at every decode step (slow, least memory).",
+                           choices=("full", "per_step"))
 
 
 @dataclass

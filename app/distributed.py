@@ -6,6 +6,7 @@ the dtype from the config (bf16). The optimizer is torch AdamW handed to DeepSpe
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -133,6 +134,49 @@ def build_reference(model, ds_config: dict, device: torch.device):
 
 def unwrap(model):
     return getattr(model, "module", model)
+
+
+GATHER_MODES = ("full", "per_step")
+
+
+def _partitioned(engine) -> bool:
+    check = getattr(engine, "zero_optimization_partition_weights", None)
+    return bool(check and check())
+
+
+def _check_gather_fits(module) -> None:
+    if not torch.cuda.is_available():
+        return
+    need = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
+    free, _ = torch.cuda.mem_get_info()
+    if need > 0.9 * free:
+        raise MemoryError(
+            f"gathering the full model for inference needs {need / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB of "
+            "GPU memory is free; set rollout.zero3_gather=per_step (slower: every decode step re-gathers every "
+            "layer) or free memory (smaller micro-batches, optimizer offload)")
+
+
+@contextlib.contextmanager
+def gathered_for_inference(engine, mode: str = "full"):
+    """Yield ``(module, collective)`` to run no-grad forwards on: under ZeRO-3 with ``mode='full'`` every parameter
+    is gathered ONCE and DeepSpeed's per-module hooks are taken off for the block (DeepSpeed's own
+    ``unwrap_model_for_generation``, as TRL does), so decoding costs no all-gathers; partitioning and the hooks come
+    back on exit. ``collective`` tells whether forwards inside still issue collectives (ZeRO-3 ``per_step``), in
+    which case ranks must step together. Elsewhere the plain module, and nothing changes."""
+    if mode not in GATHER_MODES:
+        raise ValueError(f"unknown ZeRO-3 gather mode {mode!r}; expected one of {GATHER_MODES}")
+    module = unwrap(engine)
+    if not _partitioned(engine):
+        yield module, False
+        return
+    if mode == "per_step":
+        yield module, world_size() > 1
+        return
+    from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+    _check_gather_fits(module)
+    with unwrap_model_for_generation(engine):
+        yield module, False
 
 
 def gathered_state_dict(engine) -> dict | None:

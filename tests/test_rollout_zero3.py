@@ -36,6 +36,9 @@ def test_zero3_rollouts_with_uneven_lengths(tmp_path):
     assert all(r["world"] == 2 and r["partitioned"] for r in ranks)
     assert ranks[0]["cut_steps"] == 3 and ranks[1]["cut_steps"] == 12  # rank 0 finished early and waited
     assert ranks[0]["sampled_shape"] == [2, 6] and ranks[1]["sampled_shape"][0] == 6
+    for info in ranks:  # rollout.zero3_gather=full: same tokens, whole weights inside, partitioned after, trains
+        assert info["gathered_equal"] and info["whole_inside"] and not info["collective"]
+        assert info["repartitioned"] and info["stepped_after"]
 
     # The same prompts, unpartitioned, in this process: identical greedy tokens.
     model, processor = load_model(checkpoint), load_processor(checkpoint)

@@ -4,6 +4,7 @@ grouped == repeated training, crash + resume == uninterrupted, and a corpus of b
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -200,3 +201,28 @@ def test_temporal_grpo_and_dapo_settings_run(assets, tmp_path):
                                 "train.export_hf": False}))
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert "reward/temporal" in metrics and metrics["reward/temporal"] >= 0
+
+
+def test_bf16_zero3_two_processes_self_check_crash_and_resume(assets, tmp_path):
+    """model.dtype=bfloat16 under ZeRO-3 with 2 processes on CPU: the bf16 self-check passes (against float32),
+    losses are finite, and a crash + resume ends bitwise equal to an uninterrupted run."""
+    settings = {"model.dtype": "bfloat16", "train.deepspeed_config": "deepspeed_configs/zero3.json",
+                "train.max_steps": 3, "train.save_every": 1}
+    env = {"NPROC_PER_NODE": "2"}
+    straight = run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml",
+                    *overrides(assets, tmp_path / "straight", **settings)], env=env)
+    assert straight.stderr.count("self-check passed: torch.bfloat16") == 2  # one per rank
+    crashed = run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml",
+                   *overrides(assets, tmp_path / "resumed", **settings)],
+                  env={**env, "PREFIX_GRPO_CRASH_AFTER_STEP": "2"}, check=False)
+    assert crashed.returncode != 0
+    run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml",
+         *overrides(assets, tmp_path / "resumed", **settings, **{"train.resume": True})], env=env)
+    metrics = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["kl"]) for m in metrics)
+    a, b = weights(tmp_path / "straight" / "final"), weights(tmp_path / "resumed" / "final")
+    initial = weights(assets["checkpoint"])
+    assert all(t.dtype == torch.bfloat16 for t in a.values())
+    assert sum(not torch.equal(a[n], initial[n].to(torch.bfloat16)) for n in a) > len(a) // 2
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

@@ -19,14 +19,17 @@ from app.grouping.forward import (
     MODES,
     CompletionScores,
     GroupingMismatchError,
+    SelfCheck,
     completion_logprobs,
     repeated_inputs,
     verify_grouping,
 )
 from app.grouping.layout import GroupLayout, LayoutError
+from app.grouping.precision import PrecisionComparison, compare_to_reference, float32_forward
 
 __all__ = [
     "ATTENTION_NAME", "BACKENDS", "MODES", "CompletionScores", "GroupLayout", "GroupedAttentionPlan",
-    "GroupingMismatchError", "LayoutError", "completion_logprobs", "default_backend", "grouped_attention",
+    "GroupingMismatchError", "LayoutError", "PrecisionComparison", "SelfCheck", "compare_to_reference",
+    "completion_logprobs", "float32_forward", "default_backend", "grouped_attention",
     "register", "repeated_inputs", "usable_backends", "verify_grouping",
 ]

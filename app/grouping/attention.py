@@ -275,6 +275,11 @@ class _PrefixPlusOwnAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, prefix_k, prefix_v, own_k, own_v, lens, scale):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        ctx.dtype = q.dtype
+        if q.dtype != torch.float32:
+            # Low precision: both parts and their merge in float32, so the two kernel outputs, the merge and the
+            # summed dq are rounded once (at the end) instead of three times; grouped stays no worse than repeated.
+            q, prefix_k, prefix_v, own_k, own_v = (x.float() for x in (q, prefix_k, prefix_v, own_k, own_v))
         out_a, lse_a = flash(q, prefix_k, prefix_v, 0.0, False, scale=scale)
         parts, lses, start = [], [], 0
         for length in lens:
@@ -287,16 +292,15 @@ class _PrefixPlusOwnAttention(torch.autograd.Function):
         lse = torch.logaddexp(lse_a, lse_b)
         out = (torch.exp(lse_a - lse)[..., None] * out_a.to(lse.dtype)
                + torch.exp(lse_b - lse)[..., None] * out_b.to(lse.dtype))
-        out = out.to(q.dtype)
         ctx.save_for_backward(q, prefix_k, prefix_v, own_k, own_v, out, lse)
         ctx.lens, ctx.scale = lens, scale
-        return out
+        return out.to(ctx.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, prefix_k, prefix_v, own_k, own_v, out, lse = ctx.saved_tensors
         backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        grad_out = grad_out.contiguous()
+        grad_out = grad_out.to(q.dtype).contiguous()
         dq, dpk, dpv = backward(grad_out, q, prefix_k, prefix_v, out, lse, 0.0, False, scale=ctx.scale)
         dq = dq.clone()
         dok, dov = torch.zeros_like(own_k), torch.zeros_like(own_v)
@@ -310,7 +314,8 @@ class _PrefixPlusOwnAttention(torch.autograd.Function):
             dok[:, :, sl] = gk
             dov[:, :, sl] = gv
             start += length
-        return dq, dpk, dpv, dok, dov, None, None
+        dtype = ctx.dtype
+        return dq.to(dtype), dpk.to(dtype), dpv.to(dtype), dok.to(dtype), dov.to(dtype), None, None
 
 
 def _split(plan: GroupedAttentionPlan, q, k, v, scale, dropout):

@@ -26,6 +26,7 @@ from app.grouping.positions import (
     prompt_positions,
     rope_index_owner,
 )
+from app.grouping.precision import PrecisionComparison, compare_to_reference, float32_forward, parameter_dtype
 
 MODES = ("grouped", "repeated")
 
@@ -232,24 +233,61 @@ def completion_logprobs(
     return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), logits=logits, layout=layout)
 
 
-def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes, backend: str | None = None,
-                    rtol: float = 1e-4, atol: float = 1e-5) -> float:
-    """Run both layouts on one batch; raise GroupingMismatchError if their log-probs differ. Returns max |diff|.
+@dataclass
+class SelfCheck:
+    """Outcome of ``verify_grouping``: what was compared and by how much."""
 
-    Compare before training on a new model or backend: it costs one repeated forward, once.
+    dtype: torch.dtype
+    max_diff: float  # max |grouped - repeated| log-prob
+    comparison: PrecisionComparison | None = None  # low precision: both layouts against float32
+
+    def describe(self) -> str:
+        text = f"{self.dtype}: max |grouped - repeated| log-prob {self.max_diff:.3g}"
+        return f"{text}; {self.comparison.describe()}" if self.comparison is not None else text
+
+
+def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes, backend: str | None = None,
+                    rtol: float = 1e-4, atol: float = 1e-5) -> SelfCheck:
+    """Run both layouts on one batch; raise GroupingMismatchError when grouped is wrong. Returns a ``SelfCheck``.
+
+    float32 parameters: grouped and repeated must agree per token within ``atol + rtol * |log-prob|``.
+    Lower precision (bf16, fp16): both are roundings of one function, so both are compared with a float32 forward
+    of the same weights (``precision.float32_forward``) and grouped must be no worse than repeated
+    (``precision.MEAN_RATIO`` / ``MAX_RATIO``). Costs one repeated forward (two in low precision), once.
     """
     previous = text_config(model)._attn_implementation
-    with torch.no_grad():
-        grouped = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped", backend)
-        repeated = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "repeated")
-    _set_text_attention(model, previous)
-    diff = (grouped.logprobs - repeated.logprobs).abs()
-    bound = atol + rtol * repeated.logprobs.abs()
+    dtype = parameter_dtype(model)
+    chosen = backend or attention.default_backend(completion_ids.device)
+    try:
+        with torch.no_grad():
+            grouped = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped",
+                                          backend).logprobs.float()
+            repeated = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes,
+                                           "repeated").logprobs.float()
+            comparison = None
+            if dtype != torch.float32:
+                with float32_forward(model):
+                    reference = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes,
+                                                    "repeated").logprobs
+                comparison = compare_to_reference(grouped, repeated, reference, completion_mask)
+    finally:
+        _set_text_attention(model, previous)
+    diff = (grouped - repeated).abs()
+    result = SelfCheck(dtype, float(diff.max()), comparison)
+    where = f"backend={chosen}, model={type(unwrap(model)).__name__}, dtype={dtype}"
+    advice = ("Try grpo.attention_backend=masked (the plain reference backend) to tell a backend fault from a "
+              "layout fault; set grpo.self_check=false only if you accept training on log-probs that may be wrong.")
+    if comparison is not None:
+        if not comparison.passes():
+            raise GroupingMismatchError(
+                f"grouped log-probs are further from a float32 forward of the same weights than repeated ones: "
+                f"{comparison.describe()} ({where}). {advice}")
+        return result
+    bound = atol + rtol * repeated.abs()
     if bool((diff > bound).any()):
         n, j = divmod(int((diff - bound).argmax()), diff.shape[1])
         raise GroupingMismatchError(
             f"grouped and repeated log-probs differ by {float(diff.max()):.3g} (completion {n}, token {j}; "
-            f"rtol={rtol}, atol={atol}); backend={backend or attention.default_backend(completion_ids.device)}, "
-            f"model={type(unwrap(model)).__name__}"
+            f"rtol={rtol}, atol={atol}; {where}). {advice}"
         )
-    return float(diff.max())
+    return result

@@ -42,11 +42,31 @@ def main(checkpoint: str, video: str, out: str) -> None:
     cut = generate_groups(engine.module, prompts, 2 + rank, greedy, tokenizer=tokenizer, eos_ids=eos)
     sampled = generate_groups(engine.module, prompts, 2 + rank, SamplingConfig(max_new_tokens=6 + 4 * rank, seed=rank),
                               tokenizer=tokenizer)
+    # Gathered once, hooks off (rollout.zero3_gather=full): the same greedy tokens, no collective per step.
+    with distributed.gathered_for_inference(engine, "full") as (module, collective):
+        whole_inside = all(p.numel() == p.ds_numel for p in module.parameters())
+        gathered = generate_groups(module, prompts, 2 + rank, greedy, tokenizer=tokenizer, eos_ids=[],
+                                   synced=collective)
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    repartitioned = all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters()
+                        if not p.ds_persist)
+    # The hooks are back: a training step through the engine still works and changes the partitions.
+    from app.grouping import completion_logprobs
+
+    before = [p.ds_tensor.clone() for p in engine.module.parameters()]
+    engine.train()
+    scores = completion_logprobs(engine, prompts, gathered.completion_ids, gathered.completion_mask, 2 + rank)
+    engine.backward(-scores.logprobs.sum())
+    engine.step()
+    stepped = any(not torch.equal(a, p.ds_tensor) for a, p in zip(before, engine.module.parameters()))
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"rank{rank}.json").write_text(json.dumps({
         "world": world, "partitioned": partitioned, "free": free.completion_ids.tolist(),
         "cut_lengths": cut.completion_mask.sum(1).tolist(), "cut_steps": cut.completion_ids.shape[1],
         "sampled_shape": list(sampled.completion_ids.shape), "prompts": questions, "keep": keep is not None,
+        "gathered_equal": torch.equal(gathered.completion_ids, free.completion_ids), "collective": collective,
+        "whole_inside": whole_inside, "repartitioned": repartitioned, "stepped_after": stepped,
     }))
     distributed.barrier()
 

@@ -1,0 +1,147 @@
+"""bfloat16 on CPU: grouped is judged against a float32 forward of the same weights, never against repeated alone.
+
+Criterion (``app.grouping.precision``): over the completion tokens, grouped-bf16's mean and max log-prob error
+against float32 are at most MEAN_RATIO / MAX_RATIO times repeated-bf16's; per parameter, grouped's gradient error
+(norm of the difference over norm of the float32 gradient) is at most GRAD_RATIO times repeated's.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from app.grouping import (
+    GroupingMismatchError,
+    compare_to_reference,
+    completion_logprobs,
+    float32_forward,
+    usable_backends,
+    verify_grouping,
+)
+from app.grouping.precision import MAX_RATIO, MEAN_RATIO
+from app.models import FAMILIES
+from app.rollout import SamplingConfig, generate_groups
+from tests.helpers import load, prompt_batch, random_completions, tokenizer_of
+from tests.test_equivalence import PROMPT_KINDS
+
+GRAD_RATIO = 1.5
+
+
+def bf16_rounded(family, checkpoints):
+    """(float32 model, bfloat16 model) holding the same values: the bf16 weights upcast exactly."""
+    model, processor = load(family, checkpoints)
+    model32 = model.to(torch.bfloat16).float()
+    return model32, copy.deepcopy(model32).to(torch.bfloat16), processor
+
+
+def case(family, processor, videos, seed=1):
+    rng = random.Random(seed)
+    prompts = prompt_batch(family, processor, videos, PROMPT_KINDS[family])
+    for key in ("pixel_values", "pixel_values_videos"):  # the bf16 model rounds its pixels; give both the same
+        if key in prompts:
+            prompts[key] = prompts[key].to(torch.bfloat16).float()
+    group_sizes = [1, 3, 4]
+    lengths = [rng.randint(1, 20) for _ in range(sum(group_sizes))]
+    tok = tokenizer_of(processor)
+    ids, mask = random_completions(lengths, len(tok), tok.pad_token_id, seed=seed)
+    return prompts, ids, mask, group_sizes
+
+
+def forward_backward(model, prompts, ids, mask, group_sizes, mode, backend=None):
+    model.zero_grad(set_to_none=True)
+    scores = completion_logprobs(model, prompts, ids, mask, group_sizes, mode=mode, backend=backend)
+    weights = torch.linspace(0.5, 1.5, ids.shape[1])[None, :]
+    (scores.logprobs.float() * weights).sum().backward()
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return scores.logprobs.detach().float(), grads
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_runs(request, tiny_checkpoints, videos):
+    family = request.param
+    model32, model16, processor = bf16_rounded(family, tiny_checkpoints)
+    prompts, ids, mask, sizes = case(family, processor, videos)
+    reference = forward_backward(model32, prompts, ids, mask, sizes, "repeated")
+    repeated = forward_backward(model16, prompts, ids, mask, sizes, "repeated")
+    return family, model16, (prompts, ids, mask, sizes), reference, repeated
+
+
+def grad_error(grads, reference):
+    return {n: float((grads[n] - reference[n]).norm() / reference[n].norm().clamp_min(1e-30)) for n in reference}
+
+
+@pytest.mark.parametrize("backend", usable_backends("cpu"))
+def test_bf16_grouped_no_worse_than_repeated(family_runs, backend):
+    family, model16, (prompts, ids, mask, sizes), (ref_lp, ref_grads), (rep_lp, rep_grads) = family_runs
+    lp, grads = forward_backward(model16, prompts, ids, mask, sizes, "grouped", backend)
+    comparison = compare_to_reference(lp, rep_lp, ref_lp, mask)
+    print(f"\n{family} {backend}: {comparison.describe()}")
+    assert comparison.repeated_mean > 1e-4  # bf16 really rounds: the reference is not trivially equal
+    assert comparison.passes(), comparison.describe()
+    assert set(grads) == set(ref_grads) == {n for n, p in model16.named_parameters() if p.requires_grad}
+    ours, theirs = grad_error(grads, ref_grads), grad_error(rep_grads, ref_grads)
+    ratios = {n: ours[n] / max(theirs[n], 1e-12) for n in ref_grads}
+    worst = max(ratios, key=ratios.get)
+    print(f"   gradients: worst ratio {ratios[worst]:.2f} ({worst}: {ours[worst]:.2e} vs {theirs[worst]:.2e})")
+    assert ratios[worst] <= GRAD_RATIO, (worst, ours[worst], theirs[worst])
+
+
+def test_float32_forward_equals_a_float32_model(tiny_checkpoints, videos):
+    model32, model16, processor = bf16_rounded("qwen2_5_vl", tiny_checkpoints)
+    prompts, ids, mask, sizes = case("qwen2_5_vl", processor, videos)
+    before = {n: p.clone() for n, p in model16.named_parameters()}
+    with torch.no_grad():
+        expected = completion_logprobs(model32, prompts, ids, mask, sizes, mode="repeated").logprobs
+        with float32_forward(model16):
+            got = completion_logprobs(model16, prompts, ids, mask, sizes, mode="repeated").logprobs
+        after = completion_logprobs(model16, prompts, ids, mask, sizes, mode="repeated").logprobs
+    assert torch.equal(got, expected)
+    assert all(torch.equal(p, before[n]) and p.dtype == torch.bfloat16 for n, p in model16.named_parameters())
+    assert after.dtype == torch.float32 and not torch.equal(after, expected)  # hooks are gone: bf16 again
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_self_check_passes_correct_code_and_stops_bugs(family, tiny_checkpoints, videos, monkeypatch):
+    import app.grouping.attention as attention_module
+    import app.grouping.forward as forward_module
+
+    _, model16, processor = bf16_rounded(family, tiny_checkpoints)
+    prompts, ids, mask, sizes = case(family, processor, videos, seed=2)
+    result = verify_grouping(model16, prompts, ids, mask, sizes)  # the CPU default backend
+    assert result.dtype == torch.bfloat16 and result.comparison is not None
+    assert result.max_diff > 1e-3  # the old per-token bound (1e-4 relative) would have stopped this run
+
+    real_positions = forward_module.packed_positions
+    monkeypatch.setattr(forward_module, "packed_positions",
+                        lambda layout, pos: real_positions(layout, pos) + (layout.segment_ids > 0))
+    with pytest.raises(GroupingMismatchError, match="further from a float32 forward"):
+        verify_grouping(model16, prompts, ids, mask, sizes)
+    monkeypatch.setattr(forward_module, "packed_positions", real_positions)
+
+    monkeypatch.setitem(attention_module._BACKEND_FNS, "masked",
+                        lambda plan, q, k, v, scale, dropout: attention_module._sdpa(q, k, v, is_causal=True,
+                                                                                     scale=scale))
+    with pytest.raises(GroupingMismatchError, match="ratios mean"):
+        verify_grouping(model16, prompts, ids, mask, sizes, backend="masked")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3"])
+def test_bf16_rollout_logprobs_within_the_bf16_criterion(family, tiny_checkpoints, videos):
+    """Sampling log-probs (incremental decode in bf16) are as close to float32 as a bf16 repeated forward."""
+    model32, model16, processor = bf16_rounded(family, tiny_checkpoints)
+    prompts = prompt_batch(family, processor, videos, ["video", "text"])
+    for key in ("pixel_values", "pixel_values_videos"):
+        if key in prompts:
+            prompts[key] = prompts[key].to(torch.bfloat16).float()
+    rollout = generate_groups(model16, prompts, [3, 2], SamplingConfig(temperature=1.0, max_new_tokens=12, seed=1),
+                              tokenizer=tokenizer_of(processor))
+    ids, mask = rollout.completion_ids, rollout.completion_mask
+    with torch.no_grad():
+        reference = completion_logprobs(model32, prompts, ids, mask, [3, 2], mode="repeated").logprobs
+        repeated = completion_logprobs(model16, prompts, ids, mask, [3, 2], mode="repeated").logprobs
+    comparison = compare_to_reference(rollout.logprobs, repeated, reference, mask)
+    assert comparison.passes(), comparison.describe()
+    assert MEAN_RATIO <= MAX_RATIO
