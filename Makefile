@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: demo selfcheck test lint install clean
+.PHONY: demo selfcheck test lint install clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt scripts/setup_env.sh
 	VENV=$(VENV) bash scripts/setup_env.sh
@@ -27,3 +27,6 @@ clean:
 
 selfcheck: $(STAMP)
 	$(PY) -m app.selfcheck
+
+gpu-check: $(STAMP)
+	bash scripts/gpu_check.sh

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -78,6 +80,63 @@ def test_flex_forward_on_cpu():
     q, k, v = (t.detach() for t in qkv(layout, 4, 2, dim=16, dtype=torch.float32))
     out = grouped_attention(GroupedAttentionPlan(layout, "flex"), q, k, v)
     torch.testing.assert_close(out, naive_attention(layout, q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def random_layout(rng, max_prefix=300, max_response=90):
+    prefixes = [rng.randint(1, max_prefix) for _ in range(rng.randint(1, 3))]
+    sizes = [rng.randint(1, 4) for _ in prefixes]
+    lens = [rng.randint(1, max_response) for _ in range(sum(sizes))]
+    width = max(prefixes)
+    prompt_mask = (torch.arange(width)[None] >= width - torch.tensor(prefixes)[:, None]).long()
+    completion_mask = (torch.arange(max(lens))[None] < torch.tensor(lens)[:, None]).long()
+    return GroupLayout.from_masks(prompt_mask, completion_mask, sizes)
+
+
+def test_flex_block_mask_equals_create_block_mask():
+    """The block mask built block row by block row (no T x T tensor) is torch's own, including T < one block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from app.grouping.attention import flex_block_mask, flex_mask_mod
+
+    rng = random.Random(0)
+    for case in range(12):
+        layout = random_layout(rng, max_prefix=30 if case < 3 else 300)
+        length = layout.total_len
+        ours = flex_block_mask(layout, "cpu", rows_per_chunk=256)
+        torch_mask = create_block_mask(flex_mask_mod(layout.segment_ids, layout.group_ids), None, None, length,
+                                       length, device="cpu")
+        assert torch.equal(ours.to_dense(), torch_mask.to_dense()), case
+        assert torch.equal(ours.kv_num_blocks, torch_mask.kv_num_blocks), case
+
+
+def test_flex_compiles_once_for_many_packed_lengths():
+    """GRPO packs a new length every step: 16 layouts compile a bounded number of times, never run unfused."""
+    from torch._dynamo.utils import counters
+
+    rng = random.Random(1)
+    layouts = [random_layout(rng) for _ in range(16)]
+    assert len({layout.total_len for layout in layouts}) >= 14
+    before = counters["stats"]["unique_graphs"]
+    for layout in layouts:
+        q, k, v = (t.detach() for t in qkv(layout, 4, 2, dim=16, dtype=torch.float32))
+        out = grouped_attention(GroupedAttentionPlan(layout, "flex"), q, k, v)
+    assert counters["stats"]["unique_graphs"] - before <= 2
+    torch.testing.assert_close(out, naive_attention(layout, q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_flex_refuses_the_unfused_fallback(monkeypatch):
+    """If FlexAttention would run uncompiled (O(T^2) scores), the backend stops with a named alternative, every
+    time (torch itself warns only once per process)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import app.grouping.attention as attention_module
+
+    monkeypatch.setattr(attention_module, "compiled_flex_attention", lambda: flex_attention)
+    layout = random_layout(random.Random(2), max_prefix=20, max_response=5)
+    q, k, v = (t.detach() for t in qkv(layout, 4, 2, dim=16, dtype=torch.float32))
+    for _ in range(2):
+        with pytest.raises(attention_module.FlexCompileError, match="attention_backend=flash"):
+            grouped_attention(GroupedAttentionPlan(layout, "flex"), q, k, v)
 
 
 def test_matches_prefix_grouper_package():

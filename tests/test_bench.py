@@ -22,7 +22,7 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
     assert count_flops(prefix, suffix, group, "paper") < count_flops(prefix, suffix, group, "repeated")
 
 
-@pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e"])
+@pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes"])
 def test_benchmark_runs_quick(name, tmp_path):
     out = tmp_path / name
     result = subprocess.run(["bash", "scripts/bench.sh", name, "--out", str(out), "--quick"], cwd=ROOT,
@@ -36,3 +36,6 @@ def test_benchmark_runs_quick(name, tmp_path):
         assert (out / "grid_flops.png").is_file() and (out / "grid_memory.png").is_file()
     if name == "attention":
         assert report["max_abs_difference_vs_package"] < 1e-4
+    if name == "flex_shapes":
+        assert report["summary"]["compiles_after_call_3"] == 0
+        assert report["environment"]["flush_denormal"] is True

@@ -1,0 +1,115 @@
+"""GPU-only checks (CUDA): run by scripts/gpu_check.sh; skipped cleanly everywhere else.
+
+FlexAttention forward + backward (fp32 and bf16) on many packed lengths against the masked reference, flash-attn
+varlen when it imports, the full model in bf16 on CUDA against a float32 forward (the low-precision criterion),
+grouped decoding against HF generate, and one GRPO step in bf16 through the real trainer.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")]
+
+
+def _layouts(count, seed=0):
+    from tests.test_attention import random_layout
+
+    rng = random.Random(seed)
+    return [random_layout(rng, max_prefix=900, max_response=300) for _ in range(count)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flex_forward_backward_matches_masked_on_many_lengths(dtype):
+    from torch._dynamo.utils import counters
+
+    from app.grouping import GroupedAttentionPlan, grouped_attention
+
+    before = counters["stats"]["unique_graphs"]
+    for layout in _layouts(16):
+        shape = (1, 8, layout.total_len, 64)
+        q = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(1, 2, layout.total_len, 64, device="cuda", dtype=dtype, requires_grad=True)
+                for _ in range(2))
+        weight = torch.randn(shape, device="cuda", dtype=dtype)
+        results = {}
+        for backend in ("flex", "masked"):
+            out = grouped_attention(GroupedAttentionPlan(layout, backend), q, k, v)
+            grads = torch.autograd.grad((out.float() * weight.float()).sum(), (q, k, v))
+            results[backend] = (out.float(), [g.float() for g in grads])
+        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(results["flex"][0], results["masked"][0], rtol=tolerance, atol=tolerance)
+        for got, want in zip(results["flex"][1], results["masked"][1]):
+            torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    assert counters["stats"]["unique_graphs"] - before <= 4  # forward and backward graphs, not one per length
+
+
+def test_flash_varlen_matches_masked():
+    pytest.importorskip("flash_attn")
+    from app.grouping import GroupedAttentionPlan, grouped_attention
+
+    for layout in _layouts(4, seed=1):
+        q, k, v = (torch.randn(1, 8, layout.total_len, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        out = grouped_attention(GroupedAttentionPlan(layout, "flash"), q, k, v)
+        ref = grouped_attention(GroupedAttentionPlan(layout, "masked"), q, k, v)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2)
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+        ref_grads = torch.autograd.grad(ref.float().sum(), (q, k, v))
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2"])
+def test_bf16_model_on_cuda_no_worse_than_repeated(family, tiny_checkpoints, videos):
+    from app.grouping import compare_to_reference, completion_logprobs, default_backend, verify_grouping
+    from tests.test_bf16 import bf16_rounded, case
+
+    model32, model16, processor = bf16_rounded(family, tiny_checkpoints)
+    model32, model16 = model32.cuda(), model16.cuda()
+    prompts, ids, mask, sizes = case(family, processor, videos)
+    prompts = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
+    ids, mask = ids.cuda(), mask.cuda()
+    with torch.no_grad():
+        reference = completion_logprobs(model32, prompts, ids, mask, sizes, mode="repeated").logprobs
+        repeated = completion_logprobs(model16, prompts, ids, mask, sizes, mode="repeated").logprobs
+        grouped = completion_logprobs(model16, prompts, ids, mask, sizes, backend=default_backend("cuda")).logprobs
+    comparison = compare_to_reference(grouped, repeated, reference, mask)
+    print(f"\n{family} {default_backend('cuda')}: {comparison.describe()}")
+    assert comparison.passes(), comparison.describe()
+    verify_grouping(copy.deepcopy(model16), prompts, ids, mask, sizes)
+
+
+def test_grouped_decode_equals_hf_generate_on_cuda(tiny_checkpoints, videos):
+    from app.rollout import SamplingConfig, generate_groups
+    from tests.helpers import load, prompt_batch, tokenizer_of
+
+    model, processor = load("qwen2_5_vl", tiny_checkpoints)
+    model = model.cuda()
+    prompts = {k: v.cuda() if isinstance(v, torch.Tensor) else v
+               for k, v in prompt_batch("qwen2_5_vl", processor, videos, ["video", "text"]).items()}
+    greedy = SamplingConfig(temperature=0, max_new_tokens=12)
+    ours = generate_groups(model, prompts, 1, greedy, tokenizer=tokenizer_of(processor), eos_ids=[])
+    hf = generate_groups(model, prompts, 1, greedy, tokenizer=tokenizer_of(processor), eos_ids=[], engine="hf")
+    assert torch.equal(ours.completion_ids.cpu(), hf.completion_ids.cpu())
+
+
+def test_one_grpo_step_in_bf16_on_cuda(tmp_path):
+    from app.data.synthetic import generate
+    from app.models import build_tiny_checkpoint
+    from tests.test_trainer import run, trainer
+
+    assets = {"checkpoint": build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0),
+              "train": generate(tmp_path / "data", train=8, heldout=2, seed=0)["train"]}
+    plugin = tmp_path / "varied.py"
+    plugin.write_text("def varied(completions, records):\n    return [len(c) % 5 / 4 for c in completions]\n")
+    assets["plugin"] = f"{plugin}:varied"
+    out = tmp_path / "run"
+    result = run(trainer(assets, out, **{"model.dtype": "bfloat16", "train.max_steps": 2}))
+    assert "self-check passed: torch.bfloat16" in result.stderr
+    assert (out / "final" / "model.safetensors").is_file()
