@@ -203,10 +203,11 @@ def test_temporal_grpo_and_dapo_settings_run(assets, tmp_path):
     assert "reward/temporal" in metrics and metrics["reward/temporal"] >= 0
 
 
-def test_bf16_zero3_two_processes_self_check_crash_and_resume(assets, tmp_path):
-    """model.dtype=bfloat16 under ZeRO-3 with 2 processes on CPU: the bf16 self-check passes (against float32),
-    losses are finite, and a crash + resume ends bitwise equal to an uninterrupted run."""
-    settings = {"model.dtype": "bfloat16", "train.deepspeed_config": "deepspeed_configs/zero3.json",
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_bf16_two_processes_self_check_crash_and_resume(zero, assets, tmp_path):
+    """model.dtype=bfloat16 with 2 processes on CPU: the bf16 self-check passes (against float32), losses are
+    finite, and a crash + resume ends bitwise equal to an uninterrupted run."""
+    settings = {"model.dtype": "bfloat16", "train.deepspeed_config": f"deepspeed_configs/{zero}.json",
                 "train.max_steps": 3, "train.save_every": 1}
     env = {"NPROC_PER_NODE": "2"}
     straight = run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml",
