@@ -72,6 +72,20 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
+def all_reduce_max(values: list[float]) -> list[float]:
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def forwards_are_collective(engine) -> bool:
+    """True when a forward through ``engine`` (hooks on) all-gathers parameters: ZeRO-3 with several ranks."""
+    return _partitioned(engine) and world_size() > 1
+
+
 def load_deepspeed_config(path: str | Path, *, gradient_accumulation_steps: int, max_grad_norm: float,
                           dtype: str) -> dict:
     path = Path(path)
@@ -159,9 +173,8 @@ def _check_gather_fits(module) -> None:
 @contextlib.contextmanager
 def gathered_for_inference(engine, mode: str = "full"):
     """Yield ``(module, collective)`` to run no-grad forwards on: under ZeRO-3 with ``mode='full'`` every parameter
-    is gathered ONCE and DeepSpeed's per-module hooks are taken off for the block (DeepSpeed's own
-    ``unwrap_model_for_generation``, as TRL does), so decoding costs no all-gathers; partitioning and the hooks come
-    back on exit. ``collective`` tells whether forwards inside still issue collectives (ZeRO-3 ``per_step``), in
+    is gathered ONCE and DeepSpeed's hooks are taken off for the block (as TRL's ``unwrap_model_for_generation``
+    does), so decoding costs no all-gathers and no collective at all; partitioning and the hooks come back on exit. ``collective`` tells whether forwards inside still issue collectives (ZeRO-3 ``per_step``), in
     which case ranks must step together. Elsewhere the plain module, and nothing changes."""
     if mode not in GATHER_MODES:
         raise ValueError(f"unknown ZeRO-3 gather mode {mode!r}; expected one of {GATHER_MODES}")
@@ -172,11 +185,22 @@ def gathered_for_inference(engine, mode: str = "full"):
     if mode == "per_step":
         yield module, world_size() > 1
         return
-    from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+    import deepspeed
 
     _check_gather_fits(module)
-    with unwrap_model_for_generation(engine):
-        yield module, False
+    optimizer = engine.optimizer
+    offload = getattr(optimizer, "parameter_offload", optimizer)
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        # All of DeepSpeed's hooks come off, the start-of-forward one too (DeepSpeed's own
+        # unwrap_model_for_generation leaves it, and it runs a collective trace check at every forward).
+        offload._remove_module_hooks()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        for param in module.parameters():
+            param.ds_active_sub_modules.clear()
+        try:
+            yield module, False
+        finally:
+            offload.setup_zero_stage3_hooks()  # re-adds them and invalidates the recorded trace
 
 
 def gathered_state_dict(engine) -> dict | None:

@@ -20,6 +20,7 @@ from app.grouping.decode import GroupedKVCache
 from app.grouping.forward import _set_text_attention, repeated_inputs, text_config
 from app.grouping.layout import GroupLayout, normalize_group_sizes
 from app.grouping.positions import VISION_KEYS, prompt_positions, rope_index_owner
+from app.grouping.vision_calls import aligned_vision_calls
 
 ENGINES = ("grouped", "hf")
 
@@ -160,8 +161,13 @@ def generate_groups(
     pad_id: int | None = None,
     engine: str = "grouped",
     synced: bool | None = None,
+    vision_calls: Sequence[str] | None = None,
 ) -> Rollout:
-    """Sample ``group_sizes[b]`` completions for each prompt b of a processor batch (left-padded)."""
+    """Sample ``group_sizes[b]`` completions for each prompt b of a processor batch (left-padded).
+
+    ``synced``: ranks step together (forwards that all-gather under ZeRO-3); ``vision_calls``: the vision-tower
+    calls the prefill must make whatever this rank's prompts hold (``app.grouping.aligned_vision_calls``).
+    """
     if engine not in ENGINES:
         raise ValueError(f"unknown generation engine {engine!r}; expected one of {ENGINES}")
     num_prompts = prompts["input_ids"].shape[0]
@@ -172,9 +178,10 @@ def generate_groups(
         pad_id = getattr(tokenizer, "pad_token_id", None)
         pad_id = pad_id if pad_id is not None else (eos_ids[0] if eos_ids else 0)
     synced = _default_synced() if synced is None else synced
-    if engine == "hf":
-        return _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id)
-    return _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, synced)
+    with aligned_vision_calls(model, prompts, vision_calls):  # acts on the first forward only: the prefill
+        if engine == "hf":
+            return _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id)
+        return _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, synced)
 
 
 def _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, synced) -> Rollout:

@@ -25,7 +25,7 @@ from app import checkpoint, distributed
 from app.config import Config, ConfigError, load_config
 from app.data.prompts import collate_prompts
 from app.data.records import EncodedPrompt, load_stream
-from app.grouping import completion_logprobs, verify_grouping
+from app.grouping import MODALITIES, completion_logprobs, present_vision_calls, verify_grouping
 from app.grpo import group_advantages, grpo_loss
 from app.models import load_model, load_processor
 from app.rewards import accuracy_of, build_rewards, score, temporal_bonus
@@ -156,7 +156,8 @@ class GRPOTrainer:
             for index, mb in enumerate(micro_batches):
                 inputs, ids, mask, sizes, rows = self.micro_batch(batch, mb)
                 scores = completion_logprobs(self.engine, inputs, ids, mask, sizes, mode=cfg.grpo.grouping,
-                                             backend=self.backend)
+                                             backend=self.backend,
+                                             vision_calls=self.vision_calls(inputs, self.engine, training=True))
                 old_lp = old[index] if old is not None else scores.logprobs.detach()
                 ref_lp = reference[index] if reference is not None else None
                 loss, metrics = grpo_loss(scores.logprobs, old_lp, batch.advantages[rows].to(self.device), mask,
@@ -219,9 +220,23 @@ class GRPOTrainer:
         return bonus
 
     def generate(self, inputs: dict, sampling: SamplingConfig) -> Rollout:
+        vision_calls = self.vision_calls(inputs, self.engine)  # agreed before: gathering is collective too
         with distributed.gathered_for_inference(self.engine, self.cfg.rollout.zero3_gather) as (model, collective):
             return generate_groups(model, inputs, self.cfg.rollout.group_size, sampling, tokenizer=self.tokenizer,
-                                   engine=self.cfg.rollout.engine, synced=collective)
+                                   engine=self.cfg.rollout.engine, synced=collective,
+                                   vision_calls=vision_calls if collective else None)
+
+    @staticmethod
+    def vision_calls(inputs: dict, engine, training: bool = False) -> tuple[str, ...] | None:
+        """The vision-tower calls every rank makes in this forward: the union of what each rank's prompts need (one
+        small all-reduce). Needed under ZeRO-3 with several ranks (every module call all-gathers) and, for a
+        training forward, under any data parallelism (a text-only rank would otherwise give the vision tower no
+        gradient while the others do, and the gradient all-reduce would not match)."""
+        if distributed.world_size() == 1 or not (training or distributed.forwards_are_collective(engine)):
+            return None
+        present = present_vision_calls(inputs)
+        flags = distributed.all_reduce_max([float(m in present) for m in MODALITIES])
+        return tuple(m for m, flag in zip(MODALITIES, flags) if flag)
 
     def decode(self, rollout: Rollout) -> list[str]:
         return [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
@@ -240,11 +255,12 @@ class GRPOTrainer:
     @torch.no_grad()
     def logprobs(self, model, batch: StepBatch, group_indices: list[int]) -> torch.Tensor:
         inputs, ids, mask, sizes, _ = self.micro_batch(batch, group_indices)
-        with distributed.gathered_for_inference(model, self.cfg.rollout.zero3_gather) as (module, _):
+        vision_calls = self.vision_calls(inputs, model)
+        with distributed.gathered_for_inference(model, self.cfg.rollout.zero3_gather) as (module, collective):
             was_training = module.training
             module.eval()
             scores = completion_logprobs(module, inputs, ids, mask, sizes, mode=self.cfg.grpo.grouping,
-                                         backend=self.backend)
+                                         backend=self.backend, vision_calls=vision_calls if collective else None)
             module.train(was_training)
         return scores.logprobs
 

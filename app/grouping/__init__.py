@@ -26,10 +26,11 @@ from app.grouping.forward import (
 )
 from app.grouping.layout import GroupLayout, LayoutError
 from app.grouping.precision import PrecisionComparison, compare_to_reference, float32_forward
+from app.grouping.vision_calls import MODALITIES, aligned_vision_calls, present_vision_calls
 
 __all__ = [
     "ATTENTION_NAME", "BACKENDS", "MODES", "CompletionScores", "GroupLayout", "GroupedAttentionPlan",
     "GroupingMismatchError", "LayoutError", "PrecisionComparison", "SelfCheck", "compare_to_reference",
-    "completion_logprobs", "float32_forward", "default_backend", "grouped_attention",
+    "completion_logprobs", "float32_forward", "MODALITIES", "aligned_vision_calls", "present_vision_calls", "default_backend", "grouped_attention",
     "register", "repeated_inputs", "usable_backends", "verify_grouping",
 ]

@@ -27,6 +27,7 @@ from app.grouping.positions import (
     rope_index_owner,
 )
 from app.grouping.precision import PrecisionComparison, compare_to_reference, float32_forward, parameter_dtype
+from app.grouping.vision_calls import aligned_vision_calls
 
 MODES = ("grouped", "repeated")
 
@@ -200,12 +201,15 @@ def completion_logprobs(
     backend: str | None = None,
     temperature: float = 1.0,
     return_logits: bool = False,
+    vision_calls: Sequence[str] | None = None,
     **forward_kwargs,
 ) -> CompletionScores:
     """Log-probs of each completion token given its prompt, through the grouped or the repeated layout.
 
     Differentiable: call ``.backward()`` on any function of the result. Keep the model's attention setting
     unchanged until that backward has finished (activation checkpointing recomputes through it).
+    ``vision_calls``: the vision-tower calls this forward must make even if its prompts lack that modality (the
+    union over ranks under ZeRO-3; see ``vision_calls.aligned_vision_calls``); None makes only the calls needed.
     """
     if mode not in MODES:
         raise ValueError(f"unknown grouping mode {mode!r}; expected one of {MODES}")
@@ -224,12 +228,13 @@ def completion_logprobs(
         )
     layout = GroupLayout.from_masks(prompts["attention_mask"], completion_mask, group_sizes)
     _refuse_placeholders_in_completions(model, completion_ids, completion_mask)
-    if mode == "grouped":
-        logprobs, logits = _grouped(model, prompts, completion_ids, layout, backend, temperature, return_logits,
-                                    forward_kwargs)
-    else:
-        logprobs, logits = _repeated(model, prompts, completion_ids, completion_mask, layout, temperature,
-                                     return_logits, forward_kwargs)
+    with aligned_vision_calls(model, prompts, vision_calls):
+        if mode == "grouped":
+            logprobs, logits = _grouped(model, prompts, completion_ids, layout, backend, temperature, return_logits,
+                                        forward_kwargs)
+        else:
+            logprobs, logits = _repeated(model, prompts, completion_ids, completion_mask, layout, temperature,
+                                         return_logits, forward_kwargs)
     return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), logits=logits, layout=layout)
 
 
