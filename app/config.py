@@ -49,11 +49,12 @@ class DataConfig:
     image_max_pixels: int = _f(401408, "Upper bound on pixels per image.")
     max_prompt_length: int = _f(16384, "Prompts longer than this (tokens, video included) are dropped, never cut.")
     max_skip_fraction: float = _f(0.1, "Fail when more than this fraction of records is unusable.")
-    system_prompt: str = _f(
-        "A conversation between User and Assistant. The Assistant first thinks about the question and then "
-        "answers. The reasoning goes in <think> </think> tags and the final answer in <answer> </answer> tags.",
-        "System message of every prompt.",
-    )
+    prompt_template: str = _f("video_r1", "Question template: video_r1 reproduces Video-R1's prompt exactly (what its "
+                              "checkpoints were trained on); prefix_grpo is this project's first template.",
+                              choices=("video_r1", "prefix_grpo"))
+    system_prompt: str = _f("template", "System message: 'template' uses the template's own (video_r1: none, so the "
+                            "chat template's default 'You are a helpful assistant.'; prefix_grpo: its "
+                            "think/answer instruction); '' for none; any other text is used as is.")
     shuffle: bool = _f(True, "Shuffle the records each epoch (seeded by train.seed).")
 
 

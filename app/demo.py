@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     timings["warm_start_s"] = time.time() - t
 
     eval_overrides = [f"data.{k}={getattr(cfg.data, k)}" for k in ("fps", "max_frames", "min_pixels", "max_pixels")]
-    eval_overrides += [f"data.system_prompt={cfg.data.system_prompt}", "eval.max_new_tokens=32",
+    eval_overrides += [f"data.system_prompt={cfg.data.system_prompt}", f"data.prompt_template={cfg.data.prompt_template}",
+                       "eval.max_new_tokens=32",
                        "eval.batch_size=24"]
 
     def held_out(model_dir: Path, name: str) -> dict:

@@ -163,7 +163,7 @@ def evaluate(model_dir: str | Path, data_file: str | Path, overrides: list[str] 
                 _append(rank_file, {
                     "key": record_key(record), "problem_id": record.get("problem_id"),
                     "problem_type": record["problem_type"], "data_source": record.get("data_source", "unknown"),
-                    "solution": record["solution"], "answers": [extract_answer(t) for t in texts],
+                    "solution": record["solution"], "answers": [extract_answer(t) or "" for t in texts],
                     "completions": texts, "accuracies": accuracies,
                     "accuracy": sum(accuracies) / len(accuracies), "pass": float(max(accuracies) >= 0.5),
                 })

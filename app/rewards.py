@@ -23,25 +23,84 @@ class RewardError(ValueError):
     """A reward specification or a record the rewards cannot score."""
 
 
-def extract_answer(text: str) -> str:
-    """The last <answer>...</answer> content, stripped; the whole text if there is no tag."""
+def extract_answer(text: str) -> str | None:
+    """The last complete ``<answer>...</answer>`` of a completion, stripped; None when it has none.
+
+    A completion without a closed answer tag (no tag, or cut off by the length limit inside ``<think>`` or inside
+    ``<answer>``) has given no answer and earns no accuracy: scoring its whole text would pay for reasoning that
+    merely mentions the right option.
+    """
     found = ANSWER_PATTERN.findall(text)
-    return found[-1].strip() if found else text.strip()
+    return found[-1].strip() if found else None
 
 
-def _number(text: str) -> float | None:
-    match = re.search(r"-?\d+(?:[.,]\d+)?", text.replace(" ", ""))
-    if not match:
-        return None
-    try:
-        return float(match.group(0).replace(",", "."))
-    except ValueError:
-        return None
+def solution_answer(solution: str) -> str:
+    """The reference answer of a record: its last ``<answer>`` content, or the whole solution when untagged."""
+    found = ANSWER_PATTERN.findall(solution)
+    return found[-1].strip() if found else solution.strip()
 
 
-def _choice(text: str) -> str:
-    match = re.search(r"\b([A-Z])\b", text.strip().upper()) or re.search(r"([A-Z])", text.strip().upper())
-    return match.group(1) if match else ""
+# ---- multiple choice: one option letter, in the forms models write it, never a letter read out of a word ----------
+_WRAPPERS = (re.compile(r"^\\boxed\{(.*)\}$", re.DOTALL), re.compile(r"^\*\*(.*)\*\*$", re.DOTALL),
+             re.compile(r"^\$(.*)\$$", re.DOTALL), re.compile(r"^`(.*)`$", re.DOTALL))
+_LEAD_IN = re.compile(r"^(?:the\s+)?(?:final\s+|correct\s+)*(?:answer|option|choice)(?:\s+is)?\s*[:：]?\s*",
+                      re.IGNORECASE)
+_LETTER_FORMS = (
+    re.compile(r"^\(([A-Ja-j])\)(?:[.:]?\s+\S.*)?[.]?$", re.DOTALL),  # (B)  (B) red
+    re.compile(r"^([A-Ja-j])(?:[.:)](?:\s+\S.*)?)?$", re.DOTALL),  # B  b  B.  B)  B. red  B: red
+)
+
+
+def _unwrap(text: str) -> str:
+    text = text.strip()
+    changed = True
+    while changed:
+        changed = False
+        for pattern in _WRAPPERS:
+            match = pattern.match(text)
+            if match:
+                text, changed = match.group(1).strip(), True
+        stripped = _LEAD_IN.sub("", text, count=1)
+        if stripped != text:
+            text, changed = stripped.strip(), True
+    return text
+
+
+def option_letter(text: str) -> str | None:
+    """The option letter an answer names (A-J), or None: "B", "b", "B.", "(B)", "**B**", "\\boxed{B}",
+    "Answer: B", "B. red" name B; "blue", "Because ...", "a cat", "B or C", "A, C" name none."""
+    text = _unwrap(text)
+    for pattern in _LETTER_FORMS:
+        match = pattern.match(text)
+        if match:
+            return match.group(1).upper()
+    return None
+
+
+# ---- numbers: one value, thousands separators, leading-dot decimals, exponents, unicode minus; hedges refused -----
+_MINUS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2014": "-", "\ufe63": "-", "\uff0d": "-"})
+_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:[.,]\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def parse_number(text: str) -> float | None:
+    """The single number an answer states, or None when it states none or several different ones ("3 or 4").
+
+    "1,500" is 1500 (comma before exactly three digits groups thousands), "1,5" is 1.5, ".5" is 0.5, "1e3" is
+    1000, "\u22123" is -3; units and "%" around the number are ignored.
+    """
+    values = set()
+    for token in _NUMBER.findall(text.translate(_MINUS)):
+        if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?:[eE][-+]?\d+)?", token):
+            token = token.replace(",", "")
+        else:
+            token = token.replace(",", ".")
+        try:
+            value = float(token)
+        except ValueError:
+            continue
+        if math.isfinite(value):
+            values.add(value)
+    return values.pop() if len(values) == 1 else None
 
 
 def word_error_rate(reference: str, hypothesis: str) -> float:
@@ -61,21 +120,36 @@ _rouge = None
 
 
 def mean_rouge(reference: str, hypothesis: str) -> float:
+    """Mean F of ROUGE-1, ROUGE-2 and ROUGE-L; ROUGE-2 only when the reference has two words or more (a one-word
+    reference has no bigram, so an exact one-word answer would otherwise score 2/3)."""
     global _rouge
     if _rouge is None:
         from rouge_score import rouge_scorer
 
         _rouge = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=False)
     scores = _rouge.score(reference, hypothesis)
-    return sum(s.fmeasure for s in scores.values()) / len(scores)
+    names = ["rouge1", "rouge2", "rougeL"] if len(reference.split()) >= 2 else ["rouge1", "rougeL"]
+    return sum(scores[n].fmeasure for n in names) / len(names)
+
+
+MRA_THRESHOLDS = tuple((10 + i) / 20 for i in range(10))  # 0.50, 0.55, ..., 0.95
+
+
+def mean_relative_accuracy(prediction: float, truth: float) -> float:
+    """VSI-Bench's MRA, as Video-R1 reports it: mean over theta in 0.50..0.95 of [|p - t| / |t| < 1 - theta]."""
+    if truth == 0:
+        return float(prediction == 0)
+    relative = abs(prediction - truth) / abs(truth)
+    return sum(relative < 1 - theta for theta in MRA_THRESHOLDS) / len(MRA_THRESHOLDS)
 
 
 def _multiple_choice(pred: str, truth: str) -> float:
-    return float(_choice(pred) != "" and _choice(pred) == _choice(truth))
+    letter = option_letter(pred)
+    return float(letter is not None and letter == option_letter(truth))
 
 
 def _numerical(pred: str, truth: str) -> float:
-    p, t = _number(pred), _number(truth)
+    p, t = parse_number(pred), parse_number(truth)
     return float(p is not None and t is not None and round(p, 2) == round(t, 2))
 
 
@@ -88,12 +162,10 @@ def _free_form(pred: str, truth: str) -> float:
 
 
 def _regression(pred: str, truth: str) -> float:
-    p, t = _number(pred), _number(truth)
+    p, t = parse_number(pred), parse_number(truth)
     if p is None or t is None:
         return 0.0
-    if t == 0:
-        return float(p == 0)
-    return min(1.0, max(0.0, 1.0 - abs(p - t) / abs(t)))
+    return mean_relative_accuracy(p, t)
 
 
 ACCURACY_BY_PROBLEM_TYPE: dict[str, Callable[[str, str], float]] = {
@@ -112,10 +184,12 @@ def check_problem_type(problem_type: str) -> None:
 
 
 def accuracy_of(completion: str, record: dict) -> float:
+    """Accuracy of one completion: 0 without a closed ``<answer>`` tag, else the problem type's metric."""
     check_problem_type(record["problem_type"])
-    if not completion.strip():
+    answer = extract_answer(completion)
+    if answer is None or not answer:
         return 0.0
-    return ACCURACY_BY_PROBLEM_TYPE[record["problem_type"]](extract_answer(completion), extract_answer(record["solution"]))
+    return ACCURACY_BY_PROBLEM_TYPE[record["problem_type"]](answer, solution_answer(record["solution"]))
 
 
 def format_reward(completions: list[str], records: list[dict]) -> list[float]:

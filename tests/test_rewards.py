@@ -42,12 +42,64 @@ def said(answer: str) -> str:
     ("free-form", "the red square moves left", "the red square moves left", pytest.approx(1.0)),
     ("free-form", "the red square moves left", "blue circle", 0.0),
     ("regression", "10", "10", 1.0),
-    ("regression", "10", "8", pytest.approx(0.8)),
+    ("regression", "10", "8", pytest.approx(0.6)),  # MRA: |8-10|/10 = 0.2 < 1-theta for theta 0.50..0.75
     ("regression", "10", "30", 0.0),
     ("regression", "0", "0", 1.0),
 ])
 def test_accuracy_per_problem_type(problem_type, truth, answer, expected):
     assert accuracy_of(said(answer), rec(problem_type, truth)) == expected
+
+
+# Every class of scoring defect found against Video-R1's data, with the intended score; then what must stay right.
+GAMED = [
+    # a word or a hedge is not an option letter
+    ("multiple choice", "B", said("blue"), 0.0),
+    ("multiple choice", "B", said("Because it moves left"), 0.0),
+    ("multiple choice", "D", said("Dog"), 0.0),
+    ("multiple choice", "C", said("Cannot tell"), 0.0),
+    ("multiple choice", "A", said("a cat"), 0.0),
+    ("multiple choice", "B", said("B or C"), 0.0),
+    ("multiple choice", "A", said("A, C"), 0.0),
+    ("multiple choice", "C", said("Both C and D"), 0.0),
+    # no closed answer tag: nothing was answered
+    ("multiple choice", "B", "<think>Looking at option B, the square moves", 0.0),
+    ("multiple choice", "B", "B", 0.0),
+    ("multiple choice", "B", "<think>so B</think><answer>B", 0.0),
+    ("free-form", "the red square moves left", "<think>the red square moves left because", 0.0),
+    ("numerical", "3", "<think>3</think>", 0.0),
+    # numbers read as what they say, hedges refused
+    ("numerical", "1500", said("1,500"), 1.0),
+    ("numerical", "1.5", said("1,500"), 0.0),
+    ("numerical", "0.5", said(".5"), 1.0),
+    ("numerical", "5", said(".5"), 0.0),
+    ("numerical", "1000", said("1e3"), 1.0),
+    ("numerical", "-3", said("\u22123"), 1.0),
+    ("numerical", "3", said("3 or 4"), 0.0),
+    ("regression", "3", said("between 2 and 4"), 0.0),
+    # free-form: an exact one-word answer is fully right (ROUGE-2 only for references of two words or more)
+    ("free-form", "left", said("left"), pytest.approx(1.0)),
+    # regression is VSI-Bench's MRA: 10% off passes 8 of 10 thresholds (not 0.90, 0.95), 50% off none
+    ("regression", "10", said("11"), pytest.approx(0.8)),
+    ("regression", "10", said("15"), 0.0),
+]
+RIGHT = [
+    ("multiple choice", "B", said(answer), 1.0)
+    for answer in ("b", "B.", "(B)", "**B**", "\\boxed{B}", "Answer: B", "B. red", "(B) red", "The answer is B")
+] + [
+    ("numerical", "3", said("3.0"), 1.0),
+    ("numerical", "12", said("12 squares"), 1.0),
+    ("numerical", "50", said("50%"), 1.0),
+    ("numerical", "50%", said("50"), 1.0),
+    ("numerical", "3", said("nan"), 0.0),
+    ("regression", "0", said("0"), 1.0),
+    ("regression", "0", said("1"), 0.0),
+    ("regression", "4", said("NaN"), 0.0),
+]
+
+
+@pytest.mark.parametrize(("problem_type", "truth", "completion", "expected"), GAMED + RIGHT)
+def test_scoring_cannot_be_gamed_and_stays_right(problem_type, truth, completion, expected):
+    assert accuracy_of(completion, rec(problem_type, truth)) == expected
 
 
 def test_every_problem_type_has_a_case():
@@ -76,7 +128,8 @@ def test_unknown_problem_type_is_an_error():
 
 def test_extract_answer_and_wer():
     assert extract_answer("<answer> A </answer> then <answer>B</answer>") == "B"
-    assert extract_answer("no tags") == "no tags"
+    assert extract_answer("no tags") is None
+    assert extract_answer("<think>x</think><answer>B") is None
     assert word_error_rate("a b c", "a x c") == pytest.approx(1 / 3)
 
 

@@ -32,9 +32,34 @@ TYPE_TEMPLATES = {
     "free-form": " Please provide your text answer within the <answer> </answer> tags.",
     "regression": " Please provide the numerical value (e.g., 42 or 3.14) within the <answer> </answer> tags.",
 }
-QUESTION_TEMPLATE = ("{question}\nPlease think about this question as if you were a human pondering deeply. "
-                     "Provide your detailed reasoning between the <think> </think> tags, and then give your final "
-                     "answer between the <answer> </answer> tags.")
+# Video-R1's QUESTION_TEMPLATE, verbatim (its missing period after "thought expressions" included): the prompt
+# Video-R1's checkpoints were trained on.
+VIDEO_R1_QUESTION = ("{question}\nPlease think about this question as if you were a human pondering deeply. Engage "
+                     "in an internal dialogue using expressions such as 'let me think', 'wait', 'Hmm', 'oh, I see', "
+                     "'let's break it down', etc, or other natural language thought expressions It's encouraged to "
+                     "include self-reflection or verification in the reasoning process. Provide your detailed "
+                     "reasoning between the <think> </think> tags, and then give your final answer between the "
+                     "<answer> </answer> tags.")
+# This project's first template (kept for runs and checkpoints made with it).
+PREFIX_GRPO_QUESTION = ("{question}\nPlease think about this question as if you were a human pondering deeply. "
+                        "Provide your detailed reasoning between the <think> </think> tags, and then give your final "
+                        "answer between the <answer> </answer> tags.")
+PREFIX_GRPO_SYSTEM = ("A conversation between User and Assistant. The Assistant first thinks about the question and "
+                      "then answers. The reasoning goes in <think> </think> tags and the final answer in <answer> "
+                      "</answer> tags.")
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    question: str  # format string with {question}
+    options: str  # "video_r1": problem + "Options:\n" + each option + "\n"; "lines": "\nOptions:\n" + joined by "\n"
+    system: str | None  # None: no system message (the chat template's default applies)
+
+
+PROMPT_TEMPLATES = {
+    "video_r1": PromptTemplate(VIDEO_R1_QUESTION, "video_r1", None),
+    "prefix_grpo": PromptTemplate(PREFIX_GRPO_QUESTION, "lines", PREFIX_GRPO_SYSTEM),
+}
 
 
 class DataError(ValueError):
@@ -108,11 +133,24 @@ def where(record: dict) -> str:
     return f"{record.get('_where', '?')}" + (f" (problem_id {pid})" if pid is not None else "")
 
 
-def question_text(record: dict) -> str:
+def question_text(record: dict, template: str = "video_r1") -> str:
+    chosen = PROMPT_TEMPLATES[template]
     question = record["problem"]
-    if record["problem_type"] == "multiple choice" and record.get("options"):
-        question = question + "\nOptions:\n" + "\n".join(str(o) for o in record["options"])
-    return QUESTION_TEMPLATE.format(question=question) + TYPE_TEMPLATES[record["problem_type"]]
+    options = record.get("options")
+    if record["problem_type"] == "multiple choice" and options:
+        if chosen.options == "video_r1":
+            question = question + "Options:\n" + "".join(str(o) + "\n" for o in options)
+        else:
+            question = question + "\nOptions:\n" + "\n".join(str(o) for o in options)
+    return chosen.question.format(question=question) + TYPE_TEMPLATES[record["problem_type"]]
+
+
+def system_message(data_cfg) -> str | None:
+    """``data.system_prompt``: "template" takes the template's own (video_r1: none), "" none, else the text."""
+    text = data_cfg.system_prompt
+    if text == "template":
+        return PROMPT_TEMPLATES[data_cfg.prompt_template].system
+    return text or None
 
 
 def build_conversation(record: dict, data_root: Path, data_cfg) -> list[dict]:
@@ -123,8 +161,9 @@ def build_conversation(record: dict, data_root: Path, data_cfg) -> list[dict]:
     elif record.get("data_type") == "image":
         content.append({"type": "image", "image": str(data_root / record["path"]),
                         "min_pixels": data_cfg.image_min_pixels, "max_pixels": data_cfg.image_max_pixels})
-    content.append({"type": "text", "text": question_text(record)})
-    messages = [{"role": "system", "content": data_cfg.system_prompt}] if data_cfg.system_prompt else []
+    content.append({"type": "text", "text": question_text(record, data_cfg.prompt_template)})
+    system = system_message(data_cfg)
+    messages = [{"role": "system", "content": system}] if system else []
     return messages + [{"role": "user", "content": content}]
 
 
