@@ -65,23 +65,96 @@ def save_checkpoint(engine, output_dir: str | Path, step: int, trainer_state: di
     distributed.barrier()
     final = root / tag
     if rank == 0:
+        # Never remove a live checkpoint before its replacement is in place: move it aside, rename the new one in,
+        # point `latest` at it, then delete the old copy. A crash at any point leaves a complete step-* directory.
+        aside = root / ".replaced" / tag
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(aside, ignore_errors=True)
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(final, aside)
         os.replace(incoming / tag, final)
         _atomic_write(root / "latest", tag)
+        shutil.rmtree(aside, ignore_errors=True)
         for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     distributed.barrier()
     return final
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
+class CheckpointError(RuntimeError):
+    """Checkpoints exist but none can be resumed from."""
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.split("-", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def checkpoint_problem(path: Path, world_size: int) -> str | None:
+    """Why ``path`` cannot be resumed from by ``world_size`` ranks, or None when it looks complete and readable.
+
+    Checks every rank's trainer state (present, valid JSON) and every DeepSpeed file (present, its zip directory
+    readable: a truncated torch file has none), without loading any tensor.
+    """
+    import zipfile
+
+    if not path.is_dir():
+        return f"{path} does not exist"
+    for rank in range(world_size):
+        state = path / f"trainer_state_rank{rank}.json"
+        if not state.is_file():
+            return f"{state} is missing (written by a different number of ranks?)"
+        try:
+            json.loads(state.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            return f"{state} is not valid JSON ({error})"
+    weights = sorted(path.rglob("*.pt"))
+    if not any(p.name.endswith("model_states.pt") for p in weights):
+        return f"{path} has no DeepSpeed model_states file"
+    optim = [p for p in weights if p.name.endswith("optim_states.pt")]
+    if optim and len(optim) % world_size:
+        return f"{path} has {len(optim)} optimizer shards for {world_size} ranks"
+    for file in weights:
+        try:
+            with zipfile.ZipFile(file) as archive:
+                archive.namelist()
+        except (zipfile.BadZipFile, OSError) as error:
+            return f"{file} is unreadable ({error})"
+    return None
+
+
+def catalogue(output_dir: str | Path) -> list[Path]:
+    """Checkpoint directories, newest step first (``latest`` is a hint, not the truth)."""
+    root = Path(output_dir) / "checkpoints"
+    return sorted((p for p in root.glob("step-*") if p.is_dir() and _step_of(p) >= 0), key=_step_of, reverse=True)
+
+
+def latest_checkpoint(output_dir: str | Path, world_size: int = 1) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint and the reasons newer candidates were passed over.
+
+    Raises CheckpointError when checkpoints (or a ``latest`` pointer) exist but none is usable: a run never
+    restarts from step 0 behind the user's back.
+    """
     root = Path(output_dir) / "checkpoints"
     pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    path = root / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    passed_over = []
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    if pointer.is_file() and not named:
+        passed_over.append(f"{pointer} is empty")
+    elif named and not (root / named).is_dir():
+        passed_over.append(f"{pointer} names {named}, which does not exist")
+    for path in catalogue(output_dir):
+        problem = checkpoint_problem(path, world_size)
+        if problem is None:
+            return path, passed_over
+        passed_over.append(problem)
+    if passed_over or pointer.exists():
+        raise CheckpointError(
+            f"train.resume=true but no checkpoint in {root} can be resumed from: " + "; ".join(passed_over)
+            + ". To start over on purpose, use a new train.output_dir (or move the checkpoints away).")
+    return None, passed_over
 
 
 def load_checkpoint(engine, path: Path) -> dict:
@@ -92,7 +165,10 @@ def load_checkpoint(engine, path: Path) -> dict:
     state_file = path / f"trainer_state_rank{distributed.rank()}.json"
     if not state_file.is_file():
         raise RuntimeError(f"{state_file} is missing: was the checkpoint written with a different number of ranks?")
-    state = json.loads(state_file.read_text())
+    try:
+        state = json.loads(state_file.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{state_file} is not valid JSON ({error})") from error
     set_rng_state(state.pop("rng"))
     return state
 

@@ -274,6 +274,20 @@ def validate(config: Config, training: bool = True) -> None:
             raise ConfigError(f"'{key}' {message}")
 
     need(bool(config.model.path), "model.path", "is required (a local checkpoint directory)")
+    for key, value, least in (
+        ("eval.batch_size", config.eval.batch_size, 1), ("eval.max_new_tokens", config.eval.max_new_tokens, 1),
+        ("data.max_frames", config.data.max_frames, 1), ("data.max_prompt_length", config.data.max_prompt_length, 1),
+        ("data.min_pixels", config.data.min_pixels, 1), ("data.image_min_pixels", config.data.image_min_pixels, 1),
+        ("logging.log_every", config.logging.log_every, 1), ("logging.sample_table_every",
+                                                             config.logging.sample_table_every, 0),
+        ("train.save_every", config.train.save_every, 0), ("train.keep_checkpoints", config.train.keep_checkpoints, 1),
+        ("rollout.top_k", config.rollout.top_k, 0), ("train.warmup_steps", config.train.warmup_steps, 0),
+    ):
+        need(value >= least, key, f"must be >= {least}, got {value}")
+    need(config.data.fps > 0, "data.fps", f"must be > 0, got {config.data.fps}")
+    need(0 < config.rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {config.rollout.top_p}")
+    need(config.train.learning_rate >= 0, "train.learning_rate", "must be >= 0")
+    need(config.train.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0")
     need(config.eval.samples >= 1, "eval.samples", "must be >= 1")
     need(config.eval.temperature >= 0, "eval.temperature", "must be >= 0")
     need(config.eval.temperature > 0 or config.eval.samples == 1, "eval.samples",

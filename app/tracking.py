@@ -10,6 +10,23 @@ from pathlib import Path
 from tqdm import tqdm
 
 
+def keep_steps_up_to(path: Path, step: int) -> None:
+    """Drop the rows of steps after ``step`` (written before a crash, to be logged again after the resume), so
+    every step appears once; a fresh run (step 0) starts an empty file. Atomic: a crash here loses nothing."""
+    if not path.exists():
+        return
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                rows.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the crash
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(row + "\n" for row in rows))
+    os.replace(tmp, path)
+
+
 class Tracker:
     def __init__(self, logging_cfg, output_dir: str | Path, config: dict, is_main: bool, total_steps: int,
                  start_step: int = 0):
@@ -22,8 +39,9 @@ class Tracker:
         if not is_main:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        if start_step == 0 and self.jsonl.exists():
-            self.jsonl.unlink()
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            if is_main:
+                keep_steps_up_to(self.output_dir / name, start_step)
         if logging_cfg.wandb_mode != "disabled":
             import wandb
 

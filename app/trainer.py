@@ -329,9 +329,13 @@ class GRPOTrainer:
                                    keep=self.cfg.train.keep_checkpoints)
 
     def _resume(self) -> None:
-        path = checkpoint.latest_checkpoint(self.output_dir)
+        """Continue from the newest checkpoint that is complete and loads; fall back to older ones with a warning;
+        refuse (never restart from step 0) when checkpoints exist but none can be used."""
+        path, passed_over = checkpoint.latest_checkpoint(self.output_dir, self.world)
+        for reason in passed_over:
+            log.warning("resume: passing over a checkpoint: %s", reason)
         if path is None:
-            log.warning("train.resume=true but %s has no checkpoint; starting from step 0", self.output_dir)
+            log.warning("train.resume=true but %s has no checkpoint yet; starting from step 0", self.output_dir)
             return
         state = checkpoint.load_checkpoint(self.engine, path)
         if state["world_size"] != self.world:
@@ -353,7 +357,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(argv[0], argv[1:])
     except ConfigError as error:
         raise SystemExit(f"config error: {error}") from None
-    trainer = GRPOTrainer(cfg)
+    try:
+        trainer = GRPOTrainer(cfg)
+    except checkpoint.CheckpointError as error:
+        raise SystemExit(f"resume error: {error}") from None
     trainer.train()
     distributed.barrier()
 

@@ -51,3 +51,16 @@ def test_missing_file_and_help():
     with pytest.raises(ConfigError, match="config file not found"):
         load_config("configs/nope.yaml")
     assert "grpo:" in describe() and "KL coefficient" in describe()
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("logging.log_every=0", "'logging.log_every' must be >= 1"),
+    ("eval.batch_size=0", "'eval.batch_size' must be >= 1"),
+    ("train.keep_checkpoints=0", "'train.keep_checkpoints' must be >= 1"),
+    ("data.fps=0", "'data.fps' must be > 0"),
+    ("rollout.top_p=1.5", "'rollout.top_p' must be in (0, 1]"),
+])
+def test_counts_and_intervals_are_validated(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config("configs/demo_cpu.yaml", [override])
+    assert message in str(error.value)

@@ -145,7 +145,7 @@ def test_crash_then_resume_equals_uninterrupted(assets, tmp_path):
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0, msg=name)
     steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 3, 4]  # step 3 ran twice: once before the crash, once after resuming
+    assert steps == [1, 2, 3, 4]  # step 3 ran twice (before the crash and after resuming), logged once
 
 
 def test_bad_records_are_skipped_with_named_reasons(assets, tmp_path):
@@ -227,3 +227,43 @@ def test_bf16_two_processes_self_check_crash_and_resume(zero, assets, tmp_path):
     assert sum(not torch.equal(a[n], initial[n].to(torch.bfloat16)) for n in a) > len(a) // 2
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_resume_falls_back_past_damaged_checkpoints_and_never_restarts_silently(assets, tmp_path):
+    """A dangling or empty `latest`, a truncated shard or a truncated trainer state: resume takes the newest
+    complete checkpoint (ending bitwise equal to an uninterrupted run) or refuses by name; never step 0."""
+    settings = {"train.max_steps": 4, "train.save_every": 1, "train.keep_checkpoints": 3}
+    run(trainer(assets, tmp_path / "straight", **settings))
+    straight = weights(tmp_path / "straight" / "final")
+
+    def crashed_run(name):
+        out = tmp_path / name
+        result = run(trainer(assets, out, **settings), env={"PREFIX_GRPO_CRASH_AFTER_STEP": "3"}, check=False)
+        assert result.returncode == 17
+        return out, out / "checkpoints"
+
+    out, root = crashed_run("dangling")  # step-1..3 saved; latest names a directory that is gone
+    (root / "latest").write_text("step-0000009")
+    shard = next((root / "step-0000003").rglob("*model_states.pt"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # and the newest one is truncated
+    resumed = run(trainer(assets, out, **settings, **{"train.resume": True}))
+    log = resumed.stderr
+    assert "names step-0000009, which does not exist" in log and "model_states.pt is unreadable" in log
+    assert "resumed from" in log and "step-0000002" in log
+    for name in straight:
+        assert torch.equal(weights(out / "final")[name], straight[name]), name
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+    out, root = crashed_run("refused")  # every checkpoint damaged, `latest` empty: a refusal naming files
+    (root / "latest").write_text("")
+    for step in (1, 2, 3):
+        state = root / f"step-{step:07d}" / "trainer_state_rank0.json"
+        state.write_text(state.read_text()[:10])
+    before = (out / "metrics.jsonl").read_text()
+    refused = run(trainer(assets, out, **settings, **{"train.resume": True}), check=False)
+    assert refused.returncode != 0
+    assert "resume error" in refused.stderr and "latest is empty" in refused.stderr
+    assert "trainer_state_rank0.json is not valid JSON" in refused.stderr
+    assert "new train.output_dir" in refused.stderr
+    assert (out / "metrics.jsonl").read_text() == before  # nothing wiped
