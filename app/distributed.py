@@ -172,10 +172,13 @@ def _check_gather_fits(module) -> None:
 
 @contextlib.contextmanager
 def gathered_for_inference(engine, mode: str = "full"):
-    """Yield ``(module, collective)`` to run no-grad forwards on: under ZeRO-3 with ``mode='full'`` every parameter
-    is gathered ONCE and DeepSpeed's hooks are taken off for the block (as TRL's ``unwrap_model_for_generation``
-    does), so decoding costs no all-gathers and no collective at all; partitioning and the hooks come back on exit. ``collective`` tells whether forwards inside still issue collectives (ZeRO-3 ``per_step``), in
-    which case ranks must step together. Elsewhere the plain module, and nothing changes."""
+    """Yield ``(module, collective)`` to run no-grad forwards on.
+
+    Under ZeRO-3 with ``mode='full'`` every parameter is gathered ONCE and DeepSpeed's hooks are taken off for the
+    block (as TRL's ``unwrap_model_for_generation`` does), so decoding costs no all-gathers and no collective at
+    all; partitioning and the hooks come back on exit. ``collective`` tells whether forwards inside still issue
+    collectives (ZeRO-3 ``per_step``), in which case ranks must step together. Elsewhere the plain module, and
+    nothing changes."""
     if mode not in GATHER_MODES:
         raise ValueError(f"unknown ZeRO-3 gather mode {mode!r}; expected one of {GATHER_MODES}")
     module = unwrap(engine)

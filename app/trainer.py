@@ -220,11 +220,14 @@ class GRPOTrainer:
         return bonus
 
     def generate(self, inputs: dict, sampling: SamplingConfig) -> Rollout:
-        vision_calls = self.vision_calls(inputs, self.engine)  # agreed before: gathering is collective too
+        vision_calls = self.hooked_vision_calls(inputs, self.engine)  # agreed before: gathering is collective too
         with distributed.gathered_for_inference(self.engine, self.cfg.rollout.zero3_gather) as (model, collective):
             return generate_groups(model, inputs, self.cfg.rollout.group_size, sampling, tokenizer=self.tokenizer,
-                                   engine=self.cfg.rollout.engine, synced=collective,
-                                   vision_calls=vision_calls if collective else None)
+                                   engine=self.cfg.rollout.engine, synced=collective, vision_calls=vision_calls)
+
+    def hooked_vision_calls(self, inputs: dict, engine) -> tuple[str, ...] | None:
+        """Agreed vision calls for a no-grad forward, needed only when it keeps DeepSpeed's hooks (per_step)."""
+        return self.vision_calls(inputs, engine) if self.cfg.rollout.zero3_gather == "per_step" else None
 
     @staticmethod
     def vision_calls(inputs: dict, engine, training: bool = False) -> tuple[str, ...] | None:
@@ -255,12 +258,12 @@ class GRPOTrainer:
     @torch.no_grad()
     def logprobs(self, model, batch: StepBatch, group_indices: list[int]) -> torch.Tensor:
         inputs, ids, mask, sizes, _ = self.micro_batch(batch, group_indices)
-        vision_calls = self.vision_calls(inputs, model)
-        with distributed.gathered_for_inference(model, self.cfg.rollout.zero3_gather) as (module, collective):
+        vision_calls = self.hooked_vision_calls(inputs, model)
+        with distributed.gathered_for_inference(model, self.cfg.rollout.zero3_gather) as (module, _):
             was_training = module.training
             module.eval()
             scores = completion_logprobs(module, inputs, ids, mask, sizes, mode=self.cfg.grpo.grouping,
-                                         backend=self.backend, vision_calls=vision_calls if collective else None)
+                                         backend=self.backend, vision_calls=vision_calls)
             module.train(was_training)
         return scores.logprobs
 
