@@ -82,28 +82,55 @@ class GRPOConfig:
     attention_backend: str = _f("auto", "Grouped attention backend: auto, packed, paper, masked, flex, flash.",
                                 choices=("auto", "packed", "paper", "masked", "flex", "flash"))
     self_check: bool = _f(True, "On the first step, compare grouped and repeated log-probs and stop on a mismatch.")
-    beta: float = _f(0.04, "KL coefficient (k3 estimator). 0 loads no reference model.")
+    beta: float = _f(0.04, "KL coefficient. 0 loads no reference model.")
+    kl_estimator: str = _f("k3", "Per-token KL penalty: k3 (GRPO/TRL/Video-R1; its gradient follows KL(ref||pi)), "
+                           "low_var_kl (k3 clamped, verl), k1 (log pi - log ref; zero expected gradient).",
+                           choices=("k3", "low_var_kl", "k1"))
     epsilon_low: float = _f(0.2, "Lower clip of the importance ratio (1 - eps_low).")
     epsilon_high: float = _f(0.2, "Upper clip of the importance ratio (1 + eps_high); DAPO uses 0.28.")
-    loss_aggregation: str = _f("sequence", "sequence: mean over tokens of each completion, then over completions "
-                               "(GRPO); token: mean over all tokens of the batch (DAPO).",
-                               choices=("sequence", "token"))
-    scale_rewards: bool = _f(True, "Divide advantages by the group's reward std.")
+    delta: float = _f(0.0, "Two-sided clipping (TRL `delta`, INTELLECT-2): for negative advantages the ratio is "
+                      "capped at delta too; 0 disables. Must exceed 1 + epsilon_high.")
+    loss_type: str = _f("grpo", "grpo: mean over each completion's tokens, then over completions (DeepSeekMath); "
+                        "bnpo: mean over each micro-batch's tokens (TRL); dapo: mean over ALL tokens of the step, "
+                        "across micro-batches and ranks (DAPO); dr_grpo: sum over tokens / "
+                        "rollout.max_completion_length (Dr. GRPO).", choices=("grpo", "bnpo", "dapo", "dr_grpo"))
+    scale_rewards: str = _f("auto", "Divide centred rewards by the group's std (group: GRPO), the whole step's std "
+                            "over all ranks (batch), or not at all (none: Dr. GRPO). auto: none under "
+                            "loss_type=dr_grpo, group otherwise.", choices=("auto", "group", "batch", "none"))
+    mask_truncated_completions: bool = _f(False, "Completions cut by rollout.max_completion_length carry no loss "
+                                          "(DAPO's overlong filtering; TRL).")
+    importance_sampling_cap: float = _f(0.0, "Truncated importance sampling: weight each token's loss by "
+                                        "min(pi_train / pi_rollout, cap) using the rollout's own sampling "
+                                        "log-probs (TRL/verl TIS); 0 disables. The mismatch is logged either way.")
+    dynamic_sampling: bool = _f(False, "Drop groups whose dynamic_sampling_metric is the same for every completion "
+                                "(all correct / all wrong: zero advantage) and draw more prompts until the step "
+                                "has train.prompts_per_rank groups per rank (DAPO, EasyR1).")
+    dynamic_sampling_metric: str = _f("accuracy", "What must vary within a kept group: accuracy (DAPO) or reward "
+                                      "(the total reward).", choices=("accuracy", "reward"))
+    dynamic_sampling_max_draws: int = _f(4, "Extra prompt batches a step may draw; when still short, the step is "
+                                         "filled with dropped groups (warned and counted).")
     num_iterations: int = _f(1, "Policy updates per rollout batch (mu); >1 uses old log-probs.")
 
 
 @dataclass
 class RewardConfig:
-    functions: list = _f(["format", "accuracy"], "Reward functions: format, accuracy, length, or "
-                         "path/to/file.py:function for a custom one (called as fn(completions, records)).")
+    functions: list = _f(["format", "accuracy"], "Reward functions: format, accuracy, or path/to/file.py:function "
+                         "for a custom one (called as fn(completions, records)).")
     weights: list = _f([], "One weight per function; empty means all 1.")
-    length_min_tokens: int = _f(320, "Length bonus: lower bound of the rewarded completion length.")
-    length_max_tokens: int = _f(512, "Length bonus: upper bound of the rewarded completion length.")
+    length: bool = _f(False, "Length bonus (Video-R1's len_control): correct completions with length_min_tokens..."
+                      "length_max_tokens completion tokens earn length_bonus, when more than one completion of the "
+                      "group is correct.")
+    length_min_tokens: int = _f(320, "Length bonus: lower bound of the rewarded completion length (tokens).")
+    length_max_tokens: int = _f(512, "Length bonus: upper bound of the rewarded completion length (tokens).")
     length_bonus: float = _f(0.2, "Length bonus added to correct completions inside the bounds.")
-    temporal: bool = _f(False, "Temporal GRPO: a second group on shuffled frames; correct answers earn "
-                        "`temporal_alpha` when ordered accuracy beats shuffled accuracy x `temporal_ratio`.")
+    temporal: bool = _f(False, "Temporal GRPO (Video-R1): a second group on shuffled frames; correct completions "
+                        "earn temporal_alpha when ordered accuracy >= temporal_ratio x shuffled accuracy.")
     temporal_alpha: float = _f(0.3, "Temporal GRPO bonus.")
     temporal_ratio: float = _f(0.8, "Temporal GRPO margin.")
+    bonus_rules: str = _f("video_r1", "When the length and temporal bonuses apply. video_r1: exactly Video-R1's "
+                          "(correct = accuracy > 0.1; temporal when ordered >= ratio x shuffled). strict: correct "
+                          "= accuracy > 0.5 and temporal only when ordered > ratio x shuffled, so partial free-form "
+                          "matches and equal accuracies earn nothing.", choices=("video_r1", "strict"))
 
 
 @dataclass
@@ -165,6 +192,9 @@ class Config:
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+RENAMED = {  # old key -> what to write instead
+    "grpo.loss_aggregation": "grpo.loss_type (sequence -> grpo, token -> bnpo; dapo is the step-wide token mean)",
+}
 
 
 def _section_types() -> dict[str, type]:
@@ -223,6 +253,8 @@ def _apply(config: Config, section: str, values: dict, source: str) -> None:
     names = {f.name: f for f in dataclasses.fields(types[section])}
     for name, value in values.items():
         key = f"{section}.{name}"
+        if key in RENAMED:
+            raise ConfigError(f"'{key}' was renamed: use {RENAMED[key]}")
         if name not in names:
             raise _unknown(key)
         value = _coerce(key, value, hints[name])
@@ -302,6 +334,15 @@ def validate(config: Config, training: bool = True) -> None:
     need(config.grpo.num_iterations >= 1, "grpo.num_iterations", "must be >= 1")
     need(config.grpo.epsilon_low >= 0 and config.grpo.epsilon_high >= 0, "grpo.epsilon_low",
          "and grpo.epsilon_high must be >= 0")
+    need(config.grpo.delta == 0 or config.grpo.delta > 1 + config.grpo.epsilon_high, "grpo.delta",
+         f"must be 0 (off) or > 1 + grpo.epsilon_high ({1 + config.grpo.epsilon_high}), got {config.grpo.delta}")
+    need(config.grpo.importance_sampling_cap == 0 or config.grpo.importance_sampling_cap >= 1,
+         "grpo.importance_sampling_cap", f"must be 0 (off) or >= 1, got {config.grpo.importance_sampling_cap}")
+    need(config.grpo.dynamic_sampling_max_draws >= 0, "grpo.dynamic_sampling_max_draws", "must be >= 0")
+    need("length" not in config.rewards.functions, "rewards.functions",
+         "no longer takes 'length': the length bonus is group-aware now, set rewards.length=true")
+    need(config.rewards.length_min_tokens <= config.rewards.length_max_tokens, "rewards.length_min_tokens",
+         "must be <= rewards.length_max_tokens")
     need(config.train.max_steps >= 1, "train.max_steps", "must be >= 1")
     need(config.train.prompts_per_rank >= 1, "train.prompts_per_rank", "must be >= 1")
     need(config.train.groups_per_micro_batch >= 1, "train.groups_per_micro_batch", "must be >= 1")
@@ -313,6 +354,13 @@ def validate(config: Config, training: bool = True) -> None:
     need(not weights or len(weights) == len(config.rewards.functions), "rewards.weights",
          f"needs one weight per function ({len(config.rewards.functions)})")
     need(bool(config.rewards.functions), "rewards.functions", "needs at least one reward function")
+
+
+def scale_rewards(grpo: GRPOConfig) -> str:
+    """``grpo.scale_rewards`` with ``auto`` resolved (none under Dr. GRPO, group otherwise)."""
+    if grpo.scale_rewards != "auto":
+        return grpo.scale_rewards
+    return "none" if grpo.loss_type == "dr_grpo" else "group"
 
 
 def describe() -> str:

@@ -1,32 +1,148 @@
-"""GRPO advantages and loss: pure tensor functions, no model code."""
+"""GRPO advantages and loss: pure tensor functions, no model code.
+
+The options follow the papers and peers that introduced them (README "GRPO options" lists sources):
+
+- ``loss_type``: how per-token losses become one number per micro-batch (``aggregate``).
+- ``scale_rewards``: what the centred rewards are divided by (``group_advantages``).
+- ``kl_estimator``: the per-token KL penalty (``kl_penalty``).
+- ``delta``: two-sided clipping of the ratio for negative advantages.
+- importance weights: truncated importance sampling against the rollout's own log-probs.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+KL_ESTIMATORS = ("k3", "low_var_kl", "k1")
 
-def group_advantages(rewards: torch.Tensor, group_sizes: Sequence[int], scale: bool = True,
-                     eps: float = 1e-4) -> torch.Tensor:
-    """(r - mean of its group) / (std of its group + eps) per completion; without ``scale``, only centred."""
+
+def group_advantages(rewards: torch.Tensor, group_sizes: Sequence[int], scale: str = "group", eps: float = 1e-4,
+                     batch_std: float | None = None) -> torch.Tensor:
+    """(r - mean of its group) / (std + eps) per completion.
+
+    ``scale``: ``group`` divides by the group's reward std (GRPO, DeepSeekMath); ``batch`` by the std of the whole
+    step's rewards (``batch_std`` when given: the trainer passes the std over all ranks; otherwise these rewards');
+    ``none`` only centres (Dr. GRPO). Stds are unbiased (n - 1), as in TRL and Video-R1.
+    """
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"unknown scale_rewards {scale!r}; expected one of {SCALE_REWARDS}")
     out = torch.empty_like(rewards)
     start = 0
     for size in group_sizes:
         group = rewards[start : start + size]
-        centred = group - group.mean()
-        if scale:
+        out[start : start + size] = group - group.mean()
+        if scale == "group":
             std = group.std() if size > 1 else group.new_zeros(())
-            centred = centred / (std + eps)
-        out[start : start + size] = centred
+            out[start : start + size] /= std + eps
         start += size
+    if scale == "batch":
+        std = batch_std if batch_std is not None else (float(rewards.std()) if rewards.numel() > 1 else 0.0)
+        out = out / (std + eps)
     return out
 
 
-def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token KL(policy || reference) estimate exp(r - p) - (r - p) - 1 (always >= 0)."""
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL penalty between the policy (which sampled the tokens) and the reference.
+
+    With d = log ref - log pi at each sampled token:
+
+    - ``k3`` = exp(d) - d - 1 (Schulman's unbiased, always >= 0 estimate of the value KL(pi || ref), as in GRPO,
+      TRL and Video-R1). Its GRADIENT, differentiated through log pi as a loss term, is (1 - ref/pi) grad log pi,
+      whose expectation under pi is grad KL(ref || pi): as a penalty it pulls toward the reference along the
+      reverse KL, not along KL(pi || ref).
+    - ``low_var_kl``: k3 with d clamped to [-20, 20] and the result to [-10, 10] (verl): the same gradient where
+      the policy stays near the reference, bounded where it does not.
+    - ``k1`` = -d = log pi - log ref: an unbiased estimate of the value KL(pi || ref), but its gradient
+      grad log pi has expectation zero under pi, so as a loss term it regularises only through sampling noise;
+      offered for comparison with peers that use it.
+    """
     delta = ref_logprobs - logprobs
-    return torch.exp(delta) - delta - 1
+    if estimator == "k3":
+        return torch.exp(delta) - delta - 1
+    if estimator == "low_var_kl":
+        delta = delta.clamp(-20, 20)
+        return (torch.exp(delta) - delta - 1).clamp(-10, 10)
+    if estimator == "k1":
+        return -delta
+    raise ValueError(f"unknown kl_estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """The k3 estimator (see ``kl_penalty``)."""
+    return kl_penalty(logprobs, ref_logprobs, "k3")
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    loss_type: str = "grpo"
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float = 0.0  # 0: off; else the unclipped ratio is capped at delta (two-sided clipping)
+    kl_estimator: str = "k3"
+    max_completion_length: int = 0  # dr_grpo's constant denominator
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"unknown loss_type {self.loss_type!r}; expected one of {LOSS_TYPES}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
+        if self.loss_type == "dr_grpo" and self.max_completion_length < 1:
+            raise ValueError("loss_type 'dr_grpo' needs max_completion_length >= 1")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int = 0,
+              tokens_per_micro_batch: float | None = None) -> torch.Tensor:
+    """One micro-batch's loss from per-token losses [N, L] and a 0/1 ``mask``.
+
+    The optimiser sees the MEAN of these values over the step's micro-batches and ranks (DeepSpeed divides each
+    backward by the accumulation steps and averages gradients over ranks), so:
+
+    - ``grpo``: mean over each completion's tokens, then over completions (DeepSeekMath's GRPO).
+    - ``bnpo``: mean over the micro-batch's tokens (TRL's "bnpo"; the step's result depends on how the tokens
+      fall into micro-batches).
+    - ``dapo``: sum over tokens / ``tokens_per_micro_batch``, the step's total loss tokens (all micro-batches,
+      all ranks) divided by the number of micro-batch losses averaged: so the step optimises the mean over ALL
+      its tokens (DAPO), whatever the micro-batch split.
+    - ``dr_grpo``: sum over each completion's tokens / ``max_completion_length``, mean over completions
+      (Dr. GRPO: no length normalisation per completion).
+    """
+    mask = mask.to(per_token.dtype)
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(1) / mask.sum(1).clamp_min(1)).mean()
+    if loss_type == "bnpo":
+        return (per_token * mask).sum() / mask.sum().clamp_min(1)
+    if loss_type == "dapo":
+        if tokens_per_micro_batch is None:
+            raise ValueError("loss_type 'dapo' needs tokens_per_micro_batch (the step's tokens / micro-batches)")
+        return (per_token * mask).sum() / max(tokens_per_micro_batch, 1e-8)
+    if loss_type == "dr_grpo":
+        return ((per_token * mask).sum(1) / max_completion_length).mean()
+    raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+
+
+def truncated_importance_weights(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                                 cap: float) -> torch.Tensor:
+    """min(pi_train / pi_rollout, cap) per token, without gradient: corrects for the rollout having sampled
+    from slightly different numbers than the training forward computes (different kernels, precision)."""
+    return torch.exp(train_logprobs.detach() - rollout_logprobs).clamp(max=cap)
+
+
+def mismatch_metrics(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
+    """How far the training forward's log-probs are from the rollout's sampling log-probs."""
+    with torch.no_grad():
+        keep = mask.bool()
+        diff = (train_logprobs.detach() - rollout_logprobs)[keep]
+        if diff.numel() == 0:
+            return {"mismatch/mean_abs_logprob_diff": 0.0, "mismatch/max_ratio": 1.0}
+        return {"mismatch/mean_abs_logprob_diff": float(diff.abs().mean()),
+                "mismatch/max_ratio": float(torch.exp(diff.abs().max()))}
 
 
 def grpo_loss(
@@ -35,38 +151,60 @@ def grpo_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     ref_logprobs: torch.Tensor | None = None,
-    beta: float = 0.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    aggregation: str = "sequence",
+    options: LossOptions = LossOptions(),
+    importance_weights: torch.Tensor | None = None,
+    tokens_per_micro_batch: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped-ratio policy loss plus beta * KL, aggregated per sequence (GRPO) or per token (DAPO).
+    """Clipped-ratio policy loss plus beta * KL for one micro-batch.
 
-    All per-token tensors are [N, L]; ``advantages`` is [N]; ``mask`` marks real completion tokens.
+    All per-token tensors are [N, L]; ``advantages`` is [N]; ``mask`` marks the tokens that carry loss.
+    ``importance_weights`` (no gradient) multiply the per-token policy loss (truncated importance sampling).
     """
+    o = options
     mask = mask.to(logprobs.dtype)
     ratio = torch.exp(logprobs - old_logprobs)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    clipped = torch.clamp(ratio, 1 - o.epsilon_low, 1 + o.epsilon_high)
+    unclipped = torch.clamp(ratio, max=o.delta) if o.delta > 0 else ratio
     adv = advantages[:, None]
-    per_token = -torch.min(ratio * adv, clipped * adv)
+    per_token = -torch.min(unclipped * adv, clipped * adv)
+    if importance_weights is not None:
+        per_token = per_token * importance_weights
     kl = None
-    if ref_logprobs is not None and beta > 0:
-        kl = k3_kl(logprobs, ref_logprobs)
-        per_token = per_token + beta * kl
-    if aggregation == "sequence":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp_min(1)).mean()
-    elif aggregation == "token":
-        loss = (per_token * mask).sum() / mask.sum().clamp_min(1)
-    else:
-        raise ValueError(f"unknown loss aggregation {aggregation!r}; expected 'sequence' or 'token'")
+    if ref_logprobs is not None and o.beta > 0:
+        kl = kl_penalty(logprobs, ref_logprobs, o.kl_estimator)
+        per_token = per_token + o.beta * kl
+    loss = aggregate(per_token, mask, o.loss_type, o.max_completion_length, tokens_per_micro_batch)
     tokens = mask.sum().clamp_min(1)
     with torch.no_grad():
-        low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)
-        high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
+        low = ((ratio < 1 - o.epsilon_low) & (adv < 0)).to(mask.dtype)
+        high = ((ratio > 1 + o.epsilon_high) & (adv > 0)).to(mask.dtype)
         metrics = {
             "clip_fraction": float(((low + high) * mask).sum() / tokens),
             "clip_fraction_low": float((low * mask).sum() / tokens),
             "clip_fraction_high": float((high * mask).sum() / tokens),
             "kl": float((kl * mask).sum() / tokens) if kl is not None else 0.0,
         }
+        if o.delta > 0:
+            metrics["clip_fraction_delta"] = float((((ratio > o.delta) & (adv < 0)).to(mask.dtype) * mask).sum()
+                                                   / tokens)
     return loss, metrics
+
+
+def loss_mask(completion_mask: torch.Tensor, stop_reasons: Sequence[str], mask_truncated: bool) -> torch.Tensor:
+    """The tokens that carry loss: the completion mask, with completions cut by the length limit (stop reason
+    ``length``) removed when ``mask_truncated`` (DAPO's overlong filtering)."""
+    mask = completion_mask.float()
+    if mask_truncated:
+        keep = torch.tensor([reason != "length" for reason in stop_reasons], dtype=mask.dtype)
+        mask = mask * keep[:, None]
+    return mask
+
+
+def zero_variance_groups(values: Sequence[float], group_sizes: Sequence[int]) -> list[bool]:
+    """Per group: True when all its values are equal (no learning signal from advantages)."""
+    out, start = [], 0
+    for size in group_sizes:
+        group = values[start : start + size]
+        out.append(max(group) - min(group) == 0)
+        start += size
+    return out

@@ -1,8 +1,10 @@
-"""Rule-based rewards: format, accuracy per problem type, length bonus, plug-ins. Pure Python, no model code.
+"""Rule-based rewards: format, accuracy per problem type, plug-ins; group-level length and temporal bonuses.
+Pure Python, no model code.
 
 A reward function takes the decoded completions and their records and returns one float per completion:
 ``fn(completions: list[str], records: list[dict]) -> list[float]``. Custom ones load from
-``path/to/file.py:function``.
+``path/to/file.py:function``. The length and temporal bonuses look at a whole group (Video-R1's rules by default,
+``BONUS_RULES``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib.util
 import math
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 RewardFn = Callable[[list[str], list[dict]], list[float]]
@@ -200,16 +203,6 @@ def accuracy_reward(completions: list[str], records: list[dict]) -> list[float]:
     return [accuracy_of(c, r) for c, r in zip(completions, records)]
 
 
-def length_reward(min_tokens: int, max_tokens: int, bonus: float, count_tokens: Callable[[str], int]) -> RewardFn:
-    """Bonus for correct completions whose length falls inside [min_tokens, max_tokens]."""
-
-    def reward(completions: list[str], records: list[dict]) -> list[float]:
-        return [bonus if accuracy_of(c, r) > 0.5 and min_tokens <= count_tokens(c) <= max_tokens else 0.0
-                for c, r in zip(completions, records)]
-
-    return reward
-
-
 def load_plugin(spec: str) -> RewardFn:
     """Load ``path/to/file.py:function``."""
     path, _, name = spec.rpartition(":")
@@ -227,9 +220,7 @@ def load_plugin(spec: str) -> RewardFn:
     return fn
 
 
-def build_rewards(names: Sequence[str], weights: Sequence[float] = (), *, length_min_tokens: int = 320,
-                  length_max_tokens: int = 512, length_bonus: float = 0.2,
-                  count_tokens: Callable[[str], int] = lambda s: len(s.split())) -> list[tuple[str, RewardFn, float]]:
+def build_rewards(names: Sequence[str], weights: Sequence[float] = ()) -> list[tuple[str, RewardFn, float]]:
     """Resolve reward names into (name, function, weight)."""
     weights = list(weights) or [1.0] * len(names)
     if len(weights) != len(names):
@@ -240,12 +231,11 @@ def build_rewards(names: Sequence[str], weights: Sequence[float] = (), *, length
             fn = format_reward
         elif name == "accuracy":
             fn = accuracy_reward
-        elif name == "length":
-            fn = length_reward(length_min_tokens, length_max_tokens, length_bonus, count_tokens)
         elif ":" in name:
             fn = load_plugin(name)
         else:
-            raise RewardError(f"unknown reward function {name!r}; use format, accuracy, length or file.py:function")
+            hint = " (the length bonus is rewards.length=true now)" if name == "length" else ""
+            raise RewardError(f"unknown reward function {name!r}; use format, accuracy or file.py:function{hint}")
         resolved.append((name, fn, float(weight)))
     return resolved
 
@@ -264,11 +254,45 @@ def score(rewards: list[tuple[str, RewardFn, float]], completions: list[str], re
     return out
 
 
+@dataclass(frozen=True)
+class BonusRules:
+    """When the group-level bonuses (length, temporal) apply."""
+
+    correct_above: float  # a completion is "correct" when its accuracy exceeds this
+    temporal_at_least: bool  # temporal bonus when ordered >= ratio x shuffled (else strictly >)
+
+
+BONUS_RULES = {
+    # Video-R1 (src/r1-v/src/open_r1/trainer/grpo_trainer.py): accuracy > 0.1, `acc_mean >= 0.8 * shuffled_acc_mean`.
+    "video_r1": BonusRules(correct_above=0.1, temporal_at_least=True),
+    # This project's first rules: partial free-form matches (ROUGE 0.1-0.5) are not "correct"; a tie earns nothing.
+    "strict": BonusRules(correct_above=0.5, temporal_at_least=False),
+}
+
+
+def _rules(name: str) -> BonusRules:
+    if name not in BONUS_RULES:
+        raise RewardError(f"unknown bonus rules {name!r}; expected one of {sorted(BONUS_RULES)}")
+    return BONUS_RULES[name]
+
+
+def length_bonus(accuracy: Sequence[float], lengths: Sequence[int], min_tokens: int, max_tokens: int, bonus: float,
+                 rules: str = "video_r1") -> list[float]:
+    """Video-R1's length control for ONE group: when more than one completion is correct, each correct one whose
+    length (completion tokens, EOS included) lies in [min_tokens, max_tokens] earns ``bonus``."""
+    rule = _rules(rules)
+    correct = [a > rule.correct_above for a in accuracy]
+    if sum(correct) <= 1:
+        return [0.0] * len(accuracy)
+    return [bonus if ok and min_tokens <= n <= max_tokens else 0.0 for ok, n in zip(correct, lengths)]
+
+
 def temporal_bonus(ordered_accuracy: Sequence[float], shuffled_accuracy: Sequence[float], alpha: float,
-                   ratio: float) -> list[float]:
-    """T-GRPO: when the group answers better with ordered frames than with shuffled ones (by ``ratio``), each
-    correct ordered completion earns ``alpha``."""
+                   ratio: float, rules: str = "video_r1") -> list[float]:
+    """T-GRPO for ONE group: when the group answers at least as well with ordered frames as ``ratio`` x its
+    accuracy with shuffled frames, each correct ordered completion earns ``alpha``."""
+    rule = _rules(rules)
     ordered = sum(ordered_accuracy) / max(len(ordered_accuracy), 1)
     shuffled = sum(shuffled_accuracy) / max(len(shuffled_accuracy), 1)
-    earned = ordered > ratio * shuffled
-    return [alpha if earned and a > 0.5 else 0.0 for a in ordered_accuracy]
+    earned = ordered >= ratio * shuffled if rule.temporal_at_least else ordered > ratio * shuffled
+    return [alpha if earned and a > rule.correct_above else 0.0 for a in ordered_accuracy]

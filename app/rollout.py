@@ -287,3 +287,29 @@ def _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id) ->
         stop_reasons=tracker.reasons,
         prefill_tokens=int(batch["attention_mask"].sum()),
     )
+
+
+def select_groups(rollouts: Sequence[Rollout], picks: Sequence[tuple[int, int]], pad_id: int) -> Rollout:
+    """One rollout made of whole groups taken from several: ``picks`` lists (rollout index, group index) in the
+    order wanted. Widths are padded to the widest pick (``pad_id``, mask 0, log-prob 0)."""
+    starts = [[0, *torch.tensor(r.group_sizes).cumsum(0).tolist()] for r in rollouts]
+    rows = [(k, starts[k][g], starts[k][g + 1]) for k, g in picks]
+    width = max([1] + [int(rollouts[k].completion_mask[a:b].sum(1).max()) for k, a, b in rows if b > a])
+
+    def take(name: str, fill) -> torch.Tensor:
+        parts = []
+        for k, a, b in rows:
+            part = getattr(rollouts[k], name)[a:b, :width]
+            if part.shape[1] < width:
+                part = torch.nn.functional.pad(part, (0, width - part.shape[1]), value=fill)
+            parts.append(part)
+        return torch.cat(parts) if parts else getattr(rollouts[0], name)[:0, :width]
+
+    return Rollout(
+        completion_ids=take("completion_ids", pad_id),
+        completion_mask=take("completion_mask", 0),
+        logprobs=take("logprobs", 0.0),
+        group_sizes=[b - a for _, a, b in rows],
+        stop_reasons=[reason for k, a, b in rows for reason in rollouts[k].stop_reasons[a:b]],
+        prefill_tokens=sum(r.prefill_tokens for r in rollouts),
+    )

@@ -16,20 +16,28 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from app import checkpoint, distributed
-from app.config import Config, ConfigError, load_config
+from app.config import Config, ConfigError, load_config, scale_rewards
 from app.data.prompts import collate_prompts
 from app.data.records import EncodedPrompt, load_stream
 from app.grouping import MODALITIES, completion_logprobs, present_vision_calls, verify_grouping
-from app.grpo import group_advantages, grpo_loss
+from app.grpo import (
+    LossOptions,
+    group_advantages,
+    grpo_loss,
+    loss_mask,
+    mismatch_metrics,
+    truncated_importance_weights,
+    zero_variance_groups,
+)
 from app.models import load_model, load_processor
-from app.rewards import accuracy_of, build_rewards, score, temporal_bonus
-from app.rollout import Rollout, SamplingConfig, generate_groups
+from app.rewards import accuracy_of, build_rewards, length_bonus, score, temporal_bonus
+from app.rollout import Rollout, SamplingConfig, generate_groups, select_groups
 from app.tracking import Tracker
 
 log = logging.getLogger("app.trainer")
@@ -51,6 +59,20 @@ def cosine_with_warmup(optimizer, warmup: int, total: int, min_ratio: float):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def tokens_per_micro_batch(loss_type: str, weights: torch.Tensor, micro_batches: int) -> float | None:
+    """DAPO's denominator (see ``grpo.aggregate``): the loss tokens of the whole step, summed over ranks, divided by
+    the number of micro-batch losses that DeepSpeed averages (micro-batches per rank x ranks). One all-reduce."""
+    if loss_type != "dapo":
+        return None
+    total = distributed.all_reduce_sum([float(weights.sum())])[0]
+    return total / (micro_batches * distributed.world_size())
+
+
+def mean_of(metrics: list[dict], key: str) -> float:
+    values = [m[key] for m in metrics if key in m]
+    return sum(values) / len(values) if values else 0.0
+
+
 def to_device(batch: dict, device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
@@ -60,10 +82,24 @@ class StepBatch:
     prompts: list[EncodedPrompt]
     rollout: Rollout
     texts: list[str]
-    accuracy: list[float]  # per completion, scored once (metrics and the temporal bonus reuse it)
+    accuracy: list[float]  # per completion, scored once (metrics and the bonuses reuse it)
     rewards: dict[str, list[float]]
     total_reward: torch.Tensor
-    advantages: torch.Tensor
+    advantages: torch.Tensor | None = None  # set once the step's groups are chosen
+    sampling: dict = field(default_factory=dict)  # what the step drew: group counts for the metrics
+
+
+def select(batches: list[StepBatch], picks: list[tuple[int, int]], group_size: int, pad_id: int) -> StepBatch:
+    """The groups ``picks`` = [(batch index, group index)] of several scored batches, as one batch."""
+    rows = [(k, g * group_size + j) for k, g in picks for j in range(group_size)]
+    return StepBatch(
+        prompts=[batches[k].prompts[g] for k, g in picks],
+        rollout=select_groups([b.rollout for b in batches], picks, pad_id),
+        texts=[batches[k].texts[i] for k, i in rows],
+        accuracy=[batches[k].accuracy[i] for k, i in rows],
+        rewards={name: [batches[k].rewards[name][i] for k, i in rows] for name in batches[0].rewards},
+        total_reward=torch.stack([batches[k].total_reward[i] for k, i in rows]) if rows else torch.zeros(0),
+    )
 
 
 class GRPOTrainer:
@@ -97,12 +133,13 @@ class GRPOTrainer:
                                    trust_remote_code=cfg.model.trust_remote_code)
             self.reference = distributed.build_reference(reference, self.ds_config, self.device)
 
-        self.rewards = build_rewards(
-            cfg.rewards.functions, cfg.rewards.weights, length_min_tokens=cfg.rewards.length_min_tokens,
-            length_max_tokens=cfg.rewards.length_max_tokens, length_bonus=cfg.rewards.length_bonus,
-            count_tokens=lambda text: len(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+        self.rewards = build_rewards(cfg.rewards.functions, cfg.rewards.weights)
         self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.rank, self.world)
         self.backend = None if cfg.grpo.attention_backend == "auto" else cfg.grpo.attention_backend
+        self.loss_options = LossOptions(
+            loss_type=cfg.grpo.loss_type, beta=cfg.grpo.beta, epsilon_low=cfg.grpo.epsilon_low,
+            epsilon_high=cfg.grpo.epsilon_high, delta=cfg.grpo.delta, kl_estimator=cfg.grpo.kl_estimator,
+            max_completion_length=cfg.rollout.max_completion_length)
         self.output_dir = Path(cfg.train.output_dir)
         self.start_step = 0
         if cfg.train.resume:
@@ -135,12 +172,12 @@ class GRPOTrainer:
         cfg = self.cfg
         timings = {}
         start = time.perf_counter()
-        prompts = self.stream.next_prompts(cfg.train.prompts_per_rank)
-        batch = self.rollout_and_score(step, prompts)
+        batch = self.collect(step)
+        batch.advantages = self.advantages(batch)
         timings["rollout"] = time.perf_counter() - start
 
         micro_batches = [list(range(i, i + cfg.train.groups_per_micro_batch))
-                         for i in range(0, len(prompts), cfg.train.groups_per_micro_batch)]
+                         for i in range(0, len(batch.prompts), cfg.train.groups_per_micro_batch)]
         start = time.perf_counter()
         reference = [self.logprobs(self.reference, batch, mb) for mb in micro_batches] if self.reference else None
         old = ([self.logprobs(self.engine, batch, mb) for mb in micro_batches]
@@ -151,20 +188,30 @@ class GRPOTrainer:
 
         start = time.perf_counter()
         losses, loss_metrics, tokens = [], [], 0
+        weights = loss_mask(batch.rollout.completion_mask, batch.rollout.stop_reasons,
+                            cfg.grpo.mask_truncated_completions)
+        per_micro_batch = tokens_per_micro_batch(cfg.grpo.loss_type, weights, len(micro_batches))
         self.engine.train()
-        for _ in range(cfg.grpo.num_iterations):
+        for iteration in range(cfg.grpo.num_iterations):
             for index, mb in enumerate(micro_batches):
                 inputs, ids, mask, sizes, rows = self.micro_batch(batch, mb)
                 scores = completion_logprobs(self.engine, inputs, ids, mask, sizes, mode=cfg.grpo.grouping,
-                                             backend=self.backend,
+                                             backend=self.backend, temperature=cfg.rollout.temperature,
+                                             return_entropy=iteration == 0,
                                              vision_calls=self.vision_calls(inputs, self.engine, training=True))
                 old_lp = old[index] if old is not None else scores.logprobs.detach()
                 ref_lp = reference[index] if reference is not None else None
-                loss, metrics = grpo_loss(scores.logprobs, old_lp, batch.advantages[rows].to(self.device), mask,
-                                          ref_lp, cfg.grpo.beta, cfg.grpo.epsilon_low, cfg.grpo.epsilon_high,
-                                          cfg.grpo.loss_aggregation)
+                sampled_lp = batch.rollout.logprobs[rows, : ids.shape[1]].to(self.device)
+                is_weights = (truncated_importance_weights(old_lp, sampled_lp, cfg.grpo.importance_sampling_cap)
+                              if cfg.grpo.importance_sampling_cap > 0 else None)
+                loss, metrics = grpo_loss(scores.logprobs, old_lp, batch.advantages[rows].to(self.device),
+                                          weights[rows, : ids.shape[1]].to(self.device), ref_lp, self.loss_options,
+                                          is_weights, per_micro_batch)
                 self.engine.backward(loss)
                 self.engine.step()
+                if iteration == 0:
+                    metrics.update(mismatch_metrics(old_lp, sampled_lp, mask))
+                    metrics["entropy"] = float((scores.entropy * mask).sum() / mask.sum().clamp_min(1))
                 losses.append(float(loss.detach()))
                 loss_metrics.append(metrics)
                 layout = scores.layout
@@ -173,26 +220,87 @@ class GRPOTrainer:
         return self.step_metrics(step, batch, losses, loss_metrics, timings, tokens)
 
     # ---- stages ---------------------------------------------------------------------------------------------
-    def rollout_and_score(self, step: int, prompts: list[EncodedPrompt]) -> StepBatch:
+    def collect(self, step: int) -> StepBatch:
+        """This rank's groups for the step: one draw of prompts, rolled out and scored. With dynamic sampling,
+        groups without signal are dropped and further draws made (every rank draws as often as the neediest one,
+        since rollouts may be collective) up to ``dynamic_sampling_max_draws``; a step still short is filled
+        with dropped groups."""
+        cfg = self.cfg
+        need = cfg.train.prompts_per_rank
+        batches = [self.rollout_and_score(step, self.stream.next_prompts(need), draw=0)]
+        if not cfg.grpo.dynamic_sampling:
+            batches[0].sampling = self.group_counts(batches)
+            return batches[0]
+        kept, dropped = [], []
+        while True:
+            k = len(batches) - 1
+            metric = (batches[k].accuracy if cfg.grpo.dynamic_sampling_metric == "accuracy"
+                      else batches[k].total_reward.tolist())
+            for g, flat in enumerate(zero_variance_groups(metric, batches[k].rollout.group_sizes)):
+                (dropped if flat else kept).append((k, g))
+            short = distributed.all_reduce_max([float(need - len(kept))])[0]
+            if short <= 0 or k >= cfg.grpo.dynamic_sampling_max_draws:
+                break
+            batches.append(self.rollout_and_score(step, self.stream.next_prompts(need), draw=k + 1))
+        filled = max(0, need - len(kept))
+        if filled:
+            log.warning("step %d: dynamic sampling found %d of %d groups with signal after %d extra draws; filling "
+                        "with %d groups without (raise grpo.dynamic_sampling_max_draws?)", step + 1, len(kept), need,
+                        len(batches) - 1, filled)
+        chosen = select(batches, kept[:need] + dropped[:filled], cfg.rollout.group_size, self.tokenizer.pad_token_id)
+        chosen.sampling = {**self.group_counts(batches), "dynamic_sampling/dropped": float(len(dropped)),
+                           "dynamic_sampling/filled": float(filled),
+                           "dynamic_sampling/extra_draws": float(len(batches) - 1)}
+        return chosen
+
+    @staticmethod
+    def group_counts(batches: list[StepBatch]) -> dict[str, float]:
+        """All-correct / all-wrong groups among everything the step drew (counts; fractions after the all-reduce)."""
+        correct = wrong = total = 0
+        for batch in batches:
+            start = 0
+            for size in batch.rollout.group_sizes:
+                group = batch.accuracy[start : start + size]
+                correct += all(a >= 1.0 for a in group)
+                wrong += all(a <= 0.0 for a in group)
+                total += 1
+                start += size
+        return {"groups/all_correct": float(correct), "groups/all_wrong": float(wrong), "groups/drawn": float(total)}
+
+    def advantages(self, batch: StepBatch) -> torch.Tensor:
+        scale = scale_rewards(self.cfg.grpo)
+        batch_std = None
+        if scale == "batch":  # the std of every reward of the step, over all ranks (unbiased)
+            r = batch.total_reward.double()
+            n, total, squares = distributed.all_reduce_sum([float(r.numel()), float(r.sum()), float((r * r).sum())])
+            batch_std = math.sqrt(max(squares - total * total / n, 0.0) / max(n - 1, 1))
+        return group_advantages(batch.total_reward, batch.rollout.group_sizes, scale=scale, batch_std=batch_std)
+
+    def rollout_and_score(self, step: int, prompts: list[EncodedPrompt], draw: int = 0) -> StepBatch:
         cfg = self.cfg
         inputs = to_device(collate_prompts([p.inputs for p in prompts], self.tokenizer.pad_token_id), self.device)
         sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                   top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_completion_length,
                                   stop_strings=tuple(cfg.rollout.stop_strings),
-                                  seed=step_seed(cfg.train.seed, step, self.rank))
+                                  seed=step_seed(cfg.train.seed, step, self.rank, f"draw{draw}" if draw else ""))
         self.engine.eval()
         rollout = self.generate(inputs, sampling)
         texts = self.decode(rollout)
         records = [p.record for p in prompts for _ in range(cfg.rollout.group_size)]
         rewards = score(self.rewards, texts, records)
         accuracy = [accuracy_of(t, r) for t, r in zip(texts, records)]
-        if cfg.rewards.temporal:
+        g, rc = cfg.rollout.group_size, cfg.rewards
+        if rc.length:
+            lengths = rollout.completion_mask.sum(1).tolist()
+            rewards["length"] = [bonus for i in range(len(prompts)) for bonus in length_bonus(
+                accuracy[i * g : (i + 1) * g], lengths[i * g : (i + 1) * g], rc.length_min_tokens,
+                rc.length_max_tokens, rc.length_bonus, rc.bonus_rules)]
+        if rc.temporal:
             rewards["temporal"] = self.temporal_rewards(step, prompts, accuracy, records, sampling)
         weights = {name: weight for name, _, weight in self.rewards}
         total = torch.tensor([sum(weights.get(name, 1.0) * values[i] for name, values in rewards.items())
                               for i in range(len(texts))], dtype=torch.float32)
-        advantages = group_advantages(total, rollout.group_sizes, scale=cfg.grpo.scale_rewards)
-        return StepBatch(prompts, rollout, texts, accuracy, rewards, total, advantages)
+        return StepBatch(prompts, rollout, texts, accuracy, rewards, total)
 
     def temporal_rewards(self, step, prompts, accuracy, records, sampling) -> list[float]:
         """T-GRPO: the same prompts with shuffled frames; bonus when ordered frames answer better."""
@@ -205,18 +313,25 @@ class GRPOTrainer:
             shuffled.append(again)
         bonus = [0.0] * len(accuracy)
         video = [i for i, s in enumerate(shuffled) if s is not None]
+        collective = distributed.forwards_are_collective(self.engine)
+        if collective and distributed.all_reduce_max([float(bool(video))])[0] > 0 and not video:
+            # Under ZeRO-3 a rollout gathers parameters collectively: this rank has no video but another has, so
+            # it joins with a throwaway rollout of its own prompt (discarded) instead of leaving the others hanging.
+            dummy = to_device(collate_prompts([prompts[0].inputs], self.tokenizer.pad_token_id), self.device)
+            self.generate(dummy, sampling)
+            return bonus
         if not video:
             return bonus
         inputs = to_device(collate_prompts([shuffled[i].inputs for i in video], self.tokenizer.pad_token_id),
                            self.device)
         rollout = self.generate(inputs, sampling)
         shuffled_texts = self.decode(rollout)
-        g = self.cfg.rollout.group_size
+        g, rc = self.cfg.rollout.group_size, self.cfg.rewards
         for k, i in enumerate(video):
             ordered = accuracy[i * g : (i + 1) * g]
             mixed = [accuracy_of(t, records[i * g]) for t in shuffled_texts[k * g : (k + 1) * g]]
-            bonus[i * g : (i + 1) * g] = temporal_bonus(ordered, mixed, self.cfg.rewards.temporal_alpha,
-                                                        self.cfg.rewards.temporal_ratio)
+            bonus[i * g : (i + 1) * g] = temporal_bonus(ordered, mixed, rc.temporal_alpha, rc.temporal_ratio,
+                                                        rc.bonus_rules)
         return bonus
 
     def generate(self, inputs: dict, sampling: SamplingConfig) -> Rollout:
@@ -292,6 +407,11 @@ class GRPOTrainer:
             "loss": sum(losses) / len(losses),
             "kl": sum(m["kl"] for m in loss_metrics) / len(loss_metrics),
             "clip_fraction": sum(m["clip_fraction"] for m in loss_metrics) / len(loss_metrics),
+            "clip_fraction_low": sum(m["clip_fraction_low"] for m in loss_metrics) / len(loss_metrics),
+            "clip_fraction_high": sum(m["clip_fraction_high"] for m in loss_metrics) / len(loss_metrics),
+            "entropy": mean_of(loss_metrics, "entropy"),
+            "mismatch/mean_abs_logprob_diff": mean_of(loss_metrics, "mismatch/mean_abs_logprob_diff"),
+            "completions/truncated_fraction": sum(r == "length" for r in rollout.stop_reasons) / len(rollout.stop_reasons),
             "time/rollout": timings["rollout"],
             "time/reference": timings["reference"],
             "time/policy": timings["policy"],
@@ -305,6 +425,13 @@ class GRPOTrainer:
         averaged = {k: v / self.world for k, v in zip(keys, summed)}
         for key in ("completions/empty", "tokens/policy_forward", "tokens/prefix_saved_by_grouping"):
             averaged[key] = averaged[key] * self.world  # totals, not means
+        counts = sorted(batch.sampling)
+        totals = dict(zip(counts, distributed.all_reduce_sum([batch.sampling[k] for k in counts])))
+        drawn = max(totals.pop("groups/drawn", 0.0), 1.0)
+        for key, value in totals.items():  # fractions of the groups drawn; dynamic-sampling figures as totals
+            averaged[key] = value / drawn if key.startswith("groups/") else value
+        averaged["mismatch/max_ratio"] = distributed.all_reduce_max(
+            [max((m.get("mismatch/max_ratio", 1.0) for m in loss_metrics), default=1.0)])[0]
         step_time = timings["rollout"] + timings["reference"] + timings["policy"]
         averaged["time/step"] = step_time
         averaged["tokens_per_second"] = averaged["tokens/policy_forward"] / max(timings["policy"], 1e-9)

@@ -42,6 +42,7 @@ class CompletionScores:
     mask: torch.Tensor  # [N, Lc] completion mask (bool)
     logits: torch.Tensor | None = None  # [N, Lc, V] when requested, 0 at padding
     layout: GroupLayout | None = None
+    entropy: torch.Tensor | None = None  # [N, Lc] entropy of each token's (tempered) distribution, no gradient
 
 
 def unwrap(model):
@@ -111,15 +112,22 @@ def _vision_kwargs(prompts: Mapping) -> dict:
     return {k: prompts[k] for k in VISION_KEYS if prompts.get(k) is not None}
 
 
-def _logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def _logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                          entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets`` under softmax(logits / temperature), and optionally each row's entropy."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(-1, targets[..., None]).squeeze(-1)
+    if not entropy:
+        return chosen, None
+    with torch.no_grad():
+        return chosen, -(logp.exp() * logp).sum(-1)
 
 
 def _grouped(model, prompts, completion_ids, layout: GroupLayout, backend, temperature, return_logits,
-             extra_forward_kwargs):
+             return_entropy, extra_forward_kwargs):
     device = completion_ids.device
     _set_text_attention(model, attention.ATTENTION_NAME)
     plan = attention.GroupedAttentionPlan(layout, backend or attention.default_backend(device))
@@ -138,9 +146,10 @@ def _grouped(model, prompts, completion_ids, layout: GroupLayout, backend, tempe
                 logits_to_keep=predict, **{attention.PLAN_KWARG: plan}, **kwargs, **extra_forward_kwargs)
     logits = out.logits[0]  # [K, V]
     targets = completion_ids.flatten().index_select(0, layout.target_index.to(device))
-    logprobs = layout.unpack_completion_tokens(_logprobs_from_logits(logits, targets, temperature))
+    chosen, entropy = _logprobs_from_logits(logits, targets, temperature, return_entropy)
+    logprobs = layout.unpack_completion_tokens(chosen)
     full_logits = layout.unpack_completion_tokens(logits) if return_logits else None
-    return logprobs, full_logits
+    return logprobs, full_logits, layout.unpack_completion_tokens(entropy) if return_entropy else None
 
 
 def repeated_inputs(model, prompts: Mapping, completion_ids, completion_mask, group_sizes: Sequence[int]) -> dict:
@@ -163,7 +172,7 @@ def repeated_inputs(model, prompts: Mapping, completion_ids, completion_mask, gr
 
 
 def _repeated(model, prompts, completion_ids, completion_mask, layout: GroupLayout, temperature, return_logits,
-              extra_forward_kwargs):
+              return_entropy, extra_forward_kwargs):
     _set_text_attention(model, "sdpa")
     batch = repeated_inputs(model, prompts, completion_ids, completion_mask, layout.group_sizes)
     if rope_index_owner(unwrap(model)) is None:
@@ -172,9 +181,10 @@ def _repeated(model, prompts, completion_ids, completion_mask, layout: GroupLayo
     out = model(**batch, use_cache=False, logits_to_keep=width + 1, **extra_forward_kwargs)
     logits = out.logits[:, :-1]  # [N, Lc, V]: position Lp-1+j predicts completion token j
     mask = completion_mask.bool()
-    logprobs = _logprobs_from_logits(logits, completion_ids, temperature).masked_fill(~mask, 0.0)
+    chosen, entropy = _logprobs_from_logits(logits, completion_ids, temperature, return_entropy)
+    logprobs = chosen.masked_fill(~mask, 0.0)
     full_logits = logits.masked_fill(~mask[..., None], 0.0) if return_logits else None
-    return logprobs, full_logits
+    return logprobs, full_logits, entropy.masked_fill(~mask, 0.0) if return_entropy else None
 
 
 def _refuse_placeholders_in_completions(model, completion_ids, completion_mask) -> None:
@@ -202,6 +212,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     return_logits: bool = False,
     vision_calls: Sequence[str] | None = None,
+    return_entropy: bool = False,
     **forward_kwargs,
 ) -> CompletionScores:
     """Log-probs of each completion token given its prompt, through the grouped or the repeated layout.
@@ -230,12 +241,13 @@ def completion_logprobs(
     _refuse_placeholders_in_completions(model, completion_ids, completion_mask)
     with aligned_vision_calls(model, prompts, vision_calls):
         if mode == "grouped":
-            logprobs, logits = _grouped(model, prompts, completion_ids, layout, backend, temperature, return_logits,
-                                        forward_kwargs)
+            logprobs, logits, entropy = _grouped(model, prompts, completion_ids, layout, backend, temperature,
+                                                 return_logits, return_entropy, forward_kwargs)
         else:
-            logprobs, logits = _repeated(model, prompts, completion_ids, completion_mask, layout, temperature,
-                                         return_logits, forward_kwargs)
-    return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), logits=logits, layout=layout)
+            logprobs, logits, entropy = _repeated(model, prompts, completion_ids, completion_mask, layout,
+                                                  temperature, return_logits, return_entropy, forward_kwargs)
+    return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), logits=logits, layout=layout,
+                            entropy=entropy)
 
 
 @dataclass

@@ -1,0 +1,222 @@
+"""GRPO loss variants against independent hand-written references (plain Python loops over tokens).
+
+What the optimiser follows is the MEAN of the micro-batch losses over the step's micro-batches and ranks (DeepSpeed
+divides each backward by the accumulation steps and averages gradients over ranks). The references compute the
+step's objective from all tokens at once, as each paper defines it; the tests check values and gradients on
+micro-batches of unequal token counts spread over 2 ranks, and a real 2-process DeepSpeed run (tests/workers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.grpo import (
+    LOSS_TYPES,
+    LossOptions,
+    grpo_loss,
+    kl_penalty,
+    loss_mask,
+    mismatch_metrics,
+    truncated_importance_weights,
+    zero_variance_groups,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+L_MAX = 7
+
+
+def step_data(seed: int = 0):
+    """2 ranks x 2 micro-batches x 3 completions, lengths chosen so token counts differ per micro-batch."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [[[5, 1, 3], [7, 6, 2]], [[2, 2, 1], [4, 7, 7]]]  # [rank][micro-batch][completion]
+    data = []
+    for rank in lengths:
+        for mb in rank:
+            n = len(mb)
+            mask = torch.tensor([[1.0 if t < length else 0.0 for t in range(L_MAX)] for length in mb])
+            data.append({
+                "logp": (-torch.rand(n, L_MAX, generator=g, dtype=torch.float64) * 2).requires_grad_(),
+                "old": -torch.rand(n, L_MAX, generator=g, dtype=torch.float64) * 2,
+                "ref": -torch.rand(n, L_MAX, generator=g, dtype=torch.float64) * 2,
+                "adv": torch.randn(n, generator=g, dtype=torch.float64),
+                "sampled": -torch.rand(n, L_MAX, generator=g, dtype=torch.float64) * 2,
+                "mask": mask,
+            })
+    return data
+
+
+def reference_token_loss(lp, old, ref, adv, beta, eps_low, eps_high, delta, estimator, weight):
+    """One token's loss, written from the definitions (tensors of one element, so autograd gives the gradient)."""
+    ratio = torch.exp(lp - old)
+    clipped = min(max(ratio, torch.tensor(1 - eps_low, dtype=ratio.dtype)), torch.tensor(1 + eps_high,
+                                                                                         dtype=ratio.dtype))
+    unclipped = min(ratio, torch.tensor(delta, dtype=ratio.dtype)) if delta > 0 else ratio
+    policy = -min(unclipped * adv, clipped * adv) * weight
+    d = ref - lp
+    if estimator == "k3":
+        kl = torch.exp(d) - d - 1
+    elif estimator == "low_var_kl":
+        d = max(min(d, torch.tensor(20.0, dtype=d.dtype)), torch.tensor(-20.0, dtype=d.dtype))
+        kl = torch.exp(d) - d - 1
+        kl = max(min(kl, torch.tensor(10.0, dtype=d.dtype)), torch.tensor(-10.0, dtype=d.dtype))
+    else:
+        kl = lp - ref
+    return policy + beta * kl
+
+
+def reference_objective(data, loss_type, beta=0.04, eps_low=0.2, eps_high=0.28, delta=0.0, estimator="k3",
+                        cap=0.0):
+    """The step's objective over ALL completions of all micro-batches and ranks, from each method's definition."""
+    per_sequence, micro_batch_means, total, tokens, sequences = [], [], 0.0, 0.0, 0
+    for mb in data:
+        mb_sum, mb_tokens = 0.0, 0.0
+        for i in range(mb["mask"].shape[0]):
+            seq_sum, seq_tokens = 0.0, 0.0
+            for t in range(L_MAX):
+                if mb["mask"][i, t] == 0:
+                    continue
+                weight = 1.0
+                if cap > 0:
+                    weight = min(math.exp(float(mb["old"][i, t]) - float(mb["sampled"][i, t])), cap)
+                loss = reference_token_loss(mb["logp"][i, t], mb["old"][i, t], mb["ref"][i, t], mb["adv"][i], beta,
+                                            eps_low, eps_high, delta, estimator, weight)
+                seq_sum, seq_tokens = seq_sum + loss, seq_tokens + 1
+            per_sequence.append((seq_sum, seq_tokens))
+            mb_sum, mb_tokens = mb_sum + seq_sum, mb_tokens + seq_tokens
+            sequences += 1
+        micro_batch_means.append(mb_sum / mb_tokens)
+        total, tokens = total + mb_sum, tokens + mb_tokens
+    if loss_type == "grpo":  # DeepSeekMath: 1/G sum_i 1/|o_i| sum_t
+        return sum(s / n for s, n in per_sequence) / sequences
+    if loss_type == "bnpo":  # each micro-batch's token mean, averaged
+        return sum(micro_batch_means) / len(micro_batch_means)
+    if loss_type == "dapo":  # DAPO: 1/sum_i |o_i| sum_i sum_t
+        return total / tokens
+    return sum(s for s, _ in per_sequence) / (sequences * L_MAX)  # Dr. GRPO: constant denominator
+
+
+def step_objective(data, options: LossOptions, cap=0.0):
+    """What DeepSpeed optimises: the mean of the micro-batch losses over micro-batches and ranks."""
+    total_tokens = sum(float(mb["mask"].sum()) for mb in data)
+    per_mb = total_tokens / len(data) if options.loss_type == "dapo" else None
+    losses = []
+    for mb in data:
+        weights = truncated_importance_weights(mb["old"], mb["sampled"], cap) if cap > 0 else None
+        loss, _ = grpo_loss(mb["logp"], mb["old"], mb["adv"], mb["mask"], mb["ref"], options, weights, per_mb)
+        losses.append(loss)
+    return sum(losses) / len(losses)
+
+
+def gradients(objective, data):
+    for mb in data:
+        mb["logp"].grad = None
+    objective.backward()
+    return torch.cat([mb["logp"].grad.flatten() for mb in data])
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize(("estimator", "delta", "cap"), [("k3", 0.0, 0.0), ("low_var_kl", 1.5, 0.0),
+                                                          ("k1", 0.0, 2.0)])
+def test_loss_types_equal_hand_written_references(loss_type, estimator, delta, cap):
+    data = step_data(seed=1)
+    options = LossOptions(loss_type=loss_type, beta=0.04, epsilon_low=0.2, epsilon_high=0.28, delta=delta,
+                          kl_estimator=estimator, max_completion_length=L_MAX)
+    ours = step_objective(data, options, cap)
+    grad_ours = gradients(ours, data)
+    reference = reference_objective(data, loss_type, delta=delta, estimator=estimator, cap=cap)
+    grad_reference = gradients(reference, data)
+    assert float(ours) == pytest.approx(float(reference), rel=1e-12, abs=1e-14)
+    assert torch.allclose(grad_ours, grad_reference, rtol=1e-10, atol=1e-14)
+    assert grad_ours.abs().sum() > 0
+
+
+def test_loss_types_really_differ_on_unequal_micro_batches():
+    """The references are not all the same function: on this data each pair of loss types disagrees."""
+    data = step_data(seed=2)
+    values = {t: float(reference_objective(data, t)) for t in LOSS_TYPES}
+    assert len({round(v, 9) for v in values.values()}) == len(LOSS_TYPES), values
+
+
+def test_dapo_does_not_depend_on_the_micro_batch_split():
+    data = step_data(seed=3)
+    options = LossOptions(loss_type="dapo", beta=0.04, epsilon_high=0.28)
+    split = float(step_objective(data, options))
+    whole = {k: torch.cat([mb[k] for mb in data]) if k != "adv" else torch.cat([mb["adv"] for mb in data])
+             for k in data[0]}
+    single = float(step_objective([whole], options))
+    assert split == pytest.approx(single, rel=1e-12)
+    bnpo = LossOptions(loss_type="bnpo", beta=0.04, epsilon_high=0.28)
+    assert float(step_objective(data, bnpo)) != pytest.approx(float(step_objective([whole], bnpo)), rel=1e-6)
+
+
+def test_kl_estimators_and_what_their_gradient_follows():
+    logp = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64)
+    ref = torch.tensor([-1.5, -1.0, -0.5], dtype=torch.float64)
+    d = ref - logp
+    assert torch.allclose(kl_penalty(logp, ref, "k3"), torch.exp(d) - d - 1)
+    assert torch.allclose(kl_penalty(logp, ref, "k1"), logp - ref)
+    assert torch.allclose(kl_penalty(logp, ref, "low_var_kl"), kl_penalty(logp, ref, "k3"))
+    far = kl_penalty(torch.tensor([-30.0]), torch.tensor([0.0]), "low_var_kl")
+    assert float(far) == 10.0  # clamped, where k3 would be e^30
+    # Expected gradient of k3 under pi equals grad KL(ref || pi), not grad KL(pi || ref): exact expectation over a
+    # 4-token softmax policy.
+    theta = torch.tensor([0.3, -0.2, 1.0, 0.1], dtype=torch.float64, requires_grad=True)
+    ref_logp = torch.log_softmax(torch.tensor([0.0, 0.5, -0.3, 0.2], dtype=torch.float64), 0)
+    logp_all = torch.log_softmax(theta, 0)
+    probs = logp_all.exp().detach()
+    expected_k3 = sum(probs[a] * torch.autograd.grad(kl_penalty(logp_all[a], ref_logp[a], "k3"), theta,
+                                                     retain_graph=True)[0] for a in range(4))
+    reverse = torch.autograd.grad((ref_logp.exp() * (ref_logp - logp_all)).sum(), theta, retain_graph=True)[0]
+    forward = torch.autograd.grad((logp_all.exp() * (logp_all - ref_logp)).sum(), theta, retain_graph=True)[0]
+    assert torch.allclose(expected_k3, reverse, atol=1e-12)
+    assert not torch.allclose(expected_k3, forward, atol=1e-3)
+    expected_k1 = sum(probs[a] * torch.autograd.grad(kl_penalty(logp_all[a], ref_logp[a], "k1"), theta,
+                                                     retain_graph=True)[0] for a in range(4))
+    assert torch.allclose(expected_k1, torch.zeros(4, dtype=torch.float64), atol=1e-12)
+
+
+def test_truncated_completions_carry_no_loss_and_mismatch_metrics():
+    mask = torch.ones(3, 4)
+    kept = loss_mask(mask, ["eos", "length", "stop_string"], mask_truncated=True)
+    assert kept.sum(1).tolist() == [4.0, 0.0, 4.0]
+    assert loss_mask(mask, ["eos", "length", "eos"], mask_truncated=False).sum() == 12
+    logp = torch.zeros(1, 3)
+    sampled = torch.tensor([[0.0, -0.5, 0.2]])
+    weights = truncated_importance_weights(logp, sampled, cap=1.5)
+    assert torch.allclose(weights, torch.tensor([[1.0, 1.5, math.exp(-0.2)]]))
+    metrics = mismatch_metrics(logp, sampled, torch.tensor([[1, 1, 0]]))
+    assert metrics["mismatch/mean_abs_logprob_diff"] == pytest.approx(0.25)
+    assert metrics["mismatch/max_ratio"] == pytest.approx(math.exp(0.5))
+
+
+def test_zero_variance_groups():
+    assert zero_variance_groups([1, 1, 1, 0, 1, 0.5, 0, 0], [3, 3, 2]) == [True, False, True]
+
+
+@pytest.mark.distributed
+def test_two_ranks_under_deepspeed_follow_the_reference_gradient(tmp_path):
+    """A real 2-process DeepSpeed step (gradient accumulation 2, SGD lr 1) moves the parameters by exactly the
+    reference gradient of the whole step, for every loss type: DAPO's normalisation spans micro-batches and ranks."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "tests.workers.loss_ranks", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    moved = json.loads((tmp_path / "rank0.json").read_text())
+    for loss_type in LOSS_TYPES:
+        data = step_data(seed=4)
+        for mb in data:  # the worker's float32 values, exactly
+            for key in ("logp", "old", "ref", "adv"):
+                mb[key] = mb[key].detach().float().double()
+            mb["logp"].requires_grad_()
+        grad = gradients(reference_objective(data, loss_type), data).view(len(data), -1)
+        step = -torch.tensor(moved[loss_type], dtype=torch.float64).view(len(data), -1)
+        assert torch.allclose(step, grad, rtol=2e-4, atol=1e-6), (loss_type, (step - grad).abs().max())

@@ -1,0 +1,60 @@
+"""Run under torchrun with 2 processes: one DeepSpeed ZeRO-2 step per loss type with the trainer's normalisation.
+
+Each rank owns 2 micro-batches of tests/test_loss.py's step data (unequal token counts); the "policy" is a table
+of log-probs, the optimiser SGD with lr 1, so the parameter change is minus the gradient DeepSpeed applied. Rank 0
+writes rank0.json with the change per loss type.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from app import distributed
+from app.grpo import LOSS_TYPES, LossOptions, grpo_loss
+from app.trainer import tokens_per_micro_batch
+from tests.test_loss import L_MAX, step_data
+
+
+class Table(torch.nn.Module):
+    def __init__(self, values: torch.Tensor):
+        super().__init__()
+        self.logp = torch.nn.Parameter(values.clone())
+
+    def forward(self, index: int) -> torch.Tensor:
+        return self.logp[index]
+
+
+def main(out: str) -> None:
+    rank, world = distributed.init_distributed()
+    data = step_data(seed=4)
+    mine = data[2 * rank : 2 * rank + 2]
+    moved = {}
+    for loss_type in LOSS_TYPES:
+        ds_config = distributed.load_deepspeed_config("deepspeed_configs/zero2.json", gradient_accumulation_steps=2,
+                                                      max_grad_norm=0.0, dtype="float32")
+        model = Table(torch.stack([mb["logp"].detach().float() for mb in data]))
+        before = model.logp.detach().clone()
+        engine = distributed.build_engine(model, ds_config, torch.optim.SGD(model.parameters(), lr=1.0), None)
+        options = LossOptions(loss_type=loss_type, beta=0.04, epsilon_low=0.2, epsilon_high=0.28,
+                              max_completion_length=L_MAX)
+        weights = torch.cat([mb["mask"] for mb in mine])
+        per_mb = tokens_per_micro_batch(loss_type, weights, len(mine))
+        for k, mb in enumerate(mine):
+            logp = engine(2 * rank + k)
+            loss, _ = grpo_loss(logp, mb["old"].float(), mb["adv"].float(), mb["mask"], mb["ref"].float(), options,
+                                None, per_mb)
+            engine.backward(loss)
+            engine.step()
+        moved[loss_type] = (engine.module.logp.detach() - before).flatten().tolist()
+    if rank == 0:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "rank0.json").write_text(json.dumps(moved))
+    distributed.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
