@@ -255,17 +255,20 @@ class GRPOTrainer:
 
     @staticmethod
     def group_counts(batches: list[StepBatch]) -> dict[str, float]:
-        """All-correct / all-wrong groups among everything the step drew (counts; fractions after the all-reduce)."""
-        correct = wrong = total = 0
+        """Among every group the step drew: all correct (accuracy 1), all wrong (accuracy 0), and zero reward
+        variance (no advantage signal). Counts here; fractions after the all-reduce."""
+        correct = wrong = flat = total = 0
         for batch in batches:
             start = 0
+            flat += sum(zero_variance_groups(batch.total_reward.tolist(), batch.rollout.group_sizes))
             for size in batch.rollout.group_sizes:
                 group = batch.accuracy[start : start + size]
                 correct += all(a >= 1.0 for a in group)
                 wrong += all(a <= 0.0 for a in group)
                 total += 1
                 start += size
-        return {"groups/all_correct": float(correct), "groups/all_wrong": float(wrong), "groups/drawn": float(total)}
+        return {"groups/all_correct": float(correct), "groups/all_wrong": float(wrong),
+                "groups/zero_variance": float(flat), "groups/drawn": float(total)}
 
     def advantages(self, batch: StepBatch) -> torch.Tensor:
         scale = scale_rewards(self.cfg.grpo)
@@ -428,8 +431,11 @@ class GRPOTrainer:
         counts = sorted(batch.sampling)
         totals = dict(zip(counts, distributed.all_reduce_sum([batch.sampling[k] for k in counts])))
         drawn = max(totals.pop("groups/drawn", 0.0), 1.0)
+        averaged["groups/trained"] = distributed.all_reduce_sum([float(len(batch.prompts))])[0]
         for key, value in totals.items():  # fractions of the groups drawn; dynamic-sampling figures as totals
             averaged[key] = value / drawn if key.startswith("groups/") else value
+        if "dynamic_sampling/extra_draws" in averaged:  # every rank draws equally often
+            averaged["dynamic_sampling/extra_draws"] /= self.world
         averaged["mismatch/max_ratio"] = distributed.all_reduce_max(
             [max((m.get("mismatch/max_ratio", 1.0) for m in loss_metrics), default=1.0)])[0]
         step_time = timings["rollout"] + timings["reference"] + timings["policy"]

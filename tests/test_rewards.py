@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.grpo import group_advantages, grpo_loss, k3_kl
+from app.grpo import LossOptions, group_advantages, grpo_loss, k3_kl
 from app.rewards import (
     PROBLEM_TYPES,
     RewardError,
@@ -13,6 +13,7 @@ from app.rewards import (
     build_rewards,
     extract_answer,
     format_reward,
+    length_bonus,
     score,
     temporal_bonus,
     word_error_rate,
@@ -133,17 +134,26 @@ def test_extract_answer_and_wer():
     assert word_error_rate("a b c", "a x c") == pytest.approx(1 / 3)
 
 
-def test_length_bonus_and_plugin(tmp_path):
+def test_plugin_rewards_and_weights(tmp_path):
     plugin = tmp_path / "my_reward.py"
     plugin.write_text("def shout(completions, records):\n    return [float(c.isupper()) for c in completions]\n")
-    rewards = build_rewards(["length", f"{plugin}:shout"], [0.5, 2.0], length_min_tokens=2, length_max_tokens=4,
-                            length_bonus=0.2)
-    values = score(rewards, ["<think>one two three</think><answer>A</answer>",
-                             "<think>one two three four five six</think><answer>A</answer>", "LOUD"],
-                   [rec("multiple choice", "A")] * 3)
-    assert values["length"] == [0.2, 0.0, 0.0]
+    rewards = build_rewards(["accuracy", f"{plugin}:shout"], [0.5, 2.0])
+    values = score(rewards, [said("A"), said("B"), "LOUD"], [rec("multiple choice", "A")] * 3)
+    assert values["accuracy"] == [1.0, 0.0, 0.0]
     assert values[f"{plugin}:shout"] == [0.0, 0.0, 1.0]
     assert [w for _, _, w in rewards] == [0.5, 2.0]
+
+
+@pytest.mark.parametrize(("accuracy", "lengths", "rules", "expected"), [
+    # Video-R1: correct = accuracy > 0.1; the bonus needs more than one correct completion in the group.
+    ([1, 1, 0, 1], [400, 600, 400, 320], "video_r1", [0.2, 0.0, 0.0, 0.2]),
+    ([1, 0, 0, 0], [400, 400, 400, 400], "video_r1", [0.0] * 4),  # a lone correct one earns nothing
+    ([0.3, 0.2, 0.05, 0], [400, 512, 400, 400], "video_r1", [0.2, 0.2, 0.0, 0.0]),  # partial counts as correct
+    ([0.3, 0.2, 0.05, 0], [400, 512, 400, 400], "strict", [0.0] * 4),  # strict: > 0.5
+    ([1, 1, 1, 1], [319, 320, 512, 513], "strict", [0.0, 0.2, 0.2, 0.0]),  # bounds inclusive
+])
+def test_length_bonus_follows_video_r1(accuracy, lengths, rules, expected):
+    assert length_bonus(accuracy, lengths, 320, 512, 0.2, rules) == expected
 
 
 @pytest.mark.parametrize(("spec", "message"), [
@@ -155,9 +165,16 @@ def test_bad_reward_specs(spec, message):
         build_rewards([spec])
 
 
-def test_temporal_bonus():
+def test_temporal_bonus_follows_video_r1():
     assert temporal_bonus([1, 1, 0, 1], [0, 1, 0, 0], alpha=0.3, ratio=0.8) == [0.3, 0.3, 0.0, 0.3]
     assert temporal_bonus([1, 0, 0, 0], [1, 1, 0, 0], alpha=0.3, ratio=0.8) == [0.0] * 4
+    # ordered 0.5 == 0.8 x shuffled 0.625: Video-R1 pays (>=), strict does not (>)
+    ordered, shuffled = [1, 1, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0]
+    assert temporal_bonus(ordered, shuffled, 0.3, 0.8) == [0.3, 0.3, 0.0, 0.0]
+    assert temporal_bonus(ordered, shuffled, 0.3, 0.8, "strict") == [0.0] * 4
+    # Video-R1's "correct" is accuracy > 0.1: a partial free-form match (0.2) earns the bonus, strict needs > 0.5
+    assert temporal_bonus([0.2, 0.6, 0.0], [0.0, 0.0, 0.0], 0.3, 0.8) == [0.3, 0.3, 0.0]
+    assert temporal_bonus([0.2, 0.6, 0.0], [0.0, 0.0, 0.0], 0.3, 0.8, "strict") == [0.0, 0.3, 0.0]
 
 
 def test_group_advantages():
@@ -165,7 +182,11 @@ def test_group_advantages():
     adv = group_advantages(rewards, [4, 2])
     assert adv[:4].sum().abs() < 1e-6 and adv[0] > 0 > adv[1]
     assert torch.equal(adv[4:], torch.zeros(2))  # equal rewards: no signal
-    assert torch.allclose(group_advantages(rewards, [4, 2], scale=False)[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    assert torch.allclose(group_advantages(rewards, [4, 2], scale="none")[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    batch = group_advantages(rewards, [4, 2], scale="batch", eps=0.0)
+    assert torch.allclose(batch, group_advantages(rewards, [4, 2], scale="none") / rewards.std())
+    assert torch.allclose(group_advantages(rewards, [4, 2], scale="batch", batch_std=2.0, eps=0.0),
+                          group_advantages(rewards, [4, 2], scale="none") / 2.0)
 
 
 def test_grpo_loss_clipping_and_aggregation():
@@ -173,13 +194,13 @@ def test_grpo_loss_clipping_and_aggregation():
     old = torch.log(torch.tensor([[0.25, 0.5, 0.5], [0.5, 0.5, 0.5]]))  # ratio 2 on one token
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     adv = torch.tensor([1.0, -1.0])
-    loss, metrics = grpo_loss(logp, old, adv, mask, epsilon_low=0.2, epsilon_high=0.2, aggregation="sequence")
+    loss, metrics = grpo_loss(logp, old, adv, mask, options=LossOptions(loss_type="grpo"))
     # completion 0: tokens (ratio 2 clipped to 1.2, ratio 1) -> -(1.2 + 1)/2; completion 1: +1 per token
     assert loss.item() == pytest.approx((-(1.2 + 1.0) / 2 + 1.0) / 2)
     assert metrics["clip_fraction_high"] == pytest.approx(1 / 5)
-    token_loss, _ = grpo_loss(logp, old, adv, mask, aggregation="token")
+    token_loss, _ = grpo_loss(logp, old, adv, mask, options=LossOptions(loss_type="bnpo"))
     assert token_loss.item() == pytest.approx((-1.2 - 1.0 + 3.0) / 5)
     ref = logp - 0.1
-    with_kl, metrics = grpo_loss(logp, old, adv, mask, ref_logprobs=ref, beta=0.5)
+    with_kl, metrics = grpo_loss(logp, old, adv, mask, ref_logprobs=ref, options=LossOptions(beta=0.5))
     assert metrics["kl"] == pytest.approx(float(k3_kl(logp, ref)[0, 0]), rel=1e-5)
     assert with_kl.item() > loss.item()

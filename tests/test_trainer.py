@@ -196,11 +196,35 @@ def test_bad_records_are_skipped_with_named_reasons(assets, tmp_path):
 def test_temporal_grpo_and_dapo_settings_run(assets, tmp_path):
     """T-GRPO (a second group on shuffled frames), token-level loss, eps_high, mu=2 and the HF rollout engine."""
     out = tmp_path / "run"
-    run(trainer(assets, out, **{"rewards.temporal": True, "grpo.loss_aggregation": "token", "grpo.epsilon_high": 0.28,
+    run(trainer(assets, out, **{"rewards.temporal": True, "grpo.loss_type": "dapo", "grpo.epsilon_high": 0.28,
                                 "grpo.num_iterations": 2, "rollout.engine": "hf", "train.max_steps": 1,
                                 "train.export_hf": False}))
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert "reward/temporal" in metrics and metrics["reward/temporal"] >= 0
+
+
+def test_dynamic_sampling_skips_flat_groups_and_keeps_the_step_full(assets, tmp_path):
+    """grpo.dynamic_sampling with 2 processes: groups whose reward does not vary (here half the problem_ids, on both ranks) are
+    dropped and counted, more prompts are drawn, and each step still trains prompts_per_rank groups per rank."""
+    plugin = tmp_path / "half_flat.py"
+    plugin.write_text("def half_flat(completions, records):\n"
+                      "    return [0.0 if r['problem_id'] // 2 % 2 else len(c) % 5 / 4 for c, r in zip(completions, records)]\n")
+    out = tmp_path / "run"
+    run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml",
+         *overrides(assets, out, **{"rewards.functions": f"['{plugin}:half_flat']", "grpo.dynamic_sampling": True,
+                                    "grpo.dynamic_sampling_metric": "reward", "grpo.dynamic_sampling_max_draws": 6,
+                                    "data.shuffle": False, "train.max_steps": 2, "train.save_every": 2,
+                                    "train.export_hf": False})],
+        env={"NPROC_PER_NODE": "2"})
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["groups/trained"] == 4  # 2 ranks x prompts_per_rank 2: the step is full
+        assert row["dynamic_sampling/dropped"] >= 2 and row["dynamic_sampling/filled"] == 0
+        assert row["dynamic_sampling/extra_draws"] >= 1
+        assert 0 < row["groups/zero_variance"] < 1
+    state = json.loads(next((out / "checkpoints").rglob("trainer_state_rank0.json")).read_text())
+    assert state["stream_position"] > 2 * 2  # more prompts were drawn than the steps trained
 
 
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
