@@ -19,6 +19,15 @@ import torch
 
 from app import distributed
 
+CRASH_POINT_ENV = "PREFIX_GRPO_CRASH_IN_SAVE"  # tests: "POINT@STEP" exits (code 19) at that point of that save
+CRASH_POINTS = ("written", "moved_aside", "renamed", "pointed")
+
+
+def _crash_point(point: str, step: int) -> None:
+    """Die like a crash at a named moment of a save (tests only; off unless the variable is set)."""
+    if os.environ.get(CRASH_POINT_ENV) == f"{point}@{step}":
+        os._exit(19)
+
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
@@ -63,6 +72,7 @@ def save_checkpoint(engine, output_dir: str | Path, step: int, trainer_state: di
     state = _jsonable({**trainer_state, "rng": rng_state()})
     _atomic_write(incoming / tag / f"trainer_state_rank{rank}.json", json.dumps(state))
     distributed.barrier()
+    _crash_point("written", step)
     final = root / tag
     if rank == 0:
         # Never remove a live checkpoint before its replacement is in place: move it aside, rename the new one in,
@@ -72,8 +82,11 @@ def save_checkpoint(engine, output_dir: str | Path, step: int, trainer_state: di
             shutil.rmtree(aside, ignore_errors=True)
             aside.parent.mkdir(parents=True, exist_ok=True)
             os.replace(final, aside)
+            _crash_point("moved_aside", step)
         os.replace(incoming / tag, final)
+        _crash_point("renamed", step)
         _atomic_write(root / "latest", tag)
+        _crash_point("pointed", step)
         shutil.rmtree(aside, ignore_errors=True)
         for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
@@ -113,9 +126,15 @@ def checkpoint_problem(path: Path, world_size: int) -> str | None:
     weights = sorted(path.rglob("*.pt"))
     if not any(p.name.endswith("model_states.pt") for p in weights):
         return f"{path} has no DeepSpeed model_states file"
-    optim = [p for p in weights if p.name.endswith("optim_states.pt")]
-    if optim and len(optim) % world_size:
-        return f"{path} has {len(optim)} optimizer shards for {world_size} ranks"
+    stage = json.loads((path / "trainer_state_rank0.json").read_text()).get("zero_stage")
+    names = {p.name for p in weights}
+    for rank in range(world_size) if stage else ():  # ZeRO: one optimizer shard per rank (+ model shards in stage 3)
+        wanted = [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]
+        if stage == 3:
+            wanted.append(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+        for name in wanted:
+            if not any(n.endswith(name) for n in names):
+                return f"{path} lacks rank {rank}'s {name}"
     for file in weights:
         try:
             with zipfile.ZipFile(file) as archive:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,24 @@ import yaml
 
 class ConfigError(ValueError):
     """A configuration that cannot run, with the offending key named."""
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML with YAML 1.2's booleans: only true/false. PyYAML follows YAML 1.1, where yes/no/on/off (and y/n in some
+    places) silently become booleans (`system_prompt: no` would be False); here they stay strings, and a boolean
+    key given one gets an error that says so."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 def _f(default, help: str, **kwargs):
@@ -41,6 +60,8 @@ class ModelConfig:
 class DataConfig:
     train_file: str = _f("", "JSON or JSONL file in Video-R1's schema.")
     data_root: str = _f("", "Directory that record `path`s are relative to; empty means the train file's folder.")
+    confine_to_root: bool = _f(True, "Skip (with a reason) records whose path leaves data_root (absolute, or `..`). "
+                               "Symbolic links inside the root are followed.")
     fps: float = _f(2.0, "Frames per second sampled from each video.")
     max_frames: int = _f(16, "Upper bound on sampled frames per video.")
     min_pixels: int = _f(3136, "Lower bound on pixels per video frame (always passed with max_pixels).")
@@ -217,7 +238,9 @@ def _coerce(key: str, value: Any, annotation) -> Any:
     if target is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"'{key}' must be true or false, got {value!r}")
+        hint = (" (yes/no/on/off are not booleans here: YAML 1.2 rules)"
+                if isinstance(value, str) and value.lower() in ("yes", "no", "on", "off", "y", "n") else "")
+        raise ConfigError(f"'{key}' must be true or false, got {value!r}{hint}")
     if target is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"'{key}' must be an integer, got {value!r}")
@@ -272,7 +295,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         raise ConfigError(f"override key '{key}' must be section.key (e.g. grpo.beta=0.0)")
     section, name = key.split(".")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = _yaml(raw) if raw != "" else ""
     except yaml.YAMLError as error:
         raise ConfigError(f"override '{text}': value is not valid YAML ({error})") from error
     return section, name, value
@@ -286,7 +309,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = _yaml(path.read_text()) or {}
         except yaml.YAMLError as error:
             raise ConfigError(f"{path}: not valid YAML ({error})") from error
         if not isinstance(raw, dict):
@@ -350,6 +373,9 @@ def validate(config: Config, training: bool = True) -> None:
          f"must divide train.prompts_per_rank ({config.train.prompts_per_rank})")
     need(0 <= config.data.max_skip_fraction <= 1, "data.max_skip_fraction", "must be in [0, 1]")
     need(config.data.min_pixels <= config.data.max_pixels, "data.min_pixels", "must be <= data.max_pixels")
+    need(config.data.image_min_pixels <= config.data.image_max_pixels, "data.image_min_pixels",
+         "must be <= data.image_max_pixels")
+    need(config.rewards.length_min_tokens >= 0, "rewards.length_min_tokens", "must be >= 0")
     weights = config.rewards.weights
     need(not weights or len(weights) == len(config.rewards.functions), "rewards.weights",
          f"needs one weight per function ({len(config.rewards.functions)})")

@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -22,11 +23,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with_launcher() -> bool:
+    """Under torchrun, ask Linux to SIGKILL this worker when its launcher dies (``PR_SET_PDEATHSIG``).
+
+    torchrun starts its workers in their own sessions, so killing the launcher's process group (a scheduler's
+    cancel, ``kill -9`` of scripts/train.sh) would otherwise leave them training on into the same output
+    directory. Returns True when armed. If the launcher is already gone, exits at once.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import signal
+
+    launcher = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+        return False
+    if os.getppid() != launcher:  # the launcher died before the signal was armed
+        os._exit(1)
+    return True
+
+
 def init_distributed() -> tuple[int, int]:
-    """Start (or join) the process group; a plain `python -m ...` run becomes a world of one."""
+    """Start (or join) the process group; a plain `python -m ...` run becomes a world of one. Workers started by
+    torchrun die with it (``die_with_launcher``)."""
     import deepspeed
     import torch.distributed as dist
 
+    die_with_launcher()
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",

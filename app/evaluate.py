@@ -22,9 +22,8 @@ import torch
 from tqdm import tqdm
 
 from app.config import ConfigError, load_config
-from app.data.prompts import collate_prompts, encode_prompts
-from app.data.records import build_conversation, check_record, read_records, where
-from app.data.video import VideoDecodeError
+from app.data.prompts import collate_prompts
+from app.data.records import check_record, encode_record, read_records, where
 from app.models import load_model, load_processor
 from app.rewards import accuracy_of, extract_answer
 from app.rollout import SamplingConfig, generate_groups
@@ -110,7 +109,7 @@ def evaluate(model_dir: str | Path, data_file: str | Path, overrides: list[str] 
     skipped = [{"where": s.where, "reason": s.reason, "reason_kind": "malformed line"} for s in bad_lines]
     usable = []
     for record in records:
-        reason = check_record(record, data_root)
+        reason = check_record(record, data_root, data_cfg.confine_to_root)
         if reason:
             skipped.append({"where": where(record), "reason": reason, "reason_kind": reason.split(" (")[0]
                             .split(":")[0]})
@@ -139,18 +138,14 @@ def evaluate(model_dir: str | Path, data_file: str | Path, overrides: list[str] 
     for start in range(0, len(mine), ev.batch_size):
         batch, prompts = [], []
         for record in mine[start : start + ev.batch_size]:
-            try:
-                inputs = encode_prompts(processor, [build_conversation(record, data_root, data_cfg)])
-            except VideoDecodeError as error:
-                _append(out / f"skipped.rank{rank}.jsonl", {"where": where(record), "reason": str(error),
-                                                             "reason_kind": "undecodable video"})
-                continue
-            if int(inputs["attention_mask"].sum()) > data_cfg.max_prompt_length:
-                _append(out / f"skipped.rank{rank}.jsonl", {"where": where(record), "reason_kind": "prompt too long",
-                                                             "reason": f"> {data_cfg.max_prompt_length} tokens"})
+            prompt, reason = encode_record(processor, record, data_root, data_cfg)
+            if prompt is None:  # skipped with its reason, exactly as training does; a resumed run skips it again
+                _append(out / f"skipped.rank{rank}.jsonl", {"where": where(record), "reason": reason,
+                                                             "reason_kind": reason.split(":")[0]})
+                log.warning("skipping %s: %s", where(record), reason)
                 continue
             batch.append(record)
-            prompts.append(inputs)
+            prompts.append(prompt.inputs)
         if batch:
             with torch.no_grad():
                 rollout = generate_groups(model, collate_prompts(prompts, tokenizer.pad_token_id), ev.samples,

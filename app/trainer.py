@@ -458,7 +458,7 @@ class GRPOTrainer:
 
     def trainer_state(self, step: int) -> dict:
         return {"step": step, "stream_position": self.stream.position, "skipped": dict(self.stream.skipped),
-                "world_size": self.world}
+                "world_size": self.world, "zero_stage": distributed.zero_stage(self.ds_config)}
 
     def save(self, step: int) -> None:
         checkpoint.save_checkpoint(self.engine, self.output_dir, step, self.trainer_state(step),

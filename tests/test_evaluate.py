@@ -96,3 +96,31 @@ def test_demo_smoke(tmp_path):
     for png in ("training_curves.png", "heldout_accuracy.png"):
         assert (tmp_path / "demo" / png).stat().st_size > 10_000
     assert "before / after" in result.stdout
+
+
+def test_bad_image_and_paths_outside_the_root_are_skipped_with_reasons(assets, tmp_path):
+    """An image PIL cannot open and a path that leaves the data root: evaluation skips both with their reasons
+    (as training does), scores the rest, and a resumed evaluation skips them again without dying."""
+    data_dir = assets["data"].parent
+    (data_dir / "broken.png").write_bytes(b"not an image at all")
+    outside = tmp_path / "outside.mp4"
+    outside.write_bytes(next((data_dir / "videos").glob("*.mp4")).read_bytes())
+    records = [json.loads(line) for line in assets["data"].read_text().splitlines()][:3]
+    records.append({"problem_id": "bad-image", "problem": "What is shown?", "problem_type": "multiple choice",
+                    "options": ["A. x", "B. y"], "solution": "<answer>A</answer>", "data_type": "image",
+                    "path": "broken.png"})
+    records.append({**records[0], "problem_id": "escapes", "path": os.path.relpath(outside, data_dir)})
+    data = data_dir / "mixed_bad.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    local = {**assets, "data": data}
+    out = tmp_path / "eval"
+    first = run_eval(local, out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["overall"]["count"] == 3 and summary["skipped_total"] == 2
+    table = (out / "summary.md").read_text()
+    assert "could not build the prompt" in table and "UnidentifiedImageError" in table + first.stderr
+    assert "path outside the data root" in table
+    again = run_eval(local, out)  # resumed: the finished ones are kept, the bad one is skipped again
+    assert json.loads((out / "summary.json").read_text())["skipped_total"] == 2, again.stderr[-2000:]
+    allowed = run_eval(local, tmp_path / "allowed", extra=["data.confine_to_root=false"])
+    assert json.loads((tmp_path / "allowed" / "summary.json").read_text())["overall"]["count"] == 4, allowed.stderr

@@ -279,6 +279,15 @@ def test_resume_falls_back_past_damaged_checkpoints_and_never_restarts_silently(
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
 
+    out, root = crashed_run("no-pointer")  # `latest` missing, the newest checkpoint lacks its optimizer shard
+    (root / "latest").unlink()
+    next((root / "step-0000003").rglob("*optim_states.pt")).unlink()
+    resumed = run(trainer(assets, out, **settings, **{"train.resume": True}))
+    assert "lacks rank 0's zero_pp_rank_0_mp_rank_00_optim_states.pt" in resumed.stderr
+    assert "resumed from" in resumed.stderr and "step-0000002" in resumed.stderr
+    for name in straight:
+        assert torch.equal(weights(out / "final")[name], straight[name]), name
+
     out, root = crashed_run("refused")  # every checkpoint damaged, `latest` empty: a refusal naming files
     (root / "latest").write_text("")
     for step in (1, 2, 3):

@@ -9,6 +9,7 @@ the records are unusable. A video is never substituted.
 from __future__ import annotations
 
 import json
+import os
 import logging
 import random
 from collections import Counter
@@ -107,7 +108,15 @@ def read_records(path: str | Path) -> tuple[list[dict], list[Skipped]]:
     return records, skipped
 
 
-def check_record(record: dict, data_root: Path) -> str | None:
+def outside_root(data_root: Path, relative: str) -> bool:
+    """True when ``relative`` (absolute, or with ``..``) names a file outside ``data_root``. Lexical: symbolic links
+    placed inside the root are followed (whoever put them there chose to)."""
+    root = os.path.normpath(os.path.abspath(data_root))
+    target = os.path.normpath(os.path.join(root, relative))
+    return os.path.commonpath([root, target]) != root
+
+
+def check_record(record: dict, data_root: Path, confine_to_root: bool = True) -> str | None:
     """The reason a record is unusable, or None."""
     for name in REQUIRED_FIELDS:
         if not isinstance(record.get(name), str) or not record[name].strip():
@@ -120,6 +129,9 @@ def check_record(record: dict, data_root: Path) -> str | None:
     if data_type in ("image", "video"):
         if not record.get("path"):
             return f"data_type {data_type} but no 'path'"
+        if confine_to_root and outside_root(data_root, record["path"]):
+            return (f"path outside the data root: {record['path']!r} leaves {data_root} (data.confine_to_root=false "
+                    "allows it)")
         if not (data_root / record["path"]).is_file():
             return f"{data_type} file not found: {data_root / record['path']}"
     options = record.get("options")
@@ -177,6 +189,24 @@ class EncodedPrompt:
         return int(self.inputs["attention_mask"].sum())
 
 
+def encode_record(processor, record: dict, data_root: Path, data_cfg,
+                  shuffle_frames_seed: int | None = None) -> tuple[EncodedPrompt | None, str]:
+    """One record's prompt, or (None, the reason it cannot be used): undecodable video, an image PIL cannot open, a
+    processor error, a prompt over ``data.max_prompt_length``. Training and evaluation both skip on the reason."""
+    try:
+        conversation = build_conversation(record, data_root, data_cfg)
+        inputs = encode_prompts(processor, [conversation], shuffle_frames_seed=shuffle_frames_seed)
+    except VideoDecodeError as error:
+        return None, f"undecodable video: {error}"
+    except Exception as error:  # the processor and PIL reject odd media in many ways (UnidentifiedImageError...)
+        return None, f"could not build the prompt: {type(error).__name__}: {error}"
+    prompt = EncodedPrompt(record, inputs)
+    if prompt.length > data_cfg.max_prompt_length:
+        return None, (f"prompt too long: {prompt.length} tokens > data.max_prompt_length="
+                      f"{data_cfg.max_prompt_length} (never truncated)")
+    return prompt, ""
+
+
 @dataclass
 class PromptStream:
     """Deterministic, resumable stream of encoded prompts for one rank (records i = rank mod world per epoch)."""
@@ -217,20 +247,9 @@ class PromptStream:
             )
 
     def encode(self, record: dict, shuffle_frames_seed: int | None = None) -> EncodedPrompt | None:
-        conversation = build_conversation(record, self.data_root, self.data_cfg)
-        try:
-            inputs = encode_prompts(self.processor, [conversation], shuffle_frames_seed=shuffle_frames_seed)
-        except VideoDecodeError as error:
-            self._skip(record, f"undecodable video: {error}")
-            return None
-        except Exception as error:  # the processor rejects odd media in many ways
-            self._skip(record, f"could not build the prompt: {type(error).__name__}: {error}")
-            return None
-        prompt = EncodedPrompt(record, inputs)
-        if prompt.length > self.data_cfg.max_prompt_length:
-            self._skip(record, f"prompt too long: {prompt.length} tokens > data.max_prompt_length="
-                               f"{self.data_cfg.max_prompt_length} (never truncated)")
-            return None
+        prompt, reason = encode_record(self.processor, record, self.data_root, self.data_cfg, shuffle_frames_seed)
+        if prompt is None:
+            self._skip(record, reason)
         return prompt
 
     def next_prompts(self, count: int) -> list[EncodedPrompt]:
@@ -249,7 +268,7 @@ def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int) -> P
     data_root = Path(data_cfg.data_root) if data_cfg.data_root else Path(data_cfg.train_file).parent
     usable = []
     for record in records:
-        reason = check_record(record, data_root)
+        reason = check_record(record, data_root, data_cfg.confine_to_root)
         if reason:
             skipped.append(Skipped(where(record), reason))
         else:
