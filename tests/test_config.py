@@ -59,8 +59,28 @@ def test_missing_file_and_help():
     ("train.keep_checkpoints=0", "'train.keep_checkpoints' must be >= 1"),
     ("data.fps=0", "'data.fps' must be > 0"),
     ("rollout.top_p=1.5", "'rollout.top_p' must be in (0, 1]"),
+    ("grpo.delta=1.1", "'grpo.delta' must be 0 (off) or > 1 + grpo.epsilon_high"),
+    ("grpo.importance_sampling_cap=0.5", "'grpo.importance_sampling_cap' must be 0 (off) or >= 1"),
+    ("grpo.dynamic_sampling_max_draws=-1", "'grpo.dynamic_sampling_max_draws' must be >= 0"),
+    ("grpo.loss_aggregation=token", "'grpo.loss_aggregation' was renamed: use grpo.loss_type"),
+    ("grpo.loss_type=ppo", "'grpo.loss_type' must be one of ['grpo', 'bnpo', 'dapo', 'dr_grpo']"),
+    ("rewards.functions=[format, length]", "set rewards.length=true"),
+    ("data.shuffle=yes", "got 'yes' (yes/no/on/off are not booleans here"),
+    ("data.image_min_pixels=999999999", "'data.image_min_pixels' must be <= data.image_max_pixels"),
 ])
 def test_counts_and_intervals_are_validated(override, message):
     with pytest.raises(ConfigError) as error:
         load_config("configs/demo_cpu.yaml", [override])
     assert message in str(error.value)
+
+
+def test_yaml_booleans_are_yaml_1_2_and_scale_rewards_auto(tmp_path):
+    from app.config import scale_rewards
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {path: m}\ndata: {train_file: t, system_prompt: no, confine_to_root: false}\n")
+    cfg = load_config(path)
+    assert cfg.data.system_prompt == "no" and cfg.data.confine_to_root is False
+    assert scale_rewards(cfg.grpo) == "group"
+    assert scale_rewards(load_config(path, ["grpo.loss_type=dr_grpo"]).grpo) == "none"
+    assert scale_rewards(load_config(path, ["grpo.loss_type=dr_grpo", "grpo.scale_rewards=batch"]).grpo) == "batch"
