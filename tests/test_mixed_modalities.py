@@ -67,6 +67,20 @@ def test_zero3_mixed_modalities_equal_zero2(rank1_kind, assets, tmp_path):  # no
             assert (z3[name] - z2[name]).norm() / (z2[name] - initial[name]).norm().clamp_min(1e-12) <= 1e-3, name
 
 
+def test_temporal_grpo_under_zero3_with_a_text_only_rank(assets, tmp_path):  # noqa: F811
+    """rewards.temporal=true under ZeRO-3 when rank 1's prompts have no video: rank 0's shuffled-frame rollout
+    gathers parameters collectively, so rank 1 joins with a throwaway rollout instead of leaving it hanging."""
+    data = mixed_file(assets, tmp_path, "text")
+    out = tmp_path / "temporal"
+    run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *overrides(assets, out, **{
+        "data.train_file": data, "data.data_root": "/", "data.shuffle": False, "train.max_steps": 1,
+        "train.prompts_per_rank": 2, "train.groups_per_micro_batch": 2, "rewards.temporal": True,
+        "train.export_hf": False, "train.deepspeed_config": "deepspeed_configs/zero3.json"})],
+        env={"NPROC_PER_NODE": "2"}, timeout=300)
+    metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert metrics["step"] == 1 and "reward/temporal" in metrics
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 @pytest.mark.parametrize("kinds", [["video", "text"], ["image", "text"], ["text", "text"]])
 def test_dummy_vision_calls_are_exact_and_in_model_order(family, kinds, tiny_checkpoints, videos):
