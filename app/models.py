@@ -225,15 +225,56 @@ def build_tiny_checkpoint(out_dir: str | Path, family: str = "qwen2_5_vl", seed:
     return out
 
 
+# Processor class names older checkpoints carry that current transformers does not know, and what they are now.
+# First-release Qwen2.5-VL fine-tunes name "Qwen2_5_VLImageProcessor" (the class was always Qwen2-VL's).
+PROCESSOR_ALIASES = {
+    "Qwen2_5_VLImageProcessor": "Qwen2VLImageProcessor",
+    "Qwen2_5_VLImageProcessorFast": "Qwen2VLImageProcessor",
+    "Qwen2VLImageProcessorFast": "Qwen2VLImageProcessor",
+}
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def _aliased(config: dict) -> bool:
+    """Rewrite known alias class names in a (possibly nested) processor config; True when one was found."""
+    changed = False
+    for key, value in list(config.items()):
+        if isinstance(value, dict):
+            changed |= _aliased(value)
+        elif key.endswith("processor_type") and value in PROCESSOR_ALIASES:
+            config[key] = PROCESSOR_ALIASES[value]
+            changed = True
+    return changed
+
+
 def load_processor(path: str | Path, trust_remote_code: bool = False):
+    """The checkpoint's processor (VL models) or tokenizer. Processor configs of every vintage load: class names in
+    ``PROCESSOR_ALIASES`` are mapped (through a temporary directory of links; the checkpoint is not modified)."""
+    import tempfile
+
     from transformers import AutoProcessor, AutoTokenizer
 
-    config_path = Path(path) / "config.json"
+    path = Path(path)
+    config_path = path / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{path}: no config.json; expected a Hugging Face checkpoint directory")
-    if _is_vl(json.loads(config_path.read_text())):
+    if not _is_vl(json.loads(config_path.read_text())):
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    rewritten = {}
+    for name in _PROCESSOR_FILES:
+        if (path / name).is_file():
+            config = json.loads((path / name).read_text())
+            if _aliased(config):
+                rewritten[name] = config
+    if not rewritten:
         return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with tempfile.TemporaryDirectory(prefix="processor-") as tmp:
+        for item in path.iterdir():
+            if item.is_file() and item.name not in rewritten:
+                (Path(tmp) / item.name).symlink_to(item.resolve())
+        for name, config in rewritten.items():
+            (Path(tmp) / name).write_text(json.dumps(config))
+        return AutoProcessor.from_pretrained(tmp, trust_remote_code=trust_remote_code)
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",

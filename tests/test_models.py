@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +116,34 @@ def test_unknown_mode(vl_case):
 def test_missing_checkpoint_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(tmp_path / "nowhere")
+
+
+def test_first_release_qwen2_5_vl_processor_config_loads(tmp_path, videos):
+    """A first-release Qwen2.5-VL checkpoint: separate preprocessor_config.json naming "Qwen2_5_VLImageProcessor",
+    which AutoProcessor refuses ("Unrecognized image processor"). load_processor maps it; the checkpoint's files
+    are not touched; the processor encodes the same prompt as the current layout."""
+    import json
+
+    from app.data.prompts import encode_prompts
+    from app.data.video import video_element
+    from app.models import build_tiny_checkpoint, load_processor
+
+    checkpoint = Path(build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0))
+    current = load_processor(checkpoint)
+    config = json.loads((checkpoint / "processor_config.json").read_text())
+    image = {**config.pop("image_processor"), "image_processor_type": "Qwen2_5_VLImageProcessor"}
+    video = config.pop("video_processor")
+    (checkpoint / "preprocessor_config.json").write_text(json.dumps(image))
+    (checkpoint / "video_preprocessor_config.json").write_text(json.dumps(video))
+    (checkpoint / "processor_config.json").write_text(json.dumps(config))
+    from transformers import AutoProcessor
+
+    with pytest.raises(ValueError, match="Unrecognized image processor"):
+        AutoProcessor.from_pretrained(checkpoint)
+    old = load_processor(checkpoint)
+    assert type(old.image_processor).__name__ == "Qwen2VLImageProcessor"
+    assert "Qwen2_5_VLImageProcessor" in (checkpoint / "preprocessor_config.json").read_text()  # untouched
+    conversation = [[{"role": "user", "content": [video_element(videos[0], fps=2, min_pixels=3136,
+                                                                max_pixels=3136), {"type": "text", "text": "Hi"}]}]]
+    a, b = encode_prompts(current, conversation), encode_prompts(old, conversation)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
