@@ -1,7 +1,10 @@
 """Held-out evaluation of any checkpoint on any file in Video-R1's schema.
 
-    python -m app.evaluate MODEL_DIR DATA.jsonl [section.key=value ...]
-    scripts/eval.sh MODEL_DIR DATA.jsonl [section.key=value ...]     (NPROC_PER_NODE ranks, results merged)
+    python -m app.evaluate MODEL_DIR DATA.json[l] [DATA2 ...] [section.key=value ...]
+    scripts/eval.sh MODEL_DIR DATA.json[l] [DATA2 ...] [section.key=value ...]   (NPROC_PER_NODE ranks, merged)
+
+Several files (e.g. Video-R1's benchmark JSONs) are evaluated together: predictions are keyed by file and position
+(benchmarks number their problem_ids from 1 alike), and the summary has a table per benchmark (file stem).
 
 Greedy (eval.samples=1, eval.temperature=0) or k sampled completions per question drawn from one shared prefill
 (pass@k and mean accuracy). Scoring is the trainer's reward code (``app.rewards.accuracy_of``), so training and
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -29,11 +33,13 @@ from app.rewards import accuracy_of, extract_answer
 from app.rollout import SamplingConfig, generate_groups
 
 log = logging.getLogger("app.evaluate")
+OVERRIDE = re.compile(r"^[a-z_]+\.[a-z_0-9]+=")  # section.key=value; anything else after MODEL_DIR is a data file
 CRASH_ENV = "PREFIX_GRPO_EVAL_CRASH_AFTER"  # tests: die after this many questions, as a crash would
 
 
 def record_key(record: dict) -> str:
-    return str(record["problem_id"]) if record.get("problem_id") is not None else record["_where"]
+    """File and position: unique across merged benchmark files, whose problem_ids collide."""
+    return record["_where"]
 
 
 def _dist():
@@ -69,13 +75,18 @@ def summarize(predictions: list[dict], skipped: list[dict], samples: int) -> dic
         return {"count": len(rows), "accuracy": sum(r["accuracy"] for r in rows) / len(rows) if rows else 0.0,
                 f"pass@{samples}": sum(r["pass"] for r in rows) / len(rows) if rows else 0.0}
 
-    by_type, by_source = defaultdict(list), defaultdict(list)
+    by_type, by_source, by_benchmark, by_original = (defaultdict(list) for _ in range(4))
     for row in predictions:
         by_type[row["problem_type"]].append(row)
         by_source[row["data_source"]].append(row)
+        by_benchmark[row.get("benchmark", "")].append(row)
+        if row.get("original_question_type"):
+            by_original[row["original_question_type"]].append(row)
     summary = {"overall": block(predictions), "samples_per_question": samples,
+               "by_benchmark": {k: block(v) for k, v in sorted(by_benchmark.items())},
                "by_problem_type": {k: block(v) for k, v in sorted(by_type.items())},
                "by_data_source": {k: block(v) for k, v in sorted(by_source.items())},
+               "by_original_question_type": {k: block(v) for k, v in sorted(by_original.items())},
                "skipped": dict(Counter(s["reason_kind"] for s in skipped)), "skipped_total": len(skipped)}
     if "regression" in by_type:
         summary["regression_mean_relative_accuracy"] = block(by_type["regression"])["accuracy"]
@@ -87,7 +98,8 @@ def markdown(summary: dict, title: str) -> str:
     lines = [f"# {title}", "", f"| group | questions | accuracy | pass@{k} |", "|---|---|---|---|"]
     o = summary["overall"]
     lines.append(f"| **overall** | {o['count']} | {o['accuracy']:.3f} | {o[f'pass@{k}']:.3f} |")
-    for label, section in (("type", "by_problem_type"), ("source", "by_data_source")):
+    for label, section in (("benchmark", "by_benchmark"), ("type", "by_problem_type"), ("source", "by_data_source"),
+                           ("question type", "by_original_question_type")):
         for name, b in summary[section].items():
             lines.append(f"| {label}: {name} | {b['count']} | {b['accuracy']:.3f} | {b[f'pass@{k}']:.3f} |")
     if summary.get("regression_mean_relative_accuracy") is not None:
@@ -98,17 +110,23 @@ def markdown(summary: dict, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def evaluate(model_dir: str | Path, data_file: str | Path, overrides: list[str] = ()) -> dict | None:
+def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> dict | None:
+    """Evaluate on one data file or a list of them (one table per file: a benchmark)."""
     cfg = load_config(None, [f"model.path={model_dir}", *overrides], training=False)
     ev, data_cfg = cfg.eval, cfg.data
     dist, rank, world = _dist()
     out = Path(ev.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    records, bad_lines = read_records(data_file)
-    data_root = Path(data_cfg.data_root) if data_cfg.data_root else Path(data_file).parent
-    skipped = [{"where": s.where, "reason": s.reason, "reason_kind": "malformed line"} for s in bad_lines]
+    data_files = [Path(f) for f in ([data_files] if isinstance(data_files, (str, Path)) else data_files)]
+    records, skipped = [], []
+    for data_file in data_files:
+        found, bad_lines = read_records(data_file)
+        records += [{**r, "_benchmark": data_file.stem, "_root": str(Path(data_cfg.data_root) if data_cfg.data_root
+                                                                      else data_file.parent)} for r in found]
+        skipped += [{"where": s.where, "reason": s.reason, "reason_kind": "malformed line"} for s in bad_lines]
     usable = []
     for record in records:
+        data_root = Path(record["_root"])
         reason = check_record(record, data_root, data_cfg.confine_to_root)
         if reason:
             skipped.append({"where": where(record), "reason": reason, "reason_kind": reason.split(" (")[0]
@@ -138,7 +156,7 @@ def evaluate(model_dir: str | Path, data_file: str | Path, overrides: list[str] 
     for start in range(0, len(mine), ev.batch_size):
         batch, prompts = [], []
         for record in mine[start : start + ev.batch_size]:
-            prompt, reason = encode_record(processor, record, data_root, data_cfg)
+            prompt, reason = encode_record(processor, record, Path(record["_root"]), data_cfg)
             if prompt is None:  # skipped with its reason, exactly as training does; a resumed run skips it again
                 _append(out / f"skipped.rank{rank}.jsonl", {"where": where(record), "reason": reason,
                                                              "reason_kind": reason.split(":")[0]})
@@ -157,6 +175,7 @@ def evaluate(model_dir: str | Path, data_file: str | Path, overrides: list[str] 
                 accuracies = [accuracy_of(t, record) for t in texts]
                 _append(rank_file, {
                     "key": record_key(record), "problem_id": record.get("problem_id"),
+                    "benchmark": record["_benchmark"], "original_question_type": record.get("original_question_type"),
                     "problem_type": record["problem_type"], "data_source": record.get("data_source", "unknown"),
                     "solution": record["solution"], "answers": [extract_answer(t) or "" for t in texts],
                     "completions": texts, "accuracies": accuracies,
@@ -188,10 +207,11 @@ def evaluate(model_dir: str | Path, data_file: str | Path, overrides: list[str] 
     for path in out.glob("predictions.rank*.jsonl"):
         path.unlink()
     summary = summarize(predictions, skipped, ev.samples)
-    summary.update(model=str(model_dir), data=str(data_file), scored_this_run=int(counts[0]),
+    data_names = ", ".join(str(f) for f in data_files)
+    summary.update(model=str(model_dir), data=data_names, scored_this_run=int(counts[0]),
                    resumed_from_file=int(counts[1]), world_size=world)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "summary.md").write_text(markdown(summary, f"Evaluation of {model_dir} on {data_file}"))
+    (out / "summary.md").write_text(markdown(summary, f"Evaluation of {model_dir} on {data_names}"))
     return summary
 
 
@@ -202,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        summary = evaluate(argv[0], argv[1], argv[2:])
+        files = [a for a in argv[1:] if not OVERRIDE.match(a)]
+        summary = evaluate(argv[0], files, [a for a in argv[1:] if OVERRIDE.match(a)])
     except ConfigError as error:
         raise SystemExit(f"config error: {error}") from None
     if summary is not None:

@@ -51,7 +51,8 @@ def test_two_ranks_merge_to_the_single_rank_result(assets, tmp_path):
         assert one[key] == two[key], key
     assert one["overall"]["count"] == 11 and one["skipped_total"] == 1
     assert predictions(tmp_path / "one") == predictions(tmp_path / "two")
-    assert list(predictions(tmp_path / "one")) == [str(i) for i in range(2, 13)]  # file order, not rank order
+    ids = [r["problem_id"] for r in predictions(tmp_path / "one").values()]
+    assert ids == list(range(2, 13))  # file order, not rank order
     table = (tmp_path / "one" / "summary.md").read_text()
     assert "| **overall** | 11 |" in table and "video file not found" in table
 
@@ -124,3 +125,29 @@ def test_bad_image_and_paths_outside_the_root_are_skipped_with_reasons(assets, t
     assert json.loads((out / "summary.json").read_text())["skipped_total"] == 2, again.stderr[-2000:]
     allowed = run_eval(local, tmp_path / "allowed", extra=["data.confine_to_root=false"])
     assert json.loads((tmp_path / "allowed" / "summary.json").read_text())["overall"]["count"] == 4, allowed.stderr
+
+
+def test_merged_benchmark_files_with_colliding_ids_give_one_prediction_each(assets, tmp_path):
+    """Two benchmark files in Video-R1's evaluation format (JSON lists numbering problem_ids from 1, with
+    original_question_type) evaluated together: one prediction per record, a table per benchmark and per
+    original question type."""
+    records = [json.loads(line) for line in assets["data"].read_text().splitlines()]
+    videos = [r for r in records if r.get("path") and (assets["data"].parent / r["path"]).is_file()][:5]
+    files = []
+    for name, part, kind in (("MVBench", videos[:3], "action_sequence"), ("TempCompass", videos[3:5], "order")):
+        rows = [{**r, "problem_id": i + 1, "original_question_type": kind, "data_source": name}
+                for i, r in enumerate(part)]
+        path = assets["data"].parent / f"eval_{name}.json"
+        path.write_text(json.dumps(rows))
+        files.append(path)
+    out = tmp_path / "merged"
+    args = ["bash", "scripts/eval.sh", str(assets["model"]), *map(str, files), f"eval.output_dir={out}", *EVAL]
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = predictions(out)
+    assert len(rows) == 5 and [r["problem_id"] for r in rows.values()] == [1, 2, 3, 1, 2]
+    summary = json.loads((out / "summary.json").read_text())
+    assert {k: v["count"] for k, v in summary["by_benchmark"].items()} == {"eval_MVBench": 3, "eval_TempCompass": 2}
+    assert {k: v["count"] for k, v in summary["by_original_question_type"].items()} == {"action_sequence": 3,
+                                                                                         "order": 2}
+    assert "| benchmark: eval_MVBench | 3 |" in (out / "summary.md").read_text()

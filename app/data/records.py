@@ -9,8 +9,8 @@ the records are unusable. A video is never substituted.
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -116,8 +116,34 @@ def outside_root(data_root: Path, relative: str) -> bool:
     return os.path.commonpath([root, target]) != root
 
 
+VIDEO_SUFFIXES = {".mp4", ".avi", ".mov", ".mkv", ".webm", ".flv", ".m4v", ".mpg", ".mpeg", ".wmv", ".3gp"}
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+def media_paths(record: dict, data_root: Path) -> list[Path]:
+    """The record's media files in order: ``path`` is one string or a list of them (multi-video / multi-image
+    records). A path with a leading "/" that does not exist as given but does under the data root is read as
+    root-relative (re-hosted benchmark files write "/MMVU/videos/..." meaning under the root)."""
+    raw = record["path"]
+    out = []
+    for item in raw if isinstance(raw, list) else [raw]:
+        path = data_root / item
+        if item.startswith("/") and not path.exists() and (data_root / item.lstrip("/")).exists():
+            path = data_root / item.lstrip("/")
+        out.append(path)
+    return out
+
+
+def infer_data_type(paths: list[Path]) -> str | None:
+    """video or image from the files' suffixes (all alike), else None."""
+    kinds = {"video" if p.suffix.lower() in VIDEO_SUFFIXES else "image" if p.suffix.lower() in IMAGE_SUFFIXES
+             else None for p in paths}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
 def check_record(record: dict, data_root: Path, confine_to_root: bool = True) -> str | None:
-    """The reason a record is unusable, or None."""
+    """The reason a record is unusable, or None. A record with a ``path`` but no ``data_type`` gets the type its
+    files' suffixes say (written into the record), or is refused: never trained as text by accident."""
     for name in REQUIRED_FIELDS:
         if not isinstance(record.get(name), str) or not record[name].strip():
             return f"missing or empty field '{name}'"
@@ -126,14 +152,26 @@ def check_record(record: dict, data_root: Path, confine_to_root: bool = True) ->
     data_type = record.get("data_type")
     if data_type not in (None, "", "image", "video", "text"):
         return f"unknown data_type {data_type!r} (image, video or text)"
+    raw = record.get("path")
+    if raw not in (None, "", []) and not (isinstance(raw, str) or (isinstance(raw, list) and raw
+                                                                     and all(isinstance(p, str) and p for p in raw))):
+        return f"field 'path' must be a string or a list of strings, got {raw!r}"
+    if not data_type and raw:
+        data_type = infer_data_type(media_paths(record, data_root))
+        if data_type is None:
+            return f"no data_type and its path {raw!r} does not say video or image (set data_type)"
+        record["data_type"] = data_type
     if data_type in ("image", "video"):
-        if not record.get("path"):
+        if not raw:
             return f"data_type {data_type} but no 'path'"
-        if confine_to_root and outside_root(data_root, record["path"]):
-            return (f"path outside the data root: {record['path']!r} leaves {data_root} (data.confine_to_root=false "
-                    "allows it)")
-        if not (data_root / record["path"]).is_file():
-            return f"{data_type} file not found: {data_root / record['path']}"
+        for item, path in zip(raw if isinstance(raw, list) else [raw], media_paths(record, data_root)):
+            if confine_to_root and outside_root(data_root, str(path)):
+                return (f"path outside the data root: {item!r} leaves {data_root} (data.confine_to_root=false "
+                        "allows it)")
+            if path.is_dir():
+                return f"{data_type} path is a directory (frame folders are not supported yet): {path}"
+            if not path.is_file():
+                return f"{data_type} file not found: {path}"
     options = record.get("options")
     if options is not None and not isinstance(options, list):
         return "field 'options' must be a list"
@@ -168,11 +206,13 @@ def system_message(data_cfg) -> str | None:
 def build_conversation(record: dict, data_root: Path, data_cfg) -> list[dict]:
     content: list[dict] = []
     if record.get("data_type") == "video":
-        content.append(video_element(data_root / record["path"], fps=data_cfg.fps, max_frames=data_cfg.max_frames,
-                                     min_pixels=data_cfg.min_pixels, max_pixels=data_cfg.max_pixels))
+        for path in media_paths(record, data_root):
+            content.append(video_element(path, fps=data_cfg.fps, max_frames=data_cfg.max_frames,
+                                         min_pixels=data_cfg.min_pixels, max_pixels=data_cfg.max_pixels))
     elif record.get("data_type") == "image":
-        content.append({"type": "image", "image": str(data_root / record["path"]),
-                        "min_pixels": data_cfg.image_min_pixels, "max_pixels": data_cfg.image_max_pixels})
+        for path in media_paths(record, data_root):
+            content.append({"type": "image", "image": str(path), "min_pixels": data_cfg.image_min_pixels,
+                            "max_pixels": data_cfg.image_max_pixels})
     content.append({"type": "text", "text": question_text(record, data_cfg.prompt_template)})
     system = system_message(data_cfg)
     messages = [{"role": "system", "content": system}] if system else []

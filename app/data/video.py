@@ -71,6 +71,9 @@ def decode_video(element: dict, image_patch_size: int = 14) -> tuple[torch.Tenso
         raise VideoDecodeError(f"{path}: decord could not open the video ({error})") from error
     if frame_count == 0:
         raise VideoDecodeError(f"{path}: the video has no frames")
+    if frame_count < 2:  # qwen-vl-utils samples at least FRAME_FACTOR (2) frames and then fails confusingly
+        raise VideoDecodeError(f"{path}: the video has {frame_count} frame; qwen-vl-utils needs at least 2 "
+                               "(a still picture belongs in an image record)")
     try:
         (frames, metadata), _sample_fps = fetch_video(
             element, image_patch_size=image_patch_size, return_video_sample_fps=True, return_video_metadata=True
