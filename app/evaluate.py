@@ -31,6 +31,7 @@ from app.data.records import check_record, encode_record, read_records, where
 from app.models import load_model, load_processor
 from app.rewards import accuracy_of, extract_answer
 from app.rollout import SamplingConfig, generate_groups
+from app.tracking import configure_logging
 
 log = logging.getLogger("app.evaluate")
 OVERRIDE = re.compile(r"^[a-z_]+\.[a-z_0-9]+=")  # section.key=value; anything else after MODEL_DIR is a data file
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) < 2 or argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     try:
         files = [a for a in argv[1:] if not OVERRIDE.match(a)]
         summary = evaluate(argv[0], files, [a for a in argv[1:] if OVERRIDE.match(a)])

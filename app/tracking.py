@@ -85,3 +85,25 @@ class Tracker:
             self.bar.close()
         if self.run is not None:
             self.run.finish()
+
+
+# Third-party loggers that write one INFO line per decoded item (which breaks the progress bar into hundreds of
+# lines): on the console they show warnings only; their INFO lines go to the run's log file when there is one.
+CHATTY_LOGGERS = ("qwen_vl_utils", "qwen_vl_utils.vision_process")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(log_file: Path | None = None) -> None:
+    """Console logging at INFO for this project; per-item third-party INFO to ``log_file`` (or dropped)."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            handler.addFilter(lambda record: record.levelno >= logging.WARNING
+                              or not record.name.startswith(CHATTY_LOGGERS))
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(log_file)
+        file_handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        logging.getLogger().addHandler(file_handler)

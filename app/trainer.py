@@ -38,7 +38,7 @@ from app.grpo import (
 from app.models import load_model, load_processor
 from app.rewards import accuracy_of, build_rewards, length_bonus, score, temporal_bonus
 from app.rollout import Rollout, SamplingConfig, generate_groups, select_groups
-from app.tracking import Tracker
+from app.tracking import Tracker, configure_logging
 
 log = logging.getLogger("app.trainer")
 CRASH_ENV = "PREFIX_GRPO_CRASH_AFTER_STEP"  # tests: die right after this step, as a crash would
@@ -488,11 +488,12 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         print("Configuration keys (python -m app.config lists them with help):")
         raise SystemExit(0 if argv else 2)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     try:
         cfg = load_config(argv[0], argv[1:])
     except ConfigError as error:
         raise SystemExit(f"config error: {error}") from None
+    configure_logging(Path(cfg.train.output_dir) / "logs" / f"rank{os.environ.get('RANK', '0')}.log")
     try:
         trainer = GRPOTrainer(cfg)
     except checkpoint.CheckpointError as error:

@@ -196,11 +196,14 @@ def test_bad_records_are_skipped_with_named_reasons(assets, tmp_path):
 def test_temporal_grpo_and_dapo_settings_run(assets, tmp_path):
     """T-GRPO (a second group on shuffled frames), token-level loss, eps_high, mu=2 and the HF rollout engine."""
     out = tmp_path / "run"
-    run(trainer(assets, out, **{"rewards.temporal": True, "grpo.loss_type": "dapo", "grpo.epsilon_high": 0.28,
+    result = run(trainer(assets, out, **{"rewards.temporal": True, "grpo.loss_type": "dapo", "grpo.epsilon_high": 0.28,
                                 "grpo.num_iterations": 2, "rollout.engine": "hf", "train.max_steps": 1,
                                 "train.export_hf": False}))
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert "reward/temporal" in metrics and metrics["reward/temporal"] >= 0
+    # qwen-vl-utils' line per decoded video goes to the run's log file, not over the progress bar
+    assert "decord:  video_path" not in result.stderr
+    assert "decord:  video_path" in (out / "logs" / "rank0.log").read_text()
 
 
 def test_dynamic_sampling_skips_flat_groups_and_keeps_the_step_full(assets, tmp_path):
