@@ -117,7 +117,8 @@ def _fake_tools(tmp_path: Path) -> tuple[Path, Path]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     record = tmp_path / "argv.json"
-    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho node-a\necho node-b\n")
+    # Many node names: a launcher that reads only the first line through `head` under pipefail dies of SIGPIPE.
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\nfor i in $(seq 1 50000); do echo node-$i; done\n")
     (bin_dir / "srun").write_text("#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\n"
                                   "SLURM_NODEID=0 exec \"$@\"\n")
     (bin_dir / "python").write_text(f"#!{sys.executable}\nimport json, sys\n"
