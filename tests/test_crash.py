@@ -67,6 +67,17 @@ def test_kills_at_random_moments_resume_to_the_uninterrupted_result(assets, tmp_
         assert torch.equal(final[name], straight[name]), (name, kills)
     assert sum("exit 19" in k for k in kills) >= 2 and any("exit -9" in k for k in kills), kills
 
+    # Resuming the finished run re-saves its last step: killed after the live copy was moved aside and before the
+    # new one is renamed in, `latest` dangles; the next resume falls back to step 5 and ends the same.
+    killed = run(args, env={CRASH_POINT_ENV: f"moved_aside@{steps}"}, check=False)
+    assert killed.returncode == 19, killed.stderr[-2000:]
+    again = run(args)
+    assert "passing over" in again.stderr and f"step-{steps - 1:07d}" in again.stderr
+    assert metrics_steps(out) == list(range(1, steps + 1))
+    final = weights(out / "final")
+    for name in straight:
+        assert torch.equal(final[name], straight[name]), name
+
 
 def _workers_of(marker: str) -> list[int]:
     """Live processes whose command line mentions ``marker`` (the run's output directory)."""
