@@ -380,8 +380,10 @@ class GRPOTrainer:
         with distributed.gathered_for_inference(model, self.cfg.rollout.zero3_gather) as (module, _):
             was_training = module.training
             module.eval()
+            # At the rollout temperature, like the policy forward: ratios and KL compare the same distributions.
             scores = completion_logprobs(module, inputs, ids, mask, sizes, mode=self.cfg.grpo.grouping,
-                                         backend=self.backend, vision_calls=vision_calls)
+                                         backend=self.backend, temperature=self.cfg.rollout.temperature,
+                                         vision_calls=vision_calls)
             module.train(was_training)
         return scores.logprobs
 

@@ -198,9 +198,12 @@ def test_temporal_grpo_and_dapo_settings_run(assets, tmp_path):
     out = tmp_path / "run"
     result = run(trainer(assets, out, **{"rewards.temporal": True, "grpo.loss_type": "dapo", "grpo.epsilon_high": 0.28,
                                 "grpo.num_iterations": 2, "rollout.engine": "hf", "train.max_steps": 1,
+                                "rollout.temperature": 0.7,
                                 "train.export_hf": False}))
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert "reward/temporal" in metrics and metrics["reward/temporal"] >= 0
+    # Old log-probs (mu=2) come from the training forward at the rollout temperature, as the rollout's own do
+    assert metrics["mismatch/mean_abs_logprob_diff"] < 1e-4 and metrics["mismatch/max_ratio"] < 1.001
     # qwen-vl-utils' line per decoded video goes to the run's log file, not over the progress bar
     assert "decord:  video_path" not in result.stderr
     assert "decord:  video_path" in (out / "logs" / "rank0.log").read_text()
