@@ -115,18 +115,19 @@ def checkpoint_problem(path: Path, world_size: int) -> str | None:
 
     if not path.is_dir():
         return f"{path} does not exist"
+    states = []
     for rank in range(world_size):
         state = path / f"trainer_state_rank{rank}.json"
         if not state.is_file():
             return f"{state} is missing (written by a different number of ranks?)"
         try:
-            json.loads(state.read_text())
+            states.append(json.loads(state.read_text()))
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             return f"{state} is not valid JSON ({error})"
     weights = sorted(path.rglob("*.pt"))
     if not any(p.name.endswith("model_states.pt") for p in weights):
         return f"{path} has no DeepSpeed model_states file"
-    stage = json.loads((path / "trainer_state_rank0.json").read_text()).get("zero_stage")
+    stage = states[0].get("zero_stage")
     names = {p.name for p in weights}
     for rank in range(world_size) if stage else ():  # ZeRO: one optimizer shard per rank (+ model shards in stage 3)
         wanted = [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]

@@ -122,13 +122,12 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
     records, skipped = [], []
     for data_file in data_files:
         found, bad_lines = read_records(data_file)
-        records += [{**r, "_benchmark": data_file.stem, "_root": str(Path(data_cfg.data_root) if data_cfg.data_root
-                                                                      else data_file.parent)} for r in found]
+        root = Path(data_cfg.data_root) if data_cfg.data_root else data_file.parent
+        records += [{**r, "_benchmark": data_file.stem, "_root": root} for r in found]
         skipped += [{"where": s.where, "reason": s.reason, "reason_kind": "malformed line"} for s in bad_lines]
     usable = []
     for record in records:
-        data_root = Path(record["_root"])
-        reason = check_record(record, data_root, data_cfg.confine_to_root)
+        reason = check_record(record, record["_root"], data_cfg.confine_to_root)
         if reason:
             skipped.append({"where": where(record), "reason": reason, "reason_kind": reason.split(" (")[0]
                             .split(":")[0]})
@@ -157,7 +156,7 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
     for start in range(0, len(mine), ev.batch_size):
         batch, prompts = [], []
         for record in mine[start : start + ev.batch_size]:
-            prompt, reason = encode_record(processor, record, Path(record["_root"]), data_cfg)
+            prompt, reason = encode_record(processor, record, record["_root"], data_cfg)
             if prompt is None:  # skipped with its reason, exactly as training does; a resumed run skips it again
                 _append(out / f"skipped.rank{rank}.jsonl", {"where": where(record), "reason": reason,
                                                              "reason_kind": reason.split(":")[0]})

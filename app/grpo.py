@@ -72,11 +72,6 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown kl_estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
 
 
-def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """The k3 estimator (see ``kl_penalty``)."""
-    return kl_penalty(logprobs, ref_logprobs, "k3")
-
-
 @dataclass(frozen=True)
 class LossOptions:
     loss_type: str = "grpo"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -93,15 +94,16 @@ CHATTY_LOGGERS = ("qwen_vl_utils", "qwen_vl_utils.vision_process")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def _not_chatty(record) -> bool:
+    return record.levelno >= logging.WARNING or not record.name.startswith(CHATTY_LOGGERS)
+
+
 def configure_logging(log_file: Path | None = None) -> None:
     """Console logging at INFO for this project; per-item third-party INFO to ``log_file`` (or dropped)."""
-    import logging
-
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-            handler.addFilter(lambda record: record.levelno >= logging.WARNING
-                              or not record.name.startswith(CHATTY_LOGGERS))
+        if type(handler) is logging.StreamHandler and _not_chatty not in handler.filters:
+            handler.addFilter(_not_chatty)
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(log_file)

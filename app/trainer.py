@@ -410,12 +410,9 @@ class GRPOTrainer:
             "completions/empty": float(sum(1 for t in batch.texts if not t.strip())),
             "completions/eos_fraction": sum(r != "length" for r in rollout.stop_reasons) / len(rollout.stop_reasons),
             "loss": sum(losses) / len(losses),
-            "kl": sum(m["kl"] for m in loss_metrics) / len(loss_metrics),
-            "clip_fraction": sum(m["clip_fraction"] for m in loss_metrics) / len(loss_metrics),
-            "clip_fraction_low": sum(m["clip_fraction_low"] for m in loss_metrics) / len(loss_metrics),
-            "clip_fraction_high": sum(m["clip_fraction_high"] for m in loss_metrics) / len(loss_metrics),
-            "entropy": mean_of(loss_metrics, "entropy"),
-            "mismatch/mean_abs_logprob_diff": mean_of(loss_metrics, "mismatch/mean_abs_logprob_diff"),
+            **{key: mean_of(loss_metrics, key) for key in ("kl", "clip_fraction", "clip_fraction_low",
+                                                            "clip_fraction_high", "entropy",
+                                                            "mismatch/mean_abs_logprob_diff")},
             "completions/truncated_fraction": sum(r == "length" for r in rollout.stop_reasons) / len(rollout.stop_reasons),
             "time/rollout": timings["rollout"],
             "time/reference": timings["reference"],
@@ -431,9 +428,11 @@ class GRPOTrainer:
         for key in ("completions/empty", "tokens/policy_forward", "tokens/prefix_saved_by_grouping"):
             averaged[key] = averaged[key] * self.world  # totals, not means
         counts = sorted(batch.sampling)
-        totals = dict(zip(counts, distributed.all_reduce_sum([batch.sampling[k] for k in counts])))
+        *summed_counts, trained = distributed.all_reduce_sum([batch.sampling[k] for k in counts]
+                                                             + [float(len(batch.prompts))])
+        totals = dict(zip(counts, summed_counts))
         drawn = max(totals.pop("groups/drawn", 0.0), 1.0)
-        averaged["groups/trained"] = distributed.all_reduce_sum([float(len(batch.prompts))])[0]
+        averaged["groups/trained"] = trained
         for key, value in totals.items():  # fractions of the groups drawn; dynamic-sampling figures as totals
             averaged[key] = value / drawn if key.startswith("groups/") else value
         if "dynamic_sampling/extra_draws" in averaged:  # every rank draws equally often

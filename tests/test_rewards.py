@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.grpo import LossOptions, group_advantages, grpo_loss, k3_kl
+from app.grpo import LossOptions, group_advantages, grpo_loss, kl_penalty
 from app.rewards import (
     PROBLEM_TYPES,
     RewardError,
@@ -202,5 +202,5 @@ def test_grpo_loss_clipping_and_aggregation():
     assert token_loss.item() == pytest.approx((-1.2 - 1.0 + 3.0) / 5)
     ref = logp - 0.1
     with_kl, metrics = grpo_loss(logp, old, adv, mask, ref_logprobs=ref, options=LossOptions(beta=0.5))
-    assert metrics["kl"] == pytest.approx(float(k3_kl(logp, ref)[0, 0]), rel=1e-5)
+    assert metrics["kl"] == pytest.approx(float(kl_penalty(logp, ref, "k3")[0, 0]), rel=1e-5)
     assert with_kl.item() > loss.item()

@@ -156,17 +156,18 @@ def check_record(record: dict, data_root: Path, confine_to_root: bool = True) ->
     if raw not in (None, "", []) and not (isinstance(raw, str) or (isinstance(raw, list) and raw
                                                                      and all(isinstance(p, str) and p for p in raw))):
         return f"field 'path' must be a string or a list of strings, got {raw!r}"
+    paths = media_paths(record, data_root) if raw else []
     if not data_type and raw:
-        data_type = infer_data_type(media_paths(record, data_root))
+        data_type = infer_data_type(paths)
         if data_type is None:
             return f"no data_type and its path {raw!r} does not say video or image (set data_type)"
         record["data_type"] = data_type
     if data_type in ("image", "video"):
         if not raw:
             return f"data_type {data_type} but no 'path'"
-        for item, path in zip(raw if isinstance(raw, list) else [raw], media_paths(record, data_root)):
+        for path in paths:
             if confine_to_root and outside_root(data_root, str(path)):
-                return (f"path outside the data root: {item!r} leaves {data_root} (data.confine_to_root=false "
+                return (f"path outside the data root: {str(path)!r} leaves {data_root} (data.confine_to_root=false "
                         "allows it)")
             if path.is_dir():
                 return f"{data_type} path is a directory (frame folders are not supported yet): {path}"
