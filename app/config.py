@@ -103,6 +103,10 @@ class GRPOConfig:
     attention_backend: str = _f("auto", "Grouped attention backend: auto, packed, paper, masked, flex, flash.",
                                 choices=("auto", "packed", "paper", "masked", "flex", "flash"))
     self_check: bool = _f(True, "On the first step, compare grouped and repeated log-probs and stop on a mismatch.")
+    logprob_chunk_size: int = _f(1024, "Tokens per chunk when the output head computes the completion log-probs "
+                                 "(policy, old, reference; both groupings): [tokens, vocab] logits are never held "
+                                 "whole, backward recomputes each chunk; same numbers. 0: full logits (the "
+                                 "transformers default; at vocab 151,936 and 6k tokens that is 3.7 GB of float32).")
     beta: float = _f(0.04, "KL coefficient. 0 loads no reference model.")
     kl_estimator: str = _f("k3", "Per-token KL penalty: k3 (GRPO/TRL/Video-R1; its gradient follows KL(ref||pi)), "
                            "low_var_kl (k3 clamped, verl), k1 (log pi - log ref; zero expected gradient).",
@@ -337,6 +341,7 @@ def validate(config: Config, training: bool = True) -> None:
                                                              config.logging.sample_table_every, 0),
         ("train.save_every", config.train.save_every, 0), ("train.keep_checkpoints", config.train.keep_checkpoints, 1),
         ("rollout.top_k", config.rollout.top_k, 0), ("train.warmup_steps", config.train.warmup_steps, 0),
+        ("grpo.logprob_chunk_size", config.grpo.logprob_chunk_size, 0),
     ):
         need(value >= least, key, f"must be >= {least}, got {value}")
     need(config.data.fps > 0, "data.fps", f"must be > 0, got {config.data.fps}")

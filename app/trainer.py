@@ -197,7 +197,7 @@ class GRPOTrainer:
                 inputs, ids, mask, sizes, rows = self.micro_batch(batch, mb)
                 scores = completion_logprobs(self.engine, inputs, ids, mask, sizes, mode=cfg.grpo.grouping,
                                              backend=self.backend, temperature=cfg.rollout.temperature,
-                                             return_entropy=iteration == 0,
+                                             return_entropy=iteration == 0, chunk_size=cfg.grpo.logprob_chunk_size,
                                              vision_calls=self.vision_calls(inputs, self.engine, training=True))
                 old_lp = old[index] if old is not None else scores.logprobs.detach()
                 ref_lp = reference[index] if reference is not None else None
@@ -383,7 +383,7 @@ class GRPOTrainer:
             # At the rollout temperature, like the policy forward: ratios and KL compare the same distributions.
             scores = completion_logprobs(module, inputs, ids, mask, sizes, mode=self.cfg.grpo.grouping,
                                          backend=self.backend, temperature=self.cfg.rollout.temperature,
-                                         vision_calls=vision_calls)
+                                         vision_calls=vision_calls, chunk_size=self.cfg.grpo.logprob_chunk_size)
             module.train(was_training)
         return scores.logprobs
 

@@ -19,6 +19,7 @@ import torch
 
 from app.grouping import attention
 from app.grouping.layout import GroupLayout, LayoutError
+from app.grouping.logprobs import head_returns_logprobs
 from app.grouping.positions import (
     VISION_KEYS,
     check_max_positions,
@@ -126,8 +127,14 @@ def _logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatu
         return chosen, -(logp.exp() * logp).sum(-1)
 
 
+def _head_logprobs(model, forward, targets, select, temperature, chunk_size, return_entropy):
+    """Run ``forward()`` with the output head returning (log-prob, entropy) chunk by chunk: [..., 2]."""
+    with head_returns_logprobs(unwrap(model), targets, select, temperature, chunk_size, return_entropy):
+        return forward().logits
+
+
 def _grouped(model, prompts, completion_ids, layout: GroupLayout, backend, temperature, return_logits,
-             return_entropy, extra_forward_kwargs):
+             return_entropy, extra_forward_kwargs, chunk_size=0):
     device = completion_ids.device
     _set_text_attention(model, attention.ATTENTION_NAME)
     plan = attention.GroupedAttentionPlan(layout, backend or attention.default_backend(device))
@@ -142,10 +149,18 @@ def _grouped(model, prompts, completion_ids, layout: GroupLayout, backend, tempe
         kwargs["mm_token_type_ids"] = layout.pack(
             prompts["mm_token_type_ids"], torch.zeros_like(completion_ids))[None]
     predict = layout.predict_index.to(device)
-    out = model(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False,
-                logits_to_keep=predict, **{attention.PLAN_KWARG: plan}, **kwargs, **extra_forward_kwargs)
-    logits = out.logits[0]  # [K, V]
     targets = completion_ids.flatten().index_select(0, layout.target_index.to(device))
+
+    def forward():
+        return model(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False,
+                     logits_to_keep=predict, **{attention.PLAN_KWARG: plan}, **kwargs, **extra_forward_kwargs)
+
+    if chunk_size and not return_logits:
+        both = _head_logprobs(model, forward, targets, None, temperature, chunk_size, return_entropy)[0]
+        chosen, entropy = both[:, 0], both[:, 1].detach()
+        return (layout.unpack_completion_tokens(chosen), None,
+                layout.unpack_completion_tokens(entropy) if return_entropy else None)
+    logits = forward().logits[0]  # [K, V]
     chosen, entropy = _logprobs_from_logits(logits, targets, temperature, return_entropy)
     logprobs = layout.unpack_completion_tokens(chosen)
     full_logits = layout.unpack_completion_tokens(logits) if return_logits else None
@@ -172,15 +187,23 @@ def repeated_inputs(model, prompts: Mapping, completion_ids, completion_mask, gr
 
 
 def _repeated(model, prompts, completion_ids, completion_mask, layout: GroupLayout, temperature, return_logits,
-              return_entropy, extra_forward_kwargs):
+              return_entropy, extra_forward_kwargs, chunk_size=0):
     _set_text_attention(model, "sdpa")
     batch = repeated_inputs(model, prompts, completion_ids, completion_mask, layout.group_sizes)
     if rope_index_owner(unwrap(model)) is None:
         batch["position_ids"] = (batch["attention_mask"].long().cumsum(-1) - 1).clamp_min(0)
     width = completion_ids.shape[1]
-    out = model(**batch, use_cache=False, logits_to_keep=width + 1, **extra_forward_kwargs)
-    logits = out.logits[:, :-1]  # [N, Lc, V]: position Lp-1+j predicts completion token j
     mask = completion_mask.bool()
+
+    def forward():
+        return model(**batch, use_cache=False, logits_to_keep=width + 1, **extra_forward_kwargs)
+
+    if chunk_size and not return_logits:
+        select = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)  # the last kept position predicts nothing
+        both = _head_logprobs(model, forward, completion_ids[mask], select, temperature, chunk_size,
+                              return_entropy)[:, :-1]
+        return both[..., 0], None, both[..., 1].detach() if return_entropy else None
+    logits = forward().logits[:, :-1]  # [N, Lc, V]: position Lp-1+j predicts completion token j
     chosen, entropy = _logprobs_from_logits(logits, completion_ids, temperature, return_entropy)
     logprobs = chosen.masked_fill(~mask, 0.0)
     full_logits = logits.masked_fill(~mask[..., None], 0.0) if return_logits else None
@@ -213,6 +236,7 @@ def completion_logprobs(
     return_logits: bool = False,
     vision_calls: Sequence[str] | None = None,
     return_entropy: bool = False,
+    chunk_size: int = 0,
     **forward_kwargs,
 ) -> CompletionScores:
     """Log-probs of each completion token given its prompt, through the grouped or the repeated layout.
@@ -221,6 +245,8 @@ def completion_logprobs(
     unchanged until that backward has finished (activation checkpointing recomputes through it).
     ``vision_calls``: the vision-tower calls this forward must make even if its prompts lack that modality (the
     union over ranks under ZeRO-3; see ``vision_calls.aligned_vision_calls``); None makes only the calls needed.
+    ``chunk_size`` > 0: the output head computes the target log-probs ``chunk_size`` tokens at a time and never holds
+    [tokens, vocab] logits (``logprobs.head_returns_logprobs``); same numbers; ignored when ``return_logits``.
     """
     if mode not in MODES:
         raise ValueError(f"unknown grouping mode {mode!r}; expected one of {MODES}")
@@ -242,10 +268,11 @@ def completion_logprobs(
     with aligned_vision_calls(model, prompts, vision_calls):
         if mode == "grouped":
             logprobs, logits, entropy = _grouped(model, prompts, completion_ids, layout, backend, temperature,
-                                                 return_logits, return_entropy, forward_kwargs)
+                                                 return_logits, return_entropy, forward_kwargs, chunk_size)
         else:
             logprobs, logits, entropy = _repeated(model, prompts, completion_ids, completion_mask, layout,
-                                                  temperature, return_logits, return_entropy, forward_kwargs)
+                                                  temperature, return_logits, return_entropy, forward_kwargs,
+                                                  chunk_size)
     return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), logits=logits, layout=layout,
                             entropy=entropy)
 
