@@ -77,6 +77,9 @@ class DataConfig:
                             "chat template's default 'You are a helpful assistant.'; prefix_grpo: its "
                             "think/answer instruction); '' for none; any other text is used as is.")
     shuffle: bool = _f(True, "Shuffle the records each epoch (seeded by train.seed).")
+    prefetch: int = _f(1, "Steps of prompts (video decoding and processor work) prepared in background threads while "
+                       "the current step trains; 0: decode on the critical path. Order, skips and resume unchanged.")
+    prefetch_workers: int = _f(2, "Background threads for data.prefetch.")
 
 
 @dataclass
@@ -341,7 +344,8 @@ def validate(config: Config, training: bool = True) -> None:
                                                              config.logging.sample_table_every, 0),
         ("train.save_every", config.train.save_every, 0), ("train.keep_checkpoints", config.train.keep_checkpoints, 1),
         ("rollout.top_k", config.rollout.top_k, 0), ("train.warmup_steps", config.train.warmup_steps, 0),
-        ("grpo.logprob_chunk_size", config.grpo.logprob_chunk_size, 0),
+        ("grpo.logprob_chunk_size", config.grpo.logprob_chunk_size, 0), ("data.prefetch", config.data.prefetch, 0),
+        ("data.prefetch_workers", config.data.prefetch_workers, 1),
     ):
         need(value >= least, key, f"must be >= {least}, got {value}")
     need(config.data.fps > 0, "data.fps", f"must be > 0, got {config.data.fps}")

@@ -134,7 +134,8 @@ class GRPOTrainer:
             self.reference = distributed.build_reference(reference, self.ds_config, self.device)
 
         self.rewards = build_rewards(cfg.rewards.functions, cfg.rewards.weights)
-        self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.rank, self.world)
+        self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.rank, self.world,
+                                  lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank)
         self.backend = None if cfg.grpo.attention_backend == "auto" else cfg.grpo.attention_backend
         self.loss_options = LossOptions(
             loss_type=cfg.grpo.loss_type, beta=cfg.grpo.beta, epsilon_low=cfg.grpo.epsilon_low,
@@ -151,6 +152,7 @@ class GRPOTrainer:
     def train(self) -> Path | None:
         cfg = self.cfg
         crash_after = int(os.environ.get(CRASH_ENV, "-1"))
+        self.stream.prefetch()  # the first step's prompts start decoding now (from the resumed position)
         for step in range(self.start_step, cfg.train.max_steps):
             metrics = self.train_step(step)
             if (step + 1) % cfg.logging.log_every == 0 or step + 1 == cfg.train.max_steps:
@@ -160,6 +162,7 @@ class GRPOTrainer:
             if step + 1 == crash_after:
                 log.error("simulated crash after step %d (%s)", step + 1, CRASH_ENV)
                 os._exit(17)
+        self.stream.close()
         self.save(cfg.train.max_steps)
         final = None
         if cfg.train.export_hf:
@@ -175,6 +178,7 @@ class GRPOTrainer:
         batch = self.collect(step)
         batch.advantages = self.advantages(batch)
         timings["rollout"] = time.perf_counter() - start
+        timings["data"], self.stream.wait_seconds = self.stream.wait_seconds, 0.0
 
         micro_batches = [list(range(i, i + cfg.train.groups_per_micro_batch))
                          for i in range(0, len(batch.prompts), cfg.train.groups_per_micro_batch)]
@@ -415,6 +419,7 @@ class GRPOTrainer:
                                                             "mismatch/mean_abs_logprob_diff")},
             "completions/truncated_fraction": sum(r == "length" for r in rollout.stop_reasons) / len(rollout.stop_reasons),
             "time/rollout": timings["rollout"],
+            "time/data_wait": timings["data"],
             "time/reference": timings["reference"],
             "time/policy": timings["policy"],
             "tokens/policy_forward": float(tokens),

@@ -73,3 +73,51 @@ def test_encoding_multi_video_and_a_one_frame_video(root, tmp_path):
     one = record(data_type="video", path="MMVU/videos/one.mp4")
     prompt, reason = encode_record(processor, one, root, DATA)
     assert prompt is None and "has 1 frame; qwen-vl-utils needs at least 2" in reason
+
+
+def _stream(tmp_path, lookahead):
+    """A stream over 6 good video records and one corrupt video, drawn 3 at a time for 5 draws (wraps epochs)."""
+    from app.config import Config
+    from app.data.records import load_stream
+    from app.data.synthetic import generate
+
+    files = generate(tmp_path / "data", train=6, heldout=0, seed=1)
+    (tmp_path / "data" / "videos" / "corrupt.mp4").write_bytes(bytes(range(256)) * 8)
+    lines = files["train"].read_text().splitlines()
+    lines.insert(2, lines[0].replace('"path": "', '"path": "videos/corrupt.mp4", "was": "'))
+    files["train"].write_text("\n".join(lines) + "\n")
+    cfg = Config().data
+    cfg.train_file, cfg.max_skip_fraction, cfg.max_frames = str(files["train"]), 0.5, 4
+    processor = load_processor(build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl"))
+    return load_stream(cfg, processor, seed=3, rank=0, world_size=1, lookahead=lookahead)
+
+
+def test_prefetch_keeps_order_skips_and_resume(tmp_path):
+    import torch
+
+    def draws(stream, count, start=0):
+        stream.position = start
+        out = []
+        for _ in range(count):
+            out.append([(p.record["problem_id"], p.inputs["pixel_values_videos"].sum().item())
+                        for p in stream.next_prompts(3)])
+        return out, stream.position, sum(stream.skipped.values())
+
+    plain = _stream(tmp_path / "plain", 0)
+    ahead = _stream(tmp_path / "ahead", 5)
+    want = draws(plain, 5)
+    got = draws(ahead, 5)
+    assert got == want
+    corrupt_draws = sum("corrupt" in plain._record_at(p)["path"] for p in range(want[1]))
+    assert want[2] == corrupt_draws >= 2  # drawn in several epochs: counted once per draw, not per encode
+    assert len(ahead._pending) == 5  # bounded: the next 5 positions, no more
+    # Resume: a fresh stream set to a saved position draws what the uninterrupted one drew from there.
+    resumed = _stream(tmp_path / "resumed", 5)
+    resumed.prefetch()  # work already under way for positions before the resume point is dropped
+    tail = draws(resumed, 2, start=9)
+    plain.position, plain.skipped = 9, plain.skipped.__class__()
+    assert tail[0] == draws(plain, 2, start=9)[0]
+    assert all(p >= resumed.position for p in resumed._pending)
+    ahead.close()
+    resumed.close()
+    assert torch.is_tensor(ahead.next_prompts(1)[0].inputs["input_ids"])  # closed: still works, synchronously

@@ -148,6 +148,33 @@ def test_crash_then_resume_equals_uninterrupted(assets, tmp_path):
     assert steps == [1, 2, 3, 4]  # step 3 ran twice (before the crash and after resuming), logged once
 
 
+def test_prefetch_resume_equals_plain_uninterrupted_and_counts_a_skip_once(assets, tmp_path):
+    """Prefetch on (2 steps ahead), a crash and a resume, against prefetch off straight through: same weights, same
+    skip count at every step, although the corrupt record's video was decoded ahead of time, more than once."""
+    data = Path(assets["train"]).parent
+    lines = Path(assets["train"]).read_text().splitlines()
+    (tmp_path / "corrupt.mp4").write_bytes(bytes(range(256)) * 8)
+    lines.insert(1, lines[0].replace('"path": "', f'"path": "{tmp_path / "corrupt.mp4"}", "was": "'))
+    train = data / "with_corrupt.jsonl"
+    train.write_text("\n".join(lines) + "\n")
+    settings = {"train.max_steps": 4, "train.save_every": 2, "data.train_file": train, "data.shuffle": False,
+                "data.confine_to_root": False, "data.max_skip_fraction": 0.5}
+    run(trainer(assets, tmp_path / "plain", **settings, **{"data.prefetch": 0}))
+    crashed = run(trainer(assets, tmp_path / "ahead", **settings, **{"data.prefetch": 2}),
+                  env={"PREFIX_GRPO_CRASH_AFTER_STEP": "3"}, check=False)
+    assert crashed.returncode == 17
+    run(trainer(assets, tmp_path / "ahead", **settings, **{"data.prefetch": 2, "train.resume": True}))
+    plain, ahead = weights(tmp_path / "plain" / "final"), weights(tmp_path / "ahead" / "final")
+    for name in plain:
+        torch.testing.assert_close(ahead[name], plain[name], rtol=0, atol=0, msg=name)
+
+    def skipped(out):
+        return [json.loads(line)["data/skipped"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    assert skipped(tmp_path / "plain") == skipped(tmp_path / "ahead")
+    assert skipped(tmp_path / "plain")[-1] == 1  # 16 records, 4 steps x 2 prompts: the corrupt one drawn once
+
+
 def test_bad_records_are_skipped_with_named_reasons(assets, tmp_path):
     from app.data.video import write_mp4
 

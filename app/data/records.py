@@ -12,7 +12,9 @@ import json
 import logging
 import os
 import random
+import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -250,7 +252,13 @@ def encode_record(processor, record: dict, data_root: Path, data_cfg,
 
 @dataclass
 class PromptStream:
-    """Deterministic, resumable stream of encoded prompts for one rank (records i = rank mod world per epoch)."""
+    """Deterministic, resumable stream of encoded prompts for one rank (records i = rank mod world per epoch).
+
+    ``lookahead`` > 0: the next ``lookahead`` positions are decoded and encoded in ``workers`` background threads
+    while the caller works (decord and the processor release the GIL for most of it). What a position holds is a
+    function of the position alone, so the order, the skips (counted when their position is consumed, once) and a
+    resume from ``position`` are those of the plain stream; at most ``lookahead`` prompts wait in memory.
+    """
 
     records: list[dict]
     data_root: Path
@@ -262,6 +270,11 @@ class PromptStream:
     position: int = 0  # prompts of this rank's stream consumed so far (encoded or skipped)
     skipped: Counter = field(default_factory=Counter)  # reason -> count, from loading and from encoding
     total_records: int = 0
+    lookahead: int = 0
+    workers: int = 2
+    wait_seconds: float = 0.0  # time next_prompts spent decoding / waiting for prompts (reset by the caller)
+    _pending: dict = field(default_factory=dict, repr=False)  # position -> Future[(prompt | None, reason)]
+    _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.records)))
@@ -294,17 +307,48 @@ class PromptStream:
         return prompt
 
     def next_prompts(self, count: int) -> list[EncodedPrompt]:
+        start = time.perf_counter()
         out: list[EncodedPrompt] = []
         while len(out) < count:
             record = self._record_at(self.position)
+            ahead: Future | None = self._pending.pop(self.position, None)
             self.position += 1
-            prompt = self.encode(record)
+            if ahead is None:
+                prompt = self.encode(record)
+            else:
+                prompt, reason = ahead.result()
+                if prompt is None:
+                    self._skip(record, reason)
             if prompt is not None:
                 out.append(prompt)
+        self.prefetch()
+        self.wait_seconds += time.perf_counter() - start
         return out
 
+    def prefetch(self) -> None:
+        """Start encoding the next ``lookahead`` positions (drop any a resume moved behind ``position``)."""
+        if self.lookahead <= 0:
+            return
+        for stale in [p for p in self._pending if p < self.position]:
+            self._pending.pop(stale).cancel()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max(1, self.workers), thread_name_prefix="prefetch")
+        for position in range(self.position, self.position + self.lookahead):
+            if position not in self._pending:
+                self._pending[position] = self._pool.submit(
+                    encode_record, self.processor, self._record_at(position), self.data_root, self.data_cfg)
 
-def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int) -> PromptStream:
+    def close(self) -> None:
+        """Stop the background workers (waiting for the encodes under way)."""
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int, lookahead: int = 0) -> PromptStream:
     records, skipped = read_records(data_cfg.train_file)
     data_root = Path(data_cfg.data_root) if data_cfg.data_root else Path(data_cfg.train_file).parent
     usable = []
@@ -325,4 +369,5 @@ def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int) -> P
         raise DataError(f"{data_cfg.train_file}: no usable records")
     reasons = Counter(s.reason.split(":")[0].split(" (")[0] for s in skipped)
     return PromptStream(usable, data_root, data_cfg, processor, seed=seed, rank=rank, world_size=world_size,
-                        skipped=reasons, total_records=total)
+                        skipped=reasons, total_records=total, lookahead=lookahead,
+                        workers=getattr(data_cfg, "prefetch_workers", 2))
