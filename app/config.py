@@ -93,10 +93,10 @@ class RolloutConfig:
     max_completion_length: int = _f(768, "Maximum new tokens per completion.")
     stop_strings: list = _f([], "Extra strings that end a completion (EOS always does).")
     zero3_gather: str = _f("full", "ZeRO-3 only: full gathers the policy's (and reference's) parameters once per "
-                           "rollout / reference pass and runs it hook-free (about ZeRO-2 speed, needs one full copy "
-                           "of the weights per GPU; refused with a message when it does not fit); per_step "
-                           "re-gathers every layer at every decode step (slow, least memory).",
-                           choices=("full", "per_step"))
+                           "rollout and decodes with no collectives (fastest, needs the whole model in memory); "
+                           "layerwise gathers all but the decoder layers once and each layer (one collective) when it "
+                           "runs; per_step leaves DeepSpeed's hooks on: every module re-gathered at every decode "
+                           "step (slowest, least memory).", choices=("full", "layerwise", "per_step"))
 
 
 @dataclass

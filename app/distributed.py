@@ -174,7 +174,7 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 
-GATHER_MODES = ("full", "per_step")
+GATHER_MODES = ("full", "layerwise", "per_step")
 
 
 def _partitioned(engine) -> bool:
@@ -182,27 +182,96 @@ def _partitioned(engine) -> bool:
     return bool(check and check())
 
 
-def _check_gather_fits(module) -> None:
+def decoder_layers(module) -> torch.nn.ModuleList:
+    """The language model's decoder layers (the longest ModuleList named ``layers``; vision blocks are ``blocks``)."""
+    lists = [m for name, m in module.named_modules() if name.split(".")[-1] == "layers"
+             and isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(module).__name__} has no decoder `layers` list; use rollout.zero3_gather=full")
+    return max(lists, key=len)
+
+
+def _gather_bytes(params) -> int:
+    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params)
+
+
+def _check_gather_fits(module, mode: str) -> None:
     if not torch.cuda.is_available():
         return
-    need = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
+    need = _gather_bytes(module.parameters())
+    if mode == "layerwise":
+        layers = decoder_layers(module)
+        need -= _gather_bytes(layers.parameters()) - max(_gather_bytes(layer.parameters()) for layer in layers)
     free, _ = torch.cuda.mem_get_info()
     if need > 0.9 * free:
+        lighter = ("rollout.zero3_gather=layerwise (everything but the decoder layers gathered once, one layer at a "
+                   "time at each decode step) or per_step" if mode == "full" else "rollout.zero3_gather=per_step")
         raise MemoryError(
-            f"gathering the full model for inference needs {need / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB of "
-            "GPU memory is free; set rollout.zero3_gather=per_step (slower: every decode step re-gathers every "
-            "layer) or free memory (smaller micro-batches, optimizer offload)")
+            f"rollout.zero3_gather={mode} needs {need / 2**30:.1f} GiB of gathered weights but only "
+            f"{free / 2**30:.1f} GiB of GPU memory is free; set {lighter} (slower), or free memory (smaller "
+            "micro-batches, optimizer offload)")
+
+
+@contextlib.contextmanager
+def _hooks_off(engine, module):
+    """DeepSpeed's ZeRO-3 module hooks off for the block, the start-of-forward one too (DeepSpeed's own
+    unwrap_model_for_generation leaves it, and it runs a collective trace check at every forward)."""
+    optimizer = engine.optimizer
+    offload = getattr(optimizer, "parameter_offload", optimizer)
+    offload._remove_module_hooks()
+    offload.forward_hooks, offload.backward_hooks = [], []
+    for param in module.parameters():
+        param.ds_active_sub_modules.clear()
+    try:
+        yield
+    finally:
+        offload.setup_zero_stage3_hooks()  # re-adds them and invalidates the recorded trace
+
+
+@contextlib.contextmanager
+def _layer_by_layer(layers):
+    """Each decoder layer gathers its parameters in one coalesced all-gather as it starts, and releases them (back
+    to this rank's partition) as it ends."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    whole: dict[int, list] = {}
+
+    def gather(layer, *_):
+        params = [p for p in layer.parameters() if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        if params:
+            params[0].all_gather_coalesced(params).wait()
+        whole[id(layer)] = params
+
+    def release(layer, *_):
+        params = whole.pop(id(layer))
+        if params:
+            params[0].partition(param_list=params, has_been_updated=False)
+
+    handles = [h for layer in layers for h in (layer.register_forward_pre_hook(gather),
+                                                 layer.register_forward_hook(release))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for params in whole.values():  # an exception inside a layer
+            if params:
+                params[0].partition(param_list=params, has_been_updated=False)
 
 
 @contextlib.contextmanager
 def gathered_for_inference(engine, mode: str = "full"):
     """Yield ``(module, collective)`` to run no-grad forwards on.
 
-    Under ZeRO-3 with ``mode='full'`` every parameter is gathered ONCE and DeepSpeed's hooks are taken off for the
-    block (as TRL's ``unwrap_model_for_generation`` does), so decoding costs no all-gathers and no collective at
-    all; partitioning and the hooks come back on exit. ``collective`` tells whether forwards inside still issue
-    collectives (ZeRO-3 ``per_step``), in which case ranks must step together. Elsewhere the plain module, and
-    nothing changes."""
+    Under ZeRO-3 (``rollout.zero3_gather``):
+    - ``full``: every parameter is gathered ONCE and DeepSpeed's hooks are off for the block (as TRL's
+      ``unwrap_model_for_generation`` does): decoding costs no all-gathers and no collective at all;
+    - ``layerwise``: everything but the decoder layers is gathered once; each decoder layer is gathered in one
+      collective when it runs and released after, so at most one layer is whole at a time (for models whose full
+      gather does not fit); forwards are collective;
+    - ``per_step``: DeepSpeed's own hooks, every module re-gathered at every forward (least memory, slowest).
+    Partitioning and the hooks come back on exit. ``collective`` tells whether forwards inside still issue
+    collectives, in which case ranks must step together. Elsewhere the plain module, and nothing changes."""
     if mode not in GATHER_MODES:
         raise ValueError(f"unknown ZeRO-3 gather mode {mode!r}; expected one of {GATHER_MODES}")
     module = unwrap(engine)
@@ -214,20 +283,16 @@ def gathered_for_inference(engine, mode: str = "full"):
         return
     import deepspeed
 
-    _check_gather_fits(module)
-    optimizer = engine.optimizer
-    offload = getattr(optimizer, "parameter_offload", optimizer)
-    with deepspeed.zero.GatheredParameters(list(module.parameters())):
-        # All of DeepSpeed's hooks come off, the start-of-forward one too (DeepSpeed's own
-        # unwrap_model_for_generation leaves it, and it runs a collective trace check at every forward).
-        offload._remove_module_hooks()
-        offload.forward_hooks, offload.backward_hooks = [], []
-        for param in module.parameters():
-            param.ds_active_sub_modules.clear()
-        try:
+    _check_gather_fits(module, mode)
+    if mode == "full":
+        with deepspeed.zero.GatheredParameters(list(module.parameters())), _hooks_off(engine, module):
             yield module, False
-        finally:
-            offload.setup_zero_stage3_hooks()  # re-adds them and invalidates the recorded trace
+        return
+    layers = decoder_layers(module)
+    in_layers = {id(p) for p in layers.parameters()}
+    rest = [p for p in module.parameters() if id(p) not in in_layers]
+    with deepspeed.zero.GatheredParameters(rest), _hooks_off(engine, module), _layer_by_layer(layers):
+        yield module, world_size() > 1
 
 
 def gathered_state_dict(engine) -> dict | None:

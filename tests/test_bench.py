@@ -22,7 +22,7 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
     assert count_flops(prefix, suffix, group, "paper") < count_flops(prefix, suffix, group, "repeated")
 
 
-@pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes"])
+@pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale"])
 def test_benchmark_runs_quick(name, tmp_path):
     out = tmp_path / name
     result = subprocess.run(["bash", "scripts/bench.sh", name, "--out", str(out), "--quick"], cwd=ROOT,
@@ -39,3 +39,9 @@ def test_benchmark_runs_quick(name, tmp_path):
     if name == "flex_shapes":
         assert report["summary"]["compiles_after_call_3"] == 0
         assert report["environment"]["flush_denormal"] is True
+    if name == "scale":
+        assert [r["variant"] for r in report["rollout"]][1:] == [f"ZeRO-3 zero3_gather={m}"
+                                                                 for m in ("full", "layerwise", "per_step")]
+        assert all(r["same_tokens"] for r in report["rollout"]) and report["rollout"][3]["all_gathers"] > 0
+        assert all(r["loss_rel_diff"] < 1e-6 for r in report["logprob_memory"])
+        assert report["prefetch"][1]["variant"] == "data.prefetch=1" and (out / "scale.png").is_file()

@@ -39,6 +39,9 @@ def test_zero3_rollouts_with_uneven_lengths(tmp_path):
     for info in ranks:  # rollout.zero3_gather=full: same tokens, whole weights inside, partitioned after, trains
         assert info["gathered_equal"] and info["whole_inside"] and not info["collective"]
         assert info["repartitioned"] and info["stepped_after"]
+    for info in ranks:  # layerwise: collective, one layer whole at a time, the same tokens with uneven lengths
+        assert info["layerwise_equal"] and info["layerwise_cut_equal"] and info["layerwise_collective"]
+        assert info["layer_whole_when_run"] and info["other_layers_partitioned"]
 
     # The same prompts, unpartitioned, in this process: identical greedy tokens.
     model, processor = load_model(checkpoint), load_processor(checkpoint)

@@ -47,6 +47,19 @@ def main(checkpoint: str, video: str, out: str) -> None:
         whole_inside = all(p.numel() == p.ds_numel for p in module.parameters())
         gathered = generate_groups(module, prompts, 2 + rank, greedy, tokenizer=tokenizer, eos_ids=[],
                                    synced=collective)
+    # Layer by layer (rollout.zero3_gather=layerwise): collective forwards, the same greedy tokens, also when one
+    # rank stops early and idles while the other decodes on.
+    layer_whole = []
+    with distributed.gathered_for_inference(engine, "layerwise") as (module, layer_collective):
+        probe = distributed.decoder_layers(module)[0].register_forward_pre_hook(
+            lambda layer, *_: layer_whole.append(all(p.numel() == p.ds_numel for p in layer.parameters())))
+        layered = generate_groups(module, prompts, 2 + rank, greedy, tokenizer=tokenizer, eos_ids=[],
+                                  synced=layer_collective)
+        layered_cut = generate_groups(module, prompts, 2 + rank, greedy, tokenizer=tokenizer, eos_ids=eos,
+                                      synced=layer_collective)
+        probe.remove()
+        other_layers_partitioned = all(p.numel() == 0 for p in distributed.decoder_layers(module)[1].parameters()
+                                       if not p.ds_persist)
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     repartitioned = all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters()
@@ -67,6 +80,10 @@ def main(checkpoint: str, video: str, out: str) -> None:
         "sampled_shape": list(sampled.completion_ids.shape), "prompts": questions, "keep": keep is not None,
         "gathered_equal": torch.equal(gathered.completion_ids, free.completion_ids), "collective": collective,
         "whole_inside": whole_inside, "repartitioned": repartitioned, "stepped_after": stepped,
+        "layerwise_equal": torch.equal(layered.completion_ids, free.completion_ids),
+        "layerwise_cut_equal": torch.equal(layered_cut.completion_ids, cut.completion_ids),
+        "layerwise_collective": layer_collective, "layer_whole_when_run": bool(layer_whole) and all(layer_whole),
+        "other_layers_partitioned": other_layers_partitioned
     }))
     distributed.barrier()
 
