@@ -193,8 +193,12 @@ def load_checkpoint(engine, path: Path) -> dict:
     return state
 
 
-def export_hf(engine, processor, out_dir: str | Path, source_path: str | Path, dtype: torch.dtype) -> Path:
+def export_hf(engine, processor, out_dir: str | Path, source_path: str | Path, dtype: torch.dtype,
+              lora_cfg=None) -> Path:
     """Write model + processor in Hugging Face format (loadable by from_pretrained); rank 0 writes.
+
+    With ``lora_cfg`` (a LoRA policy) the adapters are merged into the base weights, so ``out_dir`` loads without
+    peft; with ``lora_cfg.save_adapter`` the adapter alone also goes to ``<out_dir>-adapter`` in peft's format.
 
     The trained weights go into an unsharded copy loaded from the source checkpoint, so the file keeps the source's
     key naming whatever the ZeRO stage (a ZeRO-3 module records no load-time key conversions to revert).
@@ -206,6 +210,12 @@ def export_hf(engine, processor, out_dir: str | Path, source_path: str | Path, d
     out = Path(out_dir)
     state = distributed.gathered_state_dict(engine)
     if distributed.rank() == 0:
+        if lora_cfg is not None:
+            from app import lora
+
+            if lora_cfg.save_adapter:
+                lora.save_adapter(state, lora_cfg, out.with_name(f"{out.name}-adapter"), str(source_path))
+            state = lora.merged_state_dict(state, lora.scaling(lora_cfg))
         tmp = out.with_name(f".{out.name}.incoming")
         shutil.rmtree(tmp, ignore_errors=True)
         saved_ref = hf_deepspeed._hf_deepspeed_config_weak_ref

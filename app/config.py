@@ -54,6 +54,24 @@ class ModelConfig:
     vision_attention: str = _f("sdpa", "Attention implementation for the vision tower.")
     gradient_checkpointing: bool = _f(False, "Activation checkpointing in the policy forward.")
     trust_remote_code: bool = _f(False, "Allow code from the checkpoint directory to run. Off by default.")
+    freeze_vision_tower: bool = _f(False, "Do not train the vision tower (its blocks; the projector is separate).")
+    freeze_projector: bool = _f(False, "Do not train the projector (the merger that maps vision features into the "
+                                "language model).")
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = _f(0, "LoRA rank; 0 trains all weights. With LoRA every base weight is frozen, only the adapters "
+                   "train, and the KL reference is the policy with its adapters off (no second model in memory).")
+    alpha: float = _f(32.0, "LoRA alpha: the adapter's update is scaled by alpha / rank.")
+    dropout: float = _f(0.0, "Dropout on the adapter input. Above 0 the policy forward is random, so pi/pi_old is no "
+                        "longer 1 at the first iteration and grouped vs repeated no longer match bit for bit.")
+    target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                              "Language-model Linear layers (by last name) that get adapters.")
+    vision_tower: bool = _f(False, "Adapters on every Linear layer of the vision tower too.")
+    projector: bool = _f(False, "Adapters on the projector (merger) too.")
+    save_adapter: bool = _f(True, "With train.export_hf, also write the adapter alone (peft format) to "
+                            "OUTPUT_DIR/final-adapter; final/ always holds the merged weights.")
 
 
 @dataclass
@@ -207,6 +225,7 @@ class EvalConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -344,11 +363,15 @@ def validate(config: Config, training: bool = True) -> None:
                                                              config.logging.sample_table_every, 0),
         ("train.save_every", config.train.save_every, 0), ("train.keep_checkpoints", config.train.keep_checkpoints, 1),
         ("rollout.top_k", config.rollout.top_k, 0), ("train.warmup_steps", config.train.warmup_steps, 0),
-        ("grpo.logprob_chunk_size", config.grpo.logprob_chunk_size, 0), ("data.prefetch", config.data.prefetch, 0),
+        ("grpo.logprob_chunk_size", config.grpo.logprob_chunk_size, 0), ("lora.rank", config.lora.rank, 0), ("data.prefetch", config.data.prefetch, 0),
         ("data.prefetch_workers", config.data.prefetch_workers, 1),
     ):
         need(value >= least, key, f"must be >= {least}, got {value}")
     need(config.data.fps > 0, "data.fps", f"must be > 0, got {config.data.fps}")
+    need(0 <= config.lora.dropout < 1, "lora.dropout", f"must be in [0, 1), got {config.lora.dropout}")
+    need(config.lora.alpha > 0, "lora.alpha", f"must be > 0, got {config.lora.alpha}")
+    need(not (config.lora.rank and config.model.reference_path), "model.reference_path",
+         "cannot be used with LoRA (lora.rank > 0): the reference is the policy with its adapters off")
     need(0 < config.rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {config.rollout.top_p}")
     need(config.train.learning_rate >= 0, "train.learning_rate", "must be >= 0")
     need(config.train.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0")

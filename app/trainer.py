@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from app import checkpoint, distributed
+from app import checkpoint, distributed, lora
 from app.config import Config, ConfigError, load_config, scale_rewards
 from app.data.prompts import collate_prompts
 from app.data.records import EncodedPrompt, load_stream
@@ -119,6 +119,7 @@ class GRPOTrainer:
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         policy = load_model(cfg.model.path, dtype=self.dtype, attn_implementation=cfg.model.vision_attention,
                             trust_remote_code=cfg.model.trust_remote_code)
+        policy = lora.prepare(policy, cfg.lora, cfg.model)  # frozen towers, LoRA adapters (config permitting)
         if cfg.model.gradient_checkpointing:
             policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.train.learning_rate,
@@ -127,7 +128,9 @@ class GRPOTrainer:
         scheduler = cosine_with_warmup(optimizer, cfg.train.warmup_steps, total_updates, cfg.train.min_lr_ratio)
         self.engine = distributed.build_engine(policy, self.ds_config, optimizer, scheduler)
         self.reference = None
-        if cfg.grpo.beta > 0:
+        if cfg.grpo.beta > 0 and cfg.lora.rank:
+            self.reference = lora.AdaptersOff(self.engine)  # the base weights are the policy's own, frozen
+        elif cfg.grpo.beta > 0:
             reference = load_model(cfg.model.reference_path or cfg.model.path, dtype=self.dtype,
                                    attn_implementation=cfg.model.vision_attention,
                                    trust_remote_code=cfg.model.trust_remote_code)
@@ -167,7 +170,7 @@ class GRPOTrainer:
         final = None
         if cfg.train.export_hf:
             final = checkpoint.export_hf(self.engine, self.processor, self.output_dir / "final", cfg.model.path,
-                                         self.dtype)
+                                         self.dtype, lora_cfg=cfg.lora if cfg.lora.rank else None)
         self.tracker.close()
         return final
 
@@ -380,8 +383,10 @@ class GRPOTrainer:
     @torch.no_grad()
     def logprobs(self, model, batch: StepBatch, group_indices: list[int]) -> torch.Tensor:
         inputs, ids, mask, sizes, _ = self.micro_batch(batch, group_indices)
+        model, adapters_off = lora.resolve(model)  # a LoRA policy's reference is itself with the adapters off
         vision_calls = self.hooked_vision_calls(inputs, model)
-        with distributed.gathered_for_inference(model, self.cfg.rollout.zero3_gather) as (module, _):
+        with (distributed.gathered_for_inference(model, self.cfg.rollout.zero3_gather) as (module, _),
+              lora.adapters_disabled(module, adapters_off)):
             was_training = module.training
             module.eval()
             # At the rollout temperature, like the policy forward: ratios and KL compare the same distributions.

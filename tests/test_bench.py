@@ -22,7 +22,7 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
     assert count_flops(prefix, suffix, group, "paper") < count_flops(prefix, suffix, group, "repeated")
 
 
-@pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale"])
+@pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale", "lora"])
 def test_benchmark_runs_quick(name, tmp_path):
     out = tmp_path / name
     result = subprocess.run(["bash", "scripts/bench.sh", name, "--out", str(out), "--quick"], cwd=ROOT,
@@ -45,3 +45,7 @@ def test_benchmark_runs_quick(name, tmp_path):
         assert all(r["same_tokens"] for r in report["rollout"]) and report["rollout"][3]["all_gathers"] > 0
         assert all(r["loss_rel_diff"] < 1e-6 for r in report["logprob_memory"])
         assert report["prefetch"][1]["variant"] == "data.prefetch=1" and (out / "scale.png").is_file()
+    if name == "lora":
+        full, adapters = report["rows"]
+        assert full["separate_reference"] and not adapters["separate_reference"]
+        assert adapters["trainable_m"] < full["trainable_m"]

@@ -8,7 +8,7 @@ import pytest
 
 from app.config import ConfigError, describe, load_config
 
-ROOT_CONFIGS = ["configs/demo_cpu.yaml", "configs/qwen2_5_vl_7b_video.yaml"]
+ROOT_CONFIGS = ["configs/demo_cpu.yaml", "configs/qwen2_5_vl_7b_video.yaml", "configs/qwen2_5_vl_7b_video_lora.yaml"]
 
 
 @pytest.mark.parametrize("path", ROOT_CONFIGS)

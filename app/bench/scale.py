@@ -33,6 +33,7 @@ ROLLOUT_SIZES = TinySizes(hidden=768, layers=8, heads=12, kv_heads=2, head_dim=6
                           vision_hidden=64, vision_depth=2, vision_heads=2, max_positions=32768)
 QUICK_SIZES = TinySizes(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=128, vision_hidden=32,
                         vision_depth=1, vision_heads=1, max_positions=32768)
+PREFETCH_SIZES = TinySizes(hidden=256, layers=2, heads=4, kv_heads=1, head_dim=64, intermediate=704, vision_hidden=64)
 GATHER_MODES = ("full", "layerwise", "per_step")
 QWEN_VOCAB = 151_936
 
@@ -187,17 +188,17 @@ def bench_memory(quick: bool) -> list[dict]:
 def bench_prefetch(out: Path, quick: bool) -> list[dict]:
     from app.data.video import write_mp4
 
-    checkpoint = out / "prefetch-model"
-    if not (checkpoint / "config.json").exists():
-        build_tiny_checkpoint(checkpoint, "qwen2_5_vl", seed=0)
-    frames, side = (40, 112) if quick else (600, 480)  # 20 s at 30 fps: decord seeks through long GOPs
+    checkpoint = out / ("prefetch-model-quick" if quick else "prefetch-model")
+    if not (checkpoint / "config.json").exists():  # a step long enough to hide a decode behind (hidden 256)
+        build_tiny_checkpoint(checkpoint, "qwen2_5_vl", seed=0, sizes=QUICK_SIZES if quick else PREFETCH_SIZES)
+    frames, side = (40, 112) if quick else (300, 320)  # 10 s at 30 fps: ~0.25 s per prompt in decord + processor
     data = out / "prefetch-data"
-    video = data / "slow.mp4"
+    video = data / f"slow_{frames}x{side}.mp4"
     if not video.exists():
         rng = np.random.default_rng(0)
         write_mp4(video, rng.integers(0, 255, (frames, side, side, 3), dtype=np.uint8), fps=30)
     lines = [json.dumps({"problem_id": i, "problem": "What moves first?", "data_type": "video",
-                         "problem_type": "multiple choice", "options": ["A. a", "B. b"], "path": "slow.mp4",
+                         "problem_type": "multiple choice", "options": ["A. a", "B. b"], "path": video.name,
                          "solution": "<answer>A</answer>"}) for i in range(16)]
     (data / "train.jsonl").write_text("\n".join(lines) + "\n")
     steps = 3 if quick else 6
@@ -207,8 +208,8 @@ def bench_prefetch(out: Path, quick: bool) -> list[dict]:
         command = [sys.executable, "-m", "app.trainer", str(ROOT / "configs" / "demo_cpu.yaml"),
                    f"model.path={checkpoint}", f"data.train_file={data / 'train.jsonl'}", f"train.output_dir={run_dir}",
                    f"data.prefetch={prefetch}", "data.max_frames=16", "data.fps=2", f"train.max_steps={steps}",
-                   "train.prompts_per_rank=2", "train.groups_per_micro_batch=2", "rollout.group_size=4",
-                   "rollout.max_completion_length=16", "train.save_every=0", "train.export_hf=false",
+                   "train.prompts_per_rank=2", "train.groups_per_micro_batch=2",
+                   f"rollout.group_size={4 if quick else 8}", f"rollout.max_completion_length={16 if quick else 48}", "train.save_every=0", "train.export_hf=false",
                    "logging.wandb_mode=disabled", "logging.progress_bar=false", "grpo.self_check=false"]
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800,
                                 env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"})
