@@ -82,6 +82,8 @@ class DataConfig:
                                "Symbolic links inside the root are followed.")
     fps: float = _f(2.0, "Frames per second sampled from each video.")
     max_frames: int = _f(16, "Upper bound on sampled frames per video.")
+    frame_folder_fps: float = _f(3.0, "Frame rate of frame-folder videos (a directory of images, as MVBench and TVQA "
+                                 "ship) whose record has no `fps` field; frames are sampled from it at data.fps.")
     min_pixels: int = _f(3136, "Lower bound on pixels per video frame (always passed with max_pixels).")
     max_pixels: int = _f(100352, "Upper bound on pixels per video frame.")
     image_min_pixels: int = _f(3136, "Lower bound on pixels per image.")

@@ -16,7 +16,7 @@ from app.models import build_tiny_checkpoint, load_processor
 
 DATA = SimpleNamespace(fps=2.0, max_frames=4, min_pixels=3136, max_pixels=3136, image_min_pixels=3136,
                        image_max_pixels=3136, prompt_template="video_r1", system_prompt="template",
-                       max_prompt_length=4096)
+                       max_prompt_length=4096, frame_folder_fps=3.0)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,11 @@ def root(tmp_path_factory):
         write_mp4(root / "MMVU" / "videos" / name, rng.integers(0, 255, (frames, 56, 56, 3), dtype=np.uint8), fps=4)
     for name in ("x.png", "y.jpg"):
         Image.fromarray(rng.integers(0, 255, (56, 56, 3), dtype=np.uint8)).save(root / name)
-    (root / "frames").mkdir()
+    (root / "frames").mkdir()  # a frame-folder video, named so that text order is wrong (frame_10 < frame_2)
+    for i in range(1, 13):
+        Image.fromarray(np.full((56, 56, 3), i * 20, dtype=np.uint8)).save(root / "frames" / f"frame_{i}.jpg")
+    (root / "oneframe").mkdir()
+    Image.fromarray(np.zeros((56, 56, 3), dtype=np.uint8)).save(root / "oneframe" / "0001.jpg")
     return root
 
 
@@ -43,6 +47,8 @@ def record(**fields) -> dict:
     ({"path": "x.png"}, "image", 1),
     ({"data_type": "video", "path": "/MMVU/videos/a.mp4"}, "video", 1),  # re-hosted: "/" meant under the root
     ({"data_type": "video", "path": "./MMVU/videos/b.mp4"}, "video", 1),
+    ({"data_type": "video", "path": "frames"}, "video", 1),  # a frame folder
+    ({"path": "frames"}, "video", 1),
 ])
 def test_shapes_that_are_used(root, fields, kind, media):
     rec = record(**fields)
@@ -56,7 +62,8 @@ def test_shapes_that_are_used(root, fields, kind, media):
     ({"data_type": "video", "path": ["MMVU/videos/a.mp4", 3]}, "must be a string or a list of strings"),
     ({"path": "notes.txt"}, "does not say video or image (set data_type)"),
     ({"path": ["MMVU/videos/a.mp4", "x.png"]}, "does not say video or image"),
-    ({"data_type": "video", "path": "frames"}, "frame folders are not supported yet"),
+    ({"data_type": "video", "path": "oneframe"}, "frame folder with 1 image file(s)"),
+    ({"data_type": "image", "path": "frames"}, "image path is a directory"),
     ({"data_type": "video", "path": "../outside.mp4"}, "path outside the data root"),
     ({"data_type": "video", "path": "MMVU/videos/missing.mp4"}, "video file not found"),
 ])
@@ -73,6 +80,30 @@ def test_encoding_multi_video_and_a_one_frame_video(root, tmp_path):
     one = record(data_type="video", path="MMVU/videos/one.mp4")
     prompt, reason = encode_record(processor, one, root, DATA)
     assert prompt is None and "has 1 frame; qwen-vl-utils needs at least 2" in reason
+
+
+def test_frame_folders_sample_in_frame_order_at_their_rate(root, tmp_path):
+    from app.data.video import frame_files, frame_folder_element
+
+    assert [p.name for p in frame_files(root / "frames")][:3] == ["frame_1.jpg", "frame_2.jpg", "frame_3.jpg"]
+    # 12 frames recorded at 3 fps are 4 s: 8 frames at 2 fps; at 6 fps they are 2 s: 4 frames.
+    element = frame_folder_element({"video": str(root / "frames"), "fps": 2.0, "folder_fps": 3.0})
+    assert len(element["video"]) == 8 and element["raw_fps"] == 3.0 and element["sample_fps"] == 2.0
+    assert element["video"][0].endswith("frame_1.jpg") and element["video"][-1].endswith("frame_12.jpg")
+    assert len(frame_folder_element({"video": str(root / "frames"), "fps": 2.0, "folder_fps": 6.0})["video"]) == 4
+    capped = frame_folder_element({"video": str(root / "frames"), "fps": 2.0, "folder_fps": 1.0, "max_frames": 6})
+    assert len(capped["video"]) == 6
+    # Through the processor: the record's own fps wins over data.frame_folder_fps.
+    processor = load_processor(build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0))
+    data = SimpleNamespace(**{**vars(DATA), "max_frames": 16, "frame_folder_fps": 3.0})
+    grids = []
+    for fields in ({}, {"fps": 6.0}):
+        rec = record(data_type="video", path="frames", **fields)
+        assert check_record(rec, root) is None
+        prompt, reason = encode_record(processor, rec, root, data)
+        assert reason == ""
+        grids.append(int(prompt.inputs["video_grid_thw"][0, 0]))
+    assert grids == [4, 2]  # 8 and 4 frames, two per temporal patch
 
 
 def _stream(tmp_path, lookahead):

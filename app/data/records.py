@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.data.prompts import encode_prompts
-from app.data.video import VideoDecodeError, video_element
+from app.data.video import VideoDecodeError, frame_files, video_element
 from app.rewards import PROBLEM_TYPES
 
 log = logging.getLogger(__name__)
@@ -137,9 +137,9 @@ def media_paths(record: dict, data_root: Path) -> list[Path]:
 
 
 def infer_data_type(paths: list[Path]) -> str | None:
-    """video or image from the files' suffixes (all alike), else None."""
-    kinds = {"video" if p.suffix.lower() in VIDEO_SUFFIXES else "image" if p.suffix.lower() in IMAGE_SUFFIXES
-             else None for p in paths}
+    """video or image from the files' suffixes (all alike; a folder is a frame-folder video), else None."""
+    kinds = {"video" if p.is_dir() or p.suffix.lower() in VIDEO_SUFFIXES
+             else "image" if p.suffix.lower() in IMAGE_SUFFIXES else None for p in paths}
     return kinds.pop() if len(kinds) == 1 else None
 
 
@@ -172,7 +172,12 @@ def check_record(record: dict, data_root: Path, confine_to_root: bool = True) ->
                 return (f"path outside the data root: {str(path)!r} leaves {data_root} (data.confine_to_root=false "
                         "allows it)")
             if path.is_dir():
-                return f"{data_type} path is a directory (frame folders are not supported yet): {path}"
+                if data_type == "image":
+                    return f"image path is a directory: {path}"
+                if len(frame_files(path)) < 2:
+                    return (f"frame folder with {len(frame_files(path))} image file(s) (a video needs at least 2): "
+                            f"{path}")
+                continue
             if not path.is_file():
                 return f"{data_type} file not found: {path}"
     options = record.get("options")
@@ -210,8 +215,11 @@ def build_conversation(record: dict, data_root: Path, data_cfg) -> list[dict]:
     content: list[dict] = []
     if record.get("data_type") == "video":
         for path in media_paths(record, data_root):
-            content.append(video_element(path, fps=data_cfg.fps, max_frames=data_cfg.max_frames,
-                                         min_pixels=data_cfg.min_pixels, max_pixels=data_cfg.max_pixels))
+            element = video_element(path, fps=data_cfg.fps, max_frames=data_cfg.max_frames,
+                                    min_pixels=data_cfg.min_pixels, max_pixels=data_cfg.max_pixels)
+            if path.is_dir():  # a frame folder: its frame rate from the record, else the config
+                element["folder_fps"] = float(record.get("fps") or data_cfg.frame_folder_fps)
+            content.append(element)
     elif record.get("data_type") == "image":
         for path in media_paths(record, data_root):
             content.append({"type": "image", "image": str(path), "min_pixels": data_cfg.image_min_pixels,

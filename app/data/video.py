@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,34 @@ def video_element(path: str | Path, fps: float = 2.0, max_frames: int | None = N
     return element
 
 
+FRAME_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+
+
+def frame_files(folder: str | Path) -> list[Path]:
+    """A frame folder's images in frame order (natural order: frame_2 before frame_10)."""
+    def key(path: Path):
+        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
+
+    return sorted((p for p in Path(folder).iterdir() if p.suffix.lower() in FRAME_SUFFIXES), key=key)
+
+
+def frame_folder_element(element: dict) -> dict:
+    """The element for a folder of frames recorded at ``folder_fps``: the frames sampled at ``fps`` (at most
+    ``max_frames``, evenly spaced, an even count as qwen-vl-utils samples videos) as a list of image paths, with
+    the sampling and source rates qwen-vl-utils passes on to the processor as the video's metadata."""
+    frames = frame_files(element["video"])
+    if len(frames) < 2:
+        raise VideoDecodeError(f"{element['video']}: frame folder with {len(frames)} image file(s); need at least 2")
+    native = float(element.get("folder_fps", 3.0))
+    wanted = len(frames) / native * float(element.get("fps", 2.0))
+    count = min(int(element.get("max_frames", len(frames))), len(frames), max(2, round(wanted)))
+    count = max(2, count - count % 2)
+    index = np.linspace(0, len(frames) - 1, count).round().astype(int)
+    out = {k: v for k, v in element.items() if k not in ("video", "fps", "max_frames", "folder_fps")}
+    out.update(video=[str(frames[i]) for i in index], sample_fps=count / (len(frames) / native), raw_fps=native)
+    return out
+
+
 def decode_video(element: dict, image_patch_size: int = 14) -> tuple[torch.Tensor, dict]:
     """Decode one video element through qwen-vl-utils (decord backend): frames [T, 3, H, W] float and metadata.
 
@@ -63,6 +92,16 @@ def decode_video(element: dict, image_patch_size: int = 14) -> tuple[torch.Tenso
     from qwen_vl_utils import fetch_video
 
     path = element["video"]
+    if Path(path).is_dir():
+        try:
+            (frames, metadata), _ = fetch_video(frame_folder_element(element), image_patch_size=image_patch_size,
+                                                return_video_sample_fps=True, return_video_metadata=True)
+        except VideoDecodeError:
+            raise
+        except Exception as error:  # PIL on a corrupt frame, ...
+            raise VideoDecodeError(f"{path}: frame folder could not be read ({type(error).__name__}: {error})") \
+                from error
+        return frames, dict(metadata)
     if not Path(path).is_file():
         raise VideoDecodeError(f"{path}: video file not found")
     try:
