@@ -182,6 +182,11 @@ class GRPOTrainer:
         batch.advantages = self.advantages(batch)
         timings["rollout"] = time.perf_counter() - start
         timings["data"], self.stream.wait_seconds = self.stream.wait_seconds, 0.0
+        skips = self.stream.take_skips()
+        if skips:
+            log.warning("step %d: skipped %d record(s) (%s); %d in total (the first skip of each record is named "
+                        "above)", step + 1, sum(skips.values()), ", ".join(f"{k}: {v}" for k, v in skips.items()),
+                        sum(self.stream.skipped.values()))
 
         micro_batches = [list(range(i, i + cfg.train.groups_per_micro_batch))
                          for i in range(0, len(batch.prompts), cfg.train.groups_per_micro_batch)]

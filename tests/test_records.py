@@ -123,7 +123,7 @@ def _stream(tmp_path, lookahead):
     return load_stream(cfg, processor, seed=3, rank=0, world_size=1, lookahead=lookahead)
 
 
-def test_prefetch_keeps_order_skips_and_resume(tmp_path):
+def test_prefetch_keeps_order_skips_and_resume(tmp_path, caplog):
     import torch
 
     def draws(stream, count, start=0):
@@ -141,6 +141,9 @@ def test_prefetch_keeps_order_skips_and_resume(tmp_path):
     assert got == want
     corrupt_draws = sum("corrupt" in plain._record_at(p)["path"] for p in range(want[1]))
     assert want[2] == corrupt_draws >= 2  # drawn in several epochs: counted once per draw, not per encode
+    named = [r for r in caplog.records if "skipping" in r.getMessage() and "corrupt.mp4" in r.getMessage()]
+    assert len(named) == 2  # one warning per stream (plain, ahead) for the record, however often it is drawn
+    assert sum(ahead.take_skips().values()) == corrupt_draws and not ahead.take_skips()
     assert len(ahead._pending) == 5  # bounded: the next 5 positions, no more
     # Resume: a fresh stream set to a saved position draws what the uninterrupted one drew from there.
     resumed = _stream(tmp_path / "resumed", 5)

@@ -281,6 +281,8 @@ class PromptStream:
     lookahead: int = 0
     workers: int = 2
     wait_seconds: float = 0.0  # time next_prompts spent decoding / waiting for prompts (reset by the caller)
+    recent_skips: Counter = field(default_factory=Counter)  # skips since the caller last took them (take_skips)
+    _warned: set = field(default_factory=set, repr=False)
     _pending: dict = field(default_factory=dict, repr=False)  # position -> Future[(prompt | None, reason)]
     _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
 
@@ -299,8 +301,14 @@ class PromptStream:
         return self.records[self._order(epoch)[index]]
 
     def _skip(self, record: dict, reason: str) -> None:
-        log.warning("skipping %s: %s", where(record), reason)
-        self.skipped[reason.split(":")[0].split(" (")[0]] += 1
+        """Count a skip; warn the first time a record is skipped (later epochs only count it)."""
+        key = where(record)
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("skipping %s: %s", key, reason)
+        kind = reason.split(":")[0].split(" (")[0]
+        self.skipped[kind] += 1
+        self.recent_skips[kind] += 1
         limit = self.data_cfg.max_skip_fraction * max(self.total_records, 1)
         if sum(self.skipped.values()) > limit:
             raise DataError(
@@ -332,6 +340,11 @@ class PromptStream:
         self.prefetch()
         self.wait_seconds += time.perf_counter() - start
         return out
+
+    def take_skips(self) -> Counter:
+        """The skips since the last call, by reason (for a one-line summary per step)."""
+        taken, self.recent_skips = self.recent_skips, Counter()
+        return taken
 
     def prefetch(self) -> None:
         """Start encoding the next ``lookahead`` positions (drop any a resume moved behind ``position``)."""
