@@ -1,7 +1,8 @@
 """`make demo`: GRPO teaches a tiny Qwen2.5-VL to answer questions about videos, on CPU, in minutes.
 
 1. build the tiny checkpoint (random weights; save_pretrained) and the synthetic video QA data, if missing;
-2. a short format-only warm start (random answer letters: accuracy stays at chance);
+2. a short format-only warm start through the SFT recipe (`scripts/sft.sh`, targets with random answer letters:
+   accuracy stays at chance);
 3. evaluate the untrained and the warm-started model on held-out videos;
 4. GRPO with `scripts/train.sh configs/demo_cpu.yaml` (grouped attention, shared-prefix rollouts);
 5. evaluate again; print the before/after table; write PNG plots.
@@ -25,11 +26,26 @@ from app.data.synthetic import generate
 from app.evaluate import evaluate
 from app.models import TinySizes, build_tiny_checkpoint
 from app.plots import plot_accuracy_bars, plot_training
-from app.sft import warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/demo_cpu.yaml"
 DEMO_SIZES = TinySizes(init_std=0.1)  # a larger init than transformers' 0.02 so the random model is not uniform
+FORMAT_REASONING = "<think>I look at the video and the options.</think>"
+
+
+def format_only_sft_data(train: Path, out: Path, seed: int) -> Path:
+    """The training records with SFT targets that teach the answer FORMAT only: the same reasoning sentence and an
+    option letter drawn at random, independent of the video (so accuracy stays at chance; any gain is GRPO's)."""
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for line in train.read_text().splitlines():
+        record = json.loads(line)
+        letter = "ABCDEFGHIJ"[rng.randrange(len(record.get("options") or "ABCD"))]
+        lines.append(json.dumps({**record, "process": FORMAT_REASONING, "solution": f"<answer>{letter}</answer>"}))
+    out.write_text("\n".join(lines) + "\n")
+    return out
 
 
 def say(text: str) -> None:
@@ -55,7 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.time()
     timings = {}
 
-    init, warm, run = out / "tiny-qwen2_5_vl", out / "warm-start", out / "run"
+    init, sft, run = out / "tiny-qwen2_5_vl", out / "sft", out / "run"
+    warm = sft / "final"
     base = [f"model.path={warm}", f"data.train_file={data / 'train.jsonl'}", f"train.output_dir={run}"]
     cfg = load_config(ROOT / CONFIG, base + args.overrides)
     say("1. tiny checkpoint and synthetic video QA data")
@@ -67,10 +84,17 @@ def main(argv: list[str] | None = None) -> dict:
     heldout = data / "heldout.jsonl"
     print(f"checkpoint {init}; data {data} (held-out questions use videos never seen in training)")
 
-    say("2. format-only warm start (answer letters drawn at random)")
+    say("2. format-only warm start: scripts/sft.sh (answer letters drawn at random)")
     t = time.time()
     if not (warm / "config.json").exists():
-        warm_start(init, warm, cfg.data, steps=args.warm_steps, batch_size=8, seed=cfg.train.seed)
+        targets = format_only_sft_data(data / "train.jsonl", out / "sft_format_only.jsonl", cfg.train.seed)
+        command = ["bash", str(ROOT / "scripts" / "sft.sh"), str(ROOT / CONFIG), f"model.path={init}",
+                   f"data.train_file={targets}", f"data.data_root={data}", f"train.output_dir={sft}",
+                   f"train.max_steps={args.warm_steps}", "train.prompts_per_rank=8", "train.groups_per_micro_batch=8",
+                   "train.learning_rate=2e-3", "train.warmup_steps=0", "train.save_every=0", "train.resume=true",
+                   "logging.wandb_mode=disabled", "logging.sample_table_every=0"]
+        print(" ".join(command), flush=True)
+        subprocess.run(command, check=True, env={**os.environ, "NPROC_PER_NODE": "1"})
     timings["warm_start_s"] = time.time() - t
 
     eval_overrides = [f"data.{k}={getattr(cfg.data, k)}" for k in ("fps", "max_frames", "min_pixels", "max_pixels")]

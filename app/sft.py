@@ -1,58 +1,101 @@
-"""A short supervised warm start that teaches the answer FORMAT only.
+"""The SFT cold start, top to bottom (Video-R1 trains on Video-R1-COT-165k before GRPO).
 
-Targets are ``<think>{reasoning}</think><answer>{letter}</answer>`` with the letter drawn uniformly at random,
-independent of the video: the model learns to write the tags and a valid option letter, and its accuracy stays at
-chance. Any accuracy gain after this stage comes from GRPO.
+    python -m app.sft CONFIG [section.key=value ...]        (one process)
+    scripts/sft.sh CONFIG [section.key=value ...]           (NPROC_PER_NODE processes)
+
+The same rooms as GRPO (``app.recipe.Recipe``): records, prompt template and processor from ``data.*``, the
+policy as configured (LoRA, frozen towers), DeepSpeed, checkpoints and exact resume, wandb / metrics.jsonl, and the
+Hugging Face export to OUTPUT_DIR/final that ``model.path`` of a GRPO run can point at.
+
+One step on every rank: `prompts_per_rank` records -> prompt as GRPO builds it, target = the record's `process`
+(its `<think>...</think>`), a newline, and its `solution` (Video-R1's SFT target), then `<|im_end|>` -> the mean
+negative log-likelihood of the target tokens only (the prompt carries no loss), micro-batch by micro-batch, through
+the grouped forward with one completion per prompt (a packed row without padding) -> DeepSpeed step.
 """
 
 from __future__ import annotations
 
-import random
-from pathlib import Path
+import logging
+import time
 
 import torch
 
+from app import distributed
 from app.data.prompts import collate_prompts
-from app.data.records import load_stream
+from app.data.records import EncodedPrompt, where
 from app.grouping import completion_logprobs
-from app.models import load_model, load_processor
+from app.recipe import Recipe, run, to_device
 
-FORMAT_REASONING = "I look at the video and the options."
-
-
-def format_target(record: dict, rng: random.Random) -> str:
-    options = record.get("options") or ["A", "B", "C", "D"]
-    letter = "ABCDEFGH"[rng.randrange(len(options))]
-    return f"<think>{FORMAT_REASONING}</think><answer>{letter}</answer>"
+log = logging.getLogger("app.sft")
+END_OF_TURN = "<|im_end|>"
 
 
-def warm_start(model_dir: str | Path, out_dir: str | Path, data_cfg, steps: int = 60, batch_size: int = 8,
-               learning_rate: float = 2e-3, seed: int = 0, log=print) -> Path:
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    processor = load_processor(model_dir)
-    tokenizer = getattr(processor, "tokenizer", processor)
-    model = load_model(model_dir)
-    model.train()
-    stream = load_stream(data_cfg, processor, seed, 0, 1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    for step in range(steps):
-        prompts = stream.next_prompts(batch_size)
-        targets = [tokenizer(format_target(p.record, rng), add_special_tokens=False)["input_ids"] + [eos]
-                   for p in prompts]
-        width = max(len(t) for t in targets)
-        ids = torch.tensor([t + [tokenizer.pad_token_id] * (width - len(t)) for t in targets])
-        mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in targets])
-        batch = collate_prompts([p.inputs for p in prompts], tokenizer.pad_token_id)
-        scores = completion_logprobs(model, batch, ids, mask, 1)
-        loss = -(scores.logprobs.sum() / mask.sum())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if step % 10 == 0 or step == steps - 1:
-            log(f"format warm start {step + 1}/{steps}: loss {loss.item():.3f}")
-    out = Path(out_dir)
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
-    return out
+def target_text(record: dict) -> str:
+    """Video-R1's SFT target: ``process + "\\n" + solution`` (the solution alone when a record has no process)."""
+    process = record.get("process")
+    return f"{process}\n{record['solution']}" if isinstance(process, str) and process.strip() else record["solution"]
+
+
+class SFTTrainer(Recipe):
+    def setup(self) -> None:
+        end = self.tokenizer.convert_tokens_to_ids(END_OF_TURN)
+        if end is None or end == self.tokenizer.unk_token_id:
+            raise ValueError(f"the tokenizer of {self.cfg.model.path} has no {END_OF_TURN} token (not a ChatML model)")
+        self.end_of_turn = end
+
+    def examples(self) -> list[tuple[EncodedPrompt, list[int]]]:
+        """This step's prompts with their target ids; a target over ``rollout.max_completion_length`` tokens is
+        skipped with its reason (never cut) and another record drawn."""
+        out = []
+        limit = self.cfg.rollout.max_completion_length
+        while len(out) < self.cfg.train.prompts_per_rank:
+            for prompt in self.stream.next_prompts(self.cfg.train.prompts_per_rank - len(out)):
+                ids = self.tokenizer(target_text(prompt.record), add_special_tokens=False)["input_ids"]
+                ids.append(self.end_of_turn)
+                if len(ids) > limit:
+                    self.stream.skip(prompt.record, f"target too long: {len(ids)} tokens > "
+                                                    f"rollout.max_completion_length={limit} (never truncated)")
+                    continue
+                out.append((prompt, ids))
+        return out
+
+    def train_step(self, step: int) -> dict:
+        cfg = self.cfg
+        start = time.perf_counter()
+        examples = self.examples()
+        waited = self.data_wait(step)
+        self.engine.train()
+        losses, tokens = [], 0
+        per = cfg.train.groups_per_micro_batch
+        for first in range(0, len(examples), per):
+            chunk = examples[first:first + per]
+            width = max(len(ids) for _, ids in chunk)
+            pad = self.tokenizer.pad_token_id
+            ids = torch.tensor([t + [pad] * (width - len(t)) for _, t in chunk], device=self.device)
+            mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for _, t in chunk], device=self.device)
+            inputs = to_device(collate_prompts([p.inputs for p, _ in chunk], pad), self.device)
+            scores = completion_logprobs(self.engine, inputs, ids, mask, [1] * len(chunk), mode=cfg.grpo.grouping,
+                                         backend=self.backend, chunk_size=cfg.grpo.logprob_chunk_size,
+                                         vision_calls=self.vision_calls(inputs, self.engine, training=True))
+            loss = -(scores.logprobs * mask).sum() / mask.sum()  # token mean over this micro-batch's targets
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(float(loss.detach()))
+            tokens += int(mask.sum())
+        loss_sum, tokens_sum = distributed.all_reduce_sum([sum(losses) / len(losses), float(tokens)])
+        loss_mean, tokens_mean = loss_sum / self.world, tokens_sum / self.world
+        grad_norm = self.engine.get_global_grad_norm()
+        seconds = time.perf_counter() - start
+        if step == self.start_step:
+            log.info("SFT target of %s: %r", where(examples[0][0].record), target_text(examples[0][0].record)[:200])
+        return {"loss": loss_mean, "tokens/target": tokens_mean, "learning_rate": float(self.engine.get_lr()[0]),
+                "grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "time/step": seconds,
+                "time/data_wait": waited, "data/skipped": float(sum(self.stream.skipped.values()))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(SFTTrainer, __doc__, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -13,19 +13,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from app import checkpoint, distributed, lora
-from app.config import Config, ConfigError, load_config, scale_rewards
+from app import distributed, lora
+from app.config import Config, scale_rewards
 from app.data.prompts import collate_prompts
-from app.data.records import EncodedPrompt, load_stream
-from app.grouping import MODALITIES, completion_logprobs, present_vision_calls, verify_grouping
+from app.data.records import EncodedPrompt
+from app.grouping import completion_logprobs, verify_grouping
 from app.grpo import (
     LossOptions,
     group_advantages,
@@ -35,28 +32,17 @@ from app.grpo import (
     truncated_importance_weights,
     zero_variance_groups,
 )
-from app.models import load_model, load_processor
+from app.models import load_model
+from app.recipe import Recipe, run, to_device
 from app.rewards import accuracy_of, build_rewards, length_bonus, score, temporal_bonus
 from app.rollout import Rollout, SamplingConfig, generate_groups, select_groups
-from app.tracking import Tracker, configure_logging
 
 log = logging.getLogger("app.trainer")
-CRASH_ENV = "PREFIX_GRPO_CRASH_AFTER_STEP"  # tests: die right after this step, as a crash would
 
 
 def step_seed(seed: int, step: int, rank: int, salt: str = "") -> int:
     digest = hashlib.sha256(f"{seed}/{step}/{rank}/{salt}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def cosine_with_warmup(optimizer, warmup: int, total: int, min_ratio: float):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total - warmup)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def tokens_per_micro_batch(loss_type: str, weights: torch.Tensor, micro_batches: int) -> float | None:
@@ -71,10 +57,6 @@ def tokens_per_micro_batch(loss_type: str, weights: torch.Tensor, micro_batches:
 def mean_of(metrics: list[dict], key: str) -> float:
     values = [m[key] for m in metrics if key in m]
     return sum(values) / len(values) if values else 0.0
-
-
-def to_device(batch: dict, device) -> dict:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 @dataclass
@@ -102,31 +84,13 @@ def select(batches: list[StepBatch], picks: list[tuple[int, int]], group_size: i
     )
 
 
-class GRPOTrainer:
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.rank, self.world = distributed.init_distributed()
-        self.device = distributed.local_device()
-        torch.manual_seed(cfg.train.seed)
-        self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        self.gas = cfg.train.prompts_per_rank // cfg.train.groups_per_micro_batch
-        self.ds_config = distributed.load_deepspeed_config(
-            cfg.train.deepspeed_config, gradient_accumulation_steps=self.gas,
-            max_grad_norm=cfg.train.max_grad_norm, dtype=cfg.model.dtype)
-        self._hf_ds = distributed.hf_deepspeed_config(self.ds_config)  # must outlive from_pretrained (weakref)
+class GRPOTrainer(Recipe):
+    @staticmethod
+    def updates_per_step(cfg: Config) -> int:
+        return cfg.grpo.num_iterations
 
-        self.processor = load_processor(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
-        policy = load_model(cfg.model.path, dtype=self.dtype, attn_implementation=cfg.model.vision_attention,
-                            trust_remote_code=cfg.model.trust_remote_code)
-        policy = lora.prepare(policy, cfg.lora, cfg.model)  # frozen towers, LoRA adapters (config permitting)
-        if cfg.model.gradient_checkpointing:
-            policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.train.learning_rate,
-                                      weight_decay=cfg.train.weight_decay)
-        total_updates = cfg.train.max_steps * cfg.grpo.num_iterations
-        scheduler = cosine_with_warmup(optimizer, cfg.train.warmup_steps, total_updates, cfg.train.min_lr_ratio)
-        self.engine = distributed.build_engine(policy, self.ds_config, optimizer, scheduler)
+    def setup(self) -> None:
+        cfg = self.cfg
         self.reference = None
         if cfg.grpo.beta > 0 and cfg.lora.rank:
             self.reference = lora.AdaptersOff(self.engine)  # the base weights are the policy's own, frozen
@@ -137,42 +101,10 @@ class GRPOTrainer:
             self.reference = distributed.build_reference(reference, self.ds_config, self.device)
 
         self.rewards = build_rewards(cfg.rewards.functions, cfg.rewards.weights)
-        self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.rank, self.world,
-                                  lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank)
-        self.backend = None if cfg.grpo.attention_backend == "auto" else cfg.grpo.attention_backend
         self.loss_options = LossOptions(
             loss_type=cfg.grpo.loss_type, beta=cfg.grpo.beta, epsilon_low=cfg.grpo.epsilon_low,
             epsilon_high=cfg.grpo.epsilon_high, delta=cfg.grpo.delta, kl_estimator=cfg.grpo.kl_estimator,
             max_completion_length=cfg.rollout.max_completion_length)
-        self.output_dir = Path(cfg.train.output_dir)
-        self.start_step = 0
-        if cfg.train.resume:
-            self._resume()
-        self.tracker = Tracker(cfg.logging, self.output_dir, cfg.to_dict(), self.rank == 0, cfg.train.max_steps,
-                               self.start_step)
-
-    # ---- the loop -------------------------------------------------------------------------------------------
-    def train(self) -> Path | None:
-        cfg = self.cfg
-        crash_after = int(os.environ.get(CRASH_ENV, "-1"))
-        self.stream.prefetch()  # the first step's prompts start decoding now (from the resumed position)
-        for step in range(self.start_step, cfg.train.max_steps):
-            metrics = self.train_step(step)
-            if (step + 1) % cfg.logging.log_every == 0 or step + 1 == cfg.train.max_steps:
-                self.tracker.log(step + 1, metrics)
-            if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 and step + 1 < cfg.train.max_steps:
-                self.save(step + 1)
-            if step + 1 == crash_after:
-                log.error("simulated crash after step %d (%s)", step + 1, CRASH_ENV)
-                os._exit(17)
-        self.stream.close()
-        self.save(cfg.train.max_steps)
-        final = None
-        if cfg.train.export_hf:
-            final = checkpoint.export_hf(self.engine, self.processor, self.output_dir / "final", cfg.model.path,
-                                         self.dtype, lora_cfg=cfg.lora if cfg.lora.rank else None)
-        self.tracker.close()
-        return final
 
     def train_step(self, step: int) -> dict:
         cfg = self.cfg
@@ -181,12 +113,7 @@ class GRPOTrainer:
         batch = self.collect(step)
         batch.advantages = self.advantages(batch)
         timings["rollout"] = time.perf_counter() - start
-        timings["data"], self.stream.wait_seconds = self.stream.wait_seconds, 0.0
-        skips = self.stream.take_skips()
-        if skips:
-            log.warning("step %d: skipped %d record(s) (%s); %d in total (the first skip of each record is named "
-                        "above)", step + 1, sum(skips.values()), ", ".join(f"{k}: {v}" for k, v in skips.items()),
-                        sum(self.stream.skipped.values()))
+        timings["data"] = self.data_wait(step)
 
         micro_batches = [list(range(i, i + cfg.train.groups_per_micro_batch))
                          for i in range(0, len(batch.prompts), cfg.train.groups_per_micro_batch)]
@@ -359,18 +286,6 @@ class GRPOTrainer:
         """Agreed vision calls for a no-grad forward, needed only when it keeps DeepSpeed's hooks (per_step)."""
         return self.vision_calls(inputs, engine) if self.cfg.rollout.zero3_gather == "per_step" else None
 
-    @staticmethod
-    def vision_calls(inputs: dict, engine, training: bool = False) -> tuple[str, ...] | None:
-        """The vision-tower calls every rank makes in this forward: the union of what each rank's prompts need (one
-        small all-reduce). Needed under ZeRO-3 with several ranks (every module call all-gathers) and, for a
-        training forward, under any data parallelism (a text-only rank would otherwise give the vision tower no
-        gradient while the others do, and the gradient all-reduce would not match)."""
-        if distributed.world_size() == 1 or not (training or distributed.forwards_are_collective(engine)):
-            return None
-        present = present_vision_calls(inputs)
-        flags = distributed.all_reduce_max([float(m in present) for m in MODALITIES])
-        return tuple(m for m, flag in zip(MODALITIES, flags) if flag)
-
     def decode(self, rollout: Rollout) -> list[str]:
         return [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
                 for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
@@ -472,50 +387,10 @@ class GRPOTrainer:
                 for i in range(min(len(batch.texts), 2 * g))])
         return averaged
 
-    def trainer_state(self, step: int) -> dict:
-        return {"step": step, "stream_position": self.stream.position, "skipped": dict(self.stream.skipped),
-                "world_size": self.world, "zero_stage": distributed.zero_stage(self.ds_config)}
-
-    def save(self, step: int) -> None:
-        checkpoint.save_checkpoint(self.engine, self.output_dir, step, self.trainer_state(step),
-                                   keep=self.cfg.train.keep_checkpoints)
-
-    def _resume(self) -> None:
-        """Continue from the newest checkpoint that is complete and loads; fall back to older ones with a warning;
-        refuse (never restart from step 0) when checkpoints exist but none can be used."""
-        path, passed_over = checkpoint.latest_checkpoint(self.output_dir, self.world)
-        for reason in passed_over:
-            log.warning("resume: passing over a checkpoint: %s", reason)
-        if path is None:
-            log.warning("train.resume=true but %s has no checkpoint yet; starting from step 0", self.output_dir)
-            return
-        state = checkpoint.load_checkpoint(self.engine, path)
-        if state["world_size"] != self.world:
-            raise RuntimeError(f"{path} was written by {state['world_size']} ranks, this run has {self.world}")
-        self.start_step = state["step"]
-        self.stream.position = state["stream_position"]
-        self.stream.skipped.update(state["skipped"])
-        log.info("resumed from %s at step %d", path, self.start_step)
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        print("Configuration keys (python -m app.config lists them with help):")
-        raise SystemExit(0 if argv else 2)
-    configure_logging()
-    try:
-        cfg = load_config(argv[0], argv[1:])
-    except ConfigError as error:
-        raise SystemExit(f"config error: {error}") from None
-    configure_logging(Path(cfg.train.output_dir) / "logs" / f"rank{os.environ.get('RANK', '0')}.log")
-    try:
-        trainer = GRPOTrainer(cfg)
-    except checkpoint.CheckpointError as error:
-        raise SystemExit(f"resume error: {error}") from None
-    trainer.train()
-    distributed.barrier()
+    run(GRPOTrainer, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -300,7 +300,7 @@ class PromptStream:
         epoch, index = divmod(position, per_epoch)
         return self.records[self._order(epoch)[index]]
 
-    def _skip(self, record: dict, reason: str) -> None:
+    def skip(self, record: dict, reason: str) -> None:
         """Count a skip; warn the first time a record is skipped (later epochs only count it)."""
         key = where(record)
         if key not in self._warned:
@@ -319,7 +319,7 @@ class PromptStream:
     def encode(self, record: dict, shuffle_frames_seed: int | None = None) -> EncodedPrompt | None:
         prompt, reason = encode_record(self.processor, record, self.data_root, self.data_cfg, shuffle_frames_seed)
         if prompt is None:
-            self._skip(record, reason)
+            self.skip(record, reason)
         return prompt
 
     def next_prompts(self, count: int) -> list[EncodedPrompt]:
@@ -334,7 +334,7 @@ class PromptStream:
             else:
                 prompt, reason = ahead.result()
                 if prompt is None:
-                    self._skip(record, reason)
+                    self.skip(record, reason)
             if prompt is not None:
                 out.append(prompt)
         self.prefetch()

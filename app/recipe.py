@@ -1,0 +1,179 @@
+"""What the training recipes (GRPO in ``app/trainer.py``, SFT in ``app/sft.py``) share: the policy as configured
+(LoRA, frozen towers, activation checkpointing) in a DeepSpeed engine with AdamW and a cosine schedule, the
+per-rank prompt stream, the step loop with logging and atomic checkpoints, exact resume, and the Hugging Face export.
+
+A recipe subclasses ``Recipe``, builds what only it needs in ``setup`` and writes ``train_step``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from app import checkpoint, distributed, lora
+from app.config import Config, ConfigError, load_config
+from app.data.records import load_stream
+from app.grouping import MODALITIES, present_vision_calls
+from app.models import load_model, load_processor
+from app.tracking import Tracker, configure_logging
+
+log = logging.getLogger("app.recipe")
+CRASH_ENV = "PREFIX_GRPO_CRASH_AFTER_STEP"  # tests: die right after this step, as a crash would
+
+
+def cosine_with_warmup(optimizer, warmup: int, total: int, min_ratio: float):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def to_device(batch: dict, device) -> dict:
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+class Recipe:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.rank, self.world = distributed.init_distributed()
+        self.device = distributed.local_device()
+        torch.manual_seed(cfg.train.seed)
+        self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        self.gas = cfg.train.prompts_per_rank // cfg.train.groups_per_micro_batch
+        self.ds_config = distributed.load_deepspeed_config(
+            cfg.train.deepspeed_config, gradient_accumulation_steps=self.gas,
+            max_grad_norm=cfg.train.max_grad_norm, dtype=cfg.model.dtype)
+        self._hf_ds = distributed.hf_deepspeed_config(self.ds_config)  # must outlive from_pretrained (weakref)
+
+        self.processor = load_processor(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        policy = load_model(cfg.model.path, dtype=self.dtype, attn_implementation=cfg.model.vision_attention,
+                            trust_remote_code=cfg.model.trust_remote_code)
+        policy = lora.prepare(policy, cfg.lora, cfg.model)  # frozen towers, LoRA adapters (config permitting)
+        if cfg.model.gradient_checkpointing:
+            policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.train.learning_rate,
+                                      weight_decay=cfg.train.weight_decay)
+        total_updates = cfg.train.max_steps * self.updates_per_step(cfg)
+        scheduler = cosine_with_warmup(optimizer, cfg.train.warmup_steps, total_updates, cfg.train.min_lr_ratio)
+        self.engine = distributed.build_engine(policy, self.ds_config, optimizer, scheduler)
+        self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.rank, self.world,
+                                  lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank)
+        self.backend = None if cfg.grpo.attention_backend == "auto" else cfg.grpo.attention_backend
+        self.output_dir = Path(cfg.train.output_dir)
+        self.start_step = 0
+        self.setup()
+        if cfg.train.resume:
+            self._resume()
+        self.tracker = Tracker(cfg.logging, self.output_dir, cfg.to_dict(), self.rank == 0, cfg.train.max_steps,
+                               self.start_step)
+
+    @staticmethod
+    def updates_per_step(cfg: Config) -> int:
+        """Optimizer updates per step (for the learning-rate schedule)."""
+        return 1
+
+    def setup(self) -> None:
+        """What only this recipe needs (a reference model, reward functions...), before a resume."""
+
+    def train_step(self, step: int) -> dict:
+        raise NotImplementedError
+
+    def data_wait(self, step: int) -> float:
+        """Seconds this step waited for its prompts; one log line with the step's skips by reason, if any."""
+        waited, self.stream.wait_seconds = self.stream.wait_seconds, 0.0
+        skips = self.stream.take_skips()
+        if skips:
+            log.warning("step %d: skipped %d record(s) (%s); %d in total (the first skip of each record is named "
+                        "above)", step + 1, sum(skips.values()), ", ".join(f"{k}: {v}" for k, v in skips.items()),
+                        sum(self.stream.skipped.values()))
+        return waited
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    def train(self) -> Path | None:
+        cfg = self.cfg
+        crash_after = int(os.environ.get(CRASH_ENV, "-1"))
+        self.stream.prefetch()  # the first step's prompts start decoding now (from the resumed position)
+        for step in range(self.start_step, cfg.train.max_steps):
+            metrics = self.train_step(step)
+            if (step + 1) % cfg.logging.log_every == 0 or step + 1 == cfg.train.max_steps:
+                self.tracker.log(step + 1, metrics)
+            if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 and step + 1 < cfg.train.max_steps:
+                self.save(step + 1)
+            if step + 1 == crash_after:
+                log.error("simulated crash after step %d (%s)", step + 1, CRASH_ENV)
+                os._exit(17)
+        self.stream.close()
+        self.save(cfg.train.max_steps)
+        final = None
+        if cfg.train.export_hf:
+            final = checkpoint.export_hf(self.engine, self.processor, self.output_dir / "final", cfg.model.path,
+                                         self.dtype, lora_cfg=cfg.lora if cfg.lora.rank else None)
+        self.tracker.close()
+        return final
+
+    @staticmethod
+    def vision_calls(inputs: dict, engine, training: bool = False) -> tuple[str, ...] | None:
+        """The vision-tower calls every rank makes in this forward: the union of what each rank's prompts need (one
+        small all-reduce). Needed under ZeRO-3 with several ranks (every module call all-gathers) and, for a
+        training forward, under any data parallelism (a text-only rank would otherwise give the vision tower no
+        gradient while the others do, and the gradient all-reduce would not match)."""
+        if distributed.world_size() == 1 or not (training or distributed.forwards_are_collective(engine)):
+            return None
+        present = present_vision_calls(inputs)
+        flags = distributed.all_reduce_max([float(m in present) for m in MODALITIES])
+        return tuple(m for m, flag in zip(MODALITIES, flags) if flag)
+
+    def trainer_state(self, step: int) -> dict:
+        return {"step": step, "stream_position": self.stream.position, "skipped": dict(self.stream.skipped),
+                "world_size": self.world, "zero_stage": distributed.zero_stage(self.ds_config)}
+
+    def save(self, step: int) -> None:
+        checkpoint.save_checkpoint(self.engine, self.output_dir, step, self.trainer_state(step),
+                                   keep=self.cfg.train.keep_checkpoints)
+
+    def _resume(self) -> None:
+        """Continue from the newest checkpoint that is complete and loads; fall back to older ones with a warning;
+        refuse (never restart from step 0) when checkpoints exist but none can be used."""
+        path, passed_over = checkpoint.latest_checkpoint(self.output_dir, self.world)
+        for reason in passed_over:
+            log.warning("resume: passing over a checkpoint: %s", reason)
+        if path is None:
+            log.warning("train.resume=true but %s has no checkpoint yet; starting from step 0", self.output_dir)
+            return
+        state = checkpoint.load_checkpoint(self.engine, path)
+        if state["world_size"] != self.world:
+            raise RuntimeError(f"{path} was written by {state['world_size']} ranks, this run has {self.world}")
+        self.start_step = state["step"]
+        self.stream.position = state["stream_position"]
+        self.stream.skipped.update(state["skipped"])
+        log.info("resumed from %s at step %d", path, self.start_step)
+
+
+def run(recipe: type[Recipe], doc: str, argv: list[str] | None = None) -> None:
+    """The command line of a recipe: CONFIG [section.key=value ...]."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(doc)
+        print("Configuration keys (python -m app.config lists them with help):")
+        raise SystemExit(0 if argv else 2)
+    configure_logging()
+    try:
+        cfg = load_config(argv[0], argv[1:])
+    except ConfigError as error:
+        raise SystemExit(f"config error: {error}") from None
+    configure_logging(Path(cfg.train.output_dir) / "logs" / f"rank{os.environ.get('RANK', '0')}.log")
+    try:
+        trainer = recipe(cfg)
+    except checkpoint.CheckpointError as error:
+        raise SystemExit(f"resume error: {error}") from None
+    trainer.train()
+    distributed.barrier()
