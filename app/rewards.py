@@ -49,8 +49,8 @@ _WRAPPERS = (re.compile(r"^\\boxed\{(.*)\}$", re.DOTALL), re.compile(r"^\*\*(.*)
 _LEAD_IN = re.compile(r"^(?:the\s+)?(?:final\s+|correct\s+)*(?:answer|option|choice)(?:\s+is)?\s*[:：]?\s*",
                       re.IGNORECASE)
 _LETTER_FORMS = (
-    re.compile(r"^\(([A-Ja-j])\)(?:[.:]?\s+\S.*)?[.]?$", re.DOTALL),  # (B)  (B) red
-    re.compile(r"^([A-Ja-j])(?:[.:)](?:\s+\S.*)?)?$", re.DOTALL),  # B  b  B.  B)  B. red  B: red
+    re.compile(r"^\(([A-Za-z])\)(?:[.:]?\s+\S.*)?[.]?$", re.DOTALL),  # (B)  (B) red
+    re.compile(r"^([A-Za-z])(?:[.:)](?:\s+\S.*)?)?$", re.DOTALL),  # B  b  B.  B)  B. red  B: red
 )
 
 
@@ -70,7 +70,7 @@ def _unwrap(text: str) -> str:
 
 
 def option_letter(text: str) -> str | None:
-    """The option letter an answer names (A-J), or None: "B", "b", "B.", "(B)", "**B**", "\\boxed{B}",
+    """The option letter an answer names (A-Z: benchmarks have up to 26 options), or None: "B", "b", "B.", "(B)", "**B**", "\\boxed{B}",
     "Answer: B", "B. red" name B; "blue", "Because ...", "a cat", "B or C", "A, C" name none."""
     text = _unwrap(text)
     for pattern in _LETTER_FORMS:

@@ -155,3 +155,18 @@ def test_prefetch_keeps_order_skips_and_resume(tmp_path, caplog):
     ahead.close()
     resumed.close()
     assert torch.is_tensor(ahead.next_prompts(1)[0].inputs["input_ids"])  # closed: still works, synchronously
+
+
+def test_options_are_labelled_and_many_options_work():
+    from app.data.records import labelled_options, question_text
+    from app.rewards import accuracy_of
+
+    assert labelled_options(["A. red", "B. blue"]) == ["A. red", "B. blue"]
+    assert labelled_options(["(A) red", "(B) blue"]) == ["(A) red", "(B) blue"]
+    assert labelled_options(["red", "blue"]) == ["A. red", "B. blue"]
+    twelve = [f"option {i}" for i in range(12)]
+    text = question_text(record(options=twelve))
+    assert "L. option 11\n" in text and "A. option 0\n" in text
+    rec = record(options=twelve, solution="<answer>L</answer>")
+    assert accuracy_of("<think>x</think><answer>L</answer>", rec) == 1.0
+    assert accuracy_of("<think>x</think><answer>(l)</answer>", rec) == 1.0

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import random
+import re
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -191,11 +192,27 @@ def where(record: dict) -> str:
     return f"{record.get('_where', '?')}" + (f" (problem_id {pid})" if pid is not None else "")
 
 
+_LABELLED = re.compile(r"^\s*\(?[A-Z]\s*[.):：]")
+
+
+def labelled_options(options: list) -> list[str]:
+    """Options as the prompt shows them: already labelled ("A. red", "(B) blue") as they are; otherwise (some
+    benchmark files list bare texts) each gets its letter, "A. ", "B. ", ... in order, so that an answer letter means
+    something. Up to 26 options."""
+    texts = [str(o) for o in options]
+    if all(_LABELLED.match(t) for t in texts):
+        return texts
+    if len(texts) > 26:
+        raise ValueError(f"{len(texts)} unlabelled options; letters run out after Z")
+    return [f"{chr(65 + i)}. {t}" for i, t in enumerate(texts)]
+
+
 def question_text(record: dict, template: str = "video_r1") -> str:
     chosen = PROMPT_TEMPLATES[template]
     question = record["problem"]
     options = record.get("options")
     if record["problem_type"] == "multiple choice" and options:
+        options = labelled_options(options)
         if chosen.options == "video_r1":
             question = question + "Options:\n" + "".join(str(o) + "\n" for o in options)
         else:
