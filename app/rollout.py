@@ -244,6 +244,18 @@ def _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_i
     )
 
 
+class _SampleLikeGrouped:
+    """A logits processor for HF generate (run greedy) that picks each row's token with ``_sample``: the tempered,
+    top-k/top-p distribution and the random draws of the grouped engine."""
+
+    def __init__(self, sampling: SamplingConfig, generator, suppress):
+        self.sampling, self.generator, self.suppress = sampling, generator, suppress
+
+    def __call__(self, input_ids, scores):
+        tokens, _ = _sample(scores, self.sampling, self.generator, self.suppress)
+        return torch.full_like(scores, float("-inf")).scatter(-1, tokens[:, None], 0.0)
+
+
 def _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id) -> Rollout:
     """Plain HF generate on the repeated batch (prompt and video copied per sample): the A/B baseline."""
     device = prompts["input_ids"].device
@@ -251,19 +263,23 @@ def _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id) ->
     _set_text_attention(model, "sdpa")
     empty = prompts["input_ids"].new_zeros(sum(sizes), 0)
     batch = repeated_inputs(model, prompts, empty, empty, sizes)
-    if sampling.seed is not None:
-        torch.manual_seed(sampling.seed)
-    kwargs = dict(max_new_tokens=sampling.max_new_tokens, do_sample=sampling.temperature > 0,
+    kwargs = dict(max_new_tokens=sampling.max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
                   output_logits=True, return_dict_in_generate=True, pad_token_id=pad_id, eos_token_id=eos_ids or None)
+    suppress_ids = vision_token_ids(model) if sampling.suppress_token_ids is None else list(sampling.suppress_token_ids)
     if sampling.temperature > 0:
-        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
-    else:
-        kwargs.update(temperature=None, top_p=None, top_k=None)
+        # The grouped engine's own sampler, fed HF's logits: with the same seed both engines draw the same tokens
+        # (their logits agree up to float rounding), so A/B runs differ only by the layout, not by the dice.
+        from transformers import LogitsProcessorList
+
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device=device).manual_seed(sampling.seed)
+        suppress = torch.tensor(suppress_ids, device=device, dtype=torch.long) if suppress_ids else None
+        kwargs["logits_processor"] = LogitsProcessorList([_SampleLikeGrouped(sampling, generator, suppress)])
+    elif suppress_ids:
+        kwargs.update(suppress_tokens=suppress_ids)
     if sampling.stop_strings:
         kwargs.update(stop_strings=list(sampling.stop_strings), tokenizer=tokenizer)
-    suppress_ids = vision_token_ids(model) if sampling.suppress_token_ids is None else list(sampling.suppress_token_ids)
-    if suppress_ids:
-        kwargs.update(suppress_tokens=suppress_ids)
     try:
         out = model.generate(**batch, **kwargs)
     finally:

@@ -22,6 +22,14 @@ def tiny_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def real_checkpoints(tmp_path_factory):
+    """Tiny checkpoints that carry Qwen's real tokenizer, special-token ids and vocabulary size (151,936)."""
+    root = tmp_path_factory.mktemp("tiny-real")
+    return {family: build_tiny_checkpoint(root / family, family, seed=0, real_tokenizer=True)
+            for family in ("qwen2_5_vl", "qwen3_vl", "qwen2")}
+
+
+@pytest.fixture(scope="session")
 def videos(tmp_path_factory):
     """Three short mp4 files of different lengths and sizes, written with PyAV."""
     from app.data.video import write_mp4

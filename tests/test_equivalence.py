@@ -33,7 +33,9 @@ def make_case(family, checkpoints, videos, seed):
     lengths = [rng.randint(1, 20) for _ in range(sum(group_sizes))]
     lengths[rng.randrange(len(lengths))] = 1  # always one single-token completion
     tok = tokenizer_of(processor)
-    ids, mask = random_completions(lengths, len(tok), tok.pad_token_id, width=max(lengths) + 2, seed=seed)
+    # Ordinary tokens only (a real tokenizer's added tokens include the vision placeholders, refused in completions).
+    ids, mask = random_completions(lengths, min(len(tok), tok.vocab_size), tok.pad_token_id, width=max(lengths) + 2,
+                                   seed=seed)
     return model, prompts, ids, mask, group_sizes
 
 

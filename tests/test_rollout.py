@@ -42,6 +42,19 @@ def test_sampling_logprobs_equal_grouped_forward(family, tiny_checkpoints, video
     torch.testing.assert_close(rollout.logprobs, forward.logprobs, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2"])
+def test_hf_engine_samples_the_same_tokens_as_the_grouped_engine(family, tiny_checkpoints, videos):
+    """rollout.engine=hf (the A/B baseline) uses the grouped engine's sampler on HF's logits: same seed, same
+    tokens, so grouped-vs-repeated runs differ by the layout alone."""
+    model, prompts, tok = setup(family, tiny_checkpoints, videos)
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95, max_new_tokens=10, seed=3)
+    ours = generate_groups(model, prompts, [3, 2], sampling, tokenizer=tok, eos_ids=[])
+    hf = generate_groups(model, prompts, [3, 2], sampling, tokenizer=tok, eos_ids=[], engine="hf")
+    assert len({tuple(r) for r in ours.completion_ids.tolist()}) > 1  # sampled, not greedy
+    assert torch.equal(ours.completion_ids, hf.completion_ids)
+    torch.testing.assert_close(ours.logprobs, hf.logprobs, rtol=0, atol=1e-5)
+
+
 def test_same_seed_same_samples_different_seed_different(tiny_checkpoints, videos):
     model, prompts, tok = setup("qwen2_5_vl", tiny_checkpoints, videos)
     def run(seed):

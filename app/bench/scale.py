@@ -237,12 +237,14 @@ def plot(rows_rollout, rows_memory, rows_prefetch, path: Path) -> None:
     for i, r in enumerate(rows_rollout):
         axes[0].text(i, r["seconds"], f"{r['vs_zero2']:.2f}x\n{r['all_gathers']} gathers", ha="center",
                      va="bottom", fontsize=8)
+    axes[0].set_ylim(0, 1.2 * max(r["seconds"] for r in rows_rollout))
     axes[0].set_ylabel("seconds per rollout")
     axes[0].set_title("Rollout, 2 processes")
     axes[1].bar([r["variant"] for r in rows_memory], [r["peak_memory_mb"] / 1024 for r in rows_memory],
                 color=["#c44e52", "#4c72b0"])
     for i, r in enumerate(rows_memory):
         axes[1].text(i, r["peak_memory_mb"] / 1024, f"{r['memory_vs_full']:.2f}x", ha="center", va="bottom")
+    axes[1].set_ylim(0, 1.15 * max(r["peak_memory_mb"] for r in rows_memory) / 1024)
     axes[1].set_ylabel("peak memory (GiB)")
     axes[1].set_title(f"Forward+backward, vocab {QWEN_VOCAB:,}")
     width = 0.35

@@ -19,7 +19,7 @@ from app.data.video import write_mp4
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (30, 60, 230), "yellow": (235, 220, 30)}
 DIRECTIONS = ("left", "right", "up", "down")
-TASKS = ("colour", "direction", "count")
+TASKS = ("colour", "direction", "count", "motion")
 
 
 def render(colours: list[str], direction: str, frames: int, size: int, rng: random.Random,
@@ -43,6 +43,24 @@ def render(colours: list[str], direction: str, frames: int, size: int, rng: rand
     return video
 
 
+def render_motion(direction: str, frames: int, size: int, rng: random.Random) -> np.ndarray:
+    """One grey square that starts at a random place and moves half the frame in ``direction``: any single frame
+    fits every direction, so the answer needs at least two frames (the question that needs time)."""
+    video = np.full((frames, size, size, 3), 16, dtype=np.uint8)
+    side = size // 4
+    travel = (size - side) // 2
+    step = travel / max(frames - 1, 1)
+    dx, dy = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}[direction]
+    along = rng.randint(0, size - side - travel)  # where the path starts on the motion axis (fits the frame)
+    across = rng.randint(0, size - side)
+    start = along if (dx or dy) > 0 else along + travel
+    for t in range(frames):
+        offset = round(start + (dx or dy) * step * t)
+        x, y = (offset, across) if dx else (across, offset)
+        video[t, y : y + side, x : x + side] = 200
+    return video
+
+
 def make_item(index: int, task: str, rng: random.Random, out: Path, frames: int, size: int, fps: int,
               shuffle_options: bool = True) -> dict:
     direction = rng.choice(DIRECTIONS)
@@ -53,12 +71,14 @@ def make_item(index: int, task: str, rng: random.Random, out: Path, frames: int,
         colours = [rng.choice(list(COLOURS))]
     path = Path("videos") / f"clip{index:05d}.mp4"
     side = size // 2 if task == "colour" else None  # one big square: colour fills much of the frame
-    write_mp4(out / path, render(colours, direction, frames, size, rng, side), fps=fps)
+    clip = (render_motion(direction, frames, size, rng) if task == "motion"
+            else render(colours, direction, frames, size, rng, side))
+    write_mp4(out / path, clip, fps=fps)
     letters = "ABCD"
     if task == "colour":
         options, answer = list(COLOURS), colours[0]
         question = "What colour is the moving square?"
-    elif task == "direction":
+    elif task in ("direction", "motion"):
         options, answer = list(DIRECTIONS), direction
         question = "Which way does the square move?"
     else:
