@@ -186,6 +186,8 @@ class TrainConfig:
     output_dir: str = _f("outputs/run", "Where checkpoints, metrics and the final export go.")
     seed: int = _f(0, "Seed for data order, sampling and initialisation.")
     max_steps: int = _f(100, "Optimizer steps (each on a fresh rollout batch when num_iterations is 1).")
+    stop_at_step: int = _f(0, "End the run after this step (saved and exported as at the end) while the schedule "
+                           "still spans max_steps: the first N steps of a longer run, e.g. for an A/B. 0: max_steps.")
     prompts_per_rank: int = _f(1, "Prompts (groups) each rank takes per step; a group never spans ranks.")
     groups_per_micro_batch: int = _f(1, "Groups per forward/backward; the rest is gradient accumulation.")
     learning_rate: float = _f(1e-6, "Peak learning rate (AdamW).")
@@ -366,6 +368,7 @@ def validate(config: Config, training: bool = True) -> None:
         ("train.save_every", config.train.save_every, 0), ("train.keep_checkpoints", config.train.keep_checkpoints, 1),
         ("rollout.top_k", config.rollout.top_k, 0), ("train.warmup_steps", config.train.warmup_steps, 0),
         ("grpo.logprob_chunk_size", config.grpo.logprob_chunk_size, 0), ("lora.rank", config.lora.rank, 0), ("data.prefetch", config.data.prefetch, 0),
+        ("train.stop_at_step", config.train.stop_at_step, 0),
         ("data.prefetch_workers", config.data.prefetch_workers, 1),
     ):
         need(value >= least, key, f"must be >= {least}, got {value}")

@@ -5,7 +5,10 @@
    accuracy stays at chance);
 3. evaluate the untrained and the warm-started model on held-out videos;
 4. GRPO with `scripts/train.sh configs/demo_cpu.yaml` (grouped attention, shared-prefix rollouts);
-5. evaluate again; print the before/after table; write PNG plots.
+5. evaluate again;
+6. the same GRPO for its first steps with the repeated layout and HF generate (`grpo.grouping=repeated`,
+   `rollout.engine=hf`, same seed): one figure overlays both runs' curves and compares their seconds per step;
+7. print the before/after table; write PNG plots.
 
 Re-running reuses what is already there (an interrupted training resumes); `--fresh` starts over.
 """
@@ -25,7 +28,7 @@ from app.config import load_config
 from app.data.synthetic import generate
 from app.evaluate import evaluate
 from app.models import TinySizes, build_tiny_checkpoint
-from app.plots import plot_accuracy_bars, plot_training
+from app.plots import plot_ab, plot_accuracy_bars, plot_training
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/demo_cpu.yaml"
@@ -61,6 +64,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--train-size", type=int, default=400)
     parser.add_argument("--heldout-size", type=int, default=120)
     parser.add_argument("--warm-steps", type=int, default=60)
+    parser.add_argument("--mix", nargs="*", default=["colour"], help="tasks mixed into training (a curriculum)")
+    parser.add_argument("--ab-steps", type=int, default=30, help="steps of the repeated + HF generate comparison")
+    parser.add_argument("--task", default="order", choices=("order", "motion", "colour", "direction", "count"),
+                        help="order: which of two colours, shown one after the other, appears first (needs time)")
     parser.add_argument("overrides", nargs="*", help="extra section.key=value for the training config")
     args = parser.parse_args(argv)
     out, data = Path(args.out), Path(args.data)
@@ -79,8 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not (init / "config.json").exists():
         build_tiny_checkpoint(init, "qwen2_5_vl", seed=cfg.train.seed, sizes=DEMO_SIZES)
     if not (data / "meta.json").exists():
-        generate(data, train=args.train_size, heldout=args.heldout_size, seed=cfg.train.seed, tasks=("colour",),
-                 shuffle_options=False)
+        # The curriculum: colour questions (one frame suffices) teach the colour words, mixed with the task's own.
+        generate(data, train=args.train_size, heldout=args.heldout_size, seed=cfg.train.seed,
+                 tasks=tuple(args.mix) + (args.task,), heldout_tasks=(args.task,), shuffle_options=False)
     heldout = data / "heldout.jsonl"
     print(f"checkpoint {init}; data {data} (held-out questions use videos never seen in training)")
 
@@ -124,6 +132,19 @@ def main(argv: list[str] | None = None) -> dict:
     trained = held_out(run / "final", "grpo")
     timings["eval_after_s"] = time.time() - t
 
+    say(f"6. A/B: the first {args.ab_steps} steps again with grpo.grouping=repeated rollout.engine=hf (same seed)")
+    t = time.time()
+    ab = out / "run-repeated"
+    if not (ab / "final" / "config.json").exists():
+        command = ["bash", str(ROOT / "scripts" / "train.sh"), str(ROOT / CONFIG), *base, *args.overrides,
+                   f"train.output_dir={ab}", "grpo.grouping=repeated", "rollout.engine=hf",
+                   f"train.stop_at_step={args.ab_steps}", "train.resume=true"]
+        print(" ".join(command), flush=True)
+        subprocess.run(command, check=True, env={**os.environ, "NPROC_PER_NODE": str(args.nproc)})
+    timings["ab_repeated_s"] = time.time() - t
+    comparison = plot_ab(run / "metrics.jsonl", ab / "metrics.jsonl", args.ab_steps, out / "grouped_vs_repeated.png",
+                         title=f"The same GRPO, first {args.ab_steps} steps: grouped vs repeated + HF generate")
+
     chance = 0.25
     rows = [("untrained", untrained), ("format warm start", warmed), ("after GRPO", trained)]
     sources = sorted(trained["by_data_source"])
@@ -132,6 +153,11 @@ def main(argv: list[str] | None = None) -> dict:
     for name, summary in rows:
         per = " | ".join(f"{summary['by_data_source'].get(s, {}).get('accuracy', 0):.3f}" for s in sources)
         lines.append(f"| {name} | {summary['overall']['accuracy']:.3f} | {per} |")
+    seconds = comparison["seconds_per_step"]
+    lines += ["", f"| first {comparison['steps']} steps | seconds per step |", "|---|---|",
+              f"| grouped (Prefix Grouper) | {seconds['grouped']:.2f} |",
+              f"| repeated + HF generate | {seconds['repeated_hf']:.2f} |",
+              f"| ratio | **{comparison['ratio']:.2f}x** |"]
     table = "\n".join(lines)
     plot_training(run / "metrics.jsonl", out / "training_curves.png", title="GRPO on synthetic video QA (tiny Qwen2.5-VL, CPU)")
     plot_accuracy_bars({name: s["overall"]["accuracy"] for name, s in rows}, out / "heldout_accuracy.png",
@@ -142,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
         "gain_over_untrained": trained["overall"]["accuracy"] - untrained["overall"]["accuracy"],
         "gain_over_warm_start": trained["overall"]["accuracy"] - warmed["overall"]["accuracy"],
         "timings_s": {k: round(v, 1) for k, v in timings.items()}, "total_s": round(time.time() - started, 1),
+        "ab": comparison, "task": args.task,
     }
     (out / "demo_summary.json").write_text(json.dumps(result, indent=2))
     (out / "demo_summary.md").write_text(table + "\n")
@@ -149,7 +176,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(table)
     print(f"\nchance {chance:.2f}; gain over untrained {result['gain_over_untrained']:+.3f}, over the warm start "
           f"{result['gain_over_warm_start']:+.3f}; {result['heldout_questions']} held-out questions")
-    print(f"plots: {out / 'training_curves.png'}, {out / 'heldout_accuracy.png'}; total {result['total_s']:.0f} s")
+    print(f"grouped vs repeated + HF generate over the first {comparison['steps']} steps: largest reward difference "
+          f"{comparison['max_reward_difference']:.2g}; {comparison['ratio']:.2f}x the seconds per step")
+    print(f"plots: {out / 'training_curves.png'}, {out / 'heldout_accuracy.png'}, {out / 'grouped_vs_repeated.png'}; "
+          f"total {result['total_s']:.0f} s")
     return result
 
 

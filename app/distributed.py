@@ -80,6 +80,17 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def shutdown() -> None:
+    """End a distributed program cleanly: wait for every rank, then tear the process group down. Leaving it to the
+    interpreter's exit can abort the process ("terminate called without an active exception", SIGABRT) when a
+    communication thread is still alive while static objects are destroyed, seen under load."""
+    import torch.distributed as dist
+
+    barrier()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

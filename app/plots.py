@@ -74,6 +74,43 @@ def plot_accuracy_bars(values: dict[str, float], out_png: str | Path, chance: fl
     return Path(out_png)
 
 
+def plot_ab(grouped_metrics: str | Path, repeated_metrics: str | Path, steps: int, out_png: str | Path,
+            title: str = "Same GRPO, two layouts") -> dict:
+    """The product's claim in one picture: reward and accuracy of the grouped run and of the repeated + HF-generate
+    run over their first ``steps`` steps (same seed: the curves should coincide up to float rounding), and the mean
+    seconds per step of each (the first step, which runs the one-off self-check, left out). Returns the numbers."""
+    runs = {"grouped (Prefix Grouper)": read_metrics(grouped_metrics)[:steps],
+            "repeated + HF generate": read_metrics(repeated_metrics)[:steps]}
+    seconds = {name: sum(r["time/step"] for r in rows[1:]) / max(1, len(rows) - 1) for name, rows in runs.items()}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), constrained_layout=True)
+    styles = {"grouped (Prefix Grouper)": dict(color="#08519c", linewidth=2.5),
+              "repeated + HF generate": dict(color="#fd8d3c", linewidth=1.2, linestyle="--", marker=".")}
+    for ax, (key, label) in zip(axes[:2], (("reward/mean", "reward (mean)"), ("accuracy", "accuracy (training)"))):
+        for name, rows in runs.items():
+            ax.plot([r["step"] for r in rows], [r.get(key, float("nan")) for r in rows], label=name, **styles[name])
+        ax.set_title(label)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="lower right")
+    names = list(runs)
+    bars = axes[2].bar(["grouped", "repeated\n+ HF generate"], [seconds[n] for n in names],
+                       color=["#08519c", "#fd8d3c"])
+    ratio = seconds[names[1]] / max(seconds[names[0]], 1e-9)
+    for bar, name in zip(bars, names):
+        axes[2].text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{seconds[name]:.2f} s", ha="center",
+                     va="bottom")
+    axes[2].set_ylim(0, 1.2 * max(seconds.values()))
+    axes[2].set_title(f"seconds per step (repeated / grouped = {ratio:.2f}x)")
+    fig.suptitle(title)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    grouped, repeated = (runs[n] for n in names)
+    worst = max((abs(a.get("reward/mean", 0) - b.get("reward/mean", 0)) for a, b in zip(grouped, repeated)),
+                default=0.0)
+    return {"seconds_per_step": {"grouped": seconds[names[0]], "repeated_hf": seconds[names[1]]}, "ratio": ratio,
+            "steps": min(len(grouped), len(repeated)), "max_reward_difference": worst}
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:

@@ -102,17 +102,18 @@ class Recipe:
         cfg = self.cfg
         crash_after = int(os.environ.get(CRASH_ENV, "-1"))
         self.stream.prefetch()  # the first step's prompts start decoding now (from the resumed position)
-        for step in range(self.start_step, cfg.train.max_steps):
+        last = min(cfg.train.stop_at_step or cfg.train.max_steps, cfg.train.max_steps)
+        for step in range(self.start_step, last):
             metrics = self.train_step(step)
-            if (step + 1) % cfg.logging.log_every == 0 or step + 1 == cfg.train.max_steps:
+            if (step + 1) % cfg.logging.log_every == 0 or step + 1 == last:
                 self.tracker.log(step + 1, metrics)
-            if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 and step + 1 < cfg.train.max_steps:
+            if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 and step + 1 < last:
                 self.save(step + 1)
             if step + 1 == crash_after:
                 log.error("simulated crash after step %d (%s)", step + 1, CRASH_ENV)
                 os._exit(17)
         self.stream.close()
-        self.save(cfg.train.max_steps)
+        self.save(last)
         final = None
         if cfg.train.export_hf:
             final = checkpoint.export_hf(self.engine, self.processor, self.output_dir / "final", cfg.model.path,
@@ -176,4 +177,4 @@ def run(recipe: type[Recipe], doc: str, argv: list[str] | None = None) -> None:
     except checkpoint.CheckpointError as error:
         raise SystemExit(f"resume error: {error}") from None
     trainer.train()
-    distributed.barrier()
+    distributed.shutdown()

@@ -97,7 +97,7 @@ def rollout_worker(checkpoint: str, video: str, zero: str, new_tokens: int, roun
         Path(out).write_text(json.dumps({"world": world, "results": results,
                                          "parameters": sum(getattr(p, "ds_numel", p.numel())
                                                            for p in engine.module.parameters())}))
-    distributed.barrier()
+    distributed.shutdown()
 
 
 def _torchrun(args: list[str], timeout: int = 1800) -> None:

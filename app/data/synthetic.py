@@ -19,7 +19,7 @@ from app.data.video import write_mp4
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (30, 60, 230), "yellow": (235, 220, 30)}
 DIRECTIONS = ("left", "right", "up", "down")
-TASKS = ("colour", "direction", "count", "motion")
+TASKS = ("colour", "direction", "count", "motion", "order")
 
 
 def render(colours: list[str], direction: str, frames: int, size: int, rng: random.Random,
@@ -61,23 +61,45 @@ def render_motion(direction: str, frames: int, size: int, rng: random.Random) ->
     return video
 
 
+def render_order(first: str, second: str, frames: int, size: int, rng: random.Random) -> np.ndarray:
+    """A big square of colour ``first`` in the first half of the clip, then one of colour ``second`` (each at a
+    random place): every frame shows one colour, so which came first is only known by comparing frames in time."""
+    video = np.full((frames, size, size, 3), 16, dtype=np.uint8)
+    side = size // 2
+    half = frames // 2
+    for colour, span in ((first, range(half)), (second, range(half, frames))):
+        x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+        for t in span:
+            video[t, y : y + side, x : x + side] = COLOURS[colour]
+    return video
+
+
 def make_item(index: int, task: str, rng: random.Random, out: Path, frames: int, size: int, fps: int,
               shuffle_options: bool = True) -> dict:
     direction = rng.choice(DIRECTIONS)
     if task == "count":
         count = rng.randint(1, 4)
         colours = [rng.choice(list(COLOURS)) for _ in range(count)]
+    elif task == "order":
+        colours = rng.sample(list(COLOURS), 2)
     else:
         colours = [rng.choice(list(COLOURS))]
     path = Path("videos") / f"clip{index:05d}.mp4"
     side = size // 2 if task == "colour" else None  # one big square: colour fills much of the frame
-    clip = (render_motion(direction, frames, size, rng) if task == "motion"
-            else render(colours, direction, frames, size, rng, side))
+    if task == "motion":
+        clip = render_motion(direction, frames, size, rng)
+    elif task == "order":
+        clip = render_order(colours[0], colours[1], frames, size, rng)
+    else:
+        clip = render(colours, direction, frames, size, rng, side)
     write_mp4(out / path, clip, fps=fps)
     letters = "ABCD"
     if task == "colour":
         options, answer = list(COLOURS), colours[0]
         question = "What colour is the moving square?"
+    elif task == "order":
+        options, answer = list(COLOURS), colours[0]
+        question = "Which colour appears first?"
     elif task in ("direction", "motion"):
         options, answer = list(DIRECTIONS), direction
         question = "Which way does the square move?"
@@ -100,7 +122,9 @@ def make_item(index: int, task: str, rng: random.Random, out: Path, frames: int,
 
 
 def generate(out: str | Path, train: int, heldout: int, seed: int = 0, tasks: tuple[str, ...] = TASKS,
-             frames: int = 8, size: int = 56, fps: int = 4, shuffle_options: bool = True) -> dict[str, Path]:
+             frames: int = 8, size: int = 56, fps: int = 4, shuffle_options: bool = True,
+             heldout_tasks: tuple[str, ...] | None = None) -> dict[str, Path]:
+    """``tasks`` alternate over the training records, ``heldout_tasks`` (default: the same) over the held-out ones."""
     out = Path(out)
     (out / "videos").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -108,14 +132,16 @@ def generate(out: str | Path, train: int, heldout: int, seed: int = 0, tasks: tu
     index = 0
     for split, count in (("train", train), ("heldout", heldout)):
         records = []
-        for _ in range(count):
-            records.append(make_item(index, tasks[index % len(tasks)], rng, out, frames, size, fps, shuffle_options))
+        kinds = tasks if split == "train" else (heldout_tasks or tasks)
+        for i in range(count):
+            records.append(make_item(index, kinds[i % len(kinds)], rng, out, frames, size, fps, shuffle_options))
             index += 1
         path = out / f"{split}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
         files[split] = path
     (out / "meta.json").write_text(json.dumps({"seed": seed, "train": train, "heldout": heldout,
-                                               "tasks": list(tasks), "frames": frames, "size": size, "fps": fps,
+                                               "tasks": list(tasks), "heldout_tasks": list(heldout_tasks or tasks),
+                                               "frames": frames, "size": size, "fps": fps,
                                                "shuffle_options": shuffle_options}))
     return files
 

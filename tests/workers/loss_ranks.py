@@ -53,7 +53,7 @@ def main(out: str) -> None:
     if rank == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "rank0.json").write_text(json.dumps(moved))
-    distributed.barrier()
+    distributed.shutdown()
 
 
 if __name__ == "__main__":

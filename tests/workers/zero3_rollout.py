@@ -85,7 +85,7 @@ def main(checkpoint: str, video: str, out: str) -> None:
         "layerwise_collective": layer_collective, "layer_whole_when_run": bool(layer_whole) and all(layer_whole),
         "other_layers_partitioned": other_layers_partitioned
     }))
-    distributed.barrier()
+    distributed.shutdown()
 
 
 if __name__ == "__main__":
