@@ -86,7 +86,7 @@ def test_demo_smoke(tmp_path):
     """The `make demo` pipeline end to end on a handful of records and steps (the real run: README)."""
     result = subprocess.run(
         [sys.executable, "-m", "app.demo", "--out", str(tmp_path / "demo"), "--data", str(tmp_path / "data"),
-         "--train-size", "8", "--heldout-size", "4", "--warm-steps", "2", "train.max_steps=2",
+         "--train-size", "8", "--heldout-size", "4", "--warm-steps", "2", "--ab-steps", "2", "train.max_steps=2",
          "train.prompts_per_rank=2", "train.groups_per_micro_batch=2", "train.save_every=0",
          "logging.wandb_mode=disabled", "logging.progress_bar=false"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -94,9 +94,13 @@ def test_demo_smoke(tmp_path):
     summary = json.loads((tmp_path / "demo" / "demo_summary.json").read_text())
     assert summary["heldout_questions"] == 4
     assert set(summary["accuracy"]) == {"untrained", "format warm start", "after GRPO"}
-    for png in ("training_curves.png", "heldout_accuracy.png"):
+    for png in ("training_curves.png", "heldout_accuracy.png", "grouped_vs_repeated.png"):
         assert (tmp_path / "demo" / png).stat().st_size > 10_000
     assert "before / after" in result.stdout
+    assert summary["task"] == "order" and summary["ab"]["steps"] == 2
+    # Same seed, same sampler: the repeated + HF-generate run drew the grouped run's rewards.
+    assert summary["ab"]["max_reward_difference"] < 1e-6
+    assert "pixel cap" not in result.stdout + result.stderr  # no third-party warning per process
 
 
 def test_bad_image_and_paths_outside_the_root_are_skipped_with_reasons(assets, tmp_path):

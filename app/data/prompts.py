@@ -57,7 +57,9 @@ def encode_prompts(processor, conversations: Sequence[Sequence[dict]],
                 images.append(fetch_image(element, image_patch_size=patch))
     kwargs = {}
     if videos:
-        kwargs.update(videos=videos, video_metadata=metadata, do_sample_frames=False)
+        # Frames arrive sampled and sized by qwen-vl-utils (its per-frame pixel cap applied there); False is what
+        # transformers 5.23 does by default, said explicitly so it does not warn in every process.
+        kwargs.update(videos=videos, video_metadata=metadata, do_sample_frames=False, cap_pixels_per_frame=False)
     if images:
         kwargs.update(images=images)
     return dict(processor(text=texts, padding=True, padding_side="left", return_tensors="pt", **kwargs))
