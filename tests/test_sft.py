@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from app.sft import target_text
-from tests.test_trainer import assets, overrides, run, weights  # noqa: F401  (assets is a fixture)
+from tests.test_trainer import assert_trained_and_equal, assets, overrides, run  # noqa: F401  (assets: fixture)
 
 pytestmark = pytest.mark.distributed
 
@@ -92,11 +92,7 @@ def test_sft_sh_resumes_exactly_and_grpo_starts_from_its_export(assets, tmp_path
     crashed = run(sft(tmp_path / "resumed"), env={"PREFIX_GRPO_CRASH_AFTER_STEP": "3"}, check=False)
     assert crashed.returncode == 17
     run(sft(tmp_path / "resumed", **{"train.resume": True}))
-    straight, resumed = weights(tmp_path / "straight" / "final"), weights(tmp_path / "resumed" / "final")
-    initial = weights(assets["checkpoint"])
-    assert sum(not torch.equal(straight[n], initial[n]) for n in straight) > len(straight) // 2
-    for name in straight:
-        torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0, msg=name)
+    assert_trained_and_equal(tmp_path / "resumed" / "final", tmp_path / "straight" / "final", assets["checkpoint"])
     losses = [json.loads(line)["loss"] for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 4 and losses[-1] < losses[0]  # it learns the targets
     # GRPO from the SFT export, through the normal launcher.

@@ -64,6 +64,16 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
+def assert_trained_and_equal(got_dir: Path, want_dir: Path, initial_dir: Path) -> dict[str, torch.Tensor]:
+    """The exported weights in ``got_dir`` equal those in ``want_dir`` bit for bit, and training moved more than
+    half of the tensors away from ``initial_dir`` (so the equality is not that of two untrained models)."""
+    got, want, initial = weights(got_dir), weights(want_dir), weights(initial_dir)
+    assert sum(not torch.equal(want[n], initial[n]) for n in want) > len(want) // 2
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    return want
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -139,11 +149,7 @@ def test_crash_then_resume_equals_uninterrupted(assets, tmp_path):
     assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text() == "step-0000002"
     assert not (tmp_path / "resumed" / "final").exists()
     run(trainer(assets, tmp_path / "resumed", **settings, **{"train.resume": True}))
-    straight, resumed = weights(tmp_path / "straight" / "final"), weights(tmp_path / "resumed" / "final")
-    initial = weights(assets["checkpoint"])
-    assert sum(not torch.equal(straight[n], initial[n]) for n in straight) > len(straight) // 2
-    for name in straight:
-        torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0, msg=name)
+    assert_trained_and_equal(tmp_path / "resumed" / "final", tmp_path / "straight" / "final", assets["checkpoint"])
     steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]  # step 3 ran twice (before the crash and after resuming), logged once
 
