@@ -228,10 +228,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"config error: {error}") from None
     if summary is not None:
         print(markdown(summary, f"Evaluation of {argv[0]}"))
-    import torch.distributed as dist
+    from app.distributed import shutdown
 
-    if dist.is_initialized():  # torn down before exit (see distributed.shutdown)
-        dist.destroy_process_group()
+    shutdown()  # torn down before exit, not by the interpreter
 
 
 if __name__ == "__main__":

@@ -302,16 +302,22 @@ class PromptStream:
     _warned: set = field(default_factory=set, repr=False)
     _pending: dict = field(default_factory=dict, repr=False)  # position -> Future[(prompt | None, reason)]
     _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _epoch_order: tuple = field(default=(None, []), repr=False)
 
     def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.records)))
-        if self.data_cfg.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        usable = len(order) - len(order) % self.world_size if len(order) >= self.world_size else len(order)
-        return order[:usable][self.rank :: self.world_size]
+        """This rank's record indices for ``epoch``; the last epoch's is kept (a shuffle of Video-R1-260k takes
+        ~70 ms, and every prompt, prefetched or not, looks its record up)."""
+        if self._epoch_order[0] != epoch:
+            order = list(range(len(self.records)))
+            if self.data_cfg.shuffle:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            usable = len(order) - len(order) % self.world_size if len(order) >= self.world_size else len(order)
+            self._epoch_order = (epoch, order[:usable][self.rank :: self.world_size])
+        return self._epoch_order[1]
 
     def _record_at(self, position: int) -> dict:
-        per_epoch = len(self._order(0))
+        cached = self._epoch_order[0]  # every epoch has the same length: measure the one at hand
+        per_epoch = len(self._order(0 if cached is None else cached))
         if per_epoch == 0:
             raise DataError("no usable records for this rank")
         epoch, index = divmod(position, per_epoch)
