@@ -7,7 +7,7 @@ DEMO_ARGS ?=
 
 .PHONY: demo selfcheck test lint install clean gpu-check
 
-$(STAMP): pyproject.toml constraints.txt scripts/setup_env.sh
+$(STAMP): pyproject.toml constraints.txt scripts/setup_env.sh scripts/prefix_grpo_autofix.py
 	VENV=$(VENV) bash scripts/setup_env.sh
 	touch $(STAMP)
 

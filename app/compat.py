@@ -45,6 +45,9 @@ def set_environment_defaults() -> None:
     # qwen-vl-utils reads this once at import; its fallback reader (torchvision.io) no longer exists.
     os.environ.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # JIT-built torch extensions (DeepSpeed's CPU communication op) in this environment's own folder: two
+    # environments on one machine no longer rebuild one shared copy in turn (each build.ninja names its env).
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
 TORCHVISION_STATUS = ensure_torchvision_importable()

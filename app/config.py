@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import re
 import sys
 from dataclasses import dataclass, field
@@ -100,6 +101,9 @@ class DataConfig:
     prefetch: int = _f(1, "Steps of prompts (video decoding and processor work) prepared in background threads while "
                        "the current step trains; 0: decode on the critical path. Order, skips and resume unchanged.")
     prefetch_workers: int = _f(2, "Background threads for data.prefetch.")
+    sft_without_process: str = _f("skip", "SFT only: a record whose `process` (chain of thought) is missing or empty. "
+                                  "skip: skipped with that reason; answer_only: trained on its solution alone.",
+                                  choices=("skip", "answer_only"))
 
 
 @dataclass
@@ -175,6 +179,10 @@ class RewardConfig:
                         "earn temporal_alpha when ordered accuracy >= temporal_ratio x shuffled accuracy.")
     temporal_alpha: float = _f(0.3, "Temporal GRPO bonus.")
     temporal_ratio: float = _f(0.8, "Temporal GRPO margin.")
+    regression: str = _f("relative_error", "Accuracy of regression answers during training: relative_error is "
+                         "Video-R1's training reward 1 - min(1, |pred - truth| / |truth|) (smooth, 0.8 for 20% off); "
+                         "mra is VSI-Bench's mean relative accuracy (a step function). Evaluation always reports MRA.",
+                         choices=("relative_error", "mra"))
     bonus_rules: str = _f("video_r1", "When the length and temporal bonuses apply. video_r1: exactly Video-R1's "
                           "(correct = accuracy > 0.1; temporal when ordered >= ratio x shuffled). strict: correct "
                           "= accuracy > 0.5 and temporal only when ordered > ratio x shuffled, so partial free-form "
@@ -223,7 +231,11 @@ class EvalConfig:
     max_new_tokens: int = _f(256, "Maximum new tokens per completion.")
     batch_size: int = _f(4, "Questions per generate call on each rank.")
     seed: int = _f(0, "Sampling seed.")
-    resume: bool = _f(True, "Keep finished predictions found in output_dir and score only the rest.")
+    resume: bool = _f(True, "Keep finished predictions found in output_dir and score only the rest, when they were "
+                      "made by the same model, data files and settings (recorded in output_dir/run.json).")
+    if_different: str = _f("stop", "When output_dir holds predictions of another model, other data files or other "
+                           "settings: stop (say what differs) or new_dir (evaluate into output_dir-2, -3, ...: the "
+                           "first that is empty or holds this very evaluation).", choices=("stop", "new_dir"))
 
 
 @dataclass
@@ -350,6 +362,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         section, name, value = parse_override(text)
         _apply(config, section, {name: value}, f"override '{text}'")
     validate(config, training)
+    for warning in warnings_for(config, training):
+        logging.getLogger("app.config").warning("config: %s", warning)
     return config
 
 
@@ -361,7 +375,7 @@ def validate(config: Config, training: bool = True) -> None:
     need(bool(config.model.path), "model.path", "is required (a local checkpoint directory)")
     for key, value, least in (
         ("eval.batch_size", config.eval.batch_size, 1), ("eval.max_new_tokens", config.eval.max_new_tokens, 1),
-        ("data.max_frames", config.data.max_frames, 1), ("data.max_prompt_length", config.data.max_prompt_length, 1),
+        ("data.max_frames", config.data.max_frames, 2),  # qwen-vl-utils samples an even count, >= 2 frames ("data.max_prompt_length", config.data.max_prompt_length, 1),
         ("data.min_pixels", config.data.min_pixels, 1), ("data.image_min_pixels", config.data.image_min_pixels, 1),
         ("logging.log_every", config.logging.log_every, 1), ("logging.sample_table_every",
                                                              config.logging.sample_table_every, 0),
@@ -375,6 +389,11 @@ def validate(config: Config, training: bool = True) -> None:
     need(config.data.fps > 0, "data.fps", f"must be > 0, got {config.data.fps}")
     need(0 <= config.lora.dropout < 1, "lora.dropout", f"must be in [0, 1), got {config.lora.dropout}")
     need(config.lora.alpha > 0, "lora.alpha", f"must be > 0, got {config.lora.alpha}")
+    need(not (config.lora.rank and config.lora.vision_tower and config.model.freeze_vision_tower), "lora.vision_tower",
+         "puts trainable adapters on the vision tower, which model.freeze_vision_tower=true asks to keep frozen: "
+         "choose one")
+    need(not (config.lora.rank and config.lora.projector and config.model.freeze_projector), "lora.projector",
+         "puts trainable adapters on the projector, which model.freeze_projector=true asks to keep frozen: choose one")
     need(not (config.lora.rank and config.model.reference_path), "model.reference_path",
          "cannot be used with LoRA (lora.rank > 0): the reference is the policy with its adapters off")
     need(0 < config.rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {config.rollout.top_p}")
@@ -413,10 +432,33 @@ def validate(config: Config, training: bool = True) -> None:
     need(config.data.image_min_pixels <= config.data.image_max_pixels, "data.image_min_pixels",
          "must be <= data.image_max_pixels")
     need(config.rewards.length_min_tokens >= 0, "rewards.length_min_tokens", "must be >= 0")
+    need(not config.rewards.length or config.rewards.length_min_tokens <= config.rollout.max_completion_length,
+         "rewards.length_min_tokens", f"({config.rewards.length_min_tokens}) is above rollout.max_completion_length "
+         f"({config.rollout.max_completion_length}): with rewards.length=true no completion could earn the bonus")
     weights = config.rewards.weights
     need(not weights or len(weights) == len(config.rewards.functions), "rewards.weights",
          f"needs one weight per function ({len(config.rewards.functions)})")
     need(bool(config.rewards.functions), "rewards.functions", "needs at least one reward function")
+
+
+def warnings_for(config: Config, training: bool = True) -> list[str]:
+    """Settings that run but contradict each other or do nothing: one sentence each, naming the keys."""
+    out = []
+    c = config
+    if training and c.train.stop_at_step > c.train.max_steps:
+        out.append(f"train.stop_at_step={c.train.stop_at_step} is past train.max_steps={c.train.max_steps}: the run "
+                   f"ends at step {c.train.max_steps}")
+    if training and c.train.warmup_steps >= c.train.max_steps:
+        out.append(f"train.warmup_steps={c.train.warmup_steps} >= train.max_steps={c.train.max_steps}: the learning "
+                   "rate never reaches train.learning_rate")
+    if training and c.rewards.length and c.rewards.length_max_tokens > c.rollout.max_completion_length:
+        out.append(f"rewards.length_max_tokens={c.rewards.length_max_tokens} is above rollout.max_completion_length="
+                   f"{c.rollout.max_completion_length}: the upper bound is never reached")
+    if training and c.grpo.beta == 0 and c.model.reference_path:
+        out.append("model.reference_path is set but grpo.beta=0: no reference model is used")
+    if not c.lora.rank and (c.lora.vision_tower or c.lora.projector):
+        out.append("lora.vision_tower / lora.projector have no effect with lora.rank=0 (no adapters)")
+    return out
 
 
 def scale_rewards(grpo: GRPOConfig) -> str:

@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
 import json
+import logging
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger("app.distributed")
+COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory communication op, JIT-built on first use
+COMM_OP_WAIT_S = 900.0  # the longest wait for another process of this environment building it (a build is ~50 s)
 
 
 def _free_port() -> int:
@@ -44,10 +51,74 @@ def die_with_launcher() -> bool:
     return True
 
 
-def init_distributed() -> tuple[int, int]:
-    """Start (or join) the process group; a plain `python -m ...` run becomes a world of one. Workers started by
-    torchrun die with it (``die_with_launcher``)."""
+@contextlib.contextmanager
+def comm_op_guard(wait_s: float = COMM_OP_WAIT_S):
+    """Hold this environment's lock on DeepSpeed's JIT-built CPU op while it is built or loaded, and clear a
+    stale torch build lock first.
+
+    torch guards a JIT build with a bare lock file (``<build dir>/lock``, no owner recorded) and every later
+    process sleeps on it forever when its holder was killed. Every process of ours takes an ``flock`` on
+    ``<build dir>.owner`` before touching that directory; the kernel releases an flock when its holder dies, so a
+    ``lock`` file found while holding the flock was left by a dead process: it is removed with a warning. While
+    another live process holds the flock we wait, saying so every 30 s with its pid, and stop after ``wait_s``
+    naming the file.
+    """
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build = Path(_get_build_directory(COMM_OP, verbose=False))
+    owner_path = build.parent / f"{build.name}.owner"
+    with open(owner_path, "a+") as owner:
+        start, said = time.monotonic(), None
+        while True:
+            try:
+                fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                now = time.monotonic()
+                owner.seek(0)
+                holder = owner.read().strip() or "unknown"
+                if now - start > wait_s:
+                    raise RuntimeError(
+                        f"waited {wait_s:.0f} s for process {holder} building or loading DeepSpeed's {COMM_OP} in "
+                        f"{build} (lock {owner_path}); if that process is stuck, stop it and run again") from None
+                if said is None or now - said >= 30:
+                    log.warning("waiting for process %s, which is building or loading DeepSpeed's %s in %s "
+                                "(waited %.0f s so far)", holder, COMM_OP, build, now - start)
+                    said = now
+                time.sleep(0.5)
+        owner.seek(0)
+        owner.truncate()
+        owner.write(str(os.getpid()))
+        owner.flush()
+        stale = build / "lock"
+        if stale.exists():
+            log.warning("removing a stale build lock %s: the process that made it was killed while building or "
+                        "loading DeepSpeed's %s (no live process holds %s)", stale, COMM_OP, owner_path)
+            stale.unlink(missing_ok=True)
+        try:
+            yield build
+        finally:
+            fcntl.flock(owner, fcntl.LOCK_UN)
+
+
+def prepare_comm_op() -> bool:
+    """Build (first time) or load DeepSpeed's CPU communication op under ``comm_op_guard``; False where none is
+    used (CUDA, or an accelerator without it). ``scripts/setup_env.sh`` calls it at install time."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return False
+    with comm_op_guard():
+        builder.load(verbose=False)
+    return True
+
+
+def init_distributed(use_deepspeed: bool = True) -> tuple[int, int]:
+    """Start (or join) the process group; a plain `python -m ...` run becomes a world of one. Workers started by
+    torchrun die with it (``die_with_launcher``). ``use_deepspeed=False`` (evaluation) starts a plain torch
+    process group: no DeepSpeed communication op is loaded."""
     import torch.distributed as dist
 
     die_with_launcher()
@@ -56,7 +127,16 @@ def init_distributed() -> tuple[int, int]:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(_free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        deepspeed.init_distributed(dist_backend=backend)
+        if use_deepspeed:
+            import deepspeed
+
+            # DeepSpeed loads its JIT-built CPU op inside init_distributed, through torch's bare lock file. Load it
+            # first under our guard (never wait silently on a dead lock); DeepSpeed then reuses the loaded op. The
+            # guard is not held across the rendezvous, which waits for the other ranks.
+            prepare_comm_op()
+            deepspeed.init_distributed(dist_backend=backend)
+        else:
+            dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -316,3 +396,12 @@ def gathered_state_dict(engine) -> dict | None:
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if rank() == 0 else None
     return {k: v.detach().cpu() for k, v in module.state_dict().items()} if rank() == 0 else None
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--build-ops"]:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        built = prepare_comm_op()
+        print(f"DeepSpeed {COMM_OP}: {'ready' if built else 'not used on this machine'}")
+    else:
+        raise SystemExit("usage: python -m app.distributed --build-ops")

@@ -14,6 +14,7 @@ evaluation cannot disagree. Writes ``predictions.jsonl``, ``summary.json`` and `
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from app.data.prompts import collate_prompts
 from app.data.records import check_record, encode_record, read_records, where
 from app.models import load_model, load_processor
 from app.rewards import accuracy_of, extract_answer
-from app.rollout import SamplingConfig, generate_groups
+from app.rollout import SamplingConfig, derive_seed, generate_groups
 from app.tracking import configure_logging
 
 log = logging.getLogger("app.evaluate")
@@ -46,11 +47,95 @@ def record_key(record: dict) -> str:
 def _dist():
     import torch.distributed as dist
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+    from app import distributed
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        distributed.init_distributed(use_deepspeed=False)
     if dist.is_initialized():
         return dist, dist.get_rank(), dist.get_world_size()
     return None, 0, 1
+
+
+# ---- what made the predictions: a resume continues only the same model, data files and settings ---------------
+RUN_FILE = "run.json"
+SAMPLED_BYTES = 1 << 20  # files above WHOLE_FILE_LIMIT are identified by size + their first and last MiB
+WHOLE_FILE_LIMIT = 64 << 20
+# Settings that do not change a prediction (where it is written, how many questions share a generate call, how a
+# mismatch is handled, training-only data keys).
+NOT_PREDICTION_SETTINGS = {"eval": {"output_dir", "resume", "batch_size", "if_different"},
+                           "data": {"train_file", "prefetch", "prefetch_workers", "shuffle", "sft_without_process"}}
+
+
+class EvaluationMismatch(RuntimeError):
+    """eval.output_dir holds predictions made by another model, other data files or other settings."""
+
+
+def file_identity(path: Path) -> dict:
+    """Size and sha256 of a file (of its first and last MiB when it is over 64 MiB: checkpoint shards)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        if size <= WHOLE_FILE_LIMIT:
+            digest.update(f.read())
+        else:
+            digest.update(f.read(SAMPLED_BYTES))
+            f.seek(size - SAMPLED_BYTES)
+            digest.update(f.read(SAMPLED_BYTES))
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def run_identity(cfg, model_dir: Path, data_files: list[Path]) -> dict:
+    """Everything that decides a prediction: the model's files (weights, config, processor), the data files'
+    contents, and the evaluation and data settings (NOT_PREDICTION_SETTINGS excluded)."""
+    model_files = sorted(p for p in Path(model_dir).iterdir() if p.is_file())
+    settings = {section: {k: v for k, v in cfg.to_dict()[section].items()
+                          if k not in NOT_PREDICTION_SETTINGS.get(section, ())} for section in ("eval", "data")}
+    settings["model"] = {k: cfg.to_dict()["model"][k] for k in ("dtype", "vision_attention", "trust_remote_code")}
+    return {"model": {"path": str(Path(model_dir).resolve()),
+                      "files": {p.name: file_identity(p) for p in model_files}},
+            "data": {str(f.resolve()): file_identity(f) for f in data_files},
+            "settings": settings}
+
+
+def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """The keys whose values differ between two identities, e.g. 'settings.eval.samples: 4 -> 8'."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "(absent)"), new.get(key, "(absent)")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            shown = ["..." if isinstance(v, dict) else (v[:12] if key == "sha256" else v) for v in (a, b)]
+            out.append(f"{prefix}{key}: {shown[0]} -> {shown[1]}")
+    return out
+
+
+def _has_predictions(out: Path) -> bool:
+    return any(out.glob("predictions*.jsonl")) or any(out.glob("skipped.rank*.jsonl"))
+
+
+def choose_output_dir(out: Path, identity: dict, if_different: str) -> Path:
+    """``out`` when it is empty or holds this very evaluation (same identity); otherwise stop with what differs
+    (``stop``) or take the first of out-2, out-3, ... that is empty or holds this evaluation (``new_dir``)."""
+    candidate, n = out, 1
+    while True:
+        run_file = candidate / RUN_FILE
+        if not _has_predictions(candidate):
+            return candidate
+        if run_file.is_file():
+            found = differences(json.loads(run_file.read_text()), identity)
+            if not found:
+                return candidate
+            what = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
+        else:
+            what = f"it holds predictions but no {RUN_FILE}, so what made them is unknown"
+        if if_different == "stop":
+            raise EvaluationMismatch(
+                f"{candidate} holds predictions of a different evaluation ({what}). Evaluate into another "
+                "eval.output_dir, set eval.if_different=new_dir to have one chosen, or eval.resume=false to replace "
+                "them")
+        n += 1
+        candidate = out.with_name(f"{out.name}-{n}")
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -116,9 +201,20 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
     cfg = load_config(None, [f"model.path={model_dir}", *overrides], training=False)
     ev, data_cfg = cfg.eval, cfg.data
     dist, rank, world = _dist()
-    out = Path(ev.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     data_files = [Path(f) for f in ([data_files] if isinstance(data_files, (str, Path)) else data_files)]
+    for data_file in data_files:
+        if not data_file.is_file():
+            raise ConfigError(f"data file not found: {data_file}")
+    identity = run_identity(cfg, Path(model_dir), data_files)
+    out = Path(ev.output_dir)
+    if ev.resume:  # every rank decides alike (same files, nothing written yet), then rank 0 records the run
+        chosen = choose_output_dir(out, identity, ev.if_different)
+        if chosen != out:
+            log.warning("%s holds a different evaluation; evaluating into %s (eval.if_different=new_dir)", out, chosen)
+        out = chosen
+    if dist:
+        dist.barrier()
+    out.mkdir(parents=True, exist_ok=True)
     records, skipped = [], []
     for data_file in data_files:
         found, bad_lines = read_records(data_file)
@@ -138,6 +234,8 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
     if not ev.resume and rank == 0:
         for path in [merged_file, *out.glob("predictions.rank*.jsonl"), *out.glob("skipped.rank*.jsonl")]:
             path.unlink(missing_ok=True)
+    if rank == 0:
+        (out / RUN_FILE).write_text(json.dumps(identity, indent=2))
     if dist:
         dist.barrier()
     done = {row["key"] for path in [merged_file, *out.glob("predictions.rank*.jsonl")] for row in _read_jsonl(path)}
@@ -148,8 +246,7 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
     model.eval()
     processor = load_processor(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     tokenizer = getattr(processor, "tokenizer", processor)
-    sampling = SamplingConfig(temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens,
-                              seed=ev.seed + rank)
+    sampling = SamplingConfig(temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens)
     crash_after = int(os.environ.get(CRASH_ENV, "-1"))
     scored = 0
     bar = tqdm(total=len(mine), desc=f"eval rank {rank}", disable=rank != 0, dynamic_ncols=True)
@@ -166,13 +263,16 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
             prompts.append(prompt.inputs)
         if batch:
             with torch.no_grad():
+                # Each question draws from its own stream (seed, question key): its samples do not depend on the
+                # batch it falls in, eval.batch_size or the number of ranks.
                 rollout = generate_groups(model, collate_prompts(prompts, tokenizer.pad_token_id), ev.samples,
-                                          sampling, tokenizer=tokenizer, synced=False)
+                                          sampling, tokenizer=tokenizer, synced=False,
+                                          prompt_seeds=[derive_seed(ev.seed, record_key(r)) for r in batch])
             for i, record in enumerate(batch):
                 rows = range(i * ev.samples, (i + 1) * ev.samples)
                 texts = [tokenizer.decode(rollout.completion_ids[n][rollout.completion_mask[n].bool()],
                                           skip_special_tokens=True) for n in rows]
-                accuracies = [accuracy_of(t, record) for t in texts]
+                accuracies = [accuracy_of(t, record, regression="mra") for t in texts]  # what Video-R1 reports
                 _append(rank_file, {
                     "key": record_key(record), "problem_id": record.get("problem_id"),
                     "benchmark": record["_benchmark"], "original_question_type": record.get("original_question_type"),
@@ -209,7 +309,7 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
     summary = summarize(predictions, skipped, ev.samples)
     data_names = ", ".join(str(f) for f in data_files)
     summary.update(model=str(model_dir), data=data_names, scored_this_run=int(counts[0]),
-                   resumed_from_file=int(counts[1]), world_size=world)
+                   resumed_from_file=int(counts[1]), world_size=world, output_dir=str(out))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "summary.md").write_text(markdown(summary, f"Evaluation of {model_dir} on {data_names}"))
     return summary
@@ -226,6 +326,8 @@ def main(argv: list[str] | None = None) -> None:
         summary = evaluate(argv[0], files, [a for a in argv[1:] if OVERRIDE.match(a)])
     except ConfigError as error:
         raise SystemExit(f"config error: {error}") from None
+    except EvaluationMismatch as error:
+        raise SystemExit(f"evaluation error: {error}") from None
     if summary is not None:
         print(markdown(summary, f"Evaluation of {argv[0]}"))
     from app.distributed import shutdown

@@ -17,7 +17,8 @@ import torch
 
 from app import checkpoint, distributed, lora
 from app.config import Config, ConfigError, load_config
-from app.data.records import load_stream
+from app.data.records import DataError, load_stream
+from app.data.video import SettingError
 from app.grouping import MODALITIES, present_vision_calls
 from app.models import load_model, load_processor
 from app.tracking import Tracker, configure_logging
@@ -41,6 +42,8 @@ def to_device(batch: dict, device) -> dict:
 
 
 class Recipe:
+    name = "train"  # the progress bar's label
+
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.rank, self.world = distributed.init_distributed()
@@ -53,6 +56,10 @@ class Recipe:
             max_grad_norm=cfg.train.max_grad_norm, dtype=cfg.model.dtype)
         self._hf_ds = distributed.hf_deepspeed_config(self.ds_config)  # must outlive from_pretrained (weakref)
 
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # per-rank weight-loading bars would interleave with the training bar
+        log.info("loading the policy from %s", cfg.model.path)
         self.processor = load_processor(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         policy = load_model(cfg.model.path, dtype=self.dtype, attn_implementation=cfg.model.vision_attention,
@@ -65,16 +72,20 @@ class Recipe:
         total_updates = cfg.train.max_steps * self.updates_per_step(cfg)
         scheduler = cosine_with_warmup(optimizer, cfg.train.warmup_steps, total_updates, cfg.train.min_lr_ratio)
         self.engine = distributed.build_engine(policy, self.ds_config, optimizer, scheduler)
+        self.output_dir = Path(cfg.train.output_dir)
         self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.rank, self.world,
-                                  lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank)
+                                  lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank,
+                                  skip_log=self.output_dir / "logs" / "skipped_at_load.jsonl")
         self.backend = None if cfg.grpo.attention_backend == "auto" else cfg.grpo.attention_backend
         self.output_dir = Path(cfg.train.output_dir)
         self.start_step = 0
         self.setup()
         if cfg.train.resume:
             self._resume()
+        if self.rank == 0:
+            log.info("batch: %s", self.batch_plan())
         self.tracker = Tracker(cfg.logging, self.output_dir, cfg.to_dict(), self.rank == 0, cfg.train.max_steps,
-                               self.start_step)
+                               self.start_step, label=self.name)
 
     @staticmethod
     def updates_per_step(cfg: Config) -> int:
@@ -83,6 +94,17 @@ class Recipe:
 
     def setup(self) -> None:
         """What only this recipe needs (a reference model, reward functions...), before a resume."""
+
+    def batch_plan(self) -> str:
+        """The step's arithmetic, said once at start-up (rank 0)."""
+        t = self.cfg.train
+        return (f"{self.world} rank(s) x {t.prompts_per_rank} example(s) per rank = {self.world * t.prompts_per_rank} "
+                f"per step; {t.groups_per_micro_batch} per micro-batch -> {self.gas} micro-batch(es) per rank "
+                f"(gradient accumulation {self.gas}); {t.max_steps} steps")
+
+    def learning_rate(self) -> float:
+        """The rate the coming optimizer update uses (DeepSpeed's scheduler moves after each update)."""
+        return float(self.engine.get_lr()[0])
 
     def train_step(self, step: int) -> dict:
         raise NotImplementedError
@@ -171,10 +193,13 @@ def run(recipe: type[Recipe], doc: str, argv: list[str] | None = None) -> None:
         cfg = load_config(argv[0], argv[1:])
     except ConfigError as error:
         raise SystemExit(f"config error: {error}") from None
-    configure_logging(Path(cfg.train.output_dir) / "logs" / f"rank{os.environ.get('RANK', '0')}.log")
+    configure_logging(Path(cfg.train.output_dir) / "logs" / f"rank{os.environ.get('RANK', '0')}.log",
+                      rank=int(os.environ.get("RANK", "0")))
     try:
         trainer = recipe(cfg)
+        trainer.train()
     except checkpoint.CheckpointError as error:
         raise SystemExit(f"resume error: {error}") from None
-    trainer.train()
+    except (DataError, SettingError) as error:  # named in one line, like a config error (details in logs/)
+        raise SystemExit(f"data error: {error}") from None
     distributed.shutdown()

@@ -9,6 +9,7 @@ A reward function takes the decoded completions and their records and returns on
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import re
@@ -45,13 +46,23 @@ def solution_answer(solution: str) -> str:
 
 # ---- multiple choice: one option letter, in the forms models write it, never a letter read out of a word ----------
 _WRAPPERS = (re.compile(r"^\\boxed\{(.*)\}$", re.DOTALL), re.compile(r"^\*\*(.*)\*\*$", re.DOTALL),
-             re.compile(r"^\$(.*)\$$", re.DOTALL), re.compile(r"^`(.*)`$", re.DOTALL))
+             re.compile(r"^\$(.*)\$$", re.DOTALL), re.compile(r"^`(.*)`$", re.DOTALL),
+             re.compile(r"^\[(.*)\]$", re.DOTALL), re.compile(r"^\{(.*)\}$", re.DOTALL))
 _LEAD_IN = re.compile(r"^(?:the\s+)?(?:final\s+|correct\s+)*(?:answer|option|choice)(?:\s+is)?\s*[:：]?\s*",
                       re.IGNORECASE)
+# The letter, then nothing, or a separator and the option's text / a justification: "B", "B.", "(B) red",
+# "B, the red one", "B - red", "B because it is red", "[B] red".
 _LETTER_FORMS = (
-    re.compile(r"^\(([A-Za-z])\)(?:[.:]?\s+\S.*)?[.]?$", re.DOTALL),  # (B)  (B) red
-    re.compile(r"^([A-Za-z])(?:[.:)](?:\s+\S.*)?)?$", re.DOTALL),  # B  b  B.  B)  B. red  B: red
+    re.compile(r"^[(\[]([A-Za-z])[)\]](?:[.:,;]?\s+(?P<rest>\S.*?))?[.]?$", re.DOTALL),
+    re.compile(r"^([A-Za-z])(?:[.:),;](?:\s+(?P<rest>\S.*?))?|\s+[-\u2013\u2014]\s+(?P<dash>\S.*?))?[.]?$",
+               re.DOTALL),
 )
+# A bare letter followed by a word is an option only when the word starts a justification ("B because ..."):
+# "A cat" is an article and a noun, "B or C" a hedge.
+_JUSTIFIED = re.compile(r"^([A-Za-z])\s+(?P<rest>(?:because|since|as|given|due|which|this|it|that)\b.*?)[.]?$",
+                        re.DOTALL | re.IGNORECASE)
+# Another option letter standing alone in the text after the answer makes it a hedge ("A, C", "B, or C").
+_OTHER_LETTER = re.compile(r"(?<![\w'])(?:[B-HJ-Z]|A(?!\s+[a-z]))(?![\w'])")
 
 
 def _unwrap(text: str) -> str:
@@ -70,12 +81,18 @@ def _unwrap(text: str) -> str:
 
 
 def option_letter(text: str) -> str | None:
-    """The option letter an answer names (A-Z: benchmarks have up to 26 options), or None: "B", "b", "B.", "(B)", "**B**", "\\boxed{B}",
-    "Answer: B", "B. red" name B; "blue", "Because ...", "a cat", "B or C", "A, C" name none."""
+    """The option letter an answer names (A-Z: benchmarks have up to 26 options), or None.
+
+    Named: "B", "b", "B.", "(B)", "[B]", "**B**", "\\boxed{B}", "Answer: B", "B. red", "B, the red one",
+    "B - red", "B because the square is red". None: "blue", "Because ...", "a cat", "B or C", "A, C", "B, not C"
+    (a second option letter in the text is a hedge)."""
     text = _unwrap(text)
-    for pattern in _LETTER_FORMS:
+    for pattern in (*_LETTER_FORMS, _JUSTIFIED):
         match = pattern.match(text)
         if match:
+            rest = match.groupdict().get("rest") or match.groupdict().get("dash") or ""
+            if _OTHER_LETTER.search(rest):
+                return None
             return match.group(1).upper()
     return None
 
@@ -164,11 +181,27 @@ def _free_form(pred: str, truth: str) -> float:
     return mean_rouge(truth, pred) if pred.strip() else 0.0
 
 
-def _regression(pred: str, truth: str) -> float:
+def relative_error_reward(prediction: float, truth: float) -> float:
+    """Video-R1's training reward for regression: 1 - min(1, |p - t| / |t|) (0.8 for 20% off). Video-R1 adds 1e-9
+    to both sides of the ratio; without it an exact answer scores exactly 1 (not 1 - 1e-10), and truth 0 scores
+    [p == 0] (Video-R1's formula would give an exact 0 the reward 0)."""
+    if truth == 0:
+        return float(prediction == 0)
+    relative = abs(prediction - truth) / abs(truth)
+    return 1.0 - min(1.0, max(0.0, relative))
+
+
+REGRESSION_METRICS: dict[str, Callable[[float, float], float]] = {
+    "relative_error": relative_error_reward,  # what Video-R1 trains on (smooth)
+    "mra": mean_relative_accuracy,  # what Video-R1's evaluation reports (VSI-Bench)
+}
+
+
+def _regression(pred: str, truth: str, metric: str = "relative_error") -> float:
     p, t = parse_number(pred), parse_number(truth)
     if p is None or t is None:
         return 0.0
-    return mean_relative_accuracy(p, t)
+    return REGRESSION_METRICS[metric](p, t)
 
 
 ACCURACY_BY_PROBLEM_TYPE: dict[str, Callable[[str, str], float]] = {
@@ -186,21 +219,27 @@ def check_problem_type(problem_type: str) -> None:
         raise RewardError(f"unknown problem_type {problem_type!r}; known: {', '.join(PROBLEM_TYPES)}")
 
 
-def accuracy_of(completion: str, record: dict) -> float:
-    """Accuracy of one completion: 0 without a closed ``<answer>`` tag, else the problem type's metric."""
+def accuracy_of(completion: str, record: dict, regression: str = "relative_error") -> float:
+    """Accuracy of one completion: 0 without a closed ``<answer>`` tag, else the problem type's metric.
+    ``regression``: ``relative_error`` (training, Video-R1's reward) or ``mra`` (evaluation, VSI-Bench's MRA)."""
     check_problem_type(record["problem_type"])
+    if regression not in REGRESSION_METRICS:
+        raise RewardError(f"unknown regression metric {regression!r}; expected one of {sorted(REGRESSION_METRICS)}")
     answer = extract_answer(completion)
     if answer is None or not answer:
         return 0.0
-    return ACCURACY_BY_PROBLEM_TYPE[record["problem_type"]](answer, solution_answer(record["solution"]))
+    truth = solution_answer(record["solution"])
+    if record["problem_type"] == "regression":
+        return _regression(answer, truth, regression)
+    return ACCURACY_BY_PROBLEM_TYPE[record["problem_type"]](answer, truth)
 
 
 def format_reward(completions: list[str], records: list[dict]) -> list[float]:
     return [float(bool(FORMAT_PATTERN.match(c))) for c in completions]
 
 
-def accuracy_reward(completions: list[str], records: list[dict]) -> list[float]:
-    return [accuracy_of(c, r) for c, r in zip(completions, records)]
+def accuracy_reward(completions: list[str], records: list[dict], regression: str = "relative_error") -> list[float]:
+    return [accuracy_of(c, r, regression) for c, r in zip(completions, records)]
 
 
 def load_plugin(spec: str) -> RewardFn:
@@ -220,8 +259,10 @@ def load_plugin(spec: str) -> RewardFn:
     return fn
 
 
-def build_rewards(names: Sequence[str], weights: Sequence[float] = ()) -> list[tuple[str, RewardFn, float]]:
-    """Resolve reward names into (name, function, weight)."""
+def build_rewards(names: Sequence[str], weights: Sequence[float] = (),
+                  regression: str = "relative_error") -> list[tuple[str, RewardFn, float]]:
+    """Resolve reward names into (name, function, weight); ``regression`` is the accuracy metric of regression
+    answers (``REGRESSION_METRICS``)."""
     weights = list(weights) or [1.0] * len(names)
     if len(weights) != len(names):
         raise RewardError(f"{len(weights)} reward weights for {len(names)} reward functions")
@@ -230,7 +271,7 @@ def build_rewards(names: Sequence[str], weights: Sequence[float] = ()) -> list[t
         if name == "format":
             fn = format_reward
         elif name == "accuracy":
-            fn = accuracy_reward
+            fn = functools.partial(accuracy_reward, regression=regression)
         elif ":" in name:
             fn = load_plugin(name)
         else:

@@ -10,8 +10,9 @@ with grouped attention: the prompt's K/V is held once and each sample appends on
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -32,7 +33,7 @@ class SamplingConfig:
     top_k: int = 0  # 0 means no top-k filter
     max_new_tokens: int = 256
     stop_strings: tuple[str, ...] = ()
-    seed: int | None = None
+    seed: int | None = None  # prompt b draws from derive_seed(seed, b) unless generate_groups gets prompt_seeds
     # Never sampled (vision placeholders by default); their log-probs are still reported unfiltered.
     suppress_token_ids: tuple[int, ...] | None = None
 
@@ -53,12 +54,31 @@ class Rollout:
     group_sizes: list[int]
     stop_reasons: list[str]  # per completion: "eos", "stop_string" or "length"
     prefill_tokens: int  # prompt tokens the decoder processed in prefill
-    extra: dict = field(default_factory=dict)
 
 
-def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
-            suppress: torch.Tensor | None = None):
-    """Pick tokens from [N, V] logits; return (tokens, log-probs of the tempered, unfiltered distribution)."""
+def derive_seed(*parts) -> int:
+    """A 63-bit seed from any parts (seed, step, rank, question key...): independent streams for different parts."""
+    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def prompt_generators(seeds: Sequence[int] | None, device) -> list[torch.Generator] | None:
+    """One random stream per prompt: a prompt's draws depend on its own seed only, never on the batch it is in,
+    its position there, the rank, or when the other samples finish."""
+    if seeds is None:
+        return None
+    return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+
+def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, generators: Sequence[torch.Generator] | None,
+                  group_sizes: Sequence[int], suppress: torch.Tensor | None = None):
+    """Pick tokens from [N, V] logits (rows grouped by prompt, ``group_sizes``); return (tokens, log-probs of the
+    tempered, unfiltered distribution).
+
+    One log-softmax pays for the reported log-probs; top-k and top-p mask only when set; the draw is an
+    exponential race (Gumbel-max): argmax(log p - log E) with E ~ Exp(1) from the row's prompt's generator, which
+    picks token i with probability p_i / sum(p) (a multinomial draw without a second softmax).
+    """
     logits = logits.float()
     allowed = logits if suppress is None else logits.index_fill(-1, suppress, float("-inf"))
     if sampling.temperature == 0:
@@ -66,17 +86,24 @@ def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Gen
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     scaled = logits / sampling.temperature
     logprobs = torch.log_softmax(scaled, dim=-1)
-    filtered = allowed / sampling.temperature
+    filtered = logprobs if suppress is None else logprobs.index_fill(-1, suppress, float("-inf"))
     if sampling.top_k and sampling.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]
+        kth = torch.topk(filtered, sampling.top_k, dim=-1).values[:, -1:]
         filtered = filtered.masked_fill(filtered < kth, float("-inf"))
     if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(filtered, descending=True, dim=-1)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= sampling.top_p  # keep the token that crosses
-        filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(filtered, dim=-1)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        sorted_logp, order = torch.sort(filtered, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logp, dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= sampling.top_p  # keep the token that crosses
+        filtered = filtered.scatter(-1, order, sorted_logp.masked_fill(drop, float("-inf")))
+    noise = torch.empty_like(filtered)
+    if generators is None:
+        noise.exponential_()
+    else:
+        start = 0
+        for generator, size in zip(generators, group_sizes):
+            noise[start : start + size].exponential_(generator=generator)
+            start += size
+    tokens = (filtered - noise.log()).argmax(dim=-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -162,11 +189,15 @@ def generate_groups(
     engine: str = "grouped",
     synced: bool | None = None,
     vision_calls: Sequence[str] | None = None,
+    prompt_seeds: Sequence[int] | None = None,
 ) -> Rollout:
     """Sample ``group_sizes[b]`` completions for each prompt b of a processor batch (left-padded).
 
     ``synced``: ranks step together (forwards that all-gather under ZeRO-3); ``vision_calls``: the vision-tower
     calls the prefill must make whatever this rank's prompts hold (``app.grouping.aligned_vision_calls``).
+    ``prompt_seeds``: one seed per prompt (e.g. ``derive_seed(seed, question key)``): each prompt's samples come
+    from its own random stream, so they do not depend on the batch, the rank or the batch size; default
+    ``derive_seed(sampling.seed, b)`` when ``sampling.seed`` is set, else torch's global generator.
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown generation engine {engine!r}; expected one of {ENGINES}")
@@ -178,18 +209,20 @@ def generate_groups(
         pad_id = getattr(tokenizer, "pad_token_id", None)
         pad_id = pad_id if pad_id is not None else (eos_ids[0] if eos_ids else 0)
     synced = _default_synced() if synced is None else synced
+    if prompt_seeds is None and sampling.seed is not None:
+        prompt_seeds = [derive_seed(sampling.seed, b) for b in range(num_prompts)]
+    if prompt_seeds is not None and len(prompt_seeds) != num_prompts:
+        raise ValueError(f"{len(prompt_seeds)} prompt seeds for {num_prompts} prompts")
+    generators = prompt_generators(prompt_seeds, prompts["input_ids"].device)
     with aligned_vision_calls(model, prompts, vision_calls):  # acts on the first forward only: the prefill
         if engine == "hf":
-            return _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id)
-        return _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, synced)
+            return _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, generators)
+        return _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, synced, generators)
 
 
-def _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, synced) -> Rollout:
+def _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, synced, generators) -> Rollout:
     device = prompts["input_ids"].device
     previous = text_config(model)._attn_implementation
-    generator = None
-    if sampling.seed is not None:
-        generator = torch.Generator(device=device).manual_seed(sampling.seed)
     group_of_sample = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
     count = len(group_of_sample)
     suppress_ids = vision_token_ids(model) if sampling.suppress_token_ids is None else list(sampling.suppress_token_ids)
@@ -213,7 +246,7 @@ def _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_i
         step, done_here = 0, False
         while True:
             if not done_here:
-                tokens, logprobs = _sample(logits, sampling, generator, suppress)
+                tokens, logprobs = sample_tokens(logits, sampling, generators, sizes, suppress)
                 active = ~tracker.finished
                 tokens = torch.where(active, tokens, torch.full_like(tokens, pad_id))
                 tokens_out.append(tokens)
@@ -245,18 +278,18 @@ def _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_i
 
 
 class _SampleLikeGrouped:
-    """A logits processor for HF generate (run greedy) that picks each row's token with ``_sample``: the tempered,
-    top-k/top-p distribution and the random draws of the grouped engine."""
+    """A logits processor for HF generate (run greedy) that picks each row's token with ``sample_tokens``: the
+    tempered, top-k/top-p distribution and the random draws of the grouped engine."""
 
-    def __init__(self, sampling: SamplingConfig, generator, suppress):
-        self.sampling, self.generator, self.suppress = sampling, generator, suppress
+    def __init__(self, sampling: SamplingConfig, generators, sizes, suppress):
+        self.sampling, self.generators, self.sizes, self.suppress = sampling, generators, sizes, suppress
 
     def __call__(self, input_ids, scores):
-        tokens, _ = _sample(scores, self.sampling, self.generator, self.suppress)
+        tokens, _ = sample_tokens(scores, self.sampling, self.generators, self.sizes, self.suppress)
         return torch.full_like(scores, float("-inf")).scatter(-1, tokens[:, None], 0.0)
 
 
-def _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id) -> Rollout:
+def _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, generators) -> Rollout:
     """Plain HF generate on the repeated batch (prompt and video copied per sample): the A/B baseline."""
     device = prompts["input_ids"].device
     previous = text_config(model)._attn_implementation
@@ -271,11 +304,8 @@ def _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id) ->
         # (their logits agree up to float rounding), so A/B runs differ only by the layout, not by the dice.
         from transformers import LogitsProcessorList
 
-        generator = None
-        if sampling.seed is not None:
-            generator = torch.Generator(device=device).manual_seed(sampling.seed)
         suppress = torch.tensor(suppress_ids, device=device, dtype=torch.long) if suppress_ids else None
-        kwargs["logits_processor"] = LogitsProcessorList([_SampleLikeGrouped(sampling, generator, suppress)])
+        kwargs["logits_processor"] = LogitsProcessorList([_SampleLikeGrouped(sampling, generators, sizes, suppress)])
     elif suppress_ids:
         kwargs.update(suppress_tokens=suppress_ids)
     if sampling.stop_strings:

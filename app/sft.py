@@ -30,13 +30,20 @@ log = logging.getLogger("app.sft")
 END_OF_TURN = "<|im_end|>"
 
 
-def target_text(record: dict) -> str:
-    """Video-R1's SFT target: ``process + "\\n" + solution`` (the solution alone when a record has no process)."""
+def has_process(record: dict) -> bool:
     process = record.get("process")
-    return f"{process}\n{record['solution']}" if isinstance(process, str) and process.strip() else record["solution"]
+    return isinstance(process, str) and bool(process.strip())
+
+
+def target_text(record: dict) -> str:
+    """Video-R1's SFT target: ``process + "\\n" + solution`` (the solution alone when a record has no process,
+    which ``data.sft_without_process=answer_only`` allows; by default such records are skipped)."""
+    return f"{record['process']}\n{record['solution']}" if has_process(record) else record["solution"]
 
 
 class SFTTrainer(Recipe):
+    name = "SFT"
+
     def setup(self) -> None:
         end = self.tokenizer.convert_tokens_to_ids(END_OF_TURN)
         if end is None or end == self.tokenizer.unk_token_id:
@@ -50,6 +57,11 @@ class SFTTrainer(Recipe):
         limit = self.cfg.rollout.max_completion_length
         while len(out) < self.cfg.train.prompts_per_rank:
             for prompt in self.stream.next_prompts(self.cfg.train.prompts_per_rank - len(out)):
+                if not has_process(prompt.record) and self.cfg.data.sft_without_process == "skip":
+                    self.stream.skip(prompt.record, "no process for SFT: `process` (the chain of thought) is missing "
+                                                    "or empty (data.sft_without_process=answer_only trains on the "
+                                                    "solution alone)")
+                    continue
                 ids = self.tokenizer(target_text(prompt.record), add_special_tokens=False)["input_ids"]
                 ids.append(self.end_of_turn)
                 if len(ids) > limit:
@@ -62,6 +74,7 @@ class SFTTrainer(Recipe):
     def train_step(self, step: int) -> dict:
         cfg = self.cfg
         start = time.perf_counter()
+        learning_rate = self.learning_rate()  # the rate this step's update uses (read before the scheduler moves)
         examples = self.examples()
         waited = self.data_wait(step)
         self.engine.train()
@@ -88,7 +101,7 @@ class SFTTrainer(Recipe):
         seconds = time.perf_counter() - start
         if step == self.start_step:
             log.info("SFT target of %s: %r", where(examples[0][0].record), target_text(examples[0][0].record)[:200])
-        return {"loss": loss_mean, "tokens/target": tokens_mean, "learning_rate": float(self.engine.get_lr()[0]),
+        return {"loss": loss_mean, "tokens/target": tokens_mean, "learning_rate": learning_rate,
                 "grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "time/step": seconds,
                 "time/data_wait": waited, "data/skipped": float(sum(self.stream.skipped.values()))}
 

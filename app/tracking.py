@@ -28,15 +28,21 @@ def keep_steps_up_to(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+# What the bar / the progress line shows, and under which name.
+SHOWN = {"loss": "loss", "reward/mean": "reward", "accuracy": "accuracy", "kl": "kl", "grad_norm": "grad_norm",
+         "time/step": "step"}
+
+
 class Tracker:
     def __init__(self, logging_cfg, output_dir: str | Path, config: dict, is_main: bool, total_steps: int,
-                 start_step: int = 0):
+                 start_step: int = 0, label: str = "train"):
         self.cfg = logging_cfg
         self.is_main = is_main
         self.output_dir = Path(output_dir)
         self.jsonl = self.output_dir / "metrics.jsonl"
         self.run = None
         self.bar = None
+        self.total_steps, self.label = total_steps, label
         if not is_main:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -54,7 +60,7 @@ class Tracker:
                                   tags=list(logging_cfg.tags) or None, mode=logging_cfg.wandb_mode, config=config,
                                   dir=str(self.output_dir), id=run_id, resume="allow")
         if logging_cfg.progress_bar:
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=start_step, desc=label, unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.is_main:
@@ -63,10 +69,14 @@ class Tracker:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.run is not None:
             self.run.log(metrics, step=step)
+        shown = {name: metrics[key] for key, name in SHOWN.items() if key in metrics}
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
-            shown = {k: metrics[k] for k in ("reward/mean", "accuracy", "kl") if k in metrics}
-            self.bar.set_postfix({k.split("/")[-1]: f"{v:.3f}" for k, v in shown.items()})
+            self.bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items() if k != "step"})
+        else:  # no bar (SLURM logs): one line per logged step
+            logging.getLogger("app.progress").info(
+                "%s step %d/%d | %s", self.label, step, self.total_steps,
+                " | ".join(f"{k} {v:.4g}" if k != "step" else f"{v:.2f} s/step" for k, v in shown.items()))
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
         if not self.is_main or not rows:
@@ -98,12 +108,21 @@ def _not_chatty(record) -> bool:
     return record.levelno >= logging.WARNING or not record.name.startswith(CHATTY_LOGGERS)
 
 
-def configure_logging(log_file: Path | None = None) -> None:
-    """Console logging at INFO for this project; per-item third-party INFO to ``log_file`` (or dropped)."""
+def _console_worthy(record) -> bool:
+    """Detail lines (``extra={"detail": True}``: every skipped record past the first few) go to the log file only."""
+    return not getattr(record, "detail", False)
+
+
+def configure_logging(log_file: Path | None = None, rank: int = 0) -> None:
+    """Console logging at INFO on rank 0 and WARNING on the other ranks (each INFO line once, not once per rank);
+    per-item third-party INFO and detail lines to ``log_file`` (or dropped)."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     for handler in logging.getLogger().handlers:
-        if type(handler) is logging.StreamHandler and _not_chatty not in handler.filters:
-            handler.addFilter(_not_chatty)
+        if type(handler) is logging.StreamHandler:
+            handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+            for check in (_not_chatty, _console_worthy):
+                if check not in handler.filters:
+                    handler.addFilter(check)
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(log_file)

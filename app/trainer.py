@@ -10,7 +10,6 @@ forward, micro-batch by micro-batch -> DeepSpeed step -> metrics, checkpoint.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -35,14 +34,9 @@ from app.grpo import (
 from app.models import load_model
 from app.recipe import Recipe, run, to_device
 from app.rewards import accuracy_of, build_rewards, length_bonus, score, temporal_bonus
-from app.rollout import Rollout, SamplingConfig, generate_groups, select_groups
+from app.rollout import Rollout, SamplingConfig, derive_seed, generate_groups, select_groups
 
 log = logging.getLogger("app.trainer")
-
-
-def step_seed(seed: int, step: int, rank: int, salt: str = "") -> int:
-    digest = hashlib.sha256(f"{seed}/{step}/{rank}/{salt}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def tokens_per_micro_batch(loss_type: str, weights: torch.Tensor, micro_batches: int) -> float | None:
@@ -85,6 +79,8 @@ def select(batches: list[StepBatch], picks: list[tuple[int, int]], group_size: i
 
 
 class GRPOTrainer(Recipe):
+    name = "GRPO"
+
     @staticmethod
     def updates_per_step(cfg: Config) -> int:
         return cfg.grpo.num_iterations
@@ -100,15 +96,30 @@ class GRPOTrainer(Recipe):
                                    trust_remote_code=cfg.model.trust_remote_code)
             self.reference = distributed.build_reference(reference, self.ds_config, self.device)
 
-        self.rewards = build_rewards(cfg.rewards.functions, cfg.rewards.weights)
+        self.rewards = build_rewards(cfg.rewards.functions, cfg.rewards.weights, cfg.rewards.regression)
+        if cfg.rewards.temporal and not any(r.get("data_type") == "video" for r in self.stream.records):
+            log.warning("rewards.temporal=true but %s has no video records: no temporal bonus can be paid "
+                        "(the shuffled-frame rollout needs a video)", cfg.data.train_file)
         self.loss_options = LossOptions(
             loss_type=cfg.grpo.loss_type, beta=cfg.grpo.beta, epsilon_low=cfg.grpo.epsilon_low,
             epsilon_high=cfg.grpo.epsilon_high, delta=cfg.grpo.delta, kl_estimator=cfg.grpo.kl_estimator,
             max_completion_length=cfg.rollout.max_completion_length)
 
+    def batch_plan(self) -> str:
+        cfg, t, g = self.cfg, self.cfg.train, self.cfg.rollout.group_size
+        per_step = self.world * t.prompts_per_rank
+        packed = cfg.data.max_prompt_length + g * cfg.rollout.max_completion_length
+        return (f"{self.world} rank(s) x {t.prompts_per_rank} prompt(s) per rank = {per_step} prompts per step; "
+                f"G={g} -> {per_step * g} completions per step; {t.groups_per_micro_batch} group(s) per micro-batch "
+                f"-> {self.gas} micro-batch(es) per rank (gradient accumulation {self.gas}) x mu="
+                f"{cfg.grpo.num_iterations} update pass(es); token budget per packed group <= {packed} "
+                f"(prompt <= data.max_prompt_length {cfg.data.max_prompt_length} + G x "
+                f"rollout.max_completion_length {cfg.rollout.max_completion_length}); {t.max_steps} steps")
+
     def train_step(self, step: int) -> dict:
         cfg = self.cfg
         timings = {}
+        learning_rate = self.learning_rate()  # the rate this step's updates use (read before the scheduler moves)
         start = time.perf_counter()
         batch = self.collect(step)
         batch.advantages = self.advantages(batch)
@@ -156,7 +167,9 @@ class GRPOTrainer(Recipe):
                 layout = scores.layout
                 tokens += layout.packed_tokens if cfg.grpo.grouping == "grouped" else layout.repeated_tokens
         timings["policy"] = time.perf_counter() - start
-        return self.step_metrics(step, batch, losses, loss_metrics, timings, tokens)
+        metrics = self.step_metrics(step, batch, losses, loss_metrics, timings, tokens)
+        metrics["learning_rate"] = learning_rate
+        return metrics
 
     # ---- stages ---------------------------------------------------------------------------------------------
     def collect(self, step: int) -> StepBatch:
@@ -224,13 +237,15 @@ class GRPOTrainer(Recipe):
         sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                   top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_completion_length,
                                   stop_strings=tuple(cfg.rollout.stop_strings),
-                                  seed=step_seed(cfg.train.seed, step, self.rank, f"draw{draw}" if draw else ""))
+                                  seed=None)
+        # Every prompt its own random stream: independent across steps, draws, ranks and positions in the batch.
+        seeds = [derive_seed(cfg.train.seed, step, self.rank, draw, i) for i in range(len(prompts))]
         self.engine.eval()
-        rollout = self.generate(inputs, sampling)
+        rollout = self.generate(inputs, sampling, seeds)
         texts = self.decode(rollout)
         records = [p.record for p in prompts for _ in range(cfg.rollout.group_size)]
         rewards = score(self.rewards, texts, records)
-        accuracy = [accuracy_of(t, r) for t, r in zip(texts, records)]
+        accuracy = [accuracy_of(t, r, cfg.rewards.regression) for t, r in zip(texts, records)]
         g, rc = cfg.rollout.group_size, cfg.rewards
         if rc.length:
             lengths = rollout.completion_mask.sum(1).tolist()
@@ -251,7 +266,7 @@ class GRPOTrainer(Recipe):
             if prompt.record.get("data_type") != "video":
                 shuffled.append(None)
                 continue
-            again = self.stream.encode(prompt.record, shuffle_frames_seed=step_seed(self.cfg.train.seed, step, i))
+            again = self.stream.encode(prompt.record, shuffle_frames_seed=derive_seed(self.cfg.train.seed, step, i))
             shuffled.append(again)
         bonus = [0.0] * len(accuracy)
         video = [i for i, s in enumerate(shuffled) if s is not None]
@@ -260,27 +275,29 @@ class GRPOTrainer(Recipe):
             # Under ZeRO-3 a rollout gathers parameters collectively: this rank has no video but another has, so
             # it joins with a throwaway rollout of its own prompt (discarded) instead of leaving the others hanging.
             dummy = to_device(collate_prompts([prompts[0].inputs], self.tokenizer.pad_token_id), self.device)
-            self.generate(dummy, sampling)
+            self.generate(dummy, sampling, [0])
             return bonus
         if not video:
             return bonus
         inputs = to_device(collate_prompts([shuffled[i].inputs for i in video], self.tokenizer.pad_token_id),
                            self.device)
-        rollout = self.generate(inputs, sampling)
+        rollout = self.generate(inputs, sampling, [derive_seed(self.cfg.train.seed, step, self.rank, "shuffled", i)
+                                                   for i in video])
         shuffled_texts = self.decode(rollout)
         g, rc = self.cfg.rollout.group_size, self.cfg.rewards
         for k, i in enumerate(video):
             ordered = accuracy[i * g : (i + 1) * g]
-            mixed = [accuracy_of(t, records[i * g]) for t in shuffled_texts[k * g : (k + 1) * g]]
+            mixed = [accuracy_of(t, records[i * g], rc.regression) for t in shuffled_texts[k * g : (k + 1) * g]]
             bonus[i * g : (i + 1) * g] = temporal_bonus(ordered, mixed, rc.temporal_alpha, rc.temporal_ratio,
                                                         rc.bonus_rules)
         return bonus
 
-    def generate(self, inputs: dict, sampling: SamplingConfig) -> Rollout:
+    def generate(self, inputs: dict, sampling: SamplingConfig, seeds: list[int]) -> Rollout:
         vision_calls = self.hooked_vision_calls(inputs, self.engine)  # agreed before: gathering is collective too
         with distributed.gathered_for_inference(self.engine, self.cfg.rollout.zero3_gather) as (model, collective):
             return generate_groups(model, inputs, self.cfg.rollout.group_size, sampling, tokenizer=self.tokenizer,
-                                   engine=self.cfg.rollout.engine, synced=collective, vision_calls=vision_calls)
+                                   engine=self.cfg.rollout.engine, synced=collective, vision_calls=vision_calls,
+                                   prompt_seeds=seeds)
 
     def hooked_vision_calls(self, inputs: dict, engine) -> tuple[str, ...] | None:
         """Agreed vision calls for a no-grad forward, needed only when it keeps DeepSpeed's hooks (per_step)."""
@@ -372,7 +389,6 @@ class GRPOTrainer(Recipe):
         step_time = timings["rollout"] + timings["reference"] + timings["policy"]
         averaged["time/step"] = step_time
         averaged["tokens_per_second"] = averaged["tokens/policy_forward"] / max(timings["policy"], 1e-9)
-        averaged["learning_rate"] = float(self.engine.get_lr()[0])
         grad_norm = self.engine.get_global_grad_norm()
         averaged["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         averaged["data/skipped"] = float(sum(self.stream.skipped.values()))

@@ -18,4 +18,12 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 if command -v nvidia-smi >/dev/null 2>&1 && [ "${INSTALL_FLASH_ATTN:-0}" = "1" ]; then
   "${PIP[@]}" install -c constraints.txt --no-build-isolation flash-attn || echo "flash-attn did not build; other backends still work" >&2
 fi
+# Any Python started from this environment gets the torchvision-on-CPU fix (app/compat.py) before torchvision
+# loads: plain transformers / peft scripts, exports loaded elsewhere, subprocesses. See scripts/prefix_grpo_autofix.py.
+SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+cp scripts/prefix_grpo_autofix.py "$SITE/prefix_grpo_autofix.py"
+echo "import prefix_grpo_autofix" > "$SITE/prefix_grpo_autofix.pth"
+# DeepSpeed's CPU communication op is JIT-built on first use; build it now, in this environment's own cache
+# (app.distributed.prepare_comm_op), so no training run has to, and a killed build cannot block later runs.
+"$VENV/bin/python" -m app.distributed --build-ops
 "$VENV/bin/python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"

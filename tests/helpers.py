@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 from PIL import Image
@@ -86,3 +88,32 @@ def run_and_grad(model, prompts, ids, mask, group_sizes, mode, backend=None):
 def text_layers(model):
     inner = model.model
     return getattr(inner, "language_model", inner).layers
+
+
+@contextlib.contextmanager
+def world_of_one(monkeypatch):
+    """A DeepSpeed world of one in this process (for in-process recipe tests); torn down afterwards, and the
+    variables go away with the test (subprocesses must not inherit them)."""
+    import torch.distributed as dist
+
+    from app.distributed import _free_port
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", str(_free_port()))):
+        monkeypatch.setenv(key, value)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        import deepspeed.comm.comm as ds_comm
+        import deepspeed.utils.groups as ds_groups
+
+        # DeepSpeed keeps its backend and its groups (of the dead world) in module globals: forget them.
+        ds_comm.cdb = None
+        for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "mpu", "mesh_device",
+                     "_TENSOR_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP"):
+            setattr(ds_groups, name, None)
+        for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                     "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+            getattr(ds_groups, name).clear()

@@ -155,3 +155,61 @@ def test_merged_benchmark_files_with_colliding_ids_give_one_prediction_each(asse
     assert {k: v["count"] for k, v in summary["by_original_question_type"].items()} == {"action_sequence": 3,
                                                                                          "order": 2}
     assert "| benchmark: eval_MVBench | 3 |" in (out / "summary.md").read_text()
+
+
+# ---- a resume continues only the same evaluation; each question draws from its own random stream ---------------
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval-small")
+    files = generate(root / "data", train=2, heldout=4, seed=2)
+    return {"a": build_tiny_checkpoint(root / "a", "qwen2_5_vl", seed=0),
+            "b": build_tiny_checkpoint(root / "b", "qwen2_5_vl", seed=1), "data": files["heldout"]}
+
+
+def in_process(model, data, out, *extra):
+    from app.evaluate import evaluate
+
+    return evaluate(model, [data], [f"eval.output_dir={out}", *EVAL, "eval.max_new_tokens=6", *extra])
+
+
+def test_resume_refuses_predictions_of_another_model_or_settings(small, tmp_path):
+    from app.evaluate import EvaluationMismatch
+
+    out = tmp_path / "eval"
+    first = in_process(small["a"], small["data"], out)
+    assert first["scored_this_run"] == 4
+    with pytest.raises(EvaluationMismatch, match=r"model\.files\.model\.safetensors\.sha256.*model\.path"):
+        in_process(small["b"], small["data"], out)  # today: B reported A's numbers ("resumed 4")
+    with pytest.raises(EvaluationMismatch, match=r"settings\.eval\.samples: 1 -> 2"):
+        in_process(small["a"], small["data"], out, "eval.samples=2", "eval.temperature=1.0")
+    with pytest.raises(EvaluationMismatch, match=r"settings\.data\.max_frames: 16 -> 8"):
+        in_process(small["a"], small["data"], out, "data.max_frames=8")
+    again = in_process(small["a"], small["data"], out)  # the very same evaluation resumes
+    assert again["resumed_from_file"] == 4 and again["scored_this_run"] == 0
+    other = in_process(small["b"], small["data"], out, "eval.if_different=new_dir")
+    assert other["output_dir"] == str(tmp_path / "eval-2") and other["scored_this_run"] == 4
+    assert json.loads((out / "summary.json").read_text())["model"] == str(small["a"])  # A's results untouched
+    changed = small["data"].parent / "changed.jsonl"
+    changed.write_text(small["data"].read_text().replace('"problem_id": 1,', '"problem_id": 101,'))
+    with pytest.raises(EvaluationMismatch, match="data"):
+        from app.evaluate import evaluate
+
+        evaluate(small["a"], [changed], [f"eval.output_dir={out}", *EVAL, "eval.max_new_tokens=6"])
+
+
+def test_each_question_draws_its_own_samples_whatever_the_batch(small, tmp_path):
+    sampled = ["eval.samples=3", "eval.temperature=1.0"]
+    one = in_process(small["a"], small["data"], tmp_path / "b1", "eval.batch_size=1", *sampled)
+    three = in_process(small["a"], small["data"], tmp_path / "b3", "eval.batch_size=3", *sampled)
+    assert predictions(tmp_path / "b1") == predictions(tmp_path / "b3")  # today: pass@k moved with the batch size
+    assert one["overall"] == three["overall"]
+    # Copies of one question (different keys) get different draws, not the same characters in every batch.
+    question = small["data"].read_text().splitlines()[0]
+    copies = small["data"].parent / "copies.jsonl"
+    copies.write_text("\n".join([question] * 4) + "\n")
+    from app.evaluate import evaluate
+
+    evaluate(small["a"], [copies], [f"eval.output_dir={tmp_path / 'copies'}", *EVAL, "eval.max_new_tokens=6",
+                                    "eval.batch_size=4", *sampled])
+    completions = [tuple(r["completions"]) for r in predictions(tmp_path / "copies").values()]
+    assert len(completions) == 4 and len(set(completions)) == 4

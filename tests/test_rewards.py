@@ -43,7 +43,7 @@ def said(answer: str) -> str:
     ("free-form", "the red square moves left", "the red square moves left", pytest.approx(1.0)),
     ("free-form", "the red square moves left", "blue circle", 0.0),
     ("regression", "10", "10", 1.0),
-    ("regression", "10", "8", pytest.approx(0.6)),  # MRA: |8-10|/10 = 0.2 < 1-theta for theta 0.50..0.75
+    ("regression", "10", "8", pytest.approx(0.8)),  # Video-R1's training reward: 1 - |8-10|/10
     ("regression", "10", "30", 0.0),
     ("regression", "0", "0", 1.0),
 ])
@@ -79,13 +79,26 @@ GAMED = [
     ("regression", "3", said("between 2 and 4"), 0.0),
     # free-form: an exact one-word answer is fully right (ROUGE-2 only for references of two words or more)
     ("free-form", "left", said("left"), pytest.approx(1.0)),
-    # regression is VSI-Bench's MRA: 10% off passes 8 of 10 thresholds (not 0.90, 0.95), 50% off none
-    ("regression", "10", said("11"), pytest.approx(0.8)),
-    ("regression", "10", said("15"), 0.0),
+    # regression trains on Video-R1's 1 - relative error: smooth, 0.9 for 10% off, 0.5 for 50% off
+    ("regression", "10", said("11"), pytest.approx(0.9)),
+    ("regression", "10", said("15"), pytest.approx(0.5)),
+    ("regression", "4", said("8"), 0.0),
+    # a hedge stays a hedge when it comes with a justification
+    ("multiple choice", "B", said("B, not C"), 0.0),
+    ("multiple choice", "B", said("B because C is wrong"), 0.0),
+    ("multiple choice", "A", said("A cat"), 0.0),
 ]
 RIGHT = [
     ("multiple choice", "B", said(answer), 1.0)
     for answer in ("b", "B.", "(B)", "**B**", "\\boxed{B}", "Answer: B", "B. red", "(B) red", "The answer is B")
+] + [
+    # a correct letter followed by its justification is an answer, not a hedge (any letter, any wording)
+    (problem, truth, said(answer), 1.0) for problem, truth, answer in (
+        ("multiple choice", "B", "[B]"), ("multiple choice", "B", "B because the square is red"),
+        ("multiple choice", "B", "B, the red one"), ("multiple choice", "D", "[D] the blue circle"),
+        ("multiple choice", "E", "e, since it comes first"), ("multiple choice", "C", "C - it moves left"),
+        ("multiple choice", "A", "A because the ball falls"), ("multiple choice", "J", "(J), the last one"),
+        ("multiple choice", "F", "The answer is F, as the clip shows"))
 ] + [
     ("numerical", "3", said("3.0"), 1.0),
     ("numerical", "12", said("12 squares"), 1.0),
@@ -101,6 +114,14 @@ RIGHT = [
 @pytest.mark.parametrize(("problem_type", "truth", "completion", "expected"), GAMED + RIGHT)
 def test_scoring_cannot_be_gamed_and_stays_right(problem_type, truth, completion, expected):
     assert accuracy_of(completion, rec(problem_type, truth)) == expected
+
+
+@pytest.mark.parametrize(("truth", "answer", "expected"), [
+    ("10", "10", 1.0), ("10", "11", pytest.approx(0.8)),  # 10% off passes 8 of 10 thresholds (not 0.90, 0.95)
+    ("10", "8", pytest.approx(0.6)), ("10", "15", 0.0), ("0", "0", 1.0)])
+def test_regression_reports_mra_in_evaluation(truth, answer, expected):
+    """Evaluation reports VSI-Bench's MRA (what Video-R1's eval prints); training uses 1 - relative error."""
+    assert accuracy_of(said(answer), rec("regression", truth), regression="mra") == expected
 
 
 def test_every_problem_type_has_a_case():

@@ -106,3 +106,47 @@ def test_bad_sampling_settings():
         SamplingConfig(top_p=0)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         SamplingConfig(max_new_tokens=0)
+
+
+def test_a_prompts_samples_depend_on_its_seed_not_on_its_batch(tiny_checkpoints, videos):
+    """Per-prompt random streams: the same prompt with the same seed draws the same samples alone or second in a
+    batch; other seeds draw others (training: every step, draw, rank and prompt its own seed)."""
+    model, processor = load("qwen2_5_vl", tiny_checkpoints)
+    tok = tokenizer_of(processor)
+    batch = prompt_batch("qwen2_5_vl", processor, videos, ["video", "text"])  # the video prompt is the longer one
+    alone = prompt_batch("qwen2_5_vl", processor, videos, ["video"])
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=6)
+    both = generate_groups(model, batch, 3, sampling, tokenizer=tok, eos_ids=[], prompt_seeds=[22, 11])
+    single = generate_groups(model, alone, 3, sampling, tokenizer=tok, eos_ids=[], prompt_seeds=[22])
+    assert torch.equal(both.completion_ids[:3], single.completion_ids)
+    other = generate_groups(model, alone, 3, sampling, tokenizer=tok, eos_ids=[], prompt_seeds=[23])
+    assert not torch.equal(other.completion_ids, single.completion_ids)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0),
+                                                               (1.3, 0, 0.8), (0.9, 4, 0.9)])
+def test_sampler_draws_the_tempered_filtered_distribution(temperature, top_k, top_p):
+    """Frequencies of 40,000 draws against the exact distribution: softmax(logits / T), restricted to the top k and
+    to the smallest set of tokens whose mass reaches top_p (the crossing token kept), renormalised."""
+    from app.rollout import prompt_generators, sample_tokens
+
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.3, -0.5, -1.0, 0.9, -3.0])
+    probs = torch.softmax(logits / temperature, -1)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if top_k:
+        keep &= probs >= probs.topk(top_k).values[-1]
+    order = torch.argsort(torch.where(keep, probs, torch.zeros_like(probs)), descending=True)
+    kept = torch.where(keep, probs, torch.zeros_like(probs))[order]
+    kept = kept / kept.sum()
+    mass_before = kept.cumsum(0) - kept
+    keep_sorted = mass_before < top_p
+    expected = torch.zeros_like(probs)
+    expected[order[keep_sorted]] = probs[order[keep_sorted]]
+    expected = expected / expected.sum()
+    n = 40_000
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens, logprobs = sample_tokens(logits.expand(n, -1), sampling, prompt_generators([5, 6], "cpu"), [n // 2, n // 2])
+    frequencies = torch.bincount(tokens, minlength=len(logits)).double() / n
+    assert (frequencies - expected.double()).abs().max() < 0.01
+    assert (frequencies[expected == 0] == 0).all()  # filtered tokens are never drawn
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits / temperature, -1)[tokens])  # unfiltered log-probs

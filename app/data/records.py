@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.data.prompts import encode_prompts
-from app.data.video import VideoDecodeError, frame_files, video_element
+from app.data.video import SettingError, VideoDecodeError, frame_files, video_element
 from app.rewards import PROBLEM_TYPES
 
 log = logging.getLogger(__name__)
+SKIP_EXAMPLES = 5  # skipped records named on the console (per rank at run time, rank 0 at load); the rest in files
 
 REQUIRED_FIELDS = ("problem", "problem_type", "solution")
 
@@ -264,6 +265,8 @@ def encode_record(processor, record: dict, data_root: Path, data_cfg,
     try:
         conversation = build_conversation(record, data_root, data_cfg)
         inputs = encode_prompts(processor, [conversation], shuffle_frames_seed=shuffle_frames_seed)
+    except SettingError:
+        raise  # the settings are wrong, not the record: the run stops and names them
     except VideoDecodeError as error:
         return None, f"undecodable video: {error}"
     except Exception as error:  # the processor and PIL reject odd media in many ways (UnidentifiedImageError...)
@@ -324,12 +327,16 @@ class PromptStream:
         return self.records[self._order(epoch)[index]]
 
     def skip(self, record: dict, reason: str) -> None:
-        """Count a skip; warn the first time a record is skipped (later epochs only count it)."""
+        """Count a skip; warn the first time a record is skipped (later epochs only count it): the first
+        ``SKIP_EXAMPLES`` on the console, every one in the rank's log file."""
         key = where(record)
         if key not in self._warned:
             self._warned.add(key)
-            log.warning("skipping %s: %s", key, reason)
-        kind = reason.split(":")[0].split(" (")[0]
+            detail = len(self._warned) > SKIP_EXAMPLES
+            log.warning("skipping %s: %s%s", key, reason, "" if len(self._warned) != SKIP_EXAMPLES else
+                        " (further skipped records are named in this rank's log file only)",
+                        extra={"detail": detail})
+        kind = skip_kind(reason)
         self.skipped[kind] += 1
         self.recent_skips[kind] += 1
         limit = self.data_cfg.max_skip_fraction * max(self.total_records, 1)
@@ -392,7 +399,31 @@ class PromptStream:
             self._pool = None
 
 
-def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int, lookahead: int = 0) -> PromptStream:
+def skip_kind(reason: str) -> str:
+    return reason.split(":")[0].split(" (")[0]
+
+
+def report_skips(skipped: list[Skipped], total: int, source: str, skip_log: Path | None) -> None:
+    """One summary of the records refused at load, by reason, with the first few examples; the full list (one JSON
+    line per record) goes to ``skip_log``. Called on one rank only."""
+    if not skipped:
+        return
+    counts = Counter(skip_kind(s.reason) for s in skipped)
+    examples = "; ".join(f"{s.where}: {s.reason}" for s in skipped[:SKIP_EXAMPLES])
+    where_all = ""
+    if skip_log is not None:
+        skip_log.parent.mkdir(parents=True, exist_ok=True)
+        skip_log.write_text("".join(json.dumps({"where": s.where, "reason": s.reason}) + "\n" for s in skipped))
+        where_all = f"; every one is listed in {skip_log}"
+    log.warning("%d of %d records in %s cannot be used and are skipped (%s). First %d: %s%s", len(skipped), total,
+                source, ", ".join(f"{kind}: {n}" for kind, n in counts.most_common()), min(len(skipped),
+                SKIP_EXAMPLES), examples, where_all)
+
+
+def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int, lookahead: int = 0,
+                skip_log: Path | None = None) -> PromptStream:
+    """This rank's stream of ``data_cfg.train_file``. Records that cannot be used are counted on every rank and
+    reported once, by rank 0 (``report_skips``)."""
     records, skipped = read_records(data_cfg.train_file)
     data_root = Path(data_cfg.data_root) if data_cfg.data_root else Path(data_cfg.train_file).parent
     usable = []
@@ -403,15 +434,15 @@ def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int, look
         else:
             usable.append(record)
     total = len(records) + sum(1 for s in skipped if "malformed" in s.reason or "not a JSON" in s.reason)
-    for s in skipped:
-        log.warning("skipping %s: %s", s.where, s.reason)
+    if rank == 0:
+        report_skips(skipped, total, str(data_cfg.train_file), skip_log)
     if total and len(skipped) > data_cfg.max_skip_fraction * total:
         raise DataError(f"{len(skipped)} of {total} records in {data_cfg.train_file} are unusable (more than "
                         f"data.max_skip_fraction={data_cfg.max_skip_fraction}); first: {skipped[0].where}: "
                         f"{skipped[0].reason}")
     if not usable:
         raise DataError(f"{data_cfg.train_file}: no usable records")
-    reasons = Counter(s.reason.split(":")[0].split(" (")[0] for s in skipped)
+    reasons = Counter(skip_kind(s.reason) for s in skipped)
     return PromptStream(usable, data_root, data_cfg, processor, seed=seed, rank=rank, world_size=world_size,
                         skipped=reasons, total_records=total, lookahead=lookahead,
                         workers=getattr(data_cfg, "prefetch_workers", 2))

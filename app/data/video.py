@@ -12,6 +12,11 @@ import torch
 import app  # noqa: F401  (sets FORCE_QWENVL_VIDEO_READER=decord before qwen_vl_utils is imported)
 
 
+class SettingError(ValueError):
+    """A video could not be sampled because of a setting (data.max_frames, data.fps), not because of the file: the
+    run stops naming the setting instead of skipping every video as undecodable."""
+
+
 class VideoDecodeError(RuntimeError):
     """A video that could not be read or has no frames."""
 
@@ -90,6 +95,7 @@ def decode_video(element: dict, image_patch_size: int = 14) -> tuple[torch.Tenso
     """
     import decord
     from qwen_vl_utils import fetch_video
+    from qwen_vl_utils.vision_process import smart_nframes
 
     path = element["video"]
     if Path(path).is_dir():
@@ -105,7 +111,8 @@ def decode_video(element: dict, image_patch_size: int = 14) -> tuple[torch.Tenso
     if not Path(path).is_file():
         raise VideoDecodeError(f"{path}: video file not found")
     try:
-        frame_count = len(decord.VideoReader(str(path), num_threads=1))
+        reader = decord.VideoReader(str(path), num_threads=1)
+        frame_count, native_fps = len(reader), float(reader.get_avg_fps())
     except Exception as error:  # decord raises its own error types
         raise VideoDecodeError(f"{path}: decord could not open the video ({error})") from error
     if frame_count == 0:
@@ -113,6 +120,12 @@ def decode_video(element: dict, image_patch_size: int = 14) -> tuple[torch.Tenso
     if frame_count < 2:  # qwen-vl-utils samples at least FRAME_FACTOR (2) frames and then fails confusingly
         raise VideoDecodeError(f"{path}: the video has {frame_count} frame; qwen-vl-utils needs at least 2 "
                                "(a still picture belongs in an image record)")
+    try:  # qwen-vl-utils' own frame arithmetic: the file has >= 2 frames, so a failure here is the settings'
+        smart_nframes(element, total_frames=frame_count, video_fps=native_fps)
+    except ValueError as error:
+        raise SettingError(f"qwen-vl-utils cannot sample {path} ({frame_count} frames at {native_fps:g} fps) with "
+                           f"fps={element.get('fps')} and max_frames={element.get('max_frames')} ({error}); check "
+                           "data.fps and data.max_frames (at least 2)") from error
     try:
         (frames, metadata), _sample_fps = fetch_video(
             element, image_patch_size=image_patch_size, return_video_sample_fps=True, return_video_metadata=True

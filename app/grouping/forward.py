@@ -31,6 +31,7 @@ from app.grouping.precision import PrecisionComparison, compare_to_reference, fl
 from app.grouping.vision_calls import aligned_vision_calls
 
 MODES = ("grouped", "repeated")
+DEFAULT_CHUNK_SIZE = 1024  # completion tokens per output-head chunk: never [tokens, vocab] logits by default
 
 
 class GroupingMismatchError(RuntimeError):
@@ -236,7 +237,7 @@ def completion_logprobs(
     return_logits: bool = False,
     vision_calls: Sequence[str] | None = None,
     return_entropy: bool = False,
-    chunk_size: int = 0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     **forward_kwargs,
 ) -> CompletionScores:
     """Log-probs of each completion token given its prompt, through the grouped or the repeated layout.
@@ -245,8 +246,9 @@ def completion_logprobs(
     unchanged until that backward has finished (activation checkpointing recomputes through it).
     ``vision_calls``: the vision-tower calls this forward must make even if its prompts lack that modality (the
     union over ranks under ZeRO-3; see ``vision_calls.aligned_vision_calls``); None makes only the calls needed.
-    ``chunk_size`` > 0: the output head computes the target log-probs ``chunk_size`` tokens at a time and never holds
-    [tokens, vocab] logits (``logprobs.head_returns_logprobs``); same numbers; ignored when ``return_logits``.
+    ``chunk_size`` > 0 (the default, 1024): the output head computes the target log-probs ``chunk_size`` tokens at a
+    time and never holds [tokens, vocab] logits (``logprobs.head_returns_logprobs``); same numbers; ignored when
+    ``return_logits``. 0 computes full logits as transformers does ([tokens, 151,936] float32 at Qwen's vocabulary).
     """
     if mode not in MODES:
         raise ValueError(f"unknown grouping mode {mode!r}; expected one of {MODES}")
