@@ -18,6 +18,21 @@ from typing import Any, get_origin, get_type_hints
 
 import yaml
 
+# Every choice list comes from the module that defines the choice (one source of truth).
+from app.data.records import PROMPT_TEMPLATES
+from app.distributed import GATHER_MODES
+from app.grouping import BACKENDS, DEFAULT_CHUNK_SIZE, MODES
+from app.grpo import (
+    DYNAMIC_SAMPLING_METRICS,
+    KL_ESTIMATORS,
+    LOSS_TYPES,
+    SCALE_REWARDS_SETTINGS,
+    LossOptions,
+)
+from app.options import OptionError
+from app.rewards import BONUS_RULES, REGRESSION_METRICS
+from app.rollout import ENGINES, SamplingConfig
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run, with the offending key named."""
@@ -93,7 +108,7 @@ class DataConfig:
     max_skip_fraction: float = _f(0.1, "Fail when more than this fraction of records is unusable.")
     prompt_template: str = _f("video_r1", "Question template: video_r1 reproduces Video-R1's prompt exactly (what its "
                               "checkpoints were trained on); prefix_grpo is this project's first template.",
-                              choices=("video_r1", "prefix_grpo"))
+                              choices=tuple(PROMPT_TEMPLATES))
     system_prompt: str = _f("template", "System message: 'template' uses the template's own (video_r1: none, so the "
                             "chat template's default 'You are a helpful assistant.'; prefix_grpo: its "
                             "think/answer instruction); '' for none; any other text is used as is.")
@@ -101,15 +116,12 @@ class DataConfig:
     prefetch: int = _f(1, "Steps of prompts (video decoding and processor work) prepared in background threads while "
                        "the current step trains; 0: decode on the critical path. Order, skips and resume unchanged.")
     prefetch_workers: int = _f(2, "Background threads for data.prefetch.")
-    sft_without_process: str = _f("skip", "SFT only: a record whose `process` (chain of thought) is missing or empty. "
-                                  "skip: skipped with that reason; answer_only: trained on its solution alone.",
-                                  choices=("skip", "answer_only"))
 
 
 @dataclass
 class RolloutConfig:
     engine: str = _f("grouped", "grouped: one prefill per prompt (shared prefix); hf: plain HF generate on the "
-                     "repeated batch, for A/B.", choices=("grouped", "hf"))
+                     "repeated batch, for A/B.", choices=ENGINES)
     group_size: int = _f(8, "Completions sampled per prompt (G).")
     temperature: float = _f(1.0, "Sampling temperature.")
     top_p: float = _f(1.0, "Nucleus sampling threshold.")
@@ -120,24 +132,40 @@ class RolloutConfig:
                            "rollout and decodes with no collectives (fastest, needs the whole model in memory); "
                            "layerwise gathers all but the decoder layers once and each layer (one collective) when it "
                            "runs; per_step leaves DeepSpeed's hooks on: every module re-gathered at every decode "
-                           "step (slowest, least memory).", choices=("full", "layerwise", "per_step"))
+                           "step (slowest, least memory).", choices=GATHER_MODES)
+
+    def to_sampling(self, seed: int | None = None) -> SamplingConfig:
+        """The sampler's settings (validated there)."""
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_completion_length, stop_strings=tuple(self.stop_strings),
+                              seed=seed)
+
+
+@dataclass
+class ForwardConfig:
+    grouping: str = _f("grouped", "grouped: one packed row per batch of groups (Prefix Grouper); repeated: the "
+                       "ordinary [P;Ri] batch, for A/B. Used by GRPO (policy, old, reference), SFT and the "
+                       "self-check.", choices=MODES)
+    attention_backend: str = _f("auto", "Grouped attention backend: auto (split on CPU; flash-attn, else flex on "
+                                f"GPU) or one of {', '.join(BACKENDS)}.", choices=("auto", *BACKENDS))
+    self_check: bool = _f(True, "On the first step, compare grouped and repeated log-probs and stop on a mismatch.")
+    logprob_chunk_size: int = _f(DEFAULT_CHUNK_SIZE, "Tokens per chunk when the output head computes the completion "
+                                 "log-probs (policy, old, reference; both groupings): [tokens, vocab] logits are never "
+                                 "held whole, backward recomputes each chunk; same numbers. 0: full logits (the "
+                                 "transformers default; at vocab 151,936 and 6k tokens that is 3.7 GB of float32).")
+
+    @property
+    def backend(self) -> str | None:
+        """The backend to ask for; None lets grouping choose for the device."""
+        return None if self.attention_backend == "auto" else self.attention_backend
 
 
 @dataclass
 class GRPOConfig:
-    grouping: str = _f("grouped", "grouped: one packed row per batch of groups (Prefix Grouper); repeated: the "
-                       "ordinary [P;Ri] batch, for A/B.", choices=("grouped", "repeated"))
-    attention_backend: str = _f("auto", "Grouped attention backend: auto, packed, paper, masked, flex, flash.",
-                                choices=("auto", "packed", "paper", "masked", "flex", "flash"))
-    self_check: bool = _f(True, "On the first step, compare grouped and repeated log-probs and stop on a mismatch.")
-    logprob_chunk_size: int = _f(1024, "Tokens per chunk when the output head computes the completion log-probs "
-                                 "(policy, old, reference; both groupings): [tokens, vocab] logits are never held "
-                                 "whole, backward recomputes each chunk; same numbers. 0: full logits (the "
-                                 "transformers default; at vocab 151,936 and 6k tokens that is 3.7 GB of float32).")
     beta: float = _f(0.04, "KL coefficient. 0 loads no reference model.")
     kl_estimator: str = _f("k3", "Per-token KL penalty: k3 (GRPO/TRL/Video-R1; its gradient follows KL(ref||pi)), "
                            "low_var_kl (k3 clamped, verl), k1 (log pi - log ref; zero expected gradient).",
-                           choices=("k3", "low_var_kl", "k1"))
+                           choices=KL_ESTIMATORS)
     epsilon_low: float = _f(0.2, "Lower clip of the importance ratio (1 - eps_low).")
     epsilon_high: float = _f(0.2, "Upper clip of the importance ratio (1 + eps_high); DAPO uses 0.28.")
     delta: float = _f(0.0, "Two-sided clipping (TRL `delta`, INTELLECT-2): for negative advantages the ratio is "
@@ -145,10 +173,10 @@ class GRPOConfig:
     loss_type: str = _f("grpo", "grpo: mean over each completion's tokens, then over completions (DeepSeekMath); "
                         "bnpo: mean over each micro-batch's tokens (TRL); dapo: mean over ALL tokens of the step, "
                         "across micro-batches and ranks (DAPO); dr_grpo: sum over tokens / "
-                        "rollout.max_completion_length (Dr. GRPO).", choices=("grpo", "bnpo", "dapo", "dr_grpo"))
+                        "rollout.max_completion_length (Dr. GRPO).", choices=LOSS_TYPES)
     scale_rewards: str = _f("auto", "Divide centred rewards by the group's std (group: GRPO), the whole step's std "
                             "over all ranks (batch), or not at all (none: Dr. GRPO). auto: none under "
-                            "loss_type=dr_grpo, group otherwise.", choices=("auto", "group", "batch", "none"))
+                            "loss_type=dr_grpo, group otherwise.", choices=SCALE_REWARDS_SETTINGS)
     mask_truncated_completions: bool = _f(False, "Completions cut by rollout.max_completion_length carry no loss "
                                           "(DAPO's overlong filtering; TRL).")
     importance_sampling_cap: float = _f(0.0, "Truncated importance sampling: weight each token's loss by "
@@ -158,10 +186,18 @@ class GRPOConfig:
                                 "(all correct / all wrong: zero advantage) and draw more prompts until the step "
                                 "has train.prompts_per_rank groups per rank (DAPO, EasyR1).")
     dynamic_sampling_metric: str = _f("accuracy", "What must vary within a kept group: accuracy (DAPO) or reward "
-                                      "(the total reward).", choices=("accuracy", "reward"))
+                                      "(the total reward).", choices=DYNAMIC_SAMPLING_METRICS)
     dynamic_sampling_max_draws: int = _f(4, "Extra prompt batches a step may draw; when still short, the step is "
                                          "filled with dropped groups (warned and counted).")
     num_iterations: int = _f(1, "Policy updates per rollout batch (mu); >1 uses old log-probs.")
+
+    def to_options(self, max_completion_length: int) -> LossOptions:
+        """The loss's settings (validated there, once)."""
+        return LossOptions(loss_type=self.loss_type, beta=self.beta, epsilon_low=self.epsilon_low,
+                           epsilon_high=self.epsilon_high, delta=self.delta, kl_estimator=self.kl_estimator,
+                           max_completion_length=max_completion_length,
+                           importance_sampling_cap=self.importance_sampling_cap,
+                           mask_truncated_completions=self.mask_truncated_completions)
 
 
 @dataclass
@@ -182,11 +218,20 @@ class RewardConfig:
     regression: str = _f("relative_error", "Accuracy of regression answers during training: relative_error is "
                          "Video-R1's training reward 1 - min(1, |pred - truth| / |truth|) (smooth, 0.8 for 20% off); "
                          "mra is VSI-Bench's mean relative accuracy (a step function). Evaluation always reports MRA.",
-                         choices=("relative_error", "mra"))
+                         choices=tuple(REGRESSION_METRICS))
     bonus_rules: str = _f("video_r1", "When the length and temporal bonuses apply. video_r1: exactly Video-R1's "
                           "(correct = accuracy > 0.1; temporal when ordered >= ratio x shuffled). strict: correct "
                           "= accuracy > 0.5 and temporal only when ordered > ratio x shuffled, so partial free-form "
-                          "matches and equal accuracies earn nothing.", choices=("video_r1", "strict"))
+                          "matches and equal accuracies earn nothing.", choices=tuple(BONUS_RULES))
+
+
+@dataclass
+class SFTConfig:
+    max_target_length: int = _f(768, "SFT: targets longer than this (tokens, <|im_end|> included) are skipped with "
+                                "their reason, never cut.")
+    without_process: str = _f("skip", "SFT: a record whose `process` (chain of thought) is missing or empty. skip: "
+                              "skipped with that reason; answer_only: trained on its solution alone.",
+                              choices=("skip", "answer_only"))
 
 
 @dataclass
@@ -244,8 +289,10 @@ class Config:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    forward: ForwardConfig = field(default_factory=ForwardConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     rewards: RewardConfig = field(default_factory=RewardConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -257,6 +304,10 @@ class Config:
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 RENAMED = {  # old key -> what to write instead
     "grpo.loss_aggregation": "grpo.loss_type (sequence -> grpo, token -> bnpo; dapo is the step-wide token mean)",
+    "grpo.grouping": "forward.grouping (the forward settings serve GRPO, SFT and evaluation alike)",
+    "grpo.attention_backend": "forward.attention_backend",
+    "grpo.self_check": "forward.self_check",
+    "grpo.logprob_chunk_size": "forward.logprob_chunk_size",
 }
 
 
@@ -367,6 +418,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return config
 
 
+OPTION_FIELDS = {"max_new_tokens": "max_completion_length"}  # an options field -> its config key, where they differ
+
+
 def validate(config: Config, training: bool = True) -> None:
     def need(condition: bool, key: str, message: str) -> None:
         if not condition:
@@ -380,8 +434,9 @@ def validate(config: Config, training: bool = True) -> None:
         ("logging.log_every", config.logging.log_every, 1), ("logging.sample_table_every",
                                                              config.logging.sample_table_every, 0),
         ("train.save_every", config.train.save_every, 0), ("train.keep_checkpoints", config.train.keep_checkpoints, 1),
-        ("rollout.top_k", config.rollout.top_k, 0), ("train.warmup_steps", config.train.warmup_steps, 0),
-        ("grpo.logprob_chunk_size", config.grpo.logprob_chunk_size, 0), ("lora.rank", config.lora.rank, 0), ("data.prefetch", config.data.prefetch, 0),
+("train.warmup_steps", config.train.warmup_steps, 0),
+        ("forward.logprob_chunk_size", config.forward.logprob_chunk_size, 0),
+        ("sft.max_target_length", config.sft.max_target_length, 1), ("lora.rank", config.lora.rank, 0), ("data.prefetch", config.data.prefetch, 0),
         ("train.stop_at_step", config.train.stop_at_step, 0),
         ("data.prefetch_workers", config.data.prefetch_workers, 1),
     ):
@@ -396,7 +451,6 @@ def validate(config: Config, training: bool = True) -> None:
          "puts trainable adapters on the projector, which model.freeze_projector=true asks to keep frozen: choose one")
     need(not (config.lora.rank and config.model.reference_path), "model.reference_path",
          "cannot be used with LoRA (lora.rank > 0): the reference is the policy with its adapters off")
-    need(0 < config.rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {config.rollout.top_p}")
     need(config.train.learning_rate >= 0, "train.learning_rate", "must be >= 0")
     need(config.train.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0")
     need(config.eval.samples >= 1, "eval.samples", "must be >= 1")
@@ -407,16 +461,17 @@ def validate(config: Config, training: bool = True) -> None:
         return
     need(bool(config.data.train_file), "data.train_file", "is required")
     need(config.rollout.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages compare a group)")
-    need(config.rollout.max_completion_length >= 1, "rollout.max_completion_length", "must be >= 1")
     need(config.rollout.temperature > 0, "rollout.temperature", "must be > 0 for GRPO sampling")
-    need(config.grpo.beta >= 0, "grpo.beta", "must be >= 0")
     need(config.grpo.num_iterations >= 1, "grpo.num_iterations", "must be >= 1")
-    need(config.grpo.epsilon_low >= 0 and config.grpo.epsilon_high >= 0, "grpo.epsilon_low",
-         "and grpo.epsilon_high must be >= 0")
-    need(config.grpo.delta == 0 or config.grpo.delta > 1 + config.grpo.epsilon_high, "grpo.delta",
-         f"must be 0 (off) or > 1 + grpo.epsilon_high ({1 + config.grpo.epsilon_high}), got {config.grpo.delta}")
-    need(config.grpo.importance_sampling_cap == 0 or config.grpo.importance_sampling_cap >= 1,
-         "grpo.importance_sampling_cap", f"must be 0 (off) or >= 1, got {config.grpo.importance_sampling_cap}")
+    for section, build in (("rollout", lambda: config.rollout.to_sampling()),
+                           ("grpo", lambda: config.grpo.to_options(config.rollout.max_completion_length))):
+        try:  # the options objects validate their own fields; the error names the key
+            build()
+        except OptionError as error:
+            name = OPTION_FIELDS.get(error.field, error.field)
+            fields = "|".join(f.name for f in dataclasses.fields(getattr(config, section)))
+            message = re.sub(rf"(?<![\w.])({fields})\b", rf"{section}.\1", error.message)  # sibling keys named
+            raise ConfigError(f"'{section}.{name}' {message}") from None
     need(config.grpo.dynamic_sampling_max_draws >= 0, "grpo.dynamic_sampling_max_draws", "must be >= 0")
     need("length" not in config.rewards.functions, "rewards.functions",
          "no longer takes 'length': the length bonus is group-aware now, set rewards.length=true")
@@ -459,13 +514,6 @@ def warnings_for(config: Config, training: bool = True) -> list[str]:
     if not c.lora.rank and (c.lora.vision_tower or c.lora.projector):
         out.append("lora.vision_tower / lora.projector have no effect with lora.rank=0 (no adapters)")
     return out
-
-
-def scale_rewards(grpo: GRPOConfig) -> str:
-    """``grpo.scale_rewards`` with ``auto`` resolved (none under Dr. GRPO, group otherwise)."""
-    if grpo.scale_rewards != "auto":
-        return grpo.scale_rewards
-    return "none" if grpo.loss_type == "dr_grpo" else "group"
 
 
 def describe() -> str:

@@ -6,7 +6,7 @@
 3. evaluate the untrained and the warm-started model on held-out videos;
 4. GRPO with `scripts/train.sh configs/demo_cpu.yaml` (grouped attention, shared-prefix rollouts);
 5. evaluate again;
-6. the same GRPO for its first steps with the repeated layout and HF generate (`grpo.grouping=repeated`,
+6. the same GRPO for its first steps with the repeated layout and HF generate (`forward.grouping=repeated`,
    `rollout.engine=hf`, same seed): one figure overlays both runs' curves and compares their seconds per step;
 7. print the before/after table; write PNG plots.
 
@@ -132,12 +132,12 @@ def main(argv: list[str] | None = None) -> dict:
     trained = held_out(run / "final", "grpo")
     timings["eval_after_s"] = time.time() - t
 
-    say(f"6. A/B: the first {args.ab_steps} steps again with grpo.grouping=repeated rollout.engine=hf (same seed)")
+    say(f"6. A/B: the first {args.ab_steps} steps again with forward.grouping=repeated rollout.engine=hf (same seed)")
     t = time.time()
     ab = out / "run-repeated"
     if not (ab / "final" / "config.json").exists():
         command = ["bash", str(ROOT / "scripts" / "train.sh"), str(ROOT / CONFIG), *base, *args.overrides,
-                   f"train.output_dir={ab}", "grpo.grouping=repeated", "rollout.engine=hf",
+                   f"train.output_dir={ab}", "forward.grouping=repeated", "rollout.engine=hf",
                    f"train.stop_at_step={args.ab_steps}", "train.resume=true"]
         print(" ".join(command), flush=True)
         subprocess.run(command, check=True, env={**os.environ, "NPROC_PER_NODE": str(args.nproc)})

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from app.grouping import unwrap
+
 log = logging.getLogger("app.distributed")
 COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory communication op, JIT-built on first use
 COMM_OP_WAIT_S = 900.0  # the longest wait for another process of this environment building it (a build is ~50 s)
@@ -178,10 +180,18 @@ def barrier() -> None:
         dist.barrier()
 
 
+def _comm_tensor(values: list[float]) -> torch.Tensor:
+    """float64 on the device the backend reduces on (nccl: the GPU; gloo: the CPU)."""
+    import torch.distributed as dist
+
+    device = local_device() if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return torch.tensor(values, dtype=torch.float64, device=device)
+
+
 def all_reduce_sum(values: list[float]) -> list[float]:
     import torch.distributed as dist
 
-    tensor = torch.tensor(values, dtype=torch.float64)
+    tensor = _comm_tensor(values)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
     return tensor.tolist()
@@ -190,10 +200,22 @@ def all_reduce_sum(values: list[float]) -> list[float]:
 def all_reduce_max(values: list[float]) -> list[float]:
     import torch.distributed as dist
 
-    tensor = torch.tensor(values, dtype=torch.float64)
+    tensor = _comm_tensor(values)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
+
+
+def all_gather_floats(values: list[float]) -> list[list[float]]:
+    """Every rank's ``values`` (the same length on each), in rank order: one collective."""
+    import torch.distributed as dist
+
+    tensor = _comm_tensor(values)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [tensor.tolist()]
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor)
+    return [p.tolist() for p in parts]
 
 
 def forwards_are_collective(engine) -> bool:
@@ -259,10 +281,6 @@ def build_reference(model, ds_config: dict, device: torch.device):
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()
     return engine
-
-
-def unwrap(model):
-    return getattr(model, "module", model)
 
 
 GATHER_MODES = ("full", "layerwise", "per_step")

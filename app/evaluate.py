@@ -63,7 +63,7 @@ WHOLE_FILE_LIMIT = 64 << 20
 # Settings that do not change a prediction (where it is written, how many questions share a generate call, how a
 # mismatch is handled, training-only data keys).
 NOT_PREDICTION_SETTINGS = {"eval": {"output_dir", "resume", "batch_size", "if_different"},
-                           "data": {"train_file", "prefetch", "prefetch_workers", "shuffle", "sft_without_process"}}
+                           "data": {"train_file", "prefetch", "prefetch_workers", "shuffle"}}
 
 
 class EvaluationMismatch(RuntimeError):

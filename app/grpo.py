@@ -11,14 +11,21 @@ The options follow the papers and peers that introduced them (README "GRPO optio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from app.groups import group_slices
+from app.options import OptionError
+
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
+SCALE_REWARDS_SETTINGS = ("auto", *SCALE_REWARDS)  # auto: none under dr_grpo, group otherwise
 KL_ESTIMATORS = ("k3", "low_var_kl", "k1")
+DYNAMIC_SAMPLING_METRICS = ("accuracy", "reward")
+Reduce = Callable[[list[float]], list[float]]  # a sum over ranks (identity on one process)
 
 
 def group_advantages(rewards: torch.Tensor, group_sizes: Sequence[int], scale: str = "group", eps: float = 1e-4,
@@ -32,14 +39,12 @@ def group_advantages(rewards: torch.Tensor, group_sizes: Sequence[int], scale: s
     if scale not in SCALE_REWARDS:
         raise ValueError(f"unknown scale_rewards {scale!r}; expected one of {SCALE_REWARDS}")
     out = torch.empty_like(rewards)
-    start = 0
-    for size in group_sizes:
-        group = rewards[start : start + size]
-        out[start : start + size] = group - group.mean()
+    for rows in group_slices(group_sizes):
+        group = rewards[rows]
+        out[rows] = group - group.mean()
         if scale == "group":
-            std = group.std() if size > 1 else group.new_zeros(())
-            out[start : start + size] /= std + eps
-        start += size
+            std = group.std() if group.numel() > 1 else group.new_zeros(())
+            out[rows] /= std + eps
     if scale == "batch":
         std = batch_std if batch_std is not None else (float(rewards.std()) if rewards.numel() > 1 else 0.0)
         out = out / (std + eps)
@@ -72,8 +77,47 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown kl_estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
 
 
+def resolve_scale(scale_rewards: str, loss_type: str) -> str:
+    """``scale_rewards`` with ``auto`` resolved: none under Dr. GRPO, group otherwise."""
+    if scale_rewards not in SCALE_REWARDS_SETTINGS:
+        raise OptionError("scale_rewards", f"must be one of {list(SCALE_REWARDS_SETTINGS)}, got {scale_rewards!r}")
+    if scale_rewards != "auto":
+        return scale_rewards
+    return "none" if loss_type == "dr_grpo" else "group"
+
+
+def advantages(total_reward: torch.Tensor, group_sizes: Sequence[int], scale_rewards: str, loss_type: str,
+               reduce_sum: Reduce | None = None) -> torch.Tensor:
+    """Group-normalised advantages as configured: ``scale_rewards`` resolved here (``resolve_scale``); for
+    ``batch`` the std is of every reward of the step over all ranks (``reduce_sum``, one call; unbiased)."""
+    scale = resolve_scale(scale_rewards, loss_type)
+    batch_std = None
+    if scale == "batch":
+        r = total_reward.double()
+        local = [float(r.numel()), float(r.sum()), float((r * r).sum())]
+        n, total, squares = reduce_sum(local) if reduce_sum is not None else local
+        batch_std = math.sqrt(max(squares - total * total / n, 0.0) / max(n - 1, 1))
+    return group_advantages(total_reward, group_sizes, scale=scale, batch_std=batch_std)
+
+
+def groups_with_signal(values: Sequence[float], group_sizes: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Dynamic sampling (DAPO): the groups whose ``values`` vary (a learning signal) and those that do not."""
+    kept, dropped = [], []
+    for g, flat in enumerate(zero_variance_groups(values, group_sizes)):
+        (dropped if flat else kept).append(g)
+    return kept, dropped
+
+
+def choose_groups(kept: Sequence, dropped: Sequence, need: int) -> tuple[list, int]:
+    """The step's groups: the first ``need`` with signal, topped up with groups without (counted) when short."""
+    filled = max(0, need - len(kept))
+    return list(kept[:need]) + list(dropped[:filled]), filled
+
+
 @dataclass(frozen=True)
 class LossOptions:
+    """Everything the loss needs, validated here once (the config builds it: ``GRPOConfig.to_options``)."""
+
     loss_type: str = "grpo"
     beta: float = 0.0
     epsilon_low: float = 0.2
@@ -81,14 +125,26 @@ class LossOptions:
     delta: float = 0.0  # 0: off; else the unclipped ratio is capped at delta (two-sided clipping)
     kl_estimator: str = "k3"
     max_completion_length: int = 0  # dr_grpo's constant denominator
+    importance_sampling_cap: float = 0.0  # 0: off; else truncated importance sampling against the rollout
+    mask_truncated_completions: bool = False  # DAPO's overlong filtering
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"unknown loss_type {self.loss_type!r}; expected one of {LOSS_TYPES}")
+            raise OptionError("loss_type", f"must be one of {list(LOSS_TYPES)}, got {self.loss_type!r}")
         if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
+            raise OptionError("kl_estimator", f"must be one of {list(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         if self.loss_type == "dr_grpo" and self.max_completion_length < 1:
-            raise ValueError("loss_type 'dr_grpo' needs max_completion_length >= 1")
+            raise OptionError("max_completion_length", "must be >= 1 for loss_type 'dr_grpo'")
+        if self.beta < 0:
+            raise OptionError("beta", "must be >= 0")
+        if self.epsilon_low < 0 or self.epsilon_high < 0:
+            raise OptionError("epsilon_low", "and epsilon_high must be >= 0")
+        if not (self.delta == 0 or self.delta > 1 + self.epsilon_high):
+            raise OptionError("delta", f"must be 0 (off) or > 1 + epsilon_high ({1 + self.epsilon_high}), "
+                                       f"got {self.delta}")
+        if not (self.importance_sampling_cap == 0 or self.importance_sampling_cap >= 1):
+            raise OptionError("importance_sampling_cap", f"must be 0 (off) or >= 1, got "
+                                                         f"{self.importance_sampling_cap}")
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int = 0,
@@ -147,6 +203,7 @@ def grpo_loss(
     mask: torch.Tensor,
     ref_logprobs: torch.Tensor | None = None,
     options: LossOptions = LossOptions(),
+    *,
     importance_weights: torch.Tensor | None = None,
     tokens_per_micro_batch: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -185,6 +242,37 @@ def grpo_loss(
     return loss, metrics
 
 
+class GRPOLoss:
+    """The loss of a step, built once from ``LossOptions``. ``start_step`` sees the step's loss weights (the DAPO
+    denominator is the loss tokens of the whole step over all ranks: one ``reduce_sum``); each call scores one
+    micro-batch, with truncated importance weights against the rollout's log-probs when the cap is set."""
+
+    def __init__(self, options: LossOptions):
+        self.options = options
+        self.tokens_per_micro_batch: float | None = None
+
+    def weights(self, completion_mask: torch.Tensor, stop_reasons: Sequence[str]) -> torch.Tensor:
+        return loss_mask(completion_mask, stop_reasons, self.options.mask_truncated_completions)
+
+    def start_step(self, loss_weights: torch.Tensor, micro_batches: int, world_size: int = 1,
+                   reduce_sum: Reduce | None = None) -> None:
+        """DAPO's denominator (see ``aggregate``): the step's loss tokens summed over ranks, divided by the number
+        of micro-batch losses DeepSpeed averages (micro-batches per rank x ranks). Nothing for the other types."""
+        self.tokens_per_micro_batch = None
+        if self.options.loss_type == "dapo":
+            local = [float(loss_weights.sum())]
+            total = (reduce_sum(local) if reduce_sum is not None else local)[0]
+            self.tokens_per_micro_batch = total / (micro_batches * world_size)
+
+    def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                 loss_weights: torch.Tensor, ref_logprobs: torch.Tensor | None,
+                 sampled_logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        cap = self.options.importance_sampling_cap
+        weights = truncated_importance_weights(old_logprobs, sampled_logprobs, cap) if cap > 0 else None
+        return grpo_loss(logprobs, old_logprobs, advantages, loss_weights, ref_logprobs, self.options,
+                         importance_weights=weights, tokens_per_micro_batch=self.tokens_per_micro_batch)
+
+
 def loss_mask(completion_mask: torch.Tensor, stop_reasons: Sequence[str], mask_truncated: bool) -> torch.Tensor:
     """The tokens that carry loss: the completion mask, with completions cut by the length limit (stop reason
     ``length``) removed when ``mask_truncated`` (DAPO's overlong filtering)."""
@@ -197,9 +285,4 @@ def loss_mask(completion_mask: torch.Tensor, stop_reasons: Sequence[str], mask_t
 
 def zero_variance_groups(values: Sequence[float], group_sizes: Sequence[int]) -> list[bool]:
     """Per group: True when all its values are equal (no learning signal from advantages)."""
-    out, start = [], 0
-    for size in group_sizes:
-        group = values[start : start + size]
-        out.append(max(group) - min(group) == 0)
-        start += size
-    return out
+    return [max(values[rows]) - min(values[rows]) == 0 for rows in group_slices(group_sizes)]

@@ -19,7 +19,7 @@ from app import checkpoint, distributed, lora
 from app.config import Config, ConfigError, load_config
 from app.data.records import DataError, load_stream
 from app.data.video import SettingError
-from app.grouping import MODALITIES, present_vision_calls
+from app.grouping import MODALITIES, completion_logprobs, present_vision_calls
 from app.models import load_model, load_processor
 from app.tracking import Tracker, configure_logging
 
@@ -35,10 +35,6 @@ def cosine_with_warmup(optimizer, warmup: int, total: int, min_ratio: float):
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def to_device(batch: dict, device) -> dict:
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
 class Recipe:
@@ -76,7 +72,6 @@ class Recipe:
         self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.rank, self.world,
                                   lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank,
                                   skip_log=self.output_dir / "logs" / "skipped_at_load.jsonl")
-        self.backend = None if cfg.grpo.attention_backend == "auto" else cfg.grpo.attention_backend
         self.output_dir = Path(cfg.train.output_dir)
         self.start_step = 0
         self.setup()
@@ -85,7 +80,7 @@ class Recipe:
         if self.rank == 0:
             log.info("batch: %s", self.batch_plan())
         self.tracker = Tracker(cfg.logging, self.output_dir, cfg.to_dict(), self.rank == 0, cfg.train.max_steps,
-                               self.start_step, label=self.name)
+                               start_step=self.start_step, label=self.name)
 
     @staticmethod
     def updates_per_step(cfg: Config) -> int:
@@ -144,16 +139,27 @@ class Recipe:
         return final
 
     @staticmethod
-    def vision_calls(inputs: dict, engine, training: bool = False) -> tuple[str, ...] | None:
-        """The vision-tower calls every rank makes in this forward: the union of what each rank's prompts need (one
-        small all-reduce). Needed under ZeRO-3 with several ranks (every module call all-gathers) and, for a
-        training forward, under any data parallelism (a text-only rank would otherwise give the vision tower no
-        gradient while the others do, and the gradient all-reduce would not match)."""
+    def vision_calls_for(inputs: list[dict], engine, training: bool = False) -> list[tuple[str, ...] | None]:
+        """For each of several forwards, the vision-tower calls every rank makes: the union of what each rank's
+        prompts need (one small all-reduce for all of them; every rank passes as many). Needed under ZeRO-3 with
+        several ranks (every module call all-gathers) and, for a training forward, under any data parallelism (a
+        text-only rank would otherwise give the vision tower no gradient while the others do, and the gradient
+        all-reduce would not match)."""
         if distributed.world_size() == 1 or not (training or distributed.forwards_are_collective(engine)):
-            return None
-        present = present_vision_calls(inputs)
-        flags = distributed.all_reduce_max([float(m in present) for m in MODALITIES])
-        return tuple(m for m, flag in zip(MODALITIES, flags) if flag)
+            return [None] * len(inputs)
+        flags = distributed.all_reduce_max([float(m in present_vision_calls(one)) for one in inputs
+                                            for m in MODALITIES])
+        k = len(MODALITIES)
+        return [tuple(m for j, m in enumerate(MODALITIES) if flags[i * k + j]) for i in range(len(inputs))]
+
+    def vision_calls(self, inputs: dict, engine, training: bool = False) -> tuple[str, ...] | None:
+        return self.vision_calls_for([inputs], engine, training)[0]
+
+    def scores(self, model, inputs: dict, completion_ids, completion_mask, group_sizes, **kwargs):
+        """Completion log-probs through the configured forward (``forward.*``: grouping, backend, chunk size)."""
+        f = self.cfg.forward
+        return completion_logprobs(model, inputs, completion_ids, completion_mask, group_sizes, mode=f.grouping,
+                                   backend=f.backend, chunk_size=f.logprob_chunk_size, **kwargs)
 
     def trainer_state(self, step: int) -> dict:
         return {"step": step, "stream_position": self.stream.position, "skipped": dict(self.stream.skipped),

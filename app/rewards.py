@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.groups import group_slices
+
 RewardFn = Callable[[list[str], list[dict]], list[float]]
 
 FORMAT_PATTERN = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
@@ -337,3 +339,50 @@ def temporal_bonus(ordered_accuracy: Sequence[float], shuffled_accuracy: Sequenc
     shuffled = sum(shuffled_accuracy) / max(len(shuffled_accuracy), 1)
     earned = ordered >= ratio * shuffled if rule.temporal_at_least else ordered > ratio * shuffled
     return [alpha if earned and a > rule.correct_above else 0.0 for a in ordered_accuracy]
+
+
+@dataclass
+class Scored:
+    """One batch of completions scored: accuracy once per completion, every reward and bonus by name (unweighted),
+    and the weighted total."""
+
+    accuracy: list[float]
+    rewards: dict[str, list[float]]
+    total: list[float]
+
+
+class RewardSet:
+    """The configured rewards (``rewards.*``): functions with their weights, the regression metric, and the
+    group-level length and temporal bonuses with their rules. Built once; ``score`` is the only call."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.functions = build_rewards(cfg.functions, cfg.weights, cfg.regression)
+        self.weights = {name: weight for name, _, weight in self.functions}
+
+    def accuracy(self, texts: Sequence[str], records: Sequence[dict]) -> list[float]:
+        return [accuracy_of(t, r, self.cfg.regression) for t, r in zip(texts, records)]
+
+    def score(self, texts: Sequence[str], records: Sequence[dict], group_sizes: Sequence[int],
+              lengths: Sequence[int], shuffled_texts: dict[int, list[str]] | None = None) -> Scored:
+        """``lengths``: completion tokens per row; ``shuffled_texts``: for T-GRPO, group index -> the completions of
+        that group's prompt with shuffled frames (groups without video are absent and earn no temporal bonus)."""
+        cfg = self.cfg
+        accuracy = self.accuracy(texts, records)
+        rewards = score(self.functions, list(texts), list(records))
+        groups = group_slices(group_sizes)
+        if cfg.length:
+            rewards["length"] = [bonus for rows in groups for bonus in length_bonus(
+                accuracy[rows], lengths[rows], cfg.length_min_tokens, cfg.length_max_tokens, cfg.length_bonus,
+                cfg.bonus_rules)]
+        if cfg.temporal:
+            temporal = [0.0] * len(texts)
+            for g, mixed_texts in (shuffled_texts or {}).items():
+                rows = groups[g]
+                mixed = self.accuracy(mixed_texts, [records[rows.start]] * len(mixed_texts))
+                temporal[rows] = temporal_bonus(accuracy[rows], mixed, cfg.temporal_alpha, cfg.temporal_ratio,
+                                                cfg.bonus_rules)
+            rewards["temporal"] = temporal
+        total = [sum(self.weights.get(name, 1.0) * values[i] for name, values in rewards.items())
+                 for i in range(len(texts))]
+        return Scored(accuracy, rewards, total)

@@ -3,7 +3,7 @@
 HF ``generate(num_return_sequences=G)`` copies the prompt and its video G times, so the vision tower and the
 prefill run G times. Here each prompt is prefilled once (vision tower once), then its G samples decode together
 with grouped attention: the prompt's K/V is held once and each sample appends only its own
-(``app.grouping.decode``). M-RoPE decode positions continue from the last prefix position + 1, passed explicitly.
+(``app.grouping.GroupedDecoder``). M-RoPE decode positions continue from the last prefix position + 1.
 
 ``engine="hf"`` keeps plain HF generate on the repeated batch for A/B comparisons.
 """
@@ -16,12 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-from app.grouping import attention
-from app.grouping.decode import GroupedKVCache
-from app.grouping.forward import _set_text_attention, repeated_inputs, text_config
-from app.grouping.layout import GroupLayout, normalize_group_sizes
-from app.grouping.positions import VISION_KEYS, prompt_positions, rope_index_owner
-from app.grouping.vision_calls import aligned_vision_calls
+from app.grouping import (
+    GroupedDecoder,
+    aligned_vision_calls,
+    normalize_group_sizes,
+    repeated_inputs,
+    set_text_attention,
+    text_config,
+    unwrap,
+)
+from app.options import OptionError
 
 ENGINES = ("grouped", "hf")
 
@@ -39,11 +43,13 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise OptionError("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise OptionError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise OptionError("top_k", f"must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise OptionError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
 
 
 @dataclass
@@ -144,16 +150,6 @@ def _all_done(done_here: bool, synced: bool, device) -> bool:
     return bool(done.item() == 1.0)
 
 
-def _idle_forward(model, device) -> None:
-    """A two-token grouped forward through the same modules as a decode step, for a rank that has finished."""
-    layout = GroupLayout((1,), (1,), (1,), 1, 1)
-    is_vl = rope_index_owner(getattr(model, "module", model)) is not None
-    positions = torch.arange(2, device=device).view(1, 1, 2).expand(3 if is_vl else 1, 1, 2)
-    model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), attention_mask=None,
-          position_ids=positions if is_vl else positions[0], use_cache=False,
-          **{attention.PLAN_KWARG: attention.GroupedAttentionPlan(layout, "masked")})
-
-
 def _default_synced() -> bool:
     import torch.distributed as dist
 
@@ -161,7 +157,7 @@ def _default_synced() -> bool:
 
 
 def vision_token_ids(model) -> list[int]:
-    config = getattr(model, "module", model).config
+    config = unwrap(model).config
     names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
     return [int(getattr(config, n)) for n in names if getattr(config, n, None) is not None]
 
@@ -183,6 +179,7 @@ def generate_groups(
     prompts: Mapping[str, torch.Tensor],
     group_sizes: int | Sequence[int],
     sampling: SamplingConfig = SamplingConfig(),
+    *,
     tokenizer=None,
     eos_ids: Sequence[int] | None = None,
     pad_id: int | None = None,
@@ -216,30 +213,19 @@ def generate_groups(
     generators = prompt_generators(prompt_seeds, prompts["input_ids"].device)
     with aligned_vision_calls(model, prompts, vision_calls):  # acts on the first forward only: the prefill
         if engine == "hf":
-            return _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, generators)
-        return _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, synced, generators)
+            return _hf_generate(model, prompts, sizes, sampling, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id,
+                                generators=generators)
+        return _grouped_generate(model, prompts, sizes, sampling, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id,
+                                 synced=synced, generators=generators)
 
 
-def _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, synced, generators) -> Rollout:
+def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id, synced, generators) -> Rollout:
     device = prompts["input_ids"].device
-    previous = text_config(model)._attn_implementation
-    group_of_sample = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
-    count = len(group_of_sample)
+    count = sum(sizes)
     suppress_ids = vision_token_ids(model) if sampling.suppress_token_ids is None else list(sampling.suppress_token_ids)
     suppress = torch.tensor(suppress_ids, device=device, dtype=torch.long) if suppress_ids else None
-
-    # Prefill: each prompt (and its video) once.
-    _set_text_attention(model, "sdpa")
-    positions = prompt_positions(model, prompts["input_ids"], prompts["attention_mask"], prompts)
-    vision = {k: prompts[k] for k in VISION_KEYS if prompts.get(k) is not None}
-    out = model(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
-                position_ids=positions if positions.shape[0] > 1 else positions[0], use_cache=True,
-                logits_to_keep=1, **vision)
-    cache = GroupedKVCache(out.past_key_values, prompts["attention_mask"], sizes, sampling.max_new_tokens)
-    logits = out.logits[:, -1][group_of_sample]  # [N, V]: every sample of a group starts from the same distribution
-    last_position = positions[:, :, -1][:, group_of_sample]  # [axes, N]
-
-    _set_text_attention(model, attention.ATTENTION_NAME)
+    decoder = GroupedDecoder(model, prompts, sizes, sampling.max_new_tokens)  # each prompt (and its video) once
+    logits = decoder.logits
     tracker = _StopTracker(count, eos_ids, sampling.stop_strings, tokenizer, device)
     tokens_out, logprobs_out, masks_out = [], [], []
     try:
@@ -257,16 +243,12 @@ def _grouped_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_i
             if _all_done(done_here, synced, device):
                 break
             if done_here:
-                _idle_forward(model, device)  # this rank is done; the others still gather parameters (ZeRO-3)
+                decoder.idle_step()  # this rank is done; the others still gather parameters (ZeRO-3)
             else:
-                step_positions = (last_position + 1 + step)[:, :, None]  # [axes, N, 1]
-                out = model(input_ids=tokens[:, None], attention_mask=None,
-                            position_ids=step_positions if step_positions.shape[0] > 1 else step_positions[0],
-                            past_key_values=cache, use_cache=True, **{attention.PLAN_KWARG: cache})
-                logits = out.logits[:, -1]
+                logits = decoder.step(tokens)
                 step += 1
     finally:
-        _set_text_attention(model, previous)
+        decoder.close()
     return Rollout(
         completion_ids=torch.stack(tokens_out, dim=1),
         completion_mask=torch.stack(masks_out, dim=1),
@@ -289,11 +271,11 @@ class _SampleLikeGrouped:
         return torch.full_like(scores, float("-inf")).scatter(-1, tokens[:, None], 0.0)
 
 
-def _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, generators) -> Rollout:
+def _hf_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id, generators) -> Rollout:
     """Plain HF generate on the repeated batch (prompt and video copied per sample): the A/B baseline."""
     device = prompts["input_ids"].device
     previous = text_config(model)._attn_implementation
-    _set_text_attention(model, "sdpa")
+    set_text_attention(model, "sdpa")
     empty = prompts["input_ids"].new_zeros(sum(sizes), 0)
     batch = repeated_inputs(model, prompts, empty, empty, sizes)
     kwargs = dict(max_new_tokens=sampling.max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
@@ -313,7 +295,7 @@ def _hf_generate(model, prompts, sizes, sampling, tokenizer, eos_ids, pad_id, ge
     try:
         out = model.generate(**batch, **kwargs)
     finally:
-        _set_text_attention(model, previous)
+        set_text_attention(model, previous)
     prompt_width = batch["input_ids"].shape[1]
     ids = out.sequences[:, prompt_width:]
     raw = torch.stack(out.logits, dim=1).float()

@@ -27,7 +27,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def _run(model, prompts, ids, mask, group_sizes, mode, backend=None):
+def _run(model, prompts, ids, mask, group_sizes, mode, *, backend=None):
     patches = []
     visual = getattr(model.model, "visual", None)
     hook = visual.register_forward_hook(lambda m, args, out: patches.append(args[0].shape[0])) if visual else None
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [{"layout": "repeated", "backend": "-", "tokens": layout.repeated_tokens, "vision_patches": ref_patches,
              "seconds": ref_seconds, "logprob_rel_diff": 0.0, "grad_rel_diff": 0.0}]
     for backend in usable_backends("cpu"):
-        scores, grads, seconds, patches = _run(model, prompts, ids, mask, group_sizes, "grouped", backend)
+        scores, grads, seconds, patches = _run(model, prompts, ids, mask, group_sizes, "grouped", backend=backend)
         rows.append({
             "layout": "grouped", "backend": backend, "tokens": layout.packed_tokens, "vision_patches": patches,
             "seconds": seconds, "logprob_rel_diff": _relative(scores.logprobs.detach(), ref.logprobs.detach()),

@@ -23,8 +23,8 @@ import torch
 from app import distributed
 from app.data.prompts import collate_prompts
 from app.data.records import EncodedPrompt, where
-from app.grouping import completion_logprobs
-from app.recipe import Recipe, run, to_device
+from app.recipe import Recipe, run
+from app.tracking import StepMetrics
 
 log = logging.getLogger("app.sft")
 END_OF_TURN = "<|im_end|>"
@@ -37,7 +37,7 @@ def has_process(record: dict) -> bool:
 
 def target_text(record: dict) -> str:
     """Video-R1's SFT target: ``process + "\\n" + solution`` (the solution alone when a record has no process,
-    which ``data.sft_without_process=answer_only`` allows; by default such records are skipped)."""
+    which ``sft.without_process=answer_only`` allows; by default such records are skipped)."""
     return f"{record['process']}\n{record['solution']}" if has_process(record) else record["solution"]
 
 
@@ -51,22 +51,22 @@ class SFTTrainer(Recipe):
         self.end_of_turn = end
 
     def examples(self) -> list[tuple[EncodedPrompt, list[int]]]:
-        """This step's prompts with their target ids; a target over ``rollout.max_completion_length`` tokens is
+        """This step's prompts with their target ids; a target over ``sft.max_target_length`` tokens is
         skipped with its reason (never cut) and another record drawn."""
         out = []
-        limit = self.cfg.rollout.max_completion_length
+        limit = self.cfg.sft.max_target_length
         while len(out) < self.cfg.train.prompts_per_rank:
             for prompt in self.stream.next_prompts(self.cfg.train.prompts_per_rank - len(out)):
-                if not has_process(prompt.record) and self.cfg.data.sft_without_process == "skip":
+                if not has_process(prompt.record) and self.cfg.sft.without_process == "skip":
                     self.stream.skip(prompt.record, "no process for SFT: `process` (the chain of thought) is missing "
-                                                    "or empty (data.sft_without_process=answer_only trains on the "
+                                                    "or empty (sft.without_process=answer_only trains on the "
                                                     "solution alone)")
                     continue
                 ids = self.tokenizer(target_text(prompt.record), add_special_tokens=False)["input_ids"]
                 ids.append(self.end_of_turn)
                 if len(ids) > limit:
                     self.stream.skip(prompt.record, f"target too long: {len(ids)} tokens > "
-                                                    f"rollout.max_completion_length={limit} (never truncated)")
+                                                    f"sft.max_target_length={limit} (never truncated)")
                     continue
                 out.append((prompt, ids))
         return out
@@ -86,24 +86,26 @@ class SFTTrainer(Recipe):
             pad = self.tokenizer.pad_token_id
             ids = torch.tensor([t + [pad] * (width - len(t)) for _, t in chunk], device=self.device)
             mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for _, t in chunk], device=self.device)
-            inputs = to_device(collate_prompts([p.inputs for p, _ in chunk], pad), self.device)
-            scores = completion_logprobs(self.engine, inputs, ids, mask, [1] * len(chunk), mode=cfg.grpo.grouping,
-                                         backend=self.backend, chunk_size=cfg.grpo.logprob_chunk_size,
-                                         vision_calls=self.vision_calls(inputs, self.engine, training=True))
+            inputs = collate_prompts([p.inputs for p, _ in chunk], pad, self.device)
+            scores = self.scores(self.engine, inputs, ids, mask, [1] * len(chunk),
+                                 vision_calls=self.vision_calls(inputs, self.engine, training=True))
             loss = -(scores.logprobs * mask).sum() / mask.sum()  # token mean over this micro-batch's targets
             self.engine.backward(loss)
             self.engine.step()
             losses.append(float(loss.detach()))
             tokens += int(mask.sum())
-        loss_sum, tokens_sum = distributed.all_reduce_sum([sum(losses) / len(losses), float(tokens)])
-        loss_mean, tokens_mean = loss_sum / self.world, tokens_sum / self.world
-        grad_norm = self.engine.get_global_grad_norm()
-        seconds = time.perf_counter() - start
         if step == self.start_step:
             log.info("SFT target of %s: %r", where(examples[0][0].record), target_text(examples[0][0].record)[:200])
-        return {"loss": loss_mean, "tokens/target": tokens_mean, "learning_rate": learning_rate,
-                "grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "time/step": seconds,
-                "time/data_wait": waited, "data/skipped": float(sum(self.stream.skipped.values()))}
+        grad_norm = self.engine.get_global_grad_norm()
+        m = StepMetrics()
+        m.mean("loss", sum(losses) / len(losses))
+        m.mean("tokens/target", float(tokens))
+        m.mean("time/step", time.perf_counter() - start)
+        m.mean("time/data_wait", waited)
+        m.local("learning_rate", learning_rate)
+        m.local("grad_norm", float(grad_norm) if grad_norm is not None else 0.0)
+        m.local("data/skipped", float(sum(self.stream.skipped.values())))
+        return m.reduce(distributed.all_gather_floats)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,67 @@ from pathlib import Path
 from tqdm import tqdm
 
 
+class StepMetrics:
+    """A step's metrics, each declared once with how ranks combine it, reduced in one collective.
+
+        m = StepMetrics()
+        m.mean("accuracy", 0.5)              # averaged over ranks
+        m.sum("tokens/policy_forward", 900)  # added up over ranks
+        m.max("mismatch/max_ratio", 1.02)    # the largest over ranks
+        m.fraction("groups/all_correct", 3, 8)  # sum of counts / sum of totals
+        m.local("learning_rate", 1e-6)       # the same on every rank (rank 0's is kept)
+        values = m.reduce(gather)            # gather: list[float] -> one list per rank
+    """
+
+    REDUCTIONS = ("mean", "sum", "max", "fraction", "local")
+
+    def __init__(self):
+        self._declared: dict[str, tuple[str, float, float]] = {}
+
+    def _add(self, how: str, key: str, value: float, total: float = 0.0) -> None:
+        if key in self._declared:
+            raise KeyError(f"metric {key!r} declared twice")
+        self._declared[key] = (how, float(value), float(total))
+
+    def mean(self, key: str, value: float) -> None:
+        self._add("mean", key, value)
+
+    def sum(self, key: str, value: float) -> None:
+        self._add("sum", key, value)
+
+    def max(self, key: str, value: float) -> None:
+        self._add("max", key, value)
+
+    def fraction(self, key: str, count: float, total: float) -> None:
+        self._add("fraction", key, count, total)
+
+    def local(self, key: str, value: float) -> None:
+        self._add("local", key, value)
+
+    def reduce(self, gather=None) -> dict[str, float]:
+        """Combine over ranks: ``gather(values) -> [values of rank 0, of rank 1, ...]`` is called once (None: one
+        process)."""
+        keys = sorted(self._declared)
+        flat = [v for k in keys for v in self._declared[k][1:]]
+        ranks = gather(flat) if gather is not None else [flat]
+        out = {}
+        for i, key in enumerate(keys):
+            how = self._declared[key][0]
+            values = [r[2 * i] for r in ranks]
+            totals = [r[2 * i + 1] for r in ranks]
+            if how == "mean":
+                out[key] = sum(values) / len(values)
+            elif how == "sum":
+                out[key] = sum(values)
+            elif how == "max":
+                out[key] = max(values)
+            elif how == "fraction":
+                out[key] = sum(values) / max(sum(totals), 1e-12)
+            else:
+                out[key] = values[0]
+        return out
+
+
 def keep_steps_up_to(path: Path, step: int) -> None:
     """Drop the rows of steps after ``step`` (written before a crash, to be logged again after the resume), so
     every step appears once; a fresh run (step 0) starts an empty file. Atomic: a crash here loses nothing."""
@@ -34,7 +95,7 @@ SHOWN = {"loss": "loss", "reward/mean": "reward", "accuracy": "accuracy", "kl": 
 
 
 class Tracker:
-    def __init__(self, logging_cfg, output_dir: str | Path, config: dict, is_main: bool, total_steps: int,
+    def __init__(self, logging_cfg, output_dir: str | Path, config: dict, is_main: bool, total_steps: int, *,
                  start_step: int = 0, label: str = "train"):
         self.cfg = logging_cfg
         self.is_main = is_main

@@ -35,7 +35,7 @@ def test_qwen_7b_config_matches_video_r1_settings():
     ("grpo.betta=0.1", "unknown config key 'grpo.betta' (did you mean 'grpo.beta'?)"),
     ("gropo.beta=0.1", "unknown config key 'gropo'"),
     ("train.max_steps=many", "'train.max_steps' must be an integer"),
-    ("grpo.grouping=fast", "'grpo.grouping' must be one of"),
+    ("forward.grouping=fast", "'forward.grouping' must be one of"),
     ("rollout.group_size=1", "'rollout.group_size' must be >= 2"),
     ("train.groups_per_micro_batch=3", "'train.groups_per_micro_batch' must divide"),
     ("rewards.weights=[1]", "'rewards.weights' needs one weight per function"),
@@ -74,8 +74,39 @@ def test_counts_and_intervals_are_validated(override, message):
     assert message in str(error.value)
 
 
+def test_renamed_forward_keys_say_where_they_went_and_split_is_selectable():
+    for old in ("grpo.grouping=grouped", "grpo.attention_backend=split", "grpo.self_check=false",
+                "grpo.logprob_chunk_size=8"):
+        with pytest.raises(ConfigError, match=f"'{old.split('=')[0]}' was renamed: use forward\\."):
+            load_config("configs/demo_cpu.yaml", [old])
+    cfg = load_config("configs/demo_cpu.yaml", ["forward.attention_backend=split"])
+    assert cfg.forward.backend == "split"
+    from app.grouping import BACKENDS
+
+    for backend in BACKENDS:  # every backend the grouping core has is selectable
+        assert load_config("configs/demo_cpu.yaml", [f"forward.attention_backend={backend}"]).forward.backend == backend
+
+
+def test_choices_come_from_the_modules_that_own_them():
+    import dataclasses
+
+    from app import config, grpo, rollout
+    from app.distributed import GATHER_MODES
+
+    def choices(section, name):
+        return next(f for f in dataclasses.fields(section) if f.name == name).metadata["choices"]
+
+    assert choices(config.GRPOConfig, "loss_type") is grpo.LOSS_TYPES
+    assert choices(config.GRPOConfig, "kl_estimator") is grpo.KL_ESTIMATORS
+    assert choices(config.RolloutConfig, "engine") is rollout.ENGINES
+    assert choices(config.RolloutConfig, "zero3_gather") is GATHER_MODES
+
+
 def test_yaml_booleans_are_yaml_1_2_and_scale_rewards_auto(tmp_path):
-    from app.config import scale_rewards
+    from app.grpo import resolve_scale
+
+    def scale_rewards(grpo):  # one home for the option: grpo resolves 'auto'
+        return resolve_scale(grpo.scale_rewards, grpo.loss_type)
 
     path = tmp_path / "c.yaml"
     path.write_text("model: {path: m}\ndata: {train_file: t, system_prompt: no, confine_to_root: false}\n")

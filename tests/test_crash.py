@@ -26,6 +26,7 @@ def metrics_steps(out: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.slow
 def test_kills_at_random_moments_resume_to_the_uninterrupted_result(assets, tmp_path):  # noqa: F811
     """Killed again and again at seeded random moments: at named points inside the save of a step not yet done
     (after DeepSpeed's write, after the old copy moved aside, after the rename, after `latest`) and by SIGKILL after

@@ -186,7 +186,7 @@ def test_sft_skips_records_without_a_process_and_logs_the_rate_it_used(assets, t
     train.write_text("".join(json.dumps(r) + "\n" for r in records))
     cfg = load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "run", **{
         "data.train_file": train, "data.data_root": Path(assets["train"]).parent, "train.warmup_steps": 1,
-        "rollout.max_completion_length": 64, "data.max_skip_fraction": 0.6}))
+        "sft.max_target_length": 64, "data.max_skip_fraction": 0.6}))
     with world_of_one(monkeypatch):
         trainer = SFTTrainer(cfg)
         examples = trainer.examples()

@@ -111,6 +111,7 @@ def test_merged_state_dict_equals_the_adapted_model_and_loads_without_peft(tiny_
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_zero3_lora_training_resumes_exactly_and_exports(assets, tmp_path):  # noqa: F811
     from peft import PeftModel
 

@@ -110,7 +110,8 @@ def step_objective(data, options: LossOptions, cap=0.0):
     losses = []
     for mb in data:
         weights = truncated_importance_weights(mb["old"], mb["sampled"], cap) if cap > 0 else None
-        loss, _ = grpo_loss(mb["logp"], mb["old"], mb["adv"], mb["mask"], mb["ref"], options, weights, per_mb)
+        loss, _ = grpo_loss(mb["logp"], mb["old"], mb["adv"], mb["mask"], mb["ref"], options,
+                            importance_weights=weights, tokens_per_micro_batch=per_mb)
         losses.append(loss)
     return sum(losses) / len(losses)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from app.sft import target_text
+from tests.helpers import world_of_one
 from tests.test_trainer import assert_trained_and_equal, assets, overrides, run  # noqa: F401  (assets: fixture)
 
 pytestmark = pytest.mark.distributed
@@ -34,10 +35,7 @@ def test_target_text():
 
 
 def test_loss_is_the_nll_of_the_target_tokens_only(assets, tmp_path, monkeypatch):  # noqa: F811
-    import torch.distributed as dist
-
     from app.config import load_config
-    from app.distributed import _free_port
     from app.grouping.forward import repeated_inputs
     from app.models import load_model
     from app.sft import SFTTrainer
@@ -46,18 +44,11 @@ def test_loss_is_the_nll_of_the_target_tokens_only(assets, tmp_path, monkeypatch
     cfg = load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "run", **{
         "data.train_file": cot_file(assets, tmp_path), "data.data_root": data, "train.learning_rate": 0.0,
         "train.prompts_per_rank": 2, "train.groups_per_micro_batch": 2, "logging.wandb_mode": "disabled",
-        "grpo.logprob_chunk_size": 5, "rollout.max_completion_length": 64}))
-    # A world of one in this process; the variables go away after the test (subprocesses must not inherit them).
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", str(_free_port()))):
-        monkeypatch.setenv(key, value)
-    try:
+        "forward.logprob_chunk_size": 5, "sft.max_target_length": 64}))
+    with world_of_one(monkeypatch):  # a DeepSpeed world of one in this process, fully torn down after
         trainer = SFTTrainer(cfg)
         start = trainer.stream.position
         metrics = trainer.train_step(0)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     # By hand: the same two records through the plain model, [prompt; target] rows, NLL over target tokens only.
     trainer.stream.position = start
     prompts = trainer.stream.next_prompts(2)
@@ -83,7 +74,7 @@ def test_sft_sh_resumes_exactly_and_grpo_starts_from_its_export(assets, tmp_path
     data = Path(assets["train"]).parent
     settings = {"data.train_file": cot_file(assets, tmp_path), "data.data_root": data, "train.max_steps": 4,
                 "train.save_every": 2, "train.learning_rate": 2e-3, "train.prompts_per_rank": 2,
-                "train.groups_per_micro_batch": 1, "rollout.max_completion_length": 64}
+                "train.groups_per_micro_batch": 1, "sft.max_target_length": 64}
 
     def sft(out, **extra):
         return ["bash", "scripts/sft.sh", "configs/demo_cpu.yaml", *overrides(assets, out, **settings, **extra)]

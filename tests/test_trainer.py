@@ -121,7 +121,7 @@ def test_multinode_script_two_nodes_on_localhost(assets, tmp_path):
 
 def test_grouped_and_repeated_training_reach_the_same_parameters(assets, tmp_path):
     for mode in ("grouped", "repeated"):
-        run(trainer(assets, tmp_path / mode, **{"grpo.grouping": mode}))
+        run(trainer(assets, tmp_path / mode, **{"forward.grouping": mode}))
     grouped, repeated = weights(tmp_path / "grouped" / "final"), weights(tmp_path / "repeated" / "final")
     initial = weights(assets["checkpoint"])
     moved = 0
@@ -295,6 +295,7 @@ def test_bf16_two_processes_self_check_crash_and_resume(zero, assets, tmp_path):
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.slow
 def test_resume_falls_back_past_damaged_checkpoints_and_never_restarts_silently(assets, tmp_path):
     """A dangling or empty `latest`, a truncated shard or a truncated trainer state: resume takes the newest
     complete checkpoint (ending bitwise equal to an uninterrupted run) or refuses by name; never step 0."""

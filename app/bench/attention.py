@@ -47,7 +47,7 @@ def _package_attention(layout, q, k, v):
     return out.transpose(1, 2)
 
 
-def run_variant(variant: str, heads: int, head_dim: int, prefix: int, group: int, suffix: int,
+def run_variant(variant: str, heads: int, head_dim: int, *, prefix: int, group: int, suffix: int,
                 repeats: int = 3) -> dict:
     layout, q, k, v, weight = _inputs(heads, head_dim, prefix, group, suffix)
     if variant == "inputs-only":

@@ -59,7 +59,7 @@ def run(out: Path, quick: bool = False) -> dict:
                    f"data.min_pixels={side * side}", f"data.max_pixels={side * side}", f"data.max_frames={frames}",
                    "data.fps=8", "data.max_prompt_length=32768", f"rollout.group_size={group}",
                    f"rollout.max_completion_length={completion}", f"rollout.engine={engine}",
-                   f"grpo.grouping={grouping}", "grpo.beta=0.04", f"train.max_steps={steps}",
+                   f"forward.grouping={grouping}", "grpo.beta=0.04", f"train.max_steps={steps}",
                    "train.prompts_per_rank=1", "train.groups_per_micro_batch=1", "train.save_every=0",
                    "train.export_hf=false", "logging.wandb_mode=disabled", "logging.progress_bar=false",
                    "train.deepspeed_config=deepspeed_configs/zero2.json"]

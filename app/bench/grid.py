@@ -17,9 +17,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from app.bench.common import cli, device, isolated, markdown_table, timed, write_report
-from app.grouping import GroupedAttentionPlan, GroupLayout, completion_logprobs
+from app.grouping import GroupedAttentionPlan, GroupLayout, completion_logprobs, set_text_attention
 from app.grouping.attention import PLAN_KWARG, response_chunks
-from app.grouping.forward import _set_text_attention
 from app.models import TinySizes, build_tokenizer, model_class, tiny_config
 
 GROUP_SIZES = (2, 4, 8, 16)
@@ -77,7 +76,7 @@ def count_flops(prefix: int, suffix: int, group: int, variant: str) -> float:
     meta = torch.device("meta")
     counter = FlopCounterMode(display=False)
     if variant == "repeated":
-        _set_text_attention(model, "sdpa")
+        set_text_attention(model, "sdpa")
         ids = torch.cat([prompts["input_ids"].expand(group, -1), completions], dim=1)
         positions = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, group, -1)
         with counter:
@@ -85,7 +84,7 @@ def count_flops(prefix: int, suffix: int, group: int, variant: str) -> float:
                         logits_to_keep=suffix + 1)
             out.logits.float().log_softmax(-1).sum().backward()
     else:
-        _set_text_attention(model, "prefix_grouper")
+        set_text_attention(model, "prefix_grouper")
         layout = GroupLayout.from_masks(prompts["attention_mask"], mask, group)
         ids = layout.pack(prompts["input_ids"], completions)[None]
         positions = torch.cat([torch.arange(prefix), prefix + torch.cat([torch.arange(suffix)] * group)])

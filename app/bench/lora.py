@@ -51,7 +51,7 @@ def run(out: Path, quick: bool = False) -> dict:
     files = generate(out / "data", train=8, heldout=0, seed=0)
     base = {"model.path": checkpoint, "data.train_file": files["train"], "train.output_dir": out / "run",
             "train.prompts_per_rank": 2, "train.groups_per_micro_batch": 2, "rollout.group_size": 4,
-            "rollout.max_completion_length": 8 if quick else 32, "grpo.beta": 0.04, "grpo.self_check": False,
+            "rollout.max_completion_length": 8 if quick else 32, "grpo.beta": 0.04, "forward.self_check": False,
             "logging.wandb_mode": "disabled", "logging.progress_bar": False, "data.prefetch": 0}
     rows = []
     for name, extra in VARIANTS.items():

@@ -34,7 +34,8 @@ def prepare(root: Path, frames: int, side: int) -> tuple[Path, Path]:
     return checkpoint, video
 
 
-def run_variant(engine: str, checkpoint: str, video: str, frames: int, side: int, group: int, new_tokens: int) -> dict:
+def run_variant(engine: str, checkpoint: str, video: str, *, frames: int, side: int, group: int,
+                new_tokens: int) -> dict:
     from app.data.prompts import encode_prompts
     from app.data.video import video_element
     from app.models import load_model, load_processor

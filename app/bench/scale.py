@@ -7,7 +7,7 @@ Three parts, each comparing variants side by side in one run:
    processes (gloo on CPU, NCCL on GPU): ZeRO-2 against ZeRO-3 under each ``rollout.zero3_gather`` mode. Time,
    all-gathers and bytes gathered per rank, and whether the greedy tokens equal ZeRO-2's.
 2. logprob_memory: peak memory of one grouped forward+backward at vocabulary 151,936 (a prompt and 8 completions),
-   full logits against ``grpo.logprob_chunk_size`` chunks; each variant in a fresh process; same loss and gradients.
+   full logits against ``forward.logprob_chunk_size`` chunks; each variant in a fresh process; same loss and gradients.
 3. prefetch: the trainer on a slow-decoding video (long, high-resolution, sparse keyframes), ``data.prefetch`` 0
    against 1: mean seconds each step waited for data and mean step time.
 """
@@ -210,7 +210,7 @@ def bench_prefetch(out: Path, quick: bool) -> list[dict]:
                    f"data.prefetch={prefetch}", "data.max_frames=16", "data.fps=2", f"train.max_steps={steps}",
                    "train.prompts_per_rank=2", "train.groups_per_micro_batch=2",
                    f"rollout.group_size={4 if quick else 8}", f"rollout.max_completion_length={16 if quick else 48}", "train.save_every=0", "train.export_hf=false",
-                   "logging.wandb_mode=disabled", "logging.progress_bar=false", "grpo.self_check=false"]
+                   "logging.wandb_mode=disabled", "logging.progress_bar=false", "forward.self_check=false"]
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800,
                                 env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"})
         if result.returncode != 0:

@@ -69,8 +69,9 @@ PADDED_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
 CONCATENATED_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
-def collate_prompts(items: Sequence[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Join single-prompt processor outputs into one left-padded batch; vision tensors are concatenated."""
+def collate_prompts(items: Sequence[dict[str, torch.Tensor]], pad_id: int, device=None) -> dict[str, torch.Tensor]:
+    """Join single-prompt processor outputs into one left-padded batch; vision tensors are concatenated; moved to
+    ``device`` when given."""
     width = max(item["input_ids"].shape[1] for item in items)
     batch: dict[str, torch.Tensor] = {}
     for key in PADDED_KEYS:
@@ -83,4 +84,4 @@ def collate_prompts(items: Sequence[dict[str, torch.Tensor]], pad_id: int) -> di
         parts = [item[key] for item in items if item.get(key) is not None]
         if parts:
             batch[key] = torch.cat(parts)
-    return batch
+    return batch if device is None else {k: v.to(device) for k, v in batch.items()}

@@ -420,7 +420,7 @@ def report_skips(skipped: list[Skipped], total: int, source: str, skip_log: Path
                 SKIP_EXAMPLES), examples, where_all)
 
 
-def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int, lookahead: int = 0,
+def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int, *, lookahead: int = 0,
                 skip_log: Path | None = None) -> PromptStream:
     """This rank's stream of ``data_cfg.train_file``. Records that cannot be used are counted on every rank and
     reported once, by rank 0 (``report_skips``)."""

@@ -74,7 +74,7 @@ def render_order(first: str, second: str, frames: int, size: int, rng: random.Ra
     return video
 
 
-def make_item(index: int, task: str, rng: random.Random, out: Path, frames: int, size: int, fps: int,
+def make_item(index: int, task: str, rng: random.Random, out: Path, *, frames: int, size: int, fps: int,
               shuffle_options: bool = True) -> dict:
     direction = rng.choice(DIRECTIONS)
     if task == "count":
@@ -121,7 +121,7 @@ def make_item(index: int, task: str, rng: random.Random, out: Path, frames: int,
     }
 
 
-def generate(out: str | Path, train: int, heldout: int, seed: int = 0, tasks: tuple[str, ...] = TASKS,
+def generate(out: str | Path, train: int, heldout: int, seed: int = 0, tasks: tuple[str, ...] = TASKS, *,
              frames: int = 8, size: int = 56, fps: int = 4, shuffle_options: bool = True,
              heldout_tasks: tuple[str, ...] | None = None) -> dict[str, Path]:
     """``tasks`` alternate over the training records, ``heldout_tasks`` (default: the same) over the held-out ones."""
@@ -134,7 +134,8 @@ def generate(out: str | Path, train: int, heldout: int, seed: int = 0, tasks: tu
         records = []
         kinds = tasks if split == "train" else (heldout_tasks or tasks)
         for i in range(count):
-            records.append(make_item(index, kinds[i % len(kinds)], rng, out, frames, size, fps, shuffle_options))
+            records.append(make_item(index, kinds[i % len(kinds)], rng, out, frames=frames, size=size, fps=fps,
+                                     shuffle_options=shuffle_options))
             index += 1
         path = out / f"{split}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(tasks) - set(TASKS)
     if unknown:
         parser.error(f"unknown task(s) {sorted(unknown)}; choose from {TASKS}")
-    files = generate(args.out, args.train, args.heldout, args.seed, tasks, args.frames, args.size,
+    files = generate(args.out, args.train, args.heldout, args.seed, tasks, frames=args.frames, size=args.size,
                      shuffle_options=not args.fixed_options)
     print(json.dumps({k: str(v) for k, v in files.items()}))
 

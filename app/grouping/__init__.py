@@ -1,9 +1,11 @@
 """Prefix Grouper core: one packed row per batch of prompt groups, exact against the repeated [P;Ri] layout.
 
 Knows nothing of GRPO. Public API:
-- ``completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, mode, backend)``
+- ``completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, mode, *, backend, ...)``
 - ``verify_grouping(...)``: the optional self-check (grouped vs repeated on one batch)
-- ``GroupLayout``: pack/unpack geometry; ``grouped_attention`` and the registered attention backends.
+- ``GroupedDecoder``: one prefill per prompt, then grouped decode steps (what a rollout samples from)
+- ``GroupLayout``: pack/unpack geometry; ``grouped_attention`` and the registered attention backends
+- ``unwrap``, ``text_config``, ``set_text_attention``: reaching inside a (wrapped) model.
 """
 
 from app.grouping.attention import (
@@ -15,7 +17,9 @@ from app.grouping.attention import (
     register,
     usable_backends,
 )
+from app.grouping.decode import GroupedDecoder, idle_forward
 from app.grouping.forward import (
+    DEFAULT_CHUNK_SIZE,
     MODES,
     CompletionScores,
     GroupingMismatchError,
@@ -24,13 +28,16 @@ from app.grouping.forward import (
     repeated_inputs,
     verify_grouping,
 )
-from app.grouping.layout import GroupLayout, LayoutError
+from app.grouping.layout import GroupLayout, LayoutError, normalize_group_sizes
+from app.grouping.modules import set_text_attention, text_config, unwrap
 from app.grouping.precision import PrecisionComparison, compare_to_reference, float32_forward
 from app.grouping.vision_calls import MODALITIES, aligned_vision_calls, present_vision_calls
 
 __all__ = [
-    "ATTENTION_NAME", "BACKENDS", "MODES", "CompletionScores", "GroupLayout", "GroupedAttentionPlan",
-    "GroupingMismatchError", "LayoutError", "PrecisionComparison", "SelfCheck", "compare_to_reference",
-    "completion_logprobs", "float32_forward", "MODALITIES", "aligned_vision_calls", "present_vision_calls", "default_backend", "grouped_attention",
-    "register", "repeated_inputs", "usable_backends", "verify_grouping",
+    "ATTENTION_NAME", "BACKENDS", "DEFAULT_CHUNK_SIZE", "MODALITIES", "MODES", "CompletionScores", "GroupLayout",
+    "GroupedAttentionPlan", "GroupedDecoder", "GroupingMismatchError", "LayoutError", "PrecisionComparison",
+    "SelfCheck", "aligned_vision_calls", "compare_to_reference", "completion_logprobs", "default_backend",
+    "float32_forward", "grouped_attention", "idle_forward", "normalize_group_sizes", "present_vision_calls",
+    "register", "repeated_inputs", "set_text_attention", "text_config", "unwrap", "usable_backends",
+    "verify_grouping",
 ]

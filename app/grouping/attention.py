@@ -91,10 +91,10 @@ def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if rep == 1 else x.repeat_interleave(rep, dim=-3)
 
 
-def _sdpa(q, k, v, mask=None, is_causal=False, scale=None, dropout=0.0):
+def _sdpa(q, k, v, mask=None, *, is_causal=False, scale=None, dropout=0.0):
     k, v = _expand_kv(k, q.shape[-3]), _expand_kv(v, q.shape[-3])
     if q.dim() == 3:  # the fused CPU kernels take 4-D inputs only; 3-D falls back to the O(L^2)-memory math path
-        return _sdpa(q[None], k[None], v[None], mask, is_causal, scale, dropout)[0]
+        return _sdpa(q[None], k[None], v[None], mask, is_causal=is_causal, scale=scale, dropout=dropout)[0]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                           dropout_p=dropout)
 
@@ -285,7 +285,7 @@ def _flex(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
         except UserWarning as warning:
             raise FlexCompileError(
                 f"FlexAttention would run uncompiled ({warning}); that path materialises the full T x T scores "
-                f"(T={plan.layout.total_len}). Use grpo.attention_backend=flash (flash-attn) or packed instead."
+                f"(T={plan.layout.total_len}). Use the flash backend (attention_backend=flash; needs flash-attn) or packed instead."
             ) from None
     return out[0]
 
@@ -342,7 +342,8 @@ class _PrefixPlusOwnAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, prefix_k, prefix_v, own_k, own_v, lens, scale):
+    def forward(ctx, q, prefix_k, prefix_v, own_k, own_v, geometry):
+        lens, scale = geometry  # the responses' lengths and the softmax scale (not tensors)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         ctx.dtype = q.dtype
         if q.dtype in (torch.bfloat16, torch.float16):
@@ -384,7 +385,7 @@ class _PrefixPlusOwnAttention(torch.autograd.Function):
             dov[:, :, sl] = gv
             start += length
         dtype = ctx.dtype
-        return dq.to(dtype), dpk.to(dtype), dpv.to(dtype), dok.to(dtype), dov.to(dtype), None, None
+        return dq.to(dtype), dpk.to(dtype), dpv.to(dtype), dok.to(dtype), dov.to(dtype), None
 
 
 def _split(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
@@ -403,7 +404,7 @@ def _split(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
 
         out[:, mid:end] = _PrefixPlusOwnAttention.apply(
             four_d(q[:, mid:end], expand=False), four_d(k[:, start:mid]), four_d(v[:, start:mid]),
-            four_d(k[:, mid:end]), four_d(v[:, mid:end]), list(lens), scale)[0]
+            four_d(k[:, mid:end]), four_d(v[:, mid:end]), (list(lens), scale))[0]
     return out
 
 
@@ -421,7 +422,7 @@ def grouped_attention(plan: GroupedAttentionPlan, query, key, value, scale=None,
     return out[None]
 
 
-def prefix_grouper_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+def prefix_grouper_attention(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None,
                              sliding_window=None, **kwargs):
     """transformers ``AttentionInterface`` entry point."""
     plan = kwargs.get(PLAN_KWARG)

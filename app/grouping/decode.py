@@ -85,3 +85,78 @@ def decode_attention(cache: GroupedKVCache, layer_idx: int, query, own_keys, own
     out = out[cache.slot_valid]  # [N, Hkv, rep, D], samples in order
     out = out + torch.einsum("nkrt,nktd->nkrd", probs[..., prefix_len:][cache.slot_valid], own_values.float())
     return out.reshape(samples, 1, heads, dim).to(query.dtype)
+
+
+class GroupedDecoder:
+    """Grouped decoding as the rollout uses it: one prefill per prompt, then all samples of all groups step
+    together against their prompt's K/V held once. Knows nothing of sampling or stopping.
+
+        decoder = GroupedDecoder(model, prompts, group_sizes, max_new_tokens)   # the prefill
+        logits = decoder.logits                      # [N, V]: each sample starts from its prompt's last position
+        while ...: logits = decoder.step(tokens)     # one token per sample
+        decoder.close()                              # the model's attention setting as it was
+
+    M-RoPE decode positions continue from the prompt's last position + 1 on every axis, passed explicitly.
+    ``idle_step`` runs the same modules without a real step (a rank that finished while others still decode under
+    ZeRO-3 joins their parameter gathers).
+    """
+
+    def __init__(self, model, prompts: dict, group_sizes: Sequence[int], max_new_tokens: int):
+        from app.grouping import attention
+        from app.grouping.modules import set_text_attention, text_config
+        from app.grouping.positions import VISION_KEYS, prompt_positions
+
+        self.model = model
+        self._previous = text_config(model)._attn_implementation
+        self._set_attention = set_text_attention
+        device = prompts["input_ids"].device
+        sizes = torch.tensor(list(group_sizes), device=device)
+        group_of_sample = torch.repeat_interleave(torch.arange(len(group_sizes), device=device), sizes)
+        set_text_attention(model, "sdpa")
+        try:
+            positions = prompt_positions(model, prompts["input_ids"], prompts["attention_mask"], prompts)
+            vision = {k: prompts[k] for k in VISION_KEYS if prompts.get(k) is not None}
+            out = model(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
+                        position_ids=positions if positions.shape[0] > 1 else positions[0], use_cache=True,
+                        logits_to_keep=1, **vision)
+        except BaseException:
+            self.close()
+            raise
+        self.cache = GroupedKVCache(out.past_key_values, prompts["attention_mask"], group_sizes, max_new_tokens)
+        self.logits = out.logits[:, -1][group_of_sample]  # [N, V]: a group's samples start from one distribution
+        self._last_position = positions[:, :, -1][:, group_of_sample]  # [axes, N]
+        self._plan_kwarg = attention.PLAN_KWARG
+        self.steps = 0
+        set_text_attention(model, attention.ATTENTION_NAME)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per sample [N]; return the next logits [N, V]."""
+        positions = (self._last_position + 1 + self.steps)[:, :, None]  # [axes, N, 1]
+        out = self.model(input_ids=tokens[:, None], attention_mask=None,
+                         position_ids=positions if positions.shape[0] > 1 else positions[0],
+                         past_key_values=self.cache, use_cache=True, **{self._plan_kwarg: self.cache})
+        self.steps += 1
+        return out.logits[:, -1]
+
+    def idle_step(self) -> None:
+        idle_forward(self.model)
+
+    def close(self) -> None:
+        self._set_attention(self.model, self._previous)
+
+
+def idle_forward(model) -> None:
+    """A two-token grouped forward through the same modules as a decode step, for a rank that has finished while
+    the others still decode (under ZeRO-3 every module call all-gathers, so every rank must make it)."""
+    from app.grouping import attention
+    from app.grouping.layout import GroupLayout
+    from app.grouping.modules import unwrap
+    from app.grouping.positions import rope_index_owner
+
+    device = next(unwrap(model).parameters()).device
+    layout = GroupLayout((1,), (1,), (1,), 1, 1)
+    is_vl = rope_index_owner(unwrap(model)) is not None
+    positions = torch.arange(2, device=device).view(1, 1, 2).expand(3 if is_vl else 1, 1, 2)
+    model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), attention_mask=None,
+          position_ids=positions if is_vl else positions[0], use_cache=False,
+          **{attention.PLAN_KWARG: attention.GroupedAttentionPlan(layout, "masked")})

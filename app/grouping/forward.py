@@ -20,6 +20,7 @@ import torch
 from app.grouping import attention
 from app.grouping.layout import GroupLayout, LayoutError
 from app.grouping.logprobs import head_returns_logprobs
+from app.grouping.modules import set_text_attention, text_config, unwrap
 from app.grouping.positions import (
     VISION_KEYS,
     check_max_positions,
@@ -45,28 +46,6 @@ class CompletionScores:
     logits: torch.Tensor | None = None  # [N, Lc, V] when requested, 0 at padding
     layout: GroupLayout | None = None
     entropy: torch.Tensor | None = None  # [N, Lc] entropy of each token's (tempered) distribution, no gradient
-
-
-def unwrap(model):
-    """The transformers model inside a wrapper such as a DeepSpeed engine (which is still what gets called)."""
-    return getattr(model, "module", model)
-
-
-def text_config(model):
-    config = unwrap(model).config
-    return getattr(config, "text_config", None) or config
-
-
-def _set_text_attention(model, name: str) -> None:
-    model = unwrap(model)
-    if text_config(model)._attn_implementation == name:
-        return
-    if name == attention.ATTENTION_NAME:
-        attention.register()
-    if getattr(model.config, "vision_config", None) is not None:
-        model.set_attn_implementation({"text_config": name})
-    else:
-        model.set_attn_implementation(name)
 
 
 def split_vision_inputs(model, prompts: Mapping) -> list[dict]:
@@ -128,16 +107,16 @@ def _logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatu
         return chosen, -(logp.exp() * logp).sum(-1)
 
 
-def _head_logprobs(model, forward, targets, select, temperature, chunk_size, return_entropy):
+def _head_logprobs(model, forward, targets, select, *, temperature, chunk_size, return_entropy):
     """Run ``forward()`` with the output head returning (log-prob, entropy) chunk by chunk: [..., 2]."""
     with head_returns_logprobs(unwrap(model), targets, select, temperature, chunk_size, return_entropy):
         return forward().logits
 
 
-def _grouped(model, prompts, completion_ids, layout: GroupLayout, backend, temperature, return_logits,
+def _grouped(model, prompts, completion_ids, layout: GroupLayout, *, backend, temperature, return_logits,
              return_entropy, extra_forward_kwargs, chunk_size=0):
     device = completion_ids.device
-    _set_text_attention(model, attention.ATTENTION_NAME)
+    set_text_attention(model, attention.ATTENTION_NAME)
     plan = attention.GroupedAttentionPlan(layout, backend or attention.default_backend(device))
     input_ids = layout.pack(prompts["input_ids"], completion_ids)[None]
     prompt_pos = prompt_positions(unwrap(model), prompts["input_ids"], prompts["attention_mask"], prompts)
@@ -157,7 +136,8 @@ def _grouped(model, prompts, completion_ids, layout: GroupLayout, backend, tempe
                      logits_to_keep=predict, **{attention.PLAN_KWARG: plan}, **kwargs, **extra_forward_kwargs)
 
     if chunk_size and not return_logits:
-        both = _head_logprobs(model, forward, targets, None, temperature, chunk_size, return_entropy)[0]
+        both = _head_logprobs(model, forward, targets, None, temperature=temperature, chunk_size=chunk_size,
+                              return_entropy=return_entropy)[0]
         chosen, entropy = both[:, 0], both[:, 1].detach()
         return (layout.unpack_completion_tokens(chosen), None,
                 layout.unpack_completion_tokens(entropy) if return_entropy else None)
@@ -187,9 +167,9 @@ def repeated_inputs(model, prompts: Mapping, completion_ids, completion_mask, gr
     return batch
 
 
-def _repeated(model, prompts, completion_ids, completion_mask, layout: GroupLayout, temperature, return_logits,
+def _repeated(model, prompts, completion_ids, completion_mask, layout: GroupLayout, *, temperature, return_logits,
               return_entropy, extra_forward_kwargs, chunk_size=0):
-    _set_text_attention(model, "sdpa")
+    set_text_attention(model, "sdpa")
     batch = repeated_inputs(model, prompts, completion_ids, completion_mask, layout.group_sizes)
     if rope_index_owner(unwrap(model)) is None:
         batch["position_ids"] = (batch["attention_mask"].long().cumsum(-1) - 1).clamp_min(0)
@@ -201,8 +181,8 @@ def _repeated(model, prompts, completion_ids, completion_mask, layout: GroupLayo
 
     if chunk_size and not return_logits:
         select = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)  # the last kept position predicts nothing
-        both = _head_logprobs(model, forward, completion_ids[mask], select, temperature, chunk_size,
-                              return_entropy)[:, :-1]
+        both = _head_logprobs(model, forward, completion_ids[mask], select, temperature=temperature,
+                              chunk_size=chunk_size, return_entropy=return_entropy)[:, :-1]
         return both[..., 0], None, both[..., 1].detach() if return_entropy else None
     logits = forward().logits[:, :-1]  # [N, Lc, V]: position Lp-1+j predicts completion token j
     chosen, entropy = _logprobs_from_logits(logits, completion_ids, temperature, return_entropy)
@@ -232,6 +212,7 @@ def completion_logprobs(
     completion_mask: torch.Tensor,
     group_sizes: int | Sequence[int],
     mode: str = "grouped",
+    *,
     backend: str | None = None,
     temperature: float = 1.0,
     return_logits: bool = False,
@@ -268,13 +249,12 @@ def completion_logprobs(
     layout = GroupLayout.from_masks(prompts["attention_mask"], completion_mask, group_sizes)
     _refuse_placeholders_in_completions(model, completion_ids, completion_mask)
     with aligned_vision_calls(model, prompts, vision_calls):
+        settings = dict(temperature=temperature, return_logits=return_logits, return_entropy=return_entropy,
+                        extra_forward_kwargs=forward_kwargs, chunk_size=chunk_size)
         if mode == "grouped":
-            logprobs, logits, entropy = _grouped(model, prompts, completion_ids, layout, backend, temperature,
-                                                 return_logits, return_entropy, forward_kwargs, chunk_size)
+            logprobs, logits, entropy = _grouped(model, prompts, completion_ids, layout, backend=backend, **settings)
         else:
-            logprobs, logits, entropy = _repeated(model, prompts, completion_ids, completion_mask, layout,
-                                                  temperature, return_logits, return_entropy, forward_kwargs,
-                                                  chunk_size)
+            logprobs, logits, entropy = _repeated(model, prompts, completion_ids, completion_mask, layout, **settings)
     return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), logits=logits, layout=layout,
                             entropy=entropy)
 
@@ -292,7 +272,7 @@ class SelfCheck:
         return f"{text}; {self.comparison.describe()}" if self.comparison is not None else text
 
 
-def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes, backend: str | None = None,
+def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes, *, backend: str | None = None,
                     rtol: float = 1e-4, atol: float = 1e-5) -> SelfCheck:
     """Run both layouts on one batch; raise GroupingMismatchError when grouped is wrong. Returns a ``SelfCheck``.
 
@@ -307,7 +287,7 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
     try:
         with torch.no_grad():
             grouped = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped",
-                                          backend).logprobs.float()
+                                          backend=backend).logprobs.float()
             repeated = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes,
                                            "repeated").logprobs.float()
             comparison = None
@@ -317,12 +297,12 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
                                                     "repeated").logprobs
                 comparison = compare_to_reference(grouped, repeated, reference, completion_mask)
     finally:
-        _set_text_attention(model, previous)
+        set_text_attention(model, previous)
     diff = (grouped - repeated).abs()
     result = SelfCheck(dtype, float(diff.max()), comparison)
     where = f"backend={chosen}, model={type(unwrap(model)).__name__}, dtype={dtype}"
-    advice = ("Try grpo.attention_backend=masked (the plain reference backend) to tell a backend fault from a "
-              "layout fault; set grpo.self_check=false only if you accept training on log-probs that may be wrong.")
+    advice = ("Try backend 'masked' (the plain reference backend) to tell a backend fault from a layout fault; skip "
+              "this check only if you accept training on log-probs that may be wrong.")
     if comparison is not None:
         if not comparison.passes():
             raise GroupingMismatchError(

@@ -23,7 +23,8 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
     """log softmax(h W^T + b) / T at ``targets``, chunk by chunk; entropy rides along without gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, want_entropy):
+    def forward(ctx, hidden, weight, bias, targets, settings):
+        temperature, chunk_size, want_entropy = settings  # not tensors
         chosen = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         entropy = hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
         normaliser = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
@@ -65,7 +66,7 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
                 grad_bias += grad_logits.sum(0)
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None
 
 
 def chunked_target_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor,
@@ -75,8 +76,8 @@ def chunked_target_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets
     unless ``entropy``; never differentiable). Peak extra memory: one [chunk_size, V] float32 block."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    return _ChunkedTargetLogprobs.apply(hidden, head.weight, head.bias, targets, float(temperature), int(chunk_size),
-                                        bool(entropy))
+    return _ChunkedTargetLogprobs.apply(hidden, head.weight, head.bias, targets, (float(temperature), int(chunk_size),
+                                        bool(entropy)))
 
 
 @contextmanager

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from app.grouping.modules import unwrap
+
 # Measured on the five tiny families x every CPU backend (README, "The equivalence guarantee"): correct code gives
 # mean ratios 0.96-1.09 and max ratios 0.87-1.27; a +1 position shift or responses that see each other give mean
 # ratios above 10. The bounds sit between the two, nearer the correct side.
@@ -81,7 +83,7 @@ def float32_forward(model: torch.nn.Module):
     extra memory is one unit's float32 copy at a time. The parameters must be materialised (under ZeRO-3, inside
     ``app.distributed.gathered_for_inference``).
     """
-    model = getattr(model, "module", model)
+    model = unwrap(model)
     handles = []
     try:
         for unit in upcast_units(model):
@@ -93,7 +95,7 @@ def float32_forward(model: torch.nn.Module):
 
 
 def parameter_dtype(model: torch.nn.Module) -> torch.dtype:
-    model = getattr(model, "module", model)
+    model = unwrap(model)
     for param in model.parameters():
         # ZeRO-3 partitioned parameters keep their dtype on the (empty) placeholder too.
         return param.dtype

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from app.grouping.modules import unwrap
+
 MODALITIES = ("image", "video")  # the order in which Qwen-VL forwards call the vision tower
 _PIXEL_KEYS = {"image": "pixel_values", "video": "pixel_values_videos"}
 
@@ -29,7 +31,7 @@ def present_vision_calls(prompts: Mapping) -> tuple[str, ...]:
 
 
 def _parts(model):
-    inner = getattr(getattr(model, "module", model), "model", None)
+    inner = getattr(unwrap(model), "model", None)
     visual = getattr(inner, "visual", None)
     language = getattr(inner, "language_model", None)
     if visual is None or language is None:

@@ -1,4 +1,4 @@
-"""Run under torchrun with 2 processes: one DeepSpeed ZeRO-2 step per loss type with the trainer's normalisation.
+"""Run under torchrun with 2 processes: one DeepSpeed ZeRO-2 step per loss type with the trainer's loss (GRPOLoss).
 
 Each rank owns 2 micro-batches of tests/test_loss.py's step data (unequal token counts); the "policy" is a table
 of log-probs, the optimiser SGD with lr 1, so the parameter change is minus the gradient DeepSpeed applied. Rank 0
@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 
 from app import distributed
-from app.grpo import LOSS_TYPES, LossOptions, grpo_loss
-from app.trainer import tokens_per_micro_batch
+from app.grpo import LOSS_TYPES, GRPOLoss, LossOptions
 from tests.test_loss import L_MAX, step_data
 
 
@@ -41,12 +40,12 @@ def main(out: str) -> None:
         engine = distributed.build_engine(model, ds_config, torch.optim.SGD(model.parameters(), lr=1.0), None)
         options = LossOptions(loss_type=loss_type, beta=0.04, epsilon_low=0.2, epsilon_high=0.28,
                               max_completion_length=L_MAX)
-        weights = torch.cat([mb["mask"] for mb in mine])
-        per_mb = tokens_per_micro_batch(loss_type, weights, len(mine))
+        loss_fn = GRPOLoss(options)  # the trainer's loss: the DAPO denominator over the step's ranks
+        loss_fn.start_step(torch.cat([mb["mask"] for mb in mine]), len(mine), world, distributed.all_reduce_sum)
         for k, mb in enumerate(mine):
             logp = engine(2 * rank + k)
-            loss, _ = grpo_loss(logp, mb["old"].float(), mb["adv"].float(), mb["mask"], mb["ref"].float(), options,
-                                None, per_mb)
+            old = mb["old"].float()
+            loss, _ = loss_fn(logp, old, mb["adv"].float(), mb["mask"], mb["ref"].float(), sampled_logprobs=old)
             engine.backward(loss)
             engine.step()
         moved[loss_type] = (engine.module.logp.detach() - before).flatten().tolist()
