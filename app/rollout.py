@@ -28,6 +28,8 @@ from app.grouping import (
 from app.options import OptionError
 
 ENGINES = ("grouped", "hf")
+CHECK_EVERY = 8  # decode steps between looks at which samples finished (one host sync; compaction; ZeRO-3 agreement)
+TOP_P_CANDIDATES = (64, 1024)  # top-p looks at the largest probabilities first and sorts the vocabulary only if needed
 
 
 @dataclass(frozen=True)
@@ -68,49 +70,78 @@ def derive_seed(*parts) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def prompt_generators(seeds: Sequence[int] | None, device) -> list[torch.Generator] | None:
-    """One random stream per prompt: a prompt's draws depend on its own seed only, never on the batch it is in,
-    its position there, the rank, or when the other samples finish."""
-    if seeds is None:
+def sample_generators(prompt_seeds: Sequence[int] | None, group_sizes: Sequence[int],
+                      device) -> list[torch.Generator] | None:
+    """One random stream per sample (sample j of prompt b: ``derive_seed(prompt_seeds[b], j)``): a sample's draws
+    depend on its prompt's seed and its index only, never on the batch, the rank, or when other samples finish
+    (finished samples leave the batch)."""
+    if prompt_seeds is None:
         return None
-    return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+    return [torch.Generator(device=device).manual_seed(derive_seed(seed, j))
+            for seed, size in zip(prompt_seeds, group_sizes) for j in range(size)]
+
+
+def _top_p(filtered: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability reaches ``top_p`` (the crossing token kept) per row. The
+    largest 64, then 1024, probabilities are looked at first; the whole vocabulary is sorted only for rows whose
+    mass is spread wider than that."""
+    probs = torch.softmax(filtered, dim=-1)
+    out = torch.full_like(filtered, float("-inf"))
+    todo = torch.arange(filtered.shape[0], device=filtered.device)
+    for k in (*TOP_P_CANDIDATES, filtered.shape[-1]):
+        k = min(k, filtered.shape[-1])
+        if k == filtered.shape[-1]:
+            top, index = torch.sort(probs[todo], descending=True, dim=-1)
+        else:
+            top, index = torch.topk(probs[todo], k, dim=-1)  # sorted, largest first
+        mass_before = top.cumsum(dim=-1) - top
+        enough = (mass_before[:, -1] + top[:, -1] >= top_p) | (k == filtered.shape[-1])
+        rows = todo[enough]
+        keep = mass_before[enough] < top_p
+        chosen = torch.gather(filtered[rows], -1, index[enough]).masked_fill(~keep, float("-inf"))
+        out[rows] = out[rows].scatter(-1, index[enough], chosen)
+        todo = todo[~enough]
+        if todo.numel() == 0:
+            break
+    return out
 
 
 def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, generators: Sequence[torch.Generator] | None,
-                  group_sizes: Sequence[int], suppress: torch.Tensor | None = None):
-    """Pick tokens from [N, V] logits (rows grouped by prompt, ``group_sizes``); return (tokens, log-probs of the
-    tempered, unfiltered distribution).
+                  suppress: torch.Tensor | None = None):
+    """Pick tokens from [N, V] logits; return (tokens, log-probs of the tempered, unfiltered distribution).
 
-    One log-softmax pays for the reported log-probs; top-k and top-p mask only when set; the draw is an
-    exponential race (Gumbel-max): argmax(log p - log E) with E ~ Exp(1) from the row's prompt's generator, which
-    picks token i with probability p_i / sum(p) (a multinomial draw without a second softmax).
+    One log-softmax pays for the reported log-probs; top-k and top-p mask only when set (top-k by a threshold,
+    top-p by the largest probabilities first); the draw is an exponential race (Gumbel-max): argmax(log p - log E)
+    with E ~ Exp(1) from row n's generator, which picks token i with probability p_i / sum(p) (a multinomial draw
+    without a second softmax). Suppressed tokens get E = inf (never drawn) without copying the logits.
     """
     logits = logits.float()
-    allowed = logits if suppress is None else logits.index_fill(-1, suppress, float("-inf"))
     if sampling.temperature == 0:
+        allowed = logits if suppress is None else logits.index_fill(-1, suppress, float("-inf"))
         tokens = allowed.argmax(dim=-1)
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    scaled = logits / sampling.temperature
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    filtered = logprobs if suppress is None else logprobs.index_fill(-1, suppress, float("-inf"))
-    if sampling.top_k and sampling.top_k < scaled.shape[-1]:
-        kth = torch.topk(filtered, sampling.top_k, dim=-1).values[:, -1:]
-        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logp, order = torch.sort(filtered, descending=True, dim=-1)
-        probs = torch.softmax(sorted_logp, dim=-1)
-        drop = probs.cumsum(dim=-1) - probs >= sampling.top_p  # keep the token that crosses
-        filtered = filtered.scatter(-1, order, sorted_logp.masked_fill(drop, float("-inf")))
+    logprobs = torch.log_softmax(logits / sampling.temperature, dim=-1)
+    filtered = logprobs
+    if (sampling.top_k and sampling.top_k < logits.shape[-1]) or sampling.top_p < 1.0:
+        if suppress is not None:
+            filtered = filtered.index_fill(-1, suppress, float("-inf"))
+        if sampling.top_k and sampling.top_k < logits.shape[-1]:
+            kth = torch.topk(filtered, sampling.top_k, dim=-1).values[:, -1:]
+            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+        if sampling.top_p < 1.0:
+            filtered = _top_p(filtered, sampling.top_p)
     noise = torch.empty_like(filtered)
     if generators is None:
         noise.exponential_()
     else:
-        start = 0
-        for generator, size in zip(generators, group_sizes):
-            noise[start : start + size].exponential_(generator=generator)
-            start += size
-    tokens = (filtered - noise.log()).argmax(dim=-1)
+        for row, generator in enumerate(generators):
+            noise[row].exponential_(generator=generator)
+    if suppress is not None:
+        noise.index_fill_(-1, suppress, float("inf"))  # log(inf) = inf: never the argmax
+    tokens = (filtered - noise.log_()).argmax(dim=-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
 
 
 class _StopTracker:
@@ -192,9 +223,10 @@ def generate_groups(
 
     ``synced``: ranks step together (forwards that all-gather under ZeRO-3); ``vision_calls``: the vision-tower
     calls the prefill must make whatever this rank's prompts hold (``app.grouping.aligned_vision_calls``).
-    ``prompt_seeds``: one seed per prompt (e.g. ``derive_seed(seed, question key)``): each prompt's samples come
-    from its own random stream, so they do not depend on the batch, the rank or the batch size; default
-    ``derive_seed(sampling.seed, b)`` when ``sampling.seed`` is set, else torch's global generator.
+    ``prompt_seeds``: one seed per prompt (e.g. ``derive_seed(seed, question key)``): each sample draws from its own
+    stream (``sample_generators``), so it does not depend on the batch, the rank, the batch size or when the other
+    samples finish; default ``derive_seed(sampling.seed, b)`` when ``sampling.seed`` is set, else torch's global
+    generator.
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown generation engine {engine!r}; expected one of {ENGINES}")
@@ -210,7 +242,7 @@ def generate_groups(
         prompt_seeds = [derive_seed(sampling.seed, b) for b in range(num_prompts)]
     if prompt_seeds is not None and len(prompt_seeds) != num_prompts:
         raise ValueError(f"{len(prompt_seeds)} prompt seeds for {num_prompts} prompts")
-    generators = prompt_generators(prompt_seeds, prompts["input_ids"].device)
+    generators = sample_generators(prompt_seeds, sizes, prompts["input_ids"].device)
     with aligned_vision_calls(model, prompts, vision_calls):  # acts on the first forward only: the prefill
         if engine == "hf":
             return _hf_generate(model, prompts, sizes, sampling, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id,
@@ -219,42 +251,97 @@ def generate_groups(
                                  synced=synced, generators=generators)
 
 
+class _StopStrings:
+    """Stop strings need the decoded text of each sample's last tokens (host work every step)."""
+
+    def __init__(self, count: int, strings: Sequence[str], tokenizer):
+        if tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer")
+        self.strings, self.tokenizer = tuple(strings), tokenizer
+        self.tokens: list[list[int]] = [[] for _ in range(count)]
+
+    def update(self, rows: torch.Tensor, tokens: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        """Append the alive rows' tokens; True where a stop string now ends the text."""
+        out = torch.zeros_like(alive)
+        for i in alive.nonzero().flatten().tolist():
+            sample = self.tokens[int(rows[i])]
+            sample.append(int(tokens[i]))
+            tail = self.tokenizer.decode(sample[-16:], skip_special_tokens=False)
+            out[i] = any(s in tail for s in self.strings)
+        return out
+
+
 def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id, synced, generators) -> Rollout:
+    """Decode all samples together, each prompt prefilled once. The host looks at which samples finished only
+    every ``CHECK_EVERY`` steps: finished samples then leave the batch (``GroupedDecoder.keep``) and, under ZeRO-3,
+    the ranks agree whether all are done (every rank steps, idly once done, until all are).
+    Between looks a finished sample steps on with pad tokens that are masked out, and each sample draws from its
+    own generator, so every output equals a step-by-step run. Stop strings need the decoded text: with them the
+    host looks at every step."""
     device = prompts["input_ids"].device
-    count = sum(sizes)
+    count, limit = sum(sizes), sampling.max_new_tokens
     suppress_ids = vision_token_ids(model) if sampling.suppress_token_ids is None else list(sampling.suppress_token_ids)
     suppress = torch.tensor(suppress_ids, device=device, dtype=torch.long) if suppress_ids else None
-    decoder = GroupedDecoder(model, prompts, sizes, sampling.max_new_tokens)  # each prompt (and its video) once
-    logits = decoder.logits
-    tracker = _StopTracker(count, eos_ids, sampling.stop_strings, tokenizer, device)
-    tokens_out, logprobs_out, masks_out = [], [], []
+    eos = torch.tensor(sorted(set(eos_ids)), device=device, dtype=torch.long)
+    stops = _StopStrings(count, sampling.stop_strings, tokenizer) if sampling.stop_strings else None
+    ids = torch.full((count, limit), pad_id, dtype=torch.long, device=device)
+    logprobs_out = torch.zeros(count, limit, device=device)
+    end = torch.full((count,), limit, dtype=torch.long, device=device)  # tokens per sample, its last included
+    finished = torch.zeros(count, dtype=torch.bool, device=device)
+    by_stop = torch.zeros(count, dtype=torch.bool, device=device)
+    rows = torch.arange(count, device=device)  # the decoder's batch -> sample index
+    decoder = GroupedDecoder(model, prompts, sizes, limit)  # each prompt (and its video) once
+    logits, step, tick, done_here = decoder.logits, 0, 0, False
     try:
-        step, done_here = 0, False
         while True:
             if not done_here:
-                tokens, logprobs = sample_tokens(logits, sampling, generators, sizes, suppress)
-                active = ~tracker.finished
-                tokens = torch.where(active, tokens, torch.full_like(tokens, pad_id))
-                tokens_out.append(tokens)
-                logprobs_out.append(torch.where(active, logprobs, torch.zeros_like(logprobs)))
-                masks_out.append(active.long())
-                tracker.update(tokens)
-                done_here = bool(tracker.finished.all()) or step == sampling.max_new_tokens - 1
-            if _all_done(done_here, synced, device):
+                tokens, logprobs = sample_tokens(logits, sampling, generators, suppress)
+                alive = ~finished[rows]
+                tokens = torch.where(alive, tokens, torch.full_like(tokens, pad_id))
+                ids[rows, step] = tokens
+                logprobs_out[rows, step] = torch.where(alive, logprobs, torch.zeros_like(logprobs))
+                hit = (torch.isin(tokens, eos) if eos.numel() else torch.zeros_like(alive)) & alive
+                if stops is not None:
+                    stopped = stops.update(rows, tokens, alive & ~hit)
+                    by_stop[rows] |= stopped
+                    hit |= stopped
+                finished[rows] |= hit
+                step += 1
+                end[rows[hit]] = step
+                done_here = step == limit  # a local decision: this rank's limit
+            # Every rank steps once per tick (really, or idly once done), so a schedule of looks by tick lines up
+            # across ranks even when their limits differ.
+            tick += 1
+            look = tick % CHECK_EVERY == 0 or stops is not None
+            if look and not done_here:
+                alive = ~finished[rows]
+                if not bool(alive.any()):
+                    done_here = True
+                elif not bool(alive.all()):  # finished samples cost nothing from here on
+                    keep = alive.nonzero().flatten()
+                    rows, tokens = rows[keep], tokens[keep]
+                    generators = [generators[i] for i in keep.tolist()] if generators is not None else None
+                    decoder.keep(keep)
+            if synced:
+                if look and _all_done(done_here, synced, device):
+                    break
+            elif done_here:
                 break
             if done_here:
                 decoder.idle_step()  # this rank is done; the others still gather parameters (ZeRO-3)
             else:
                 logits = decoder.step(tokens)
-                step += 1
     finally:
         decoder.close()
+    width = int(end.max()) if count else 0
+    mask = (torch.arange(width, device=device)[None, :] < end[:, None]).long()
+    reasons = ["stop_string" if s else ("eos" if f else "length") for f, s in zip(finished.tolist(), by_stop.tolist())]
     return Rollout(
-        completion_ids=torch.stack(tokens_out, dim=1),
-        completion_mask=torch.stack(masks_out, dim=1),
-        logprobs=torch.stack(logprobs_out, dim=1),
+        completion_ids=ids[:, :width],
+        completion_mask=mask,
+        logprobs=logprobs_out[:, :width],
         group_sizes=sizes,
-        stop_reasons=tracker.reasons,
+        stop_reasons=reasons,
         prefill_tokens=int(prompts["attention_mask"].sum()),
     )
 
@@ -263,11 +350,11 @@ class _SampleLikeGrouped:
     """A logits processor for HF generate (run greedy) that picks each row's token with ``sample_tokens``: the
     tempered, top-k/top-p distribution and the random draws of the grouped engine."""
 
-    def __init__(self, sampling: SamplingConfig, generators, sizes, suppress):
-        self.sampling, self.generators, self.sizes, self.suppress = sampling, generators, sizes, suppress
+    def __init__(self, sampling: SamplingConfig, generators, suppress):
+        self.sampling, self.generators, self.suppress = sampling, generators, suppress
 
     def __call__(self, input_ids, scores):
-        tokens, _ = sample_tokens(scores, self.sampling, self.generators, self.sizes, self.suppress)
+        tokens, _ = sample_tokens(scores, self.sampling, self.generators, self.suppress)
         return torch.full_like(scores, float("-inf")).scatter(-1, tokens[:, None], 0.0)
 
 
@@ -287,7 +374,7 @@ def _hf_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id,
         from transformers import LogitsProcessorList
 
         suppress = torch.tensor(suppress_ids, device=device, dtype=torch.long) if suppress_ids else None
-        kwargs["logits_processor"] = LogitsProcessorList([_SampleLikeGrouped(sampling, generators, sizes, suppress)])
+        kwargs["logits_processor"] = LogitsProcessorList([_SampleLikeGrouped(sampling, generators, suppress)])
     elif suppress_ids:
         kwargs.update(suppress_tokens=suppress_ids)
     if sampling.stop_strings:

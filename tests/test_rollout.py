@@ -128,7 +128,7 @@ def test_a_prompts_samples_depend_on_its_seed_not_on_its_batch(tiny_checkpoints,
 def test_sampler_draws_the_tempered_filtered_distribution(temperature, top_k, top_p):
     """Frequencies of 40,000 draws against the exact distribution: softmax(logits / T), restricted to the top k and
     to the smallest set of tokens whose mass reaches top_p (the crossing token kept), renormalised."""
-    from app.rollout import prompt_generators, sample_tokens
+    from app.rollout import sample_tokens
 
     logits = torch.tensor([2.0, 1.5, 1.0, 0.3, -0.5, -1.0, 0.9, -3.0])
     probs = torch.softmax(logits / temperature, -1)
@@ -145,8 +145,50 @@ def test_sampler_draws_the_tempered_filtered_distribution(temperature, top_k, to
     expected = expected / expected.sum()
     n = 40_000
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    tokens, logprobs = sample_tokens(logits.expand(n, -1), sampling, prompt_generators([5, 6], "cpu"), [n // 2, n // 2])
+    tokens, logprobs = sample_tokens(logits.expand(n, -1), sampling, None)  # torch's generator, seeded per test
     frequencies = torch.bincount(tokens, minlength=len(logits)).double() / n
     assert (frequencies - expected.double()).abs().max() < 0.01
     assert (frequencies[expected == 0] == 0).all()  # filtered tokens are never drawn
     torch.testing.assert_close(logprobs, torch.log_softmax(logits / temperature, -1)[tokens])  # unfiltered log-probs
+
+
+def test_top_p_looks_at_the_largest_probabilities_first_and_falls_back_to_a_full_sort(monkeypatch):
+    """Looking at the largest 64, then 1024, probabilities first keeps exactly what sorting the whole vocabulary
+    keeps, for mass concentrated in a few tokens, spread over hundreds, and flat over all (the full sort)."""
+    import app.rollout as rollout
+
+    torch.manual_seed(3)
+    vocab = 5000
+    rows = [torch.randn(vocab) * 8, torch.randn(vocab) * 1.5, torch.zeros(vocab) + torch.rand(vocab) * 1e-3]
+    logits = torch.log_softmax(torch.stack(rows), -1)
+    for top_p in (0.5, 0.9, 0.999):
+        got = rollout._top_p(logits, top_p)
+        monkeypatch.setattr(rollout, "TOP_P_CANDIDATES", ())  # every row through the full sort
+        want = rollout._top_p(logits, top_p)
+        monkeypatch.undo()
+        assert torch.equal(got, want), top_p
+        kept = (~torch.isinf(got)).sum(-1)
+        assert kept[0] < 64 and 64 < kept[1] < vocab and kept[2] > 1024  # all three paths were taken
+
+
+def test_outputs_do_not_depend_on_when_finished_samples_leave_the_batch(tiny_checkpoints, videos, monkeypatch):
+    """Finished samples leave the decode batch every CHECK_EVERY steps; with a look at every step (no compaction
+    lag) or only at the end (no compaction), every completion, mask and stop reason is the same, and the log-probs
+    agree to float rounding (a smaller batch rounds its matmuls differently: up to ~4e-6 here)."""
+    import app.rollout as rollout
+
+    model, prompts, tok = setup("qwen2_5_vl", tiny_checkpoints, videos)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=24, seed=5)
+    free = generate_groups(model, prompts, [3, 2], sampling, tokenizer=tok, eos_ids=[])
+    eos = sorted({int(free.completion_ids[0, 2]), int(free.completion_ids[3, 5])})  # tokens some samples draw
+    runs = []
+    for every in (1, 8, 1000):
+        monkeypatch.setattr(rollout, "CHECK_EVERY", every)
+        runs.append(generate_groups(model, prompts, [3, 2], sampling, tokenizer=tok, eos_ids=eos))
+    first = runs[0]
+    assert "eos" in first.stop_reasons and first.completion_mask.sum() < first.completion_mask.numel()
+    for other in runs[1:]:
+        assert torch.equal(other.completion_ids, first.completion_ids)
+        assert torch.equal(other.completion_mask, first.completion_mask)
+        torch.testing.assert_close(other.logprobs, first.logprobs, rtol=0, atol=1e-5)
+        assert other.stop_reasons == first.stop_reasons

@@ -2,7 +2,16 @@
 
 After one prefill of B prompts (the ordinary batched forward with a cache), the N = sum(G_b) samples decode
 together. At every step a sample's query attends to its prompt's prefix keys (shared by the whole group, never
-copied) and to the keys it generated itself. Memory for the prefix does not grow with G.
+copied) and to the keys it generated itself, as two attention calls merged exactly by their log-sum-exp (the
+``split`` backend's idea; Hydragen's for inference):
+
+- prefix: the group's G x (heads per KV head) queries as ONE batch against the prompt's K/V, one fused call, no
+  copy of the prefix (a mask only when prompts of different lengths are left-padded);
+- own: each sample's queries against its own keys so far (at most max_new_tokens of them);
+- merge: out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b, lse = logaddexp(lse_a, lse_b), in float32.
+
+Memory for the prefix does not grow with G. Finished samples leave the batch (``GroupedKVCache.keep``), and a
+group whose samples have all finished drops its prefix from the step.
 """
 
 from __future__ import annotations
@@ -12,8 +21,28 @@ from collections.abc import Sequence
 import torch
 
 
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale + mask) v and its log-sum-exp, for q [B, H, M, D], k/v [B, H, L, D] (same H), mask
+    additive [B, 1, 1, L] or None. Output in q's dtype with float32 accumulation, lse float32 [B, H, M]. On CPU the
+    fused flash kernel (one pass, K/V read in place); elsewhere a float32 reference."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                             scale=scale)
+        return out, lse.float()
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
+    return out.to(q.dtype), lse
+
+
 class GroupedKVCache:
-    """Stands in for a transformers Cache during grouped decoding (``update`` and ``get_seq_length``)."""
+    """Stands in for a transformers Cache during grouped decoding (``update`` and ``get_seq_length``).
+
+    Rows are the samples still decoding, in order; ``keep`` drops the others (and the prefix of a group none of
+    whose samples is left)."""
 
     is_compileable = False
 
@@ -21,21 +50,42 @@ class GroupedKVCache:
         layers = getattr(prefix_cache, "layers", None)
         if layers is None:
             raise TypeError("the prefill cache must be a transformers DynamicCache (with .layers)")
-        self.prefix = [(layer.keys, layer.values) for layer in layers]
+        self.prefix = [(layer.keys, layer.values) for layer in layers]  # [B, Hkv, Lp, D]
         self.prompt_mask = prompt_mask.bool()  # [B, Lp], left-padded
-        self.group_sizes = list(group_sizes)
+        self.prompt_width = prompt_mask.shape[1]
         self.max_new_tokens = max_new_tokens
         self.own: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.prefix)
         self.steps = 0
         device = prompt_mask.device
-        sizes = torch.tensor(self.group_sizes, device=device)
-        self.group_of_sample = torch.repeat_interleave(torch.arange(len(self.group_sizes), device=device), sizes)
-        # [B, Gmax] -> sample index (pads point at sample 0 and are dropped by `slot_valid`)
-        gmax = max(self.group_sizes)
-        starts = torch.cumsum(sizes, 0) - sizes
-        slots = starts[:, None] + torch.arange(gmax, device=device)[None, :]
-        self.slot_valid = torch.arange(gmax, device=device)[None, :] < sizes[:, None]
+        sizes = torch.tensor(list(group_sizes), device=device)
+        self._arrange(torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes))
+
+    def _arrange(self, group_of_sample: torch.Tensor) -> None:
+        """Slots [B, Gmax] -> row for the prefix call (pads point at row 0 and are dropped by ``slot_valid``), and
+        the additive prefix mask (None when no prompt is padded)."""
+        self.group_of_sample = group_of_sample
+        counts = torch.bincount(group_of_sample, minlength=self.prompt_mask.shape[0])
+        gmax = int(counts.max()) if counts.numel() else 0
+        starts = torch.cumsum(counts, 0) - counts
+        slots = starts[:, None] + torch.arange(gmax, device=counts.device)[None, :]
+        self.slot_valid = torch.arange(gmax, device=counts.device)[None, :] < counts[:, None]
         self.slot_sample = torch.where(self.slot_valid, slots, torch.zeros_like(slots))
+        if bool(self.prompt_mask.all()):
+            self.prefix_bias = None
+        else:
+            bias = torch.zeros(self.prompt_mask.shape, dtype=torch.float32, device=self.prompt_mask.device)
+            self.prefix_bias = bias.masked_fill(~self.prompt_mask, float("-inf"))[:, None, None, :]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Continue with these rows only (indices into the current rows, ascending); groups left without a sample
+        drop out of the prefix call."""
+        group_of_sample = self.group_of_sample[rows]
+        groups, group_of_sample = torch.unique(group_of_sample, return_inverse=True)
+        if len(groups) < self.prompt_mask.shape[0]:
+            self.prefix = [(k[groups], v[groups]) for k, v in self.prefix]
+            self.prompt_mask = self.prompt_mask[groups]
+        self.own = [None if own is None else (own[0][rows], own[1][rows]) for own in self.own]
+        self._arrange(group_of_sample)
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         """Append this step's K/V [N, Hkv, 1, D] for ``layer_idx``; return the sample's own K/V so far."""
@@ -54,7 +104,7 @@ class GroupedKVCache:
         return keys[:, :, :end], values[:, :, :end]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.prompt_mask.shape[1] + self.steps
+        return self.prompt_width + self.steps
 
     def __len__(self) -> int:
         return len(self.prefix)
@@ -63,27 +113,27 @@ class GroupedKVCache:
 def decode_attention(cache: GroupedKVCache, layer_idx: int, query, own_keys, own_values, scale: float | None):
     """q [N, H, 1, D]; own K/V [N, Hkv, t, D]; prefix K/V from the cache -> out [N, 1, H, D].
 
-    Exact softmax over [prefix of the sample's prompt ; the sample's own tokens], computed in float32.
-    """
+    Exact softmax over [prefix of the sample's prompt ; the sample's own tokens]: two attention calls in the
+    model's dtype with float32 accumulation, merged by log-sum-exp in float32. The prefix K/V is read in place."""
     prefix_k, prefix_v = cache.prefix[layer_idx]  # [B, Hkv, Lp, D]
     samples, heads, q_len, dim = query.shape
     if q_len != 1:
         raise RuntimeError("grouped decoding feeds one token per sample per step")
-    kv_heads = prefix_k.shape[1]
+    groups, kv_heads = prefix_k.shape[0], prefix_k.shape[1]
     rep = heads // kv_heads
     scale = dim**-0.5 if scale is None else scale
-    q = query.float().view(samples, kv_heads, rep, dim) * scale
-    # Prefix scores per prompt: queries of a group arranged [B, Gmax, ...]; the prefix K is read, never copied.
-    q_slots = q[cache.slot_sample]  # [B, Gmax, Hkv, rep, D]
-    prefix_scores = torch.einsum("bgkrd,bkld->bgkrl", q_slots, prefix_k.float())
-    prefix_scores = prefix_scores.masked_fill(~cache.prompt_mask[:, None, None, None, :], float("-inf"))
-    own_scores = torch.einsum("nkrd,nktd->nkrt", q, own_keys.float())  # [N, Hkv, rep, t]
-    own_slots = own_scores[cache.slot_sample]  # [B, Gmax, Hkv, rep, t]
-    probs = torch.softmax(torch.cat([prefix_scores, own_slots], dim=-1), dim=-1)
-    prefix_len = prefix_k.shape[2]
-    out = torch.einsum("bgkrl,bkld->bgkrd", probs[..., :prefix_len], prefix_v.float())
-    out = out[cache.slot_valid]  # [N, Hkv, rep, D], samples in order
-    out = out + torch.einsum("nkrt,nktd->nkrd", probs[..., prefix_len:][cache.slot_valid], own_values.float())
+    q = query.reshape(samples, kv_heads, rep, dim)
+    # Prefix: a group's queries side by side, [B, Hkv, Gmax * rep, D], one call against its prompt's K/V.
+    slots = q[cache.slot_sample]  # [B, Gmax, Hkv, rep, D] (queries only: small)
+    gmax = slots.shape[1]
+    q_prefix = slots.permute(0, 2, 1, 3, 4).reshape(groups, kv_heads, gmax * rep, dim)
+    out_a, lse_a = attention_with_lse(q_prefix, prefix_k, prefix_v, cache.prefix_bias, scale)
+    out_a = out_a.reshape(groups, kv_heads, gmax, rep, dim).permute(0, 2, 1, 3, 4)[cache.slot_valid]
+    lse_a = lse_a.reshape(groups, kv_heads, gmax, rep).permute(0, 2, 1, 3)[cache.slot_valid]  # [N, Hkv, rep]
+    # Own tokens: each sample's queries against the keys it generated.
+    out_b, lse_b = attention_with_lse(q, own_keys, own_values, None, scale)  # [N, Hkv, rep, D], [N, Hkv, rep]
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = (torch.exp(lse_a - lse)[..., None] * out_a.float() + torch.exp(lse_b - lse)[..., None] * out_b.float())
     return out.reshape(samples, 1, heads, dim).to(query.dtype)
 
 
@@ -137,6 +187,12 @@ class GroupedDecoder:
                          past_key_values=self.cache, use_cache=True, **{self._plan_kwarg: self.cache})
         self.steps += 1
         return out.logits[:, -1]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Continue with these samples only (indices into the current batch, ascending): finished samples leave,
+        and a group with none left drops its prefix from the step."""
+        self.cache.keep(rows)
+        self._last_position = self._last_position[:, rows]
 
     def idle_step(self) -> None:
         idle_forward(self.model)
