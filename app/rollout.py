@@ -110,38 +110,38 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, generators: Se
                   suppress: torch.Tensor | None = None):
     """Pick tokens from [N, V] logits; return (tokens, log-probs of the tempered, unfiltered distribution).
 
-    One log-softmax pays for the reported log-probs; top-k and top-p mask only when set (top-k by a threshold,
-    top-p by the largest probabilities first); the draw is an exponential race (Gumbel-max): argmax(log p - log E)
-    with E ~ Exp(1) from row n's generator, which picks token i with probability p_i / sum(p) (a multinomial draw
-    without a second softmax). Suppressed tokens get E = inf (never drawn) without copying the logits.
+    The vocabulary is paid for a few times per step, not a dozen: one softmax (the log-prob of the drawn token is
+    the log of its probability), top-k and top-p masks only when set (top-k by a threshold, top-p from the largest
+    probabilities first), then an inverse-CDF draw: one uniform per sample from its own generator, located in the
+    float64 cumulative sum of the (filtered, suppressed-zeroed) probabilities, which picks token i with probability
+    p_i / sum(p) exactly (float64 keeps the rounding of a 151,936-term sum far below any token's share).
     """
     logits = logits.float()
     if sampling.temperature == 0:
         allowed = logits if suppress is None else logits.index_fill(-1, suppress, float("-inf"))
         tokens = allowed.argmax(dim=-1)
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    logprobs = torch.log_softmax(logits / sampling.temperature, dim=-1)
-    filtered = logprobs
+    scaled = logits if sampling.temperature == 1.0 else logits / sampling.temperature
+    probs = torch.softmax(scaled, dim=-1)
+    weights = probs
     if (sampling.top_k and sampling.top_k < logits.shape[-1]) or sampling.top_p < 1.0:
-        if suppress is not None:
-            filtered = filtered.index_fill(-1, suppress, float("-inf"))
+        filtered = scaled if suppress is None else scaled.index_fill(-1, suppress, float("-inf"))
         if sampling.top_k and sampling.top_k < logits.shape[-1]:
             kth = torch.topk(filtered, sampling.top_k, dim=-1).values[:, -1:]
             filtered = filtered.masked_fill(filtered < kth, float("-inf"))
         if sampling.top_p < 1.0:
             filtered = _top_p(filtered, sampling.top_p)
-    noise = torch.empty_like(filtered)
+        weights = torch.softmax(filtered, dim=-1)
+    elif suppress is not None:
+        weights = probs.index_fill(-1, suppress, 0.0)
+    cdf = weights.double().cumsum_(dim=-1)
     if generators is None:
-        noise.exponential_()
+        uniform = torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device)
     else:
-        for row, generator in enumerate(generators):
-            noise[row].exponential_(generator=generator)
-    if suppress is not None:
-        noise.index_fill_(-1, suppress, float("inf"))  # log(inf) = inf: never the argmax
-    tokens = (filtered - noise.log_()).argmax(dim=-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
+        uniform = torch.stack([torch.rand(1, dtype=torch.float64, device=cdf.device, generator=g)
+                               for g in generators])
+    tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
+    return tokens, torch.log(probs.gather(-1, tokens[:, None]).squeeze(-1))
 
 
 class _StopTracker:

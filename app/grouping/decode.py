@@ -16,6 +16,7 @@ group whose samples have all finished drops its prefix from the step.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -137,6 +138,33 @@ def decode_attention(cache: GroupedKVCache, layer_idx: int, query, own_keys, own
     return out.reshape(samples, 1, heads, dim).to(query.dtype)
 
 
+@contextlib.contextmanager
+def vocabulary_major_head(model):
+    """On CPU, the output head computes its few rows of logits as weight @ hidden^T ([V, n], then transposed):
+    for a handful of rows against a 151,936-row head that runs about 3x faster than ``linear``'s hidden @
+    weight^T (measured: 11.6 vs 33 ms for 8 rows at hidden 256, 2 threads). An instance ``forward``, so module
+    hooks (ZeRO-3's gathering) still run around it. Same product; only the summation order may differ."""
+    from app.grouping.modules import unwrap
+
+    head = unwrap(model).get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.weight.device.type != "cpu" or "forward" in head.__dict__:
+        yield
+        return
+
+    def forward(hidden):
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        out = (head.weight @ flat.T).T.contiguous()
+        if head.bias is not None:
+            out = out + head.bias
+        return out.reshape(*hidden.shape[:-1], out.shape[-1])
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 class GroupedDecoder:
     """Grouped decoding as the rollout uses it: one prefill per prompt, then all samples of all groups step
     together against their prompt's K/V held once. Knows nothing of sampling or stopping.
@@ -166,9 +194,10 @@ class GroupedDecoder:
         try:
             positions = prompt_positions(model, prompts["input_ids"], prompts["attention_mask"], prompts)
             vision = {k: prompts[k] for k in VISION_KEYS if prompts.get(k) is not None}
-            out = model(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
-                        position_ids=positions if positions.shape[0] > 1 else positions[0], use_cache=True,
-                        logits_to_keep=1, **vision)
+            with vocabulary_major_head(model):
+                out = model(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
+                            position_ids=positions if positions.shape[0] > 1 else positions[0], use_cache=True,
+                            logits_to_keep=1, **vision)
         except BaseException:
             self.close()
             raise
@@ -182,9 +211,10 @@ class GroupedDecoder:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per sample [N]; return the next logits [N, V]."""
         positions = (self._last_position + 1 + self.steps)[:, :, None]  # [axes, N, 1]
-        out = self.model(input_ids=tokens[:, None], attention_mask=None,
-                         position_ids=positions if positions.shape[0] > 1 else positions[0],
-                         past_key_values=self.cache, use_cache=True, **{self._plan_kwarg: self.cache})
+        with vocabulary_major_head(self.model):
+            out = self.model(input_ids=tokens[:, None], attention_mask=None,
+                             position_ids=positions if positions.shape[0] > 1 else positions[0],
+                             past_key_values=self.cache, use_cache=True, **{self._plan_kwarg: self.cache})
         self.steps += 1
         return out.logits[:, -1]
 
