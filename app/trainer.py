@@ -88,7 +88,7 @@ class GRPOTrainer(Recipe):
         and batch positions), decoded and scored; with T-GRPO the video prompts again on shuffled frames."""
         seeds = [derive_seed(self.cfg.train.seed, step, self.rank, draw, i) for i in range(len(prompts))]
         rollout = self.generate(prompts, seeds)
-        texts = self.decode(rollout)
+        texts = self.decode(rollout.completion_ids, rollout.completion_mask)
         shuffled = self.shuffled_rollouts(step, prompts) if self.cfg.rewards.temporal else None
         records = [p.record for p, size in zip(prompts, rollout.group_sizes) for _ in range(size)]
         scored = self.rewards.score(texts, records, rollout.group_sizes, rollout.completion_mask.sum(1).tolist(),
@@ -112,7 +112,7 @@ class GRPOTrainer(Recipe):
             return {}
         rollout = self.generate([encoded[i] for i in video],
                                 [derive_seed(self.cfg.train.seed, step, self.rank, "shuffled", i) for i in video])
-        texts, g = self.decode(rollout), self.cfg.rollout.group_size
+        texts, g = self.decode(rollout.completion_ids, rollout.completion_mask), self.cfg.rollout.group_size
         return {i: texts[k * g : (k + 1) * g] for k, i in enumerate(video)}
 
     def generate(self, prompts: list[EncodedPrompt], seeds: list[int]) -> Rollout:
@@ -124,10 +124,6 @@ class GRPOTrainer(Recipe):
             return generate_groups(model, inputs, self.cfg.rollout.group_size, self.sampling,
                                    tokenizer=self.tokenizer, engine=self.cfg.rollout.engine, synced=collective,
                                    vision_calls=vision_calls, prompt_seeds=seeds)
-
-    def decode(self, rollout: Rollout) -> list[str]:
-        return [self.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
-                for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
 
     def agree_vision_calls(self, micro_batches: list[MicroBatch]) -> None:
         """The vision-tower calls of every micro-batch's training forward, agreed across ranks (one collective
@@ -143,21 +139,11 @@ class GRPOTrainer(Recipe):
             if self.cfg.grpo.num_iterations > 1:
                 mb.old_logprobs = self.logprobs_without_grad(self.engine, mb)
 
-    @torch.no_grad()
     def logprobs_without_grad(self, model, mb: MicroBatch) -> torch.Tensor:
-        """Log-probs of the sampled tokens under ``model`` (the policy, a reference model, or the policy with its
-        adapters off), at the rollout temperature like the policy forward: ratios and KL compare the same
-        distributions."""
-        model, adapters_off = lora.resolve(model)
-        hooked = self.cfg.rollout.zero3_gather == "per_step" and distributed.forwards_are_collective(model)
-        vision_calls = mb.vision_calls if hooked else None  # DeepSpeed's hooks stay on: calls must agree
-        with (distributed.gathered_for_inference(model, self.cfg.rollout.zero3_gather) as (module, _),
-              lora.adapters_disabled(module, adapters_off)):
-            was_training = module.training
-            module.eval()
-            scores = self.forward(module, mb, vision_calls=vision_calls)
-            module.train(was_training)
-        return scores.logprobs
+        """Log-probs of the sampled tokens under ``model`` (policy, reference model, or the policy adapters-off), at
+        the rollout temperature like the policy forward: ratios and KL compare the same distributions."""
+        return self.scores_without_grad(model, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes,
+                                        vision_calls=mb.vision_calls, temperature=self.cfg.rollout.temperature)
 
     def forward(self, model, mb: MicroBatch, vision_calls=None, return_entropy: bool = False):
         return self.scores(model, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU acceptance in one command (also `make gpu-check`): the GPU-only tests (tests/test_gpu.py), a CUDA benchmark
-# subset with CUDA memory counters, and one report, docs/gpu/report.json + report.md.
+# subset with CUDA memory counters (flex shapes, attention, rollout engines), and one report, docs/gpu/report.json + report.md.
 # Without CUDA it says so and exits 0 having run nothing.
 #   scripts/gpu_check.sh [REPORT_DIR]      (default docs/gpu; raw outputs under outputs/gpu)
 set -uo pipefail
@@ -20,5 +20,8 @@ mkdir -p "$RAW" "$REPORT"
 tests_rc=${PIPESTATUS[0]}
 "$PY" -m app.bench.flex_shapes --out "$RAW/flex_shapes" 2>&1 | tee "$RAW/flex_shapes.log"
 "$PY" -m app.bench.attention --out "$RAW/attention" 2>&1 | tee "$RAW/attention.log"
+# The rollout comparison of the CPU README table, on CUDA: grouped vs HF generate, and vLLM when
+# PREFIX_GRPO_VLLM_PYTHON names a Python that has it.
+"$PY" -m app.bench.rollout --out "$RAW/rollout" --trials 3 2>&1 | tee "$RAW/rollout.log"
 "$PY" -m app.bench.gpu_report "$RAW" "$REPORT"
 exit "$tests_rc"

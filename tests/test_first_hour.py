@@ -243,3 +243,14 @@ def test_completion_logprobs_is_chunked_by_default(tiny_checkpoints, videos):
     finally:
         hook.remove()
     assert widths == [2, 2]  # (log-prob, entropy) per token, never a vocabulary-wide row
+
+
+def test_temporal_grpo_on_data_without_video_is_warned():
+    from app.trainer import data_warnings
+
+    cfg = load_config(None, ["model.path=x", "data.train_file=images.jsonl", "rewards.temporal=true"])
+    images = [{"data_type": "image"}, {"data_type": "image"}]
+    assert any("no video records" in w for w in data_warnings(cfg, images))
+    assert data_warnings(cfg, images + [{"data_type": "video"}]) == []
+    cfg.rewards.temporal = False
+    assert data_warnings(cfg, images) == []
