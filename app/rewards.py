@@ -61,8 +61,8 @@ _LETTER_FORMS = (
 )
 # A bare letter followed by a word is an option only when the word starts a justification ("B because ..."):
 # "A cat" is an article and a noun, "B or C" a hedge.
-_JUSTIFIED = re.compile(r"^([A-Za-z])\s+(?P<rest>(?:because|since|as|given|due|which|this|it|that)\b.*?)[.]?$",
-                        re.DOTALL | re.IGNORECASE)
+_JUSTIFIED = re.compile(r"^([A-Za-z])\s+(?P<rest>(?:\(|(?:because|since|as|given|due|which|this|it|that|is|was)\b).*?)"
+                        r"[.]?$", re.DOTALL | re.IGNORECASE)
 # Another option letter standing alone in the text after the answer makes it a hedge ("A, C", "B, or C").
 _OTHER_LETTER = re.compile(r"(?<![\w'])(?:[B-HJ-Z]|A(?!\s+[a-z]))(?![\w'])")
 
@@ -86,7 +86,7 @@ def option_letter(text: str) -> str | None:
     """The option letter an answer names (A-Z: benchmarks have up to 26 options), or None.
 
     Named: "B", "b", "B.", "(B)", "[B]", "**B**", "\\boxed{B}", "Answer: B", "B. red", "B, the red one",
-    "B - red", "B because the square is red". None: "blue", "Because ...", "a cat", "B or C", "A, C", "B, not C"
+    "B - red", "B because the square is red", "B is correct", "B (the red one)". None: "blue", "Because ...", "a cat", "B or C", "A, C", "B, not C"
     (a second option letter in the text is a hedge)."""
     text = _unwrap(text)
     for pattern in (*_LETTER_FORMS, _JUSTIFIED):

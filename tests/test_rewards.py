@@ -87,6 +87,8 @@ GAMED = [
     ("multiple choice", "B", said("B, not C"), 0.0),
     ("multiple choice", "B", said("B because C is wrong"), 0.0),
     ("multiple choice", "A", said("A cat"), 0.0),
+    ("multiple choice", "B", said("B is wrong, C is right"), 0.0),
+    ("multiple choice", "B", said("B and C"), 0.0),
 ]
 RIGHT = [
     ("multiple choice", "B", said(answer), 1.0)
@@ -98,7 +100,8 @@ RIGHT = [
         ("multiple choice", "B", "B, the red one"), ("multiple choice", "D", "[D] the blue circle"),
         ("multiple choice", "E", "e, since it comes first"), ("multiple choice", "C", "C - it moves left"),
         ("multiple choice", "A", "A because the ball falls"), ("multiple choice", "J", "(J), the last one"),
-        ("multiple choice", "F", "The answer is F, as the clip shows"))
+        ("multiple choice", "F", "The answer is F, as the clip shows"), ("multiple choice", "B", "B is correct"),
+        ("multiple choice", "C", "C (the square that moves)"), ("multiple choice", "D", "D was right, the clip shows it"))
 ] + [
     ("numerical", "3", said("3.0"), 1.0),
     ("numerical", "12", said("12 squares"), 1.0),
