@@ -144,32 +144,6 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, generators: Se
     return tokens, torch.log(probs.gather(-1, tokens[:, None]).squeeze(-1))
 
 
-class _StopTracker:
-    def __init__(self, count: int, eos_ids: Sequence[int], stop_strings: Sequence[str], tokenizer, device):
-        self.eos = torch.tensor(sorted(set(eos_ids)), device=device, dtype=torch.long)
-        self.stop_strings = tuple(stop_strings)
-        if self.stop_strings and tokenizer is None:
-            raise ValueError("stop_strings need a tokenizer")
-        self.tokenizer = tokenizer
-        self.finished = torch.zeros(count, dtype=torch.bool, device=device)
-        self.reasons = ["length"] * count
-        self.tokens: list[list[int]] = [[] for _ in range(count)]
-
-    def update(self, tokens: torch.Tensor) -> None:
-        active = ~self.finished
-        hit_eos = torch.isin(tokens, self.eos) & active if self.eos.numel() else torch.zeros_like(active)
-        for n in active.nonzero().flatten().tolist():
-            self.tokens[n].append(int(tokens[n]))
-            if hit_eos[n]:
-                self.reasons[n] = "eos"
-            elif self.stop_strings:
-                tail = self.tokenizer.decode(self.tokens[n][-16:], skip_special_tokens=False)
-                if any(s in tail for s in self.stop_strings):
-                    self.reasons[n] = "stop_string"
-                    hit_eos[n] = True
-        self.finished |= hit_eos
-
-
 def _all_done(done_here: bool, synced: bool, device) -> bool:
     """True when every rank is done; ranks keep stepping together (ZeRO-3 gathers parameters collectively)."""
     if not synced:
@@ -251,24 +225,43 @@ def generate_groups(
                                  synced=synced, generators=generators)
 
 
-class _StopStrings:
-    """Stop strings need the decoded text of each sample's last tokens (host work every step)."""
+class _Finish:
+    """Which samples have finished (EOS, or a stop string completed), after how many tokens, and why; shared by
+    both engines. Stop strings need the decoded text of each sample's last tokens (host work every step)."""
 
-    def __init__(self, count: int, strings: Sequence[str], tokenizer):
-        if tokenizer is None:
+    def __init__(self, count: int, eos_ids: Sequence[int], strings: Sequence[str], tokenizer, limit: int, device):
+        if strings and tokenizer is None:
             raise ValueError("stop_strings need a tokenizer")
+        self.eos = torch.tensor(sorted(set(eos_ids)), device=device, dtype=torch.long)
         self.strings, self.tokenizer = tuple(strings), tokenizer
         self.tokens: list[list[int]] = [[] for _ in range(count)]
+        self.finished = torch.zeros(count, dtype=torch.bool, device=device)
+        self.by_stop = torch.zeros(count, dtype=torch.bool, device=device)
+        self.end = torch.full((count,), limit, dtype=torch.long, device=device)  # tokens kept, the last included
 
-    def update(self, rows: torch.Tensor, tokens: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
-        """Append the alive rows' tokens; True where a stop string now ends the text."""
-        out = torch.zeros_like(alive)
-        for i in alive.nonzero().flatten().tolist():
-            sample = self.tokens[int(rows[i])]
-            sample.append(int(tokens[i]))
-            tail = self.tokenizer.decode(sample[-16:], skip_special_tokens=False)
-            out[i] = any(s in tail for s in self.strings)
-        return out
+    def record(self, rows: torch.Tensor, tokens: torch.Tensor, step: int) -> None:
+        """Token ``step`` (0-based) of the samples ``rows``; those still alive may finish with it."""
+        alive = ~self.finished[rows]
+        hit = (torch.isin(tokens, self.eos) if self.eos.numel() else torch.zeros_like(alive)) & alive
+        if self.strings:
+            stopped = torch.zeros_like(alive)
+            for i in (alive & ~hit).nonzero().flatten().tolist():
+                sample = self.tokens[int(rows[i])]
+                sample.append(int(tokens[i]))
+                tail = self.tokenizer.decode(sample[-16:], skip_special_tokens=False)
+                stopped[i] = any(s in tail for s in self.strings)
+            self.by_stop[rows] |= stopped
+            hit |= stopped
+        self.finished[rows] |= hit
+        self.end[rows[hit]] = step + 1
+
+    def mask(self) -> torch.Tensor:
+        width = int(self.end.max()) if self.end.numel() else 0
+        return (torch.arange(width, device=self.end.device)[None, :] < self.end[:, None]).long()
+
+    def reasons(self) -> list[str]:
+        return ["stop_string" if s else ("eos" if f else "length")
+                for f, s in zip(self.finished.tolist(), self.by_stop.tolist())]
 
 
 def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id, synced, generators) -> Rollout:
@@ -282,13 +275,9 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
     count, limit = sum(sizes), sampling.max_new_tokens
     suppress_ids = vision_token_ids(model) if sampling.suppress_token_ids is None else list(sampling.suppress_token_ids)
     suppress = torch.tensor(suppress_ids, device=device, dtype=torch.long) if suppress_ids else None
-    eos = torch.tensor(sorted(set(eos_ids)), device=device, dtype=torch.long)
-    stops = _StopStrings(count, sampling.stop_strings, tokenizer) if sampling.stop_strings else None
+    finish = _Finish(count, eos_ids, sampling.stop_strings, tokenizer, limit, device)
     ids = torch.full((count, limit), pad_id, dtype=torch.long, device=device)
     logprobs_out = torch.zeros(count, limit, device=device)
-    end = torch.full((count,), limit, dtype=torch.long, device=device)  # tokens per sample, its last included
-    finished = torch.zeros(count, dtype=torch.bool, device=device)
-    by_stop = torch.zeros(count, dtype=torch.bool, device=device)
     rows = torch.arange(count, device=device)  # the decoder's batch -> sample index
     decoder = GroupedDecoder(model, prompts, sizes, limit)  # each prompt (and its video) once
     logits, step, tick, done_here = decoder.logits, 0, 0, False
@@ -296,25 +285,19 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
         while True:
             if not done_here:
                 tokens, logprobs = sample_tokens(logits, sampling, generators, suppress)
-                alive = ~finished[rows]
+                alive = ~finish.finished[rows]
                 tokens = torch.where(alive, tokens, torch.full_like(tokens, pad_id))
                 ids[rows, step] = tokens
                 logprobs_out[rows, step] = torch.where(alive, logprobs, torch.zeros_like(logprobs))
-                hit = (torch.isin(tokens, eos) if eos.numel() else torch.zeros_like(alive)) & alive
-                if stops is not None:
-                    stopped = stops.update(rows, tokens, alive & ~hit)
-                    by_stop[rows] |= stopped
-                    hit |= stopped
-                finished[rows] |= hit
+                finish.record(rows, tokens, step)
                 step += 1
-                end[rows[hit]] = step
                 done_here = step == limit  # a local decision: this rank's limit
             # Every rank steps once per tick (really, or idly once done), so a schedule of looks by tick lines up
             # across ranks even when their limits differ.
             tick += 1
-            look = tick % CHECK_EVERY == 0 or stops is not None
+            look = tick % CHECK_EVERY == 0 or bool(finish.strings)
             if look and not done_here:
-                alive = ~finished[rows]
+                alive = ~finish.finished[rows]
                 if not bool(alive.any()):
                     done_here = True
                 elif not bool(alive.all()):  # finished samples cost nothing from here on
@@ -333,15 +316,14 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
                 logits = decoder.step(tokens)
     finally:
         decoder.close()
-    width = int(end.max()) if count else 0
-    mask = (torch.arange(width, device=device)[None, :] < end[:, None]).long()
-    reasons = ["stop_string" if s else ("eos" if f else "length") for f, s in zip(finished.tolist(), by_stop.tolist())]
+    mask = finish.mask()
+    width = mask.shape[1]
     return Rollout(
         completion_ids=ids[:, :width],
         completion_mask=mask,
         logprobs=logprobs_out[:, :width],
         group_sizes=sizes,
-        stop_reasons=reasons,
+        stop_reasons=finish.reasons(),
         prefill_tokens=int(prompts["attention_mask"].sum()),
     )
 
@@ -388,18 +370,17 @@ def _hf_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id,
     raw = torch.stack(out.logits, dim=1).float()
     scaled = raw / sampling.temperature if sampling.temperature > 0 else raw
     logprobs = torch.log_softmax(scaled, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
-    tracker = _StopTracker(ids.shape[0], eos_ids, sampling.stop_strings, tokenizer, device)
-    masks = []
+    finish = _Finish(ids.shape[0], eos_ids, sampling.stop_strings, tokenizer, ids.shape[1], device)
+    rows = torch.arange(ids.shape[0], device=device)
     for step in range(ids.shape[1]):
-        masks.append((~tracker.finished).long())
-        tracker.update(ids[:, step])
-    mask = torch.stack(masks, dim=1)
+        finish.record(rows, ids[:, step], step)
+    mask = torch.nn.functional.pad(finish.mask(), (0, ids.shape[1] - int(finish.end.max())))
     return Rollout(
         completion_ids=torch.where(mask.bool(), ids, torch.full_like(ids, pad_id)),
         completion_mask=mask,
         logprobs=logprobs * mask,
         group_sizes=sizes,
-        stop_reasons=tracker.reasons,
+        stop_reasons=finish.reasons(),
         prefill_tokens=int(batch["attention_mask"].sum()),
     )
 
