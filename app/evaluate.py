@@ -88,9 +88,10 @@ def run_identity(cfg, model_dir: Path, data_files: list[Path]) -> dict:
     """Everything that decides a prediction: the model's files (weights, config, processor), the data files'
     contents, and the evaluation and data settings (NOT_PREDICTION_SETTINGS excluded)."""
     model_files = sorted(p for p in Path(model_dir).iterdir() if p.is_file())
-    settings = {section: {k: v for k, v in cfg.to_dict()[section].items()
-                          if k not in NOT_PREDICTION_SETTINGS.get(section, ())} for section in ("eval", "data")}
-    settings["model"] = {k: cfg.to_dict()["model"][k] for k in ("dtype", "vision_attention", "trust_remote_code")}
+    values = cfg.to_dict()
+    settings = {section: {k: v for k, v in values[section].items() if k not in NOT_PREDICTION_SETTINGS.get(section, ())}
+                for section in ("eval", "data")}
+    settings["model"] = {k: values["model"][k] for k in ("dtype", "vision_attention", "trust_remote_code")}
     return {"model": {"path": str(Path(model_dir).resolve()),
                       "files": {p.name: file_identity(p) for p in model_files}},
             "data": {str(f.resolve()): file_identity(f) for f in data_files},

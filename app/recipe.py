@@ -72,7 +72,6 @@ class Recipe:
         self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.rank, self.world,
                                   lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank,
                                   skip_log=self.output_dir / "logs" / "skipped_at_load.jsonl")
-        self.output_dir = Path(cfg.train.output_dir)
         self.start_step = 0
         self.setup()
         if cfg.train.resume:
