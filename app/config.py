@@ -153,6 +153,12 @@ class ForwardConfig:
                                  "log-probs (policy, old, reference; both groupings): [tokens, vocab] logits are never "
                                  "held whole, backward recomputes each chunk; same numbers. 0: full logits (the "
                                  "transformers default; at vocab 151,936 and 6k tokens that is 3.7 GB of float32).")
+    vision_cache: str = _f("step", "step: when the vision tower is frozen (model.freeze_vision_tower, or LoRA without "
+                           "lora.vision_tower), each image/video is encoded once per step and the rollout, reference, "
+                           "old-policy and policy forwards reuse it: the same numbers bitwise. With the projector "
+                           "training, what the projector reads is cached and it still trains. off: every forward runs "
+                           "the tower. No effect when the tower trains. The counts are logged as vision/*.",
+                           choices=("step", "off"))
 
     @property
     def backend(self) -> str | None:

@@ -19,12 +19,19 @@ from app import checkpoint, distributed, lora
 from app.config import Config, ConfigError, load_config
 from app.data.records import DataError, load_stream
 from app.data.video import SettingError
-from app.grouping import MODALITIES, completion_logprobs, present_vision_calls
+from app.grouping import MODALITIES, completion_logprobs, present_vision_calls, vision_cache
 from app.models import load_model, load_processor
 from app.tracking import Tracker, configure_logging
 
 log = logging.getLogger("app.recipe")
 CRASH_ENV = "PREFIX_GRPO_CRASH_AFTER_STEP"  # tests: die right after this step, as a crash would
+VISION_PLANS = {
+    "outputs": "frozen (projector too): each image/video is encoded once per step and its outputs reused "
+               "(forward.vision_cache=step)",
+    "blocks": "frozen, projector trains: each image/video goes through the frozen blocks once per step; the "
+              "projector runs in every forward (forward.vision_cache=step)",
+    "count": "every forward runs it (it trains, or forward.vision_cache=off); its work is counted as vision/*",
+}
 
 
 def cosine_with_warmup(optimizer, warmup: int, total: int, min_ratio: float):
@@ -68,6 +75,9 @@ class Recipe:
         total_updates = cfg.train.max_steps * self.updates_per_step(cfg)
         scheduler = cosine_with_warmup(optimizer, cfg.train.warmup_steps, total_updates, cfg.train.min_lr_ratio)
         self.engine = distributed.build_engine(policy, self.ds_config, optimizer, scheduler)
+        self.vision_cache = vision_cache.install(self.engine, cfg.forward.vision_cache)
+        if self.vision_cache is not None and self.rank == 0:
+            log.info("vision tower: %s", VISION_PLANS[self.vision_cache.plan])
         self.output_dir = Path(cfg.train.output_dir)
         self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.rank, self.world,
                                   lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank,
@@ -121,6 +131,8 @@ class Recipe:
         last = min(cfg.train.stop_at_step or cfg.train.max_steps, cfg.train.max_steps)
         for step in range(self.start_step, last):
             metrics = self.train_step(step)
+            if self.vision_cache is not None:
+                self.vision_cache.clear()  # entries live for one step (the tower is frozen, the memory is not free)
             if (step + 1) % cfg.logging.log_every == 0 or step + 1 == last:
                 self.tracker.log(step + 1, metrics)
             if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 and step + 1 < last:
@@ -139,20 +151,32 @@ class Recipe:
 
     @staticmethod
     def vision_calls_for(inputs: list[dict], engine, training: bool = False) -> list[tuple[str, ...] | None]:
-        """For each of several forwards, the vision-tower calls every rank makes: the union of what each rank's
-        prompts need (one small all-reduce for all of them; every rank passes as many). Needed under ZeRO-3 with
-        several ranks (every module call all-gathers) and, for a training forward, under any data parallelism (a
-        text-only rank would otherwise give the vision tower no gradient while the others do, and the gradient
-        all-reduce would not match)."""
+        """For each of several forwards, the vision-tower passes every rank makes: for each modality the most that
+        any rank's prompts need (one small all-reduce for all of them; every rank passes as many forwards; with the
+        vision cache a modality takes one pass per item still to encode). Needed under ZeRO-3 with several ranks
+        (every module call all-gathers) and, for a training forward, under any data parallelism (a text-only rank
+        would otherwise give the vision tower no gradient while the others do, and the gradient all-reduce would
+        not match)."""
         if distributed.world_size() == 1 or not (training or distributed.forwards_are_collective(engine)):
             return [None] * len(inputs)
-        flags = distributed.all_reduce_max([float(m in present_vision_calls(one)) for one in inputs
-                                            for m in MODALITIES])
+        counts = distributed.all_reduce_max([float(present_vision_calls(one, engine).count(m)) for one in inputs
+                                             for m in MODALITIES])
         k = len(MODALITIES)
-        return [tuple(m for j, m in enumerate(MODALITIES) if flags[i * k + j]) for i in range(len(inputs))]
+        return [tuple(m for j, m in enumerate(MODALITIES) for _ in range(int(counts[i * k + j])))
+                for i in range(len(inputs))]
 
     def vision_calls(self, inputs: dict, engine, training: bool = False) -> tuple[str, ...] | None:
         return self.vision_calls_for([inputs], engine, training)[0]
+
+    def vision_metrics(self, metrics) -> None:
+        """The step's vision-tower work: items encoded, items served from the cache, and encodings per distinct
+        item (1.0 with the cache on: one tower pass per image/video per step)."""
+        if self.vision_cache is None:
+            return
+        counts = self.vision_cache.counts()
+        metrics.sum("vision/tower_items", counts["tower_items"])
+        metrics.sum("vision/cache_hits", counts["cache_hits"])
+        metrics.fraction("vision/tower_passes_per_item", counts["tower_items"], counts["items"])
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         return [self.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)

@@ -105,6 +105,7 @@ class SFTTrainer(Recipe):
         m.local("learning_rate", learning_rate)
         m.local("grad_norm", float(grad_norm) if grad_norm is not None else 0.0)
         m.local("data/skipped", float(sum(self.stream.skipped.values())))
+        self.vision_metrics(m)
         return m.reduce(distributed.all_gather_floats)
 
 

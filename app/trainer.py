@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -27,6 +27,7 @@ from app.config import Config
 from app.data.prompts import collate_prompts
 from app.data.records import EncodedPrompt
 from app.grouping import verify_grouping
+from app.grouping.vision_cache import attach as attach_vision_cache
 from app.grpo import GRPOLoss, advantages, choose_groups, groups_with_signal, mismatch_metrics, zero_variance_groups
 from app.models import load_model
 from app.recipe import Recipe, run
@@ -47,7 +48,7 @@ class GRPOTrainer(Recipe):
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.reference = kl_reference(cfg, self.engine, self.ds_config, self.device, self.dtype)
+        self.reference = kl_reference(cfg, self.engine, self.ds_config, self.device, self.dtype, self.vision_cache)
         self.rewards = RewardSet(cfg.rewards)
         self.loss = GRPOLoss(cfg.grpo.to_options(cfg.rollout.max_completion_length))
         self.sampling = cfg.rollout.to_sampling()
@@ -97,7 +98,12 @@ class GRPOTrainer(Recipe):
                           torch.tensor(scored.total, dtype=torch.float32))
 
     def shuffled_rollouts(self, step: int, prompts: list[EncodedPrompt]) -> dict[int, list[str]]:
-        """T-GRPO: each video prompt again with its frames shuffled -> group index -> completions."""
+        """T-GRPO: each video prompt again with its frames shuffled -> group index -> completions. These frames
+        are no later forward's input, so the vision cache stays out of it (nothing stored or counted)."""
+        with paused(self.vision_cache):
+            return self._shuffled_rollouts(step, prompts)
+
+    def _shuffled_rollouts(self, step: int, prompts: list[EncodedPrompt]) -> dict[int, list[str]]:
         video = [i for i, p in enumerate(prompts) if p.record.get("data_type") == "video"]
         encoded = {i: self.stream.encode(prompts[i].record, shuffle_frames_seed=derive_seed(self.cfg.train.seed,
                                                                                           step, i)) for i in video}
@@ -153,7 +159,7 @@ class GRPOTrainer(Recipe):
     @torch.no_grad()
     def self_check(self, mb: MicroBatch) -> None:
         # Gathered whole: in low precision the check also runs a float32 forward, upcasting layer by layer.
-        with distributed.gathered_for_inference(self.engine, "full") as (module, _):
+        with distributed.gathered_for_inference(self.engine, "full") as (module, _), paused(self.vision_cache):
             result = verify_grouping(module, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes,
                                      backend=self.cfg.forward.backend)
         log.info("self-check passed: %s", result.describe())
@@ -187,6 +193,7 @@ class GRPOTrainer(Recipe):
         m.local("learning_rate", learning_rate)
         m.local("grad_norm", float(grad_norm) if grad_norm is not None else 0.0)
         m.local("data/skipped", float(sum(self.stream.skipped.values())))
+        self.vision_metrics(m)
         values = m.reduce(distributed.all_gather_floats)
         values["tokens_per_second"] = values["tokens/policy_forward"] / max(seconds["policy"], 1e-9)
         every = self.cfg.logging.sample_table_every
@@ -196,17 +203,23 @@ class GRPOTrainer(Recipe):
 
 
 # ---- the stages that need no model: called by the trainer, and by tests directly -------------------------------
-def kl_reference(cfg: Config, engine, ds_config: dict, device, dtype):
+def kl_reference(cfg: Config, engine, ds_config: dict, device, dtype, vision_cache=None):
     """What reference log-probs come from, decided here only: nothing (beta 0), the policy with its adapters off
     (LoRA: the base weights are the policy's own, frozen), or a frozen model (partitioned like the policy under
-    ZeRO-3). The trainer passes the result wherever a model goes (``lora.resolve`` tells them apart)."""
+    ZeRO-3). The trainer passes the result wherever a model goes (``lora.resolve`` tells them apart). A frozen
+    reference loaded from the policy's own checkpoint shares the policy's ``vision_cache``: its tower weights are the
+    policy's frozen ones, so what the cache holds is what its tower would compute."""
     if cfg.grpo.beta == 0:
         return None
     if cfg.lora.rank:
         return lora.AdaptersOff(engine)
-    reference = load_model(cfg.model.reference_path or cfg.model.path, dtype=dtype,
-                           attn_implementation=cfg.model.vision_attention, trust_remote_code=cfg.model.trust_remote_code)
-    return distributed.build_reference(reference, ds_config, device)
+    path = cfg.model.reference_path or cfg.model.path
+    reference = load_model(path, dtype=dtype, attn_implementation=cfg.model.vision_attention,
+                           trust_remote_code=cfg.model.trust_remote_code)
+    reference = distributed.build_reference(reference, ds_config, device)
+    if vision_cache is not None and vision_cache.plan != "count" and path == cfg.model.path:
+        attach_vision_cache(reference, vision_cache)
+    return reference
 
 
 def data_warnings(cfg: Config, records: list[dict]) -> list[str]:
@@ -327,6 +340,10 @@ def group_counts(trajectories: list[Trajectory]) -> dict[str, float]:
 def mean_of(metrics: list[dict], key: str) -> float:
     values = [m[key] for m in metrics if key in m]
     return sum(values) / len(values) if values else 0.0
+
+
+def paused(cache):
+    return cache.pause() if cache is not None else nullcontext()
 
 
 @contextmanager

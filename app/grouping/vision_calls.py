@@ -6,7 +6,8 @@ with an image and a video (two tower calls) and a rank with videos only (one) or
 collectives and the job dies (gloo: "collective mismatch") or hangs (NCCL).
 
 ``aligned_vision_calls(model, prompts, required)`` makes this forward issue exactly the calls in ``required`` (the
-union over ranks, agreed by the caller), in the model's own order: a missing image call runs on a minimal dummy
+most over ranks, agreed by the caller; with a ``VisionCache`` a modality may take several passes, one per item to
+encode, or none when all are cached), in the model's own order: a missing image call runs on a minimal dummy
 image right after the token embedding, a missing video call on a minimal dummy video just before the decoder. Each
 dummy output is multiplied by zero and added to the decoder input, so the backward also runs through the tower on
 every rank while every value and gradient stays exactly what it was (x + 0 * finite == x).
@@ -20,13 +21,18 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from app.grouping.modules import unwrap
+from app.grouping.vision_cache import cache_of, tower_of, uncached
 
 MODALITIES = ("image", "video")  # the order in which Qwen-VL forwards call the vision tower
 _PIXEL_KEYS = {"image": "pixel_values", "video": "pixel_values_videos"}
 
 
-def present_vision_calls(prompts: Mapping) -> tuple[str, ...]:
-    """The tower calls a forward of these prompts makes, in order."""
+def present_vision_calls(prompts: Mapping, model=None) -> tuple[str, ...]:
+    """The tower calls a forward of these prompts makes, in order; with ``model`` given and a ``VisionCache``
+    attached to its tower, only those with an item not cached yet (a fully cached call skips the tower)."""
+    cache = cache_of(model) if model is not None else None
+    if cache is not None:
+        return cache.calls_needed(tower_of(model), prompts)
     return tuple(m for m in MODALITIES if prompts.get(_PIXEL_KEYS[m]) is not None)
 
 
@@ -71,17 +77,19 @@ def _zero_of(output) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def aligned_vision_calls(model, prompts: Mapping, required: Sequence[str] | None):
-    """Within the block, a forward of ``prompts`` makes the tower calls in ``required`` (see module doc)."""
+    """Within the block, a forward of ``prompts`` makes the tower calls in ``required`` (see module doc; a
+    modality listed k times is k tower passes, as a ``VisionCache`` that encodes item by item makes them)."""
     parts = _parts(model)
-    present = present_vision_calls(prompts)
-    missing = [m for m in MODALITIES if m in (required or ()) and m not in present]
+    present = present_vision_calls(prompts, model)
+    required = tuple(required or ())
+    missing = [m for m in MODALITIES for _ in range(required.count(m) - present.count(m))]
     if parts is None or not missing:
         yield
         return
-    unknown = set(present) - set(required)
+    unknown = [m for m in MODALITIES if present.count(m) > required.count(m)]
     if unknown:
-        raise ValueError(f"this batch calls the vision tower for {sorted(unknown)}, which the agreed calls "
-                         f"{list(required)} lack: agree on the union over ranks")
+        raise ValueError(f"this batch calls the vision tower for {list(present)}, more than the agreed calls "
+                         f"{list(required)}: agree on the most over ranks")
     visual, language, embed = parts
     zeros: list[torch.Tensor] = []
     state = {"embedded": False, "done": False}  # one forward: decode steps after it must not run dummies
@@ -89,7 +97,8 @@ def aligned_vision_calls(model, prompts: Mapping, required: Sequence[str] | None
     def run_dummies(modalities):
         pixels, grid = dummy_vision_input(visual)
         for _ in modalities:
-            zero = _zero_of(visual(pixels, grid_thw=grid))
+            with uncached(model):  # a real tower call, whatever is cached: it is there for its collectives
+                zero = _zero_of(visual(pixels, grid_thw=grid))
             if zero is not None:
                 zeros.append(zero)
 
@@ -97,8 +106,8 @@ def aligned_vision_calls(model, prompts: Mapping, required: Sequence[str] | None
         if state["embedded"] or state["done"]:
             return
         state["embedded"] = True
-        if "image" in missing:  # images come first: the missing image call goes before any real call
-            run_dummies(["image"])
+        # images come first: the missing image calls go before any real call
+        run_dummies([m for m in missing if m == "image"])
 
     def before_decoder(module, args, kwargs):
         if state["done"]:

@@ -1,0 +1,295 @@
+"""A frozen vision tower's work done once per media item, however many forwards of a step see that item.
+
+Within a GRPO step the same video goes through the tower for the rollout's prefill, the reference forward, the
+old-policy forward (mu > 1) and the policy forward (and G times over in the repeated layout). When nothing in the
+tower trains, every one of those passes computes the same numbers. ``VisionCache`` keeps them, one entry per media
+item (image or video), keyed by the item's processed pixels (a BLAKE2 digest of their bytes), its grid and the
+dtypes. What an entry holds depends on what trains (``plan_for``):
+
+- ``outputs`` (tower and projector frozen, the usual LoRA set-up): the tower's output for the item (merged
+  embeddings, and Qwen3-VL's deepstack features). A forward whose items are all cached never calls the tower.
+- ``blocks`` (tower frozen, projector trains): the outputs of the vision blocks the projector reads (the last block,
+  and Qwen3-VL's deepstack layers). The tower's forward still runs once, but its blocks hand back the stored values
+  (the others pass their input through) and the projector computes on them with gradient.
+- ``count`` (the tower trains): the model's own batched call; the items are only counted.
+
+Exactness by construction: with a frozen tower, every item is encoded in a tower pass of its own, with the cache on
+or off (``store``: whether the items are kept for later calls), so an item's numbers never depend on what else is in
+the batch. (They would otherwise: a GEMM's rows are not batch-invariant, e.g. fewer than 12 rows take another CPU
+kernel, and cuBLAS picks tiles by shape.) Cached or not, the language model receives the same bits, so log-probs and
+gradients are bitwise equal with ``forward.vision_cache`` on and off. Qwen's towers attend within an item (frames,
+windows), so one pass per item computes exactly what the model's own batched call means.
+
+The cache is installed by replacing the tower module's ``forward`` on the instance (``attach``): it works on
+transformers versions with and without ``mm_encoder_outputs`` and needs no change to the model's own forward.
+``calls_needed`` says how many tower passes a forward will make per modality, so that ZeRO-3 ranks agree on them
+(``aligned_vision_calls`` pads with dummy passes, which bypass the cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import weakref
+from collections.abc import Mapping
+
+import torch
+
+from app.grouping.modules import unwrap
+
+ATTRIBUTE = "_prefix_grpo_vision_cache"  # set on the tower module by ``attach``
+PROJECTORS = ("merger", "deepstack_merger_list")  # the modules after the blocks (Qwen2/2.5/3-VL)
+PLANS = ("outputs", "blocks", "count")  # what is cached; "count": nothing, the tower's work is only counted
+_INPUTS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+
+
+def tower_of(model):
+    """The vision tower of a (wrapped) Qwen-VL model, or None for a text model."""
+    inner = getattr(unwrap(model), "model", None)
+    return getattr(inner, "visual", None)
+
+
+def plan_for(visual) -> str:
+    """What can be cached for this tower as it trains: ``outputs`` when nothing in it trains, ``blocks`` when only
+    the projector (merger, deepstack mergers) trains, ``count`` when anything before the blocks' outputs trains."""
+    trainable = [name for name, p in visual.named_parameters() if p.requires_grad]
+    if not trainable:
+        return "outputs"
+    if all(name.split(".")[0] in PROJECTORS for name in trainable):
+        return "blocks"
+    return "count"
+
+
+def cached_blocks(visual) -> list[int]:
+    """The blocks whose outputs the projector reads: the last one and any deepstack layer (Qwen3-VL)."""
+    return sorted({len(visual.blocks) - 1, *getattr(visual, "deepstack_visual_indexes", ())})
+
+
+class VisionCache:
+    """Per-item tower results shared by every forward that sees the item, until ``clear``. See the module doc."""
+
+    def __init__(self, plan: str = "outputs", store: bool = True):
+        if plan not in PLANS:
+            raise ValueError(f"unknown vision cache plan {plan!r}; expected one of {PLANS}")
+        self.plan = plan
+        self.store = store  # keep items for later calls (forward.vision_cache=step); else each call encodes its own
+        self.entries: dict[tuple, object] = {}
+        self.encoded = 0  # items the tower computed
+        self.served = 0  # items served from the cache
+        self.seen: set[tuple] = set()  # distinct items since ``clear``
+        self.paused = False
+        self._bypass = False
+        self._keys: dict[int, tuple] = {}  # id(pixels) -> (weak reference, version, item keys)
+
+    # ---- the step's bookkeeping --------------------------------------------------------------------------------
+    def clear(self) -> dict[str, float]:
+        """Forget every entry; returns the counts since the last clear."""
+        counts = self.counts()
+        self.entries.clear()
+        self.seen.clear()
+        self._keys.clear()
+        self.encoded = self.served = 0
+        return counts
+
+    def counts(self) -> dict[str, float]:
+        return {"tower_items": float(self.encoded), "cache_hits": float(self.served), "items": float(len(self.seen))}
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Within the block the tower runs as if there were no cache (nothing stored, served or counted)."""
+        was, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = was
+
+    @contextlib.contextmanager
+    def bypass(self):
+        was, self._bypass = self._bypass, True
+        try:
+            yield
+        finally:
+            self._bypass = was
+
+    # ---- keys ----------------------------------------------------------------------------------------------------
+    def item_keys(self, pixels: torch.Tensor, grid: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """One key per item of a tower call: a digest of the item's pixel rows, its grid, the dtypes. Remembered
+        per pixel tensor (by weak reference, so a new tensor at a freed address is hashed anew)."""
+        memo = self._keys.get(id(pixels))
+        if memo is not None and memo[0]() is pixels and memo[1] == (pixels._version, str(dtype)):
+            return memo[2]
+        rows = pixels.detach().contiguous()
+        if rows.device.type != "cpu":
+            rows = rows.cpu()
+        data = rows.view(torch.uint8).reshape(rows.shape[0], -1)
+        keys, start = [], 0
+        for t, h, w in grid.tolist():
+            count = t * h * w
+            digest = hashlib.blake2b(data[start : start + count].numpy(), digest_size=16).hexdigest()
+            keys.append((digest, (t, h, w), str(pixels.dtype), str(dtype)))
+            start += count
+        if start != pixels.shape[0]:
+            raise ValueError(f"vision input of {pixels.shape[0]} patch rows, but its grid {grid.tolist()} makes "
+                             f"{start}")
+        keys = tuple(keys)
+        self._keys[id(pixels)] = (weakref.ref(pixels), (pixels._version, str(dtype)), keys)
+        return keys
+
+    def calls_needed(self, visual, prompts: Mapping) -> tuple[str, ...]:
+        """The tower passes (in the model's order, a modality repeated once per pass) that a forward of
+        ``prompts`` will make."""
+        out: list[str] = []
+        for modality, (pixel_key, grid_key) in _INPUTS.items():
+            if prompts.get(pixel_key) is not None:
+                out += [modality] * self.passes(visual, prompts[pixel_key], prompts[grid_key])
+        return tuple(out)
+
+    # ---- the tower's forward, through the cache ------------------------------------------------------------------
+    def passes(self, visual, pixels: torch.Tensor, grid: torch.Tensor) -> int:
+        """Tower passes a call with these items makes: one per item to encode (each distinct uncached item once),
+        plus the live pass of the ``blocks`` plan; one batched pass for ``count`` or while paused."""
+        if self.plan == "count" or self.paused:
+            return 1
+        keys = self.item_keys(pixels, grid, _dtype(visual))
+        todo = len({k for k in keys if not (self.store and k in self.entries)})
+        return todo + (self.plan == "blocks")
+
+    def forward(self, visual, original, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs):
+        if self.paused or self._bypass:
+            return original(hidden_states, grid_thw=grid_thw, **kwargs)
+        keys = self.item_keys(hidden_states, grid_thw, _dtype(visual))
+        self.seen.update(keys)
+        if self.plan == "count":
+            self.encoded += len(keys)
+            return original(hidden_states, grid_thw=grid_thw, **kwargs)
+        entries = self.entries if self.store else {}
+        starts = [0, *torch.tensor([t * h * w for t, h, w in grid_thw.tolist()]).cumsum(0).tolist()]
+        for i, key in enumerate(keys):
+            if key in entries:
+                self.served += 1
+                continue
+            rows = hidden_states[starts[i] : starts[i + 1]]
+            entries[key] = self._encode(visual, original, rows, grid_thw[i : i + 1], kwargs)
+            self.encoded += 1
+        stored = [entries[k] for k in keys]
+        if self.plan == "outputs":
+            return _concat(stored)
+        served = {b: torch.cat([entry[b] for entry in stored]) for b in cached_blocks(visual)}
+        with _blocks_serving(visual, served):
+            return original(hidden_states, grid_thw=grid_thw, **kwargs)
+
+    def _encode(self, visual, original, rows: torch.Tensor, grid: torch.Tensor, kwargs: dict):
+        """One item through the tower, without gradient (nothing before what is kept trains): its output, or the
+        outputs of the blocks the projector reads."""
+        with torch.no_grad():
+            if self.plan == "outputs":
+                return _drop_unused(original(rows, grid_thw=grid, **kwargs))
+            with _blocks_recording(visual) as recorded:
+                original(rows, grid_thw=grid, **kwargs)
+            return dict(recorded)
+
+
+def _dtype(visual) -> torch.dtype:
+    for param in visual.parameters():
+        return param.dtype
+    return torch.float32
+
+
+def attach(model, cache: VisionCache) -> bool:
+    """Route the tower of ``model`` through ``cache`` (until ``detach``); False for a model without a tower."""
+    visual = tower_of(model)
+    if visual is None:
+        return False
+    detach(model)
+    original = visual.forward  # the bound method of the class
+    setattr(visual, ATTRIBUTE, cache)
+
+    def forward(hidden_states, grid_thw=None, **kwargs):
+        return cache.forward(visual, original, hidden_states, grid_thw, **kwargs)
+
+    visual.forward = forward
+    return True
+
+
+def detach(model) -> None:
+    visual = tower_of(model)
+    if visual is not None and hasattr(visual, ATTRIBUTE):
+        delattr(visual, ATTRIBUTE)
+        visual.__dict__.pop("forward", None)
+
+
+def cache_of(model) -> VisionCache | None:
+    visual = tower_of(model)
+    return getattr(visual, ATTRIBUTE, None) if visual is not None else None
+
+
+@contextlib.contextmanager
+def uncached(model):
+    """Tower calls within the block run the tower itself (dummy calls that keep ZeRO-3 ranks aligned)."""
+    cache = cache_of(model)
+    if cache is None:
+        yield
+        return
+    with cache.bypass():
+        yield
+
+
+# ---- outputs, item by item ---------------------------------------------------------------------------------------
+def _drop_unused(output):
+    """The pre-merger hidden states are not what the language model reads; keeping them would double the memory."""
+    if hasattr(output, "pooler_output") and getattr(output, "last_hidden_state", None) is not None:
+        output.last_hidden_state = None
+    return output
+
+
+def _concat(items: list):
+    first = items[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(items) if len(items) > 1 else first
+    if first is None:
+        return None
+    if isinstance(first, (list, tuple)) and not hasattr(first, "keys"):
+        return type(first)(_concat([item[j] for item in items]) for j in range(len(first)))
+    return type(first)(**{k: _concat([item[k] for item in items]) for k in first.keys()})
+
+
+# ---- blocks: record their outputs, or hand them back -------------------------------------------------------------
+@contextlib.contextmanager
+def _blocks_recording(visual):
+    recorded: dict[int, torch.Tensor] = {}
+    hooks = []
+    for b in cached_blocks(visual):
+        def hook(module, args, output, b=b):
+            recorded[b] = (output[0] if isinstance(output, tuple) else output).detach()
+        hooks.append(visual.blocks[b].register_forward_hook(hook))
+    try:
+        yield recorded
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _blocks_serving(visual, served: dict[int, torch.Tensor]):
+    """Within the block, block b returns ``served[b]`` and every other block returns its input unchanged: the
+    values that the projector reads are those the blocks would compute, without computing them."""
+    for b, block in enumerate(visual.blocks):
+        value = served.get(b)
+        block.forward = (lambda hidden_states, *a, _v=value, **k: _v) if value is not None else \
+            (lambda hidden_states, *a, **k: hidden_states)
+    try:
+        yield
+    finally:
+        for block in visual.blocks:
+            block.__dict__.pop("forward", None)
+
+
+def install(model, setting: str) -> VisionCache | None:
+    """The cache for this policy as ``forward.vision_cache`` says (``step``: items kept for the step; ``off``: each
+    call encodes its own items, the same way), attached to its tower; None for a text model."""
+    visual = tower_of(model)
+    if visual is None:
+        return None
+    cache = VisionCache(plan_for(visual), store=setting == "step")
+    attach(model, cache)
+    return cache
