@@ -28,6 +28,7 @@ transformers versions with and without ``mm_encoder_outputs`` and needs no chang
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import weakref
@@ -79,6 +80,8 @@ class VisionCache:
         self.seen: set[tuple] = set()  # distinct items since ``clear``
         self.paused = False
         self._bypass = False
+        self._dummy = False
+        self.expect: collections.deque | None = None  # item passes agreed for this rank's coming tower calls
         self._keys: dict[int, tuple] = {}  # id(pixels) -> (weak reference, version, item keys)
 
     # ---- the step's bookkeeping --------------------------------------------------------------------------------
@@ -136,41 +139,74 @@ class VisionCache:
         return keys
 
     def calls_needed(self, visual, prompts: Mapping) -> tuple[str, ...]:
-        """The tower passes (in the model's order, a modality repeated once per pass) that a forward of
-        ``prompts`` will make."""
+        """What a forward of ``prompts`` asks of the tower, per modality in the model's order: the modality once
+        for the model's own call of the tower, then once more per item pass that call makes (``passes``)."""
         out: list[str] = []
         for modality, (pixel_key, grid_key) in _INPUTS.items():
             if prompts.get(pixel_key) is not None:
-                out += [modality] * self.passes(visual, prompts[pixel_key], prompts[grid_key])
+                out += [modality] * (1 + self.passes(visual, prompts[pixel_key], prompts[grid_key]))
         return tuple(out)
+
+    @property
+    def item_by_item(self) -> bool:
+        """Whether the tower's calls encode item by item (a frozen tower, not paused) or run as the model's own."""
+        return self.plan != "count" and not self.paused
 
     # ---- the tower's forward, through the cache ------------------------------------------------------------------
     def passes(self, visual, pixels: torch.Tensor, grid: torch.Tensor) -> int:
-        """Tower passes a call with these items makes: one per item to encode (each distinct uncached item once),
-        plus the live pass of the ``blocks`` plan; one batched pass for ``count`` or while paused."""
-        if self.plan == "count" or self.paused:
-            return 1
+        """Item passes a tower call with these items makes inside itself: one per distinct item not cached yet
+        (0 when the call is the model's own batched pass: ``count``, or paused)."""
+        if not self.item_by_item:
+            return 0
         keys = self.item_keys(pixels, grid, _dtype(visual))
-        todo = len({k for k in keys if not (self.store and k in self.entries)})
-        return todo + (self.plan == "blocks")
+        return len({k for k in keys if not (self.store and k in self.entries)})
+
+    @contextlib.contextmanager
+    def aligned(self, passes: list[int] | None):
+        """Within the block, the k-th tower call of this rank makes ``passes[k]`` item passes, padding with passes
+        on a dummy item (ZeRO-3: every rank then calls the same modules in the same order)."""
+        self.expect = collections.deque(passes) if passes is not None else None
+        try:
+            yield
+        finally:
+            self.expect = None
+
+    @contextlib.contextmanager
+    def dummy_call(self):
+        """A tower call of a rank that has no item of this modality (``aligned_vision_calls``)."""
+        was, self._dummy = self._dummy, True
+        try:
+            yield
+        finally:
+            self._dummy = was
 
     def forward(self, visual, original, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs):
-        if self.paused or self._bypass:
+        if self._bypass or not self.item_by_item:
+            if not (self._bypass or self._dummy or self.paused):
+                self.encoded += len(self.item_keys(hidden_states, grid_thw, _dtype(visual)))
+                self.seen.update(self.item_keys(hidden_states, grid_thw, _dtype(visual)))
             return original(hidden_states, grid_thw=grid_thw, **kwargs)
+        pad = self.expect.popleft() if self.expect else None
+        if self._dummy:
+            return self._dummy_call(visual, original, pad or 0, kwargs)
         keys = self.item_keys(hidden_states, grid_thw, _dtype(visual))
         self.seen.update(keys)
-        if self.plan == "count":
-            self.encoded += len(keys)
-            return original(hidden_states, grid_thw=grid_thw, **kwargs)
         entries = self.entries if self.store else {}
         starts = [0, *torch.tensor([t * h * w for t, h, w in grid_thw.tolist()]).cumsum(0).tolist()]
+        made = 0
         for i, key in enumerate(keys):
             if key in entries:
                 self.served += 1
                 continue
             rows = hidden_states[starts[i] : starts[i + 1]]
-            entries[key] = self._encode(visual, original, rows, grid_thw[i : i + 1], kwargs)
+            entries[key] = self._encode(visual, rows, grid_thw[i : i + 1], kwargs)
             self.encoded += 1
+            made += 1
+        if pad is not None:
+            if made > pad:
+                raise RuntimeError(f"this rank's vision call made {made} item passes, more than the {pad} agreed "
+                                   "over ranks")
+            self._dummy_passes(visual, pad - made, kwargs)
         stored = [entries[k] for k in keys]
         if self.plan == "outputs":
             return _concat(stored)
@@ -178,15 +214,46 @@ class VisionCache:
         with _blocks_serving(visual, served):
             return original(hidden_states, grid_thw=grid_thw, **kwargs)
 
-    def _encode(self, visual, original, rows: torch.Tensor, grid: torch.Tensor, kwargs: dict):
-        """One item through the tower, without gradient (nothing before what is kept trains): its output, or the
-        outputs of the blocks the projector reads."""
-        with torch.no_grad():
+    def _encode(self, visual, rows: torch.Tensor, grid: torch.Tensor, kwargs: dict):
+        """One item through the tower (a module call of its own), without gradient (nothing before what is kept
+        trains): its output, or the outputs of the blocks the projector reads."""
+        with torch.no_grad(), self.bypass():
             if self.plan == "outputs":
-                return _drop_unused(original(rows, grid_thw=grid, **kwargs))
+                return drop_unused(visual(rows, grid_thw=grid, **kwargs))
             with _blocks_recording(visual) as recorded:
-                original(rows, grid_thw=grid, **kwargs)
+                visual(rows, grid_thw=grid, **kwargs)
             return dict(recorded)
+
+    def _dummy_passes(self, visual, count: int, kwargs: dict):
+        output = None
+        pixels, grid = dummy_vision_input(visual)
+        for _ in range(count):
+            with torch.no_grad(), self.bypass():
+                output = visual(pixels, grid_thw=grid, **kwargs)
+        return output
+
+    def _dummy_call(self, visual, original, passes: int, kwargs: dict):
+        """The tower call of a rank without this modality: the agreed item passes on a dummy item, and for
+        ``blocks`` the live pass (zeros served for the blocks, so the projector runs and gets a zero gradient)."""
+        output = self._dummy_passes(visual, passes, kwargs)
+        if self.plan == "outputs":
+            return output
+        pixels, grid = dummy_vision_input(visual)
+        width = getattr(visual.config, "embed_dim", None) or visual.config.hidden_size  # Qwen2-VL: embed_dim
+        zeros = torch.zeros(pixels.shape[0], width, device=pixels.device, dtype=_dtype(visual))
+        with _blocks_serving(visual, {b: zeros for b in cached_blocks(visual)}):
+            return original(pixels, grid_thw=grid, **kwargs)
+
+
+def dummy_vision_input(visual) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest input the tower accepts: one frame of spatial_merge_size x spatial_merge_size patches."""
+    config = visual.config
+    channels = getattr(config, "in_channels", None) or getattr(config, "in_chans", 3)
+    merge = getattr(config, "spatial_merge_size", 2)
+    width = channels * getattr(config, "temporal_patch_size", 2) * config.patch_size ** 2
+    device = next(visual.parameters()).device
+    return (torch.zeros(merge * merge, width, device=device),
+            torch.tensor([[1, merge, merge]], device=device))
 
 
 def _dtype(visual) -> torch.dtype:
@@ -223,22 +290,11 @@ def cache_of(model) -> VisionCache | None:
     return getattr(visual, ATTRIBUTE, None) if visual is not None else None
 
 
-@contextlib.contextmanager
-def uncached(model):
-    """Tower calls within the block run the tower itself (dummy calls that keep ZeRO-3 ranks aligned)."""
-    cache = cache_of(model)
-    if cache is None:
-        yield
-        return
-    with cache.bypass():
-        yield
-
-
 # ---- outputs, item by item ---------------------------------------------------------------------------------------
-def _drop_unused(output):
+def drop_unused(output):
     """The pre-merger hidden states are not what the language model reads; keeping them would double the memory."""
     if hasattr(output, "pooler_output") and getattr(output, "last_hidden_state", None) is not None:
-        output.last_hidden_state = None
+        output["last_hidden_state"] = None  # item and attribute (setting the attribute to None keeps the item)
     return output
 
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from app.grouping.modules import unwrap
-from app.grouping.vision_cache import cache_of, tower_of, uncached
+from app.grouping.vision_cache import cache_of, drop_unused, dummy_vision_input, tower_of
 
 MODALITIES = ("image", "video")  # the order in which Qwen-VL forwards call the vision tower
 _PIXEL_KEYS = {"image": "pixel_values", "video": "pixel_values_videos"}
@@ -29,7 +29,7 @@ _PIXEL_KEYS = {"image": "pixel_values", "video": "pixel_values_videos"}
 
 def present_vision_calls(prompts: Mapping, model=None) -> tuple[str, ...]:
     """The tower calls a forward of these prompts makes, in order; with ``model`` given and a ``VisionCache``
-    attached to its tower, only those with an item not cached yet (a fully cached call skips the tower)."""
+    attached to its tower, what ``VisionCache.calls_needed`` says (each call, and the item passes inside it)."""
     cache = cache_of(model) if model is not None else None
     if cache is not None:
         return cache.calls_needed(tower_of(model), prompts)
@@ -42,24 +42,15 @@ def _parts(model):
     language = getattr(inner, "language_model", None)
     if visual is None or language is None:
         return None
-    return visual, language, language.get_input_embeddings()
-
-
-def dummy_vision_input(visual) -> tuple[torch.Tensor, torch.Tensor]:
-    """The smallest input the tower accepts: one frame of spatial_merge_size x spatial_merge_size patches."""
-    config = visual.config
-    channels = getattr(config, "in_channels", None) or getattr(config, "in_chans", 3)
-    merge = getattr(config, "spatial_merge_size", 2)
-    width = channels * getattr(config, "temporal_patch_size", 2) * config.patch_size ** 2
-    device = next(visual.parameters()).device
-    return (torch.zeros(merge * merge, width, device=device),
-            torch.tensor([[1, merge, merge]], device=device))
+    return inner, visual, language
 
 
 def _zero_of(output) -> torch.Tensor | None:
-    """0 * (sum of every floating tensor in the tower's output): exactly zero, connected to all of it."""
+    """0 * (sum of every floating tensor in the tower's output that the model reads): exactly zero, connected to
+    all of it. The pre-merger hidden states are left out as the model leaves them out: under ZeRO-3 each output
+    tensor the backward reaches is one more module event, and the ranks' traces must match."""
     total = None
-    stack = [output]
+    stack = [drop_unused(output)]
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
@@ -77,28 +68,42 @@ def _zero_of(output) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def aligned_vision_calls(model, prompts: Mapping, required: Sequence[str] | None):
-    """Within the block, a forward of ``prompts`` makes the tower calls in ``required`` (see module doc; a
-    modality listed k times is k tower passes, as a ``VisionCache`` that encodes item by item makes them)."""
+    """Within the block, a forward of ``prompts`` makes the tower calls in ``required`` (see module doc). With a
+    ``VisionCache`` that encodes item by item, a modality listed n times is the model's call plus n - 1 item passes
+    inside it (``VisionCache.calls_needed``); every rank pads to the agreed count."""
     parts = _parts(model)
-    present = present_vision_calls(prompts, model)
-    required = tuple(required or ())
-    missing = [m for m in MODALITIES for _ in range(required.count(m) - present.count(m))]
-    if parts is None or not missing:
+    if parts is None or required is None:
         yield
         return
+    present = present_vision_calls(prompts, model)
+    required = tuple(required)
     unknown = [m for m in MODALITIES if present.count(m) > required.count(m)]
     if unknown:
-        raise ValueError(f"this batch calls the vision tower for {list(present)}, more than the agreed calls "
+        raise ValueError(f"this batch asks the vision tower for {list(present)}, more than the agreed calls "
                          f"{list(required)}: agree on the most over ranks")
-    visual, language, embed = parts
+    cache = cache_of(model)
+    item_by_item = cache is not None and cache.item_by_item
+    missing = [m for m in MODALITIES for _ in range(required.count(m) - present.count(m))]
+    if item_by_item:  # one call per modality (real or dummy), its item passes padded inside it
+        missing = [m for m in MODALITIES if m in required and m not in present]
+    if not missing and not item_by_item:
+        yield
+        return
+    inner, visual, language = parts
+    embed = language.get_input_embeddings()
     zeros: list[torch.Tensor] = []
     state = {"embedded": False, "done": False}  # one forward: decode steps after it must not run dummies
 
     def run_dummies(modalities):
         pixels, grid = dummy_vision_input(visual)
-        for _ in modalities:
-            with uncached(model):  # a real tower call, whatever is cached: it is there for its collectives
-                zero = _zero_of(visual(pixels, grid_thw=grid))
+        for modality in modalities:
+            if item_by_item:  # the cache's dummy call: the agreed item passes inside one tower call
+                with cache.dummy_call():
+                    zero = _zero_of(visual(pixels, grid_thw=grid))
+            else:  # through the model's own get_*_features, so the output is consumed as a real call's is (under
+                # ZeRO-3 what the backward reaches is part of the module trace the ranks must agree on)
+                encode = getattr(inner, f"get_{modality}_features", None) or (lambda p, g: visual(p, grid_thw=g))
+                zero = _zero_of(encode(pixels, grid))
             if zero is not None:
                 zeros.append(zero)
 
@@ -120,10 +125,14 @@ def aligned_vision_calls(model, prompts: Mapping, required: Sequence[str] | None
         zeros.clear()
         return args, kwargs
 
+    # prepend: the dummy calls run before DeepSpeed's own hook records the decoder, so that every rank's ZeRO-3
+    # module trace reads tower..., decoder (its ranks must record identical traces)
     handles = [embed.register_forward_hook(after_embedding),
-               language.register_forward_pre_hook(before_decoder, with_kwargs=True)]
+               language.register_forward_pre_hook(before_decoder, with_kwargs=True, prepend=True)]
+    passes = [required.count(m) - 1 for m in MODALITIES if m in required]
     try:
-        yield
+        with cache.aligned(passes) if item_by_item else contextlib.nullcontext():
+            yield
     finally:
         for handle in handles:
             handle.remove()
