@@ -24,7 +24,8 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
 
 @pytest.mark.parametrize("name", ["attention", "rollout", pytest.param("grid", marks=pytest.mark.slow),
                                   pytest.param("e2e", marks=pytest.mark.slow), "flex_shapes",
-                                  pytest.param("scale", marks=pytest.mark.slow), "lora"])
+                                  pytest.param("scale", marks=pytest.mark.slow), "lora",
+                                  pytest.param("vision_cache", marks=pytest.mark.slow)])
 def test_benchmark_runs_quick(name, tmp_path):
     out = tmp_path / name
     result = subprocess.run(["bash", "scripts/bench.sh", name, "--out", str(out), "--quick"], cwd=ROOT,

@@ -26,12 +26,12 @@ BENCH_SIZES = TinySizes(hidden=256, layers=2, heads=4, kv_heads=1, head_dim=64, 
                         init_std=0.02)
 
 
-def prepare(root: Path, records: int, frames: int, side: int) -> tuple[Path, Path]:
+def prepare(root: Path, records: int, frames: int, side: int, sizes: TinySizes = BENCH_SIZES) -> tuple[Path, Path]:
     from app.data.video import write_mp4
 
     checkpoint = root / "tiny-qwen2_5_vl"
     if not (checkpoint / "config.json").exists():
-        build_tiny_checkpoint(checkpoint, "qwen2_5_vl", seed=0, sizes=BENCH_SIZES, max_pixels=side * side)
+        build_tiny_checkpoint(checkpoint, "qwen2_5_vl", seed=0, sizes=sizes, max_pixels=side * side)
     data = root / "data"
     (data / "videos").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
