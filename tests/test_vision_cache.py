@@ -174,8 +174,9 @@ def test_grpo_steps_equal_with_the_cache_on_and_off(setup, assets, tmp_path, mon
         assert on["vision/cache_hits"] > 0 and on["reward/mean"] == off["reward/mean"]
 
 
+# (the projector-training plan is compared bitwise in process above; here: the plan that skips the tower, and a
+# tower that trains, which runs the model's own call)
 ZERO3_SETUPS = {"frozen": {"model.freeze_vision_tower": True, "model.freeze_projector": True},
-                "projector_trains": {"model.freeze_vision_tower": True},
                 "tower_trains": {}}
 
 

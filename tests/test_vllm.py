@@ -37,6 +37,7 @@ model, processor = load_model(checkpoint).eval(), load_processor(checkpoint)
 cases = {"text": ["text"], "image": ["image"], "mixed": ["image", "text", "image"]}
 from vllm import LLM, SamplingParams
 llm = LLM(model=str(checkpoint), dtype="float32", enable_prefix_caching=True, enable_mm_embeds=True, seed=0,
+          enforce_eager=True, skip_mm_profiling=True,  # start-up: no compile, no encoder profiling run
           max_model_len=1024, limit_mm_per_prompt={"image": 1, "video": 0})
 params = SamplingParams(n=1, temperature=0.0, max_tokens=8)
 result = {}
