@@ -172,9 +172,10 @@ class VisionCache:
 
     def forward(self, visual, original, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs):
         if self._bypass or not self.item_by_item:
-            if not (self._bypass or self._dummy or self.paused):
-                self.encoded += len(self.item_keys(hidden_states, grid_thw, _dtype(visual)))
-                self.seen.update(self.item_keys(hidden_states, grid_thw, _dtype(visual)))
+            if not (self._bypass or self._dummy or self.paused):  # the model's own call: counted
+                keys = self.item_keys(hidden_states, grid_thw, _dtype(visual))
+                self.encoded += len(keys)
+                self.seen.update(keys)
             return original(hidden_states, grid_thw=grid_thw, **kwargs)
         pad = self.expect.popleft() if self.expect else None
         if self._dummy:
