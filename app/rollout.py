@@ -30,6 +30,7 @@ from app.options import OptionError
 ENGINES = ("grouped", "hf")
 CHECK_EVERY = 8  # decode steps between looks at which samples finished (one host sync; compaction; ZeRO-3 agreement)
 TOP_P_CANDIDATES = (64, 1024)  # top-p looks at the largest probabilities first and sorts the vocabulary only if needed
+SAMPLE_BLOCK = 1024  # tokens per block of the two-level inverse-CDF draw (``draw_from_weights``)
 
 
 @dataclass(frozen=True)
@@ -110,38 +111,68 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, generators: Se
                   suppress: torch.Tensor | None = None):
     """Pick tokens from [N, V] logits; return (tokens, log-probs of the tempered, unfiltered distribution).
 
-    The vocabulary is paid for a few times per step, not a dozen: one softmax (the log-prob of the drawn token is
-    the log of its probability), top-k and top-p masks only when set (top-k by a threshold, top-p from the largest
-    probabilities first), then an inverse-CDF draw: one uniform per sample from its own generator, located in the
-    float64 cumulative sum of the (filtered, suppressed-zeroed) probabilities, which picks token i with probability
-    p_i / sum(p) exactly (float64 keeps the rounding of a 151,936-term sum far below any token's share).
+    The vocabulary is paid for a few times per step, not a dozen: a max, one exponential in place
+    (w = exp((x - max) / T)), one sum (the log-prob of the drawn token is (x - max) / T - log sum w), top-k and
+    top-p masks only when set (top-k by a threshold, top-p from the largest probabilities first), then an
+    inverse-CDF draw (``draw_from_weights``): one uniform per sample from its own generator, which picks token i
+    with probability w_i / sum(w) exactly.
     """
     logits = logits.float()
     if sampling.temperature == 0:
         allowed = logits if suppress is None else logits.index_fill(-1, suppress, float("-inf"))
         tokens = allowed.argmax(dim=-1)
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    scaled = logits if sampling.temperature == 1.0 else logits / sampling.temperature
-    probs = torch.softmax(scaled, dim=-1)
-    weights = probs
+    inverse_t = 1.0 / sampling.temperature
+    top = logits.amax(dim=-1, keepdim=True)
+    weights = torch.sub(logits, top)
+    if sampling.temperature != 1.0:
+        weights.mul_(inverse_t)
+    log_total = weights.exp_().sum(dim=-1).log()  # unfiltered normaliser
     if (sampling.top_k and sampling.top_k < logits.shape[-1]) or sampling.top_p < 1.0:
+        scaled = logits if sampling.temperature == 1.0 else logits * inverse_t
         filtered = scaled if suppress is None else scaled.index_fill(-1, suppress, float("-inf"))
         if sampling.top_k and sampling.top_k < logits.shape[-1]:
             kth = torch.topk(filtered, sampling.top_k, dim=-1).values[:, -1:]
             filtered = filtered.masked_fill(filtered < kth, float("-inf"))
         if sampling.top_p < 1.0:
             filtered = _top_p(filtered, sampling.top_p)
-        weights = torch.softmax(filtered, dim=-1)
+        weights = weights.masked_fill_(torch.isinf(filtered), 0.0)
     elif suppress is not None:
-        weights = probs.index_fill(-1, suppress, 0.0)
-    cdf = weights.double().cumsum_(dim=-1)
+        weights.index_fill_(-1, suppress, 0.0)  # the drawn token is never one of these: its log-prob is unaffected
     if generators is None:
-        uniform = torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device)
+        uniform = torch.rand(len(weights), 1, dtype=torch.float64, device=weights.device)
     else:
-        uniform = torch.stack([torch.rand(1, dtype=torch.float64, device=cdf.device, generator=g)
+        uniform = torch.stack([torch.rand(1, dtype=torch.float64, device=weights.device, generator=g)
                                for g in generators])
-    tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
-    return tokens, torch.log(probs.gather(-1, tokens[:, None]).squeeze(-1))
+    tokens = draw_from_weights(weights, uniform)
+    logprobs = (logits.gather(-1, tokens[:, None]) - top).squeeze(-1) * inverse_t - log_total
+    return tokens, logprobs
+
+
+def draw_from_weights(weights: torch.Tensor, uniform: torch.Tensor, block: int = SAMPLE_BLOCK) -> torch.Tensor:
+    """Inverse CDF: row r's token is the first i whose cumulative weight exceeds uniform[r] * total, so token i
+    comes with probability w_i / sum(w) (w >= 0, float32 [N, V]; uniform float64 [N, 1] in [0, 1)). Two levels,
+    so the vocabulary is read once, not cumulated: the sums of blocks of ``block`` tokens (float32 sums, about
+    1e-7 relative, cumulated in float64) locate the block, then the block's own float64 cumulative sum the
+    token. A token of zero weight is never returned (rounding at a block's top end falls back to its last token
+    of positive weight)."""
+    rows, vocab = weights.shape
+    full = vocab // block * block
+    sums = weights[:, :full].reshape(rows, full // block, block).sum(dim=-1)
+    if full < vocab:
+        sums = torch.cat([sums, weights[:, full:].sum(dim=-1, keepdim=True)], dim=-1)
+    sums = sums.double()
+    cdf = sums.cumsum(dim=-1)
+    target = uniform * cdf[:, -1:]
+    last_block = (cdf < cdf[:, -1:]).sum(dim=-1, keepdim=True)  # the last block of positive weight
+    chosen = torch.minimum(torch.searchsorted(cdf, target, right=True), last_block)
+    target = (target - (cdf.gather(-1, chosen) - sums.gather(-1, chosen))).clamp_min_(0.0)
+    columns = chosen * block + torch.arange(block, device=weights.device)
+    inside = columns < vocab
+    inner = weights.gather(-1, columns.clamp_max(vocab - 1)).double().masked_fill_(~inside, 0.0).cumsum_(dim=-1)
+    last = (inner < inner[:, -1:]).sum(dim=-1, keepdim=True)  # the block's last token of positive weight
+    offset = torch.minimum(torch.searchsorted(inner, target, right=True), last)
+    return (chosen * block + offset).squeeze(-1)
 
 
 def _all_done(done_here: bool, synced: bool, device) -> bool:

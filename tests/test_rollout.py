@@ -192,3 +192,56 @@ def test_outputs_do_not_depend_on_when_finished_samples_leave_the_batch(tiny_che
         assert torch.equal(other.completion_mask, first.completion_mask)
         torch.testing.assert_close(other.logprobs, first.logprobs, rtol=0, atol=1e-5)
         assert other.stop_reasons == first.stop_reasons
+
+
+@pytest.mark.parametrize("block", [1, 7, 64, 1000, 4096])
+def test_two_level_draw_picks_what_one_cumulative_sum_picks(block):
+    """``draw_from_weights`` (block sums, then one block's cumulative sum) returns the token a single float64
+    cumulative sum over the whole row returns, for uniforms anywhere in [0, 1) including both ends, on rows with
+    runs of zero weight at the start, the end and inside, and never a token of zero weight."""
+    from app.rollout import draw_from_weights
+
+    torch.manual_seed(0)
+    vocab = 4000
+    weights = torch.rand(6, vocab) ** 4
+    weights[:, :37] = 0
+    weights[:, -300:] = 0
+    weights[1, 100:2500] = 0
+    weights[2, :] = 0
+    weights[2, 1234] = 0.5  # one token carries all the mass
+    uniforms = [torch.rand(6, 1, dtype=torch.float64) for _ in range(50)]
+    uniforms += [torch.zeros(6, 1, dtype=torch.float64), torch.full((6, 1), 1 - 2**-53, dtype=torch.float64)]
+    cdf = weights.double().cumsum(-1)
+    for uniform in uniforms:
+        got = draw_from_weights(weights, uniform, block)
+        want = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(-1).clamp_max(vocab - 1)
+        want = torch.where(weights.gather(-1, want[:, None]).squeeze(-1) > 0, want, got)  # the old clamp's edge
+        assert torch.equal(got, want)
+        assert (weights.gather(-1, got[:, None]) > 0).all()
+
+
+def test_packed_output_head_computes_the_same_logits():
+    """The decoder's output head (oneDNN with the weight packed once, else weight @ hidden^T in chunks) gives
+    linear's logits to float rounding, for any number of rows (finished samples leave the batch), and is taken
+    off the module afterwards; the packed weight is made once, when the head is not partitioned."""
+    from app.grouping.decode import DecodingHead
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    head = torch.nn.Linear(96, 20000, bias=False)
+    model.get_output_embeddings = lambda: head
+    hidden = torch.randn(5, 1, 96)
+    want = torch.nn.functional.linear(hidden, head.weight)
+    for packed in (True, False):
+        decoding = DecodingHead(model)
+        if not packed:
+            decoding.packed = None
+        with decoding.installed():
+            got = head(hidden)
+            fewer = head(hidden[[0, 2, 3]])
+        assert "forward" not in head.__dict__
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fewer, got[[0, 2, 3]], rtol=1e-6, atol=1e-6)
+        assert (decoding.packed is not None) == packed
+    head.weight.ds_id = 7  # as DeepSpeed marks a ZeRO-3 parameter: gathered around each call, never packed
+    assert DecodingHead(model).packed is None

