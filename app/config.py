@@ -31,7 +31,7 @@ from app.grpo import (
 )
 from app.options import OptionError
 from app.rewards import BONUS_RULES, REGRESSION_METRICS
-from app.rollout import ENGINES, SamplingConfig
+from app.rollout import ROLLOUT_ENGINES, SamplingConfig
 
 
 class ConfigError(ValueError):
@@ -121,7 +121,17 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     engine: str = _f("grouped", "grouped: one prefill per prompt (shared prefix); hf: plain HF generate on the "
-                     "repeated batch, for A/B.", choices=ENGINES)
+                     "repeated batch, for A/B; vllm: a vLLM engine colocated in each training process (n = G with "
+                     "prefix caching), fed the trainer's exact prompts and media, given the policy's weights after "
+                     "every optimizer step. The training forward stays grouped either way.", choices=ROLLOUT_ENGINES)
+    vllm_gpu_memory_utilization: float = _f(0.3, "rollout.engine=vllm on a GPU: the fraction of GPU memory vLLM "
+                                            "takes (weights + KV cache); the rest is the trainer's.")
+    vllm_sleep: bool = _f(True, "rollout.engine=vllm on a GPU: put vLLM to sleep between rollouts (its weights "
+                          "offloaded to CPU, its KV cache freed) so the policy update has the memory back.")
+    vllm_tensor_parallel_size: int = _f(1, "rollout.engine=vllm: GPUs one vLLM engine spans (tensor parallelism).")
+    vllm_max_images: int = _f(1, "rollout.engine=vllm: the most images one prompt may hold (vLLM reserves memory "
+                              "for them).")
+    vllm_max_videos: int = _f(1, "rollout.engine=vllm: the most videos one prompt may hold.")
     group_size: int = _f(8, "Completions sampled per prompt (G).")
     temperature: float = _f(1.0, "Sampling temperature.")
     top_p: float = _f(1.0, "Nucleus sampling threshold.")
@@ -185,9 +195,11 @@ class GRPOConfig:
                             "loss_type=dr_grpo, group otherwise.", choices=SCALE_REWARDS_SETTINGS)
     mask_truncated_completions: bool = _f(False, "Completions cut by rollout.max_completion_length carry no loss "
                                           "(DAPO's overlong filtering; TRL).")
-    importance_sampling_cap: float = _f(0.0, "Truncated importance sampling: weight each token's loss by "
+    importance_sampling_cap: float = _f(-1.0, "Truncated importance sampling: weight each token's loss by "
                                         "min(pi_train / pi_rollout, cap) using the rollout's own sampling "
-                                        "log-probs (TRL/verl TIS); 0 disables. The mismatch is logged either way.")
+                                        "log-probs (TRL/verl TIS); 0 disables; -1 (default): 2.0 with "
+                                        "rollout.engine=vllm (another engine samples: TRL's default), off "
+                                        "otherwise. The mismatch is logged either way.")
     dynamic_sampling: bool = _f(False, "Drop groups whose dynamic_sampling_metric is the same for every completion "
                                 "(all correct / all wrong: zero advantage) and draw more prompts until the step "
                                 "has train.prompts_per_rank groups per rank (DAPO, EasyR1).")
@@ -197,12 +209,15 @@ class GRPOConfig:
                                          "filled with dropped groups (warned and counted).")
     num_iterations: int = _f(1, "Policy updates per rollout batch (mu); >1 uses old log-probs.")
 
-    def to_options(self, max_completion_length: int) -> LossOptions:
+    def to_options(self, max_completion_length: int, engine: str = "grouped") -> LossOptions:
         """The loss's settings (validated there, once)."""
+        cap = self.importance_sampling_cap
+        if cap == -1:
+            cap = VLLM_DEFAULT_IS_CAP if engine == "vllm" else 0.0
         return LossOptions(loss_type=self.loss_type, beta=self.beta, epsilon_low=self.epsilon_low,
                            epsilon_high=self.epsilon_high, delta=self.delta, kl_estimator=self.kl_estimator,
                            max_completion_length=max_completion_length,
-                           importance_sampling_cap=self.importance_sampling_cap,
+                           importance_sampling_cap=cap,
                            mask_truncated_completions=self.mask_truncated_completions)
 
 
@@ -277,6 +292,9 @@ class EvalConfig:
     output_dir: str = _f("outputs/eval", "Where predictions.jsonl, summary.json and summary.md go.")
     samples: int = _f(1, "Completions per question (k). 1 with temperature 0 is greedy; k > 1 reports pass@k "
                       "and mean accuracy, all k drawn from one shared prefill.")
+    engine: str = _f("grouped", "grouped: this project's shared-prefill decoder; vllm: a vLLM engine in each "
+                     "evaluation process (its settings: rollout.vllm_*), fed the same prompts and media.",
+                     choices=("grouped", "vllm"))
     temperature: float = _f(0.0, "0 for greedy; > 0 samples.")
     top_p: float = _f(1.0, "Nucleus sampling threshold when sampling.")
     max_new_tokens: int = _f(256, "Maximum new tokens per completion.")
@@ -308,6 +326,7 @@ class Config:
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+VLLM_DEFAULT_IS_CAP = 2.0  # grpo.importance_sampling_cap=-1 with rollout.engine=vllm (TRL's default cap)
 RENAMED = {  # old key -> what to write instead
     "grpo.loss_aggregation": "grpo.loss_type (sequence -> grpo, token -> bnpo; dapo is the step-wide token mean)",
     "grpo.grouping": "forward.grouping (the forward settings serve GRPO, SFT and evaluation alike)",
@@ -470,7 +489,8 @@ def validate(config: Config, training: bool = True) -> None:
     need(config.rollout.temperature > 0, "rollout.temperature", "must be > 0 for GRPO sampling")
     need(config.grpo.num_iterations >= 1, "grpo.num_iterations", "must be >= 1")
     for section, build in (("rollout", lambda: config.rollout.to_sampling()),
-                           ("grpo", lambda: config.grpo.to_options(config.rollout.max_completion_length))):
+                           ("grpo", lambda: config.grpo.to_options(config.rollout.max_completion_length,
+                                                                   config.rollout.engine))):
         try:  # the options objects validate their own fields; the error names the key
             build()
         except OptionError as error:

@@ -243,32 +243,45 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
     mine = [r for i, r in enumerate(usable) if i % world == rank and record_key(r) not in done]
     resumed = sum(1 for i, r in enumerate(usable) if i % world == rank and record_key(r) in done)
 
-    model = load_model(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    model.eval()
     processor = load_processor(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     tokenizer = getattr(processor, "tokenizer", processor)
     sampling = SamplingConfig(temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens)
+    if ev.engine == "vllm":
+        from app.engines.vllm import VLLMEngine, checkpoint_eos_ids
+
+        model = VLLMEngine(str(model_dir), cfg.rollout, cfg.model.dtype,
+                           max_model_len=data_cfg.max_prompt_length + ev.max_new_tokens, seed=ev.seed,
+                           device_type="cuda" if torch.cuda.is_available() else "cpu", world=world)
+        eos_ids = checkpoint_eos_ids(model_dir, tokenizer)
+    else:
+        model = load_model(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+        model.eval()
     crash_after = int(os.environ.get(CRASH_ENV, "-1"))
     scored = 0
     bar = tqdm(total=len(mine), desc=f"eval rank {rank}", disable=rank != 0, dynamic_ncols=True)
     for start in range(0, len(mine), ev.batch_size):
         batch, prompts = [], []
         for record in mine[start : start + ev.batch_size]:
-            prompt, reason = encode_record(processor, record, record["_root"], data_cfg)
+            prompt, reason = encode_record(processor, record, record["_root"], data_cfg,
+                                           engine_view=ev.engine == "vllm")
             if prompt is None:  # skipped with its reason, exactly as training does; a resumed run skips it again
                 _append(out / f"skipped.rank{rank}.jsonl", {"where": where(record), "reason": reason,
                                                              "reason_kind": reason.split(":")[0]})
                 log.warning("skipping %s: %s", where(record), reason)
                 continue
             batch.append(record)
-            prompts.append(prompt.inputs)
+            prompts.append(prompt)
         if batch:
-            with torch.no_grad():
-                # Each question draws from its own stream (seed, question key): its samples do not depend on the
-                # batch it falls in, eval.batch_size or the number of ranks.
-                rollout = generate_groups(model, collate_prompts(prompts, tokenizer.pad_token_id), ev.samples,
-                                          sampling, tokenizer=tokenizer, synced=False,
-                                          prompt_seeds=[derive_seed(ev.seed, record_key(r)) for r in batch])
+            # Each question draws from its own stream (seed, question key): its samples do not depend on the
+            # batch it falls in, eval.batch_size or the number of ranks.
+            seeds = [derive_seed(ev.seed, record_key(r)) for r in batch]
+            if ev.engine == "vllm":
+                rollout = model.generate(prompts, ev.samples, sampling, seeds, eos_ids, tokenizer.pad_token_id)
+            else:
+                with torch.no_grad():
+                    rollout = generate_groups(model, collate_prompts([p.inputs for p in prompts],
+                                                                     tokenizer.pad_token_id), ev.samples,
+                                              sampling, tokenizer=tokenizer, synced=False, prompt_seeds=seeds)
             for i, record in enumerate(batch):
                 rows = range(i * ev.samples, (i + 1) * ev.samples)
                 texts = [tokenizer.decode(rollout.completion_ids[n][rollout.completion_mask[n].bool()],

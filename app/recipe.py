@@ -81,7 +81,8 @@ class Recipe:
         self.output_dir = Path(cfg.train.output_dir)
         self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.rank, self.world,
                                   lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank,
-                                  skip_log=self.output_dir / "logs" / "skipped_at_load.jsonl")
+                                  skip_log=self.output_dir / "logs" / "skipped_at_load.jsonl",
+                                  engine_views=cfg.rollout.engine == "vllm")
         self.start_step = 0
         self.setup()
         if cfg.train.resume:

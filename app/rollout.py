@@ -27,7 +27,8 @@ from app.grouping import (
 )
 from app.options import OptionError
 
-ENGINES = ("grouped", "hf")
+ENGINES = ("grouped", "hf")  # generate_groups' engines
+ROLLOUT_ENGINES = (*ENGINES, "vllm")  # rollout.engine: vllm is app.engines.vllm.VLLMEngine, colocated
 CHECK_EVERY = 8  # decode steps between looks at which samples finished (one host sync; compaction; ZeRO-3 agreement)
 TOP_P_CANDIDATES = (64, 1024)  # top-p looks at the largest probabilities first and sorts the vocabulary only if needed
 SAMPLE_BLOCK = 1024  # tokens per block of the two-level inverse-CDF draw (``draw_from_weights``)

@@ -32,7 +32,7 @@ from app.grpo import GRPOLoss, advantages, choose_groups, groups_with_signal, mi
 from app.models import load_model
 from app.recipe import Recipe, run
 from app.rewards import RewardSet
-from app.rollout import Rollout, derive_seed, generate_groups
+from app.rollout import Rollout, derive_seed, eos_token_ids, generate_groups
 from app.tracking import StepMetrics
 from app.trajectory import MicroBatch, Trajectory
 
@@ -50,8 +50,9 @@ class GRPOTrainer(Recipe):
         cfg = self.cfg
         self.reference = kl_reference(cfg, self.engine, self.ds_config, self.device, self.dtype, self.vision_cache)
         self.rewards = RewardSet(cfg.rewards)
-        self.loss = GRPOLoss(cfg.grpo.to_options(cfg.rollout.max_completion_length))
+        self.loss = GRPOLoss(cfg.grpo.to_options(cfg.rollout.max_completion_length, cfg.rollout.engine))
         self.sampling = cfg.rollout.to_sampling()
+        self.vllm = self.colocated_vllm() if cfg.rollout.engine == "vllm" else None
         for warning in data_warnings(cfg, self.stream.records):
             log.warning("%s", warning)
 
@@ -61,6 +62,9 @@ class GRPOTrainer(Recipe):
     def train_step(self, step: int) -> dict:
         cfg, seconds = self.cfg, {}
         learning_rate = self.learning_rate()  # the rate this step's updates use (read before the scheduler moves)
+        if self.vllm is not None:
+            with timed(seconds, "weight_sync"):
+                self.push_weights_to_vllm()
         with timed(seconds, "rollout"):
             trajectory = self.collect(step)
             trajectory.advantages = advantages(trajectory.total_reward, trajectory.group_sizes,
@@ -121,7 +125,26 @@ class GRPOTrainer(Recipe):
         texts, g = self.decode(rollout.completion_ids, rollout.completion_mask), self.cfg.rollout.group_size
         return {i: texts[k * g : (k + 1) * g] for k, i in enumerate(video)}
 
+    def colocated_vllm(self):
+        """rollout.engine=vllm: this process's vLLM engine, loaded from the policy's checkpoint."""
+        from app.engines.vllm import VLLMEngine
+
+        cfg = self.cfg
+        return VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype,
+                          max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_completion_length,
+                          seed=cfg.train.seed, device_type=self.device.type, world=self.world)
+
+    def push_weights_to_vllm(self) -> None:
+        """The policy's current weights into vLLM, before every rollout (so after every optimizer step, and after
+        a resume): under ZeRO-3 gathered one tensor at a time, LoRA merged (``app.engines.vllm.policy_weights``)."""
+        from app.engines.vllm import policy_weights
+
+        self.vllm.push_weights(policy_weights(self.engine))
+
     def generate(self, prompts: list[EncodedPrompt], seeds: list[int]) -> Rollout:
+        if self.vllm is not None:
+            return self.vllm.generate(prompts, self.cfg.rollout.group_size, self.sampling, seeds,
+                                      eos_token_ids(self.engine, self.tokenizer), self.tokenizer.pad_token_id)
         inputs = collate_prompts([p.inputs for p in prompts], self.tokenizer.pad_token_id, self.device)
         per_step = self.cfg.rollout.zero3_gather == "per_step"  # DeepSpeed's hooks stay on: calls must agree
         vision_calls = self.vision_calls(inputs, self.engine) if per_step else None

@@ -43,19 +43,27 @@ def tokenizer_of(processor):
 
 def prompt_batch(family: str, processor, videos, kinds: list[str], fps: float = 2.0) -> dict:
     """Prompts of the given kinds ('video', 'image', 'text'), encoded with the chat template and the processor."""
+    return encode_prompts(processor, conversations_of(family, videos, kinds, fps))
+
+
+def conversations_of(family: str, videos, kinds: list[str], fps: float = 2.0) -> list[list[dict]]:
+    """One user turn per kind: 'video', 'image', 'text', or several media in one prompt joined by '+'
+    ('video+video', 'image+video')."""
     factor = 2 * patch_size(family)
     conversations = []
     for i, kind in enumerate(kinds):
         content = [{"type": "text", "text": QUESTIONS[i % len(QUESTIONS)]}]
-        if kind == "video" and family in VL_FAMILIES:
-            content.insert(0, video_element(videos[i % len(videos)], fps=fps, min_pixels=factor * factor * 2,
-                                            max_pixels=factor * factor * 6))
-        elif kind == "image" and family in VL_FAMILIES:
-            pixels = np.random.default_rng(i).integers(0, 255, (factor * 2, factor * 3, 3), dtype=np.uint8)
-            content.insert(0, {"type": "image", "image": Image.fromarray(pixels), "min_pixels": factor * factor * 2,
-                               "max_pixels": factor * factor * 6})
+        for j, part in enumerate(reversed(kind.split("+"))):
+            if part == "video" and family in VL_FAMILIES:
+                content.insert(0, video_element(videos[(i + j) % len(videos)], fps=fps,
+                                                min_pixels=factor * factor * 2, max_pixels=factor * factor * 6))
+            elif part == "image" and family in VL_FAMILIES:
+                pixels = np.random.default_rng(i + 10 * j).integers(0, 255, (factor * 2, factor * 3, 3),
+                                                                     dtype=np.uint8)
+                content.insert(0, {"type": "image", "image": Image.fromarray(pixels),
+                                   "min_pixels": factor * factor * 2, "max_pixels": factor * factor * 6})
         conversations.append([{"role": "user", "content": content}])
-    return encode_prompts(processor, conversations)
+    return conversations
 
 
 def random_completions(lengths: list[int], vocab: int, pad_id: int, width: int | None = None, seed: int = 0):

@@ -98,7 +98,7 @@ def test_choices_come_from_the_modules_that_own_them():
 
     assert choices(config.GRPOConfig, "loss_type") is grpo.LOSS_TYPES
     assert choices(config.GRPOConfig, "kl_estimator") is grpo.KL_ESTIMATORS
-    assert choices(config.RolloutConfig, "engine") is rollout.ENGINES
+    assert choices(config.RolloutConfig, "engine") is rollout.ROLLOUT_ENGINES
     assert choices(config.RolloutConfig, "zero3_gather") is GATHER_MODES
 
 

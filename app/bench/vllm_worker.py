@@ -4,8 +4,8 @@ asks for one trial at a time (``app.bench.rollout.Engine``), so vLLM and the oth
     PYTHON -m app.bench.vllm_worker CHECKPOINT ROOT MAX_MODEL_LEN
 
 Each point: the prompt of ``app.bench.rollout.prompt_inputs`` (the same random ids; for a video point the same
-decoded frames, given to vLLM's own processor and vision tower with their real fps, and the prompt with one
-video placeholder, which vLLM expands), n = G samples of exactly new_tokens tokens (EOS ignored), temperature 1,
+decoded frames and their metadata, given to vLLM's own processor and vision tower, and the unexpanded prompt,
+which vLLM expands: ``app.engines.vllm.vllm_request``), n = G samples of exactly new_tokens tokens (EOS ignored), temperature 1,
 prefix caching on (as peers run it) and reset before every trial, so every trial prefills its prompt once. Replies
 {"seconds", "prompt_tokens"} (vLLM's own count of the prompt, to compare with ours).
 """
@@ -18,15 +18,6 @@ import time
 from pathlib import Path
 
 
-def video_item(prompts: dict, frames, metadata: dict):
-    """vLLM's (frames [T, H, W, 3] uint8, metadata) for one decoded video: the frames the trainer encodes."""
-    array = frames.permute(0, 2, 3, 1).round().clamp(0, 255).to(dtype=__import__("torch").uint8).numpy()
-    meta = {"fps": float(metadata["fps"]), "total_num_frames": int(array.shape[0]),
-            "frames_indices": list(range(array.shape[0])), "duration": array.shape[0] / float(metadata["fps"]),
-            "video_backend": "decord", "do_sample_frames": False}
-    return array, meta
-
-
 def main(checkpoint: str, root: str, max_model_len: str) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -34,30 +25,28 @@ def main(checkpoint: str, root: str, max_model_len: str) -> None:
     from vllm import LLM, SamplingParams
 
     import app.compat  # noqa: F401  (torchvision on a CPU-only torch)
-    from app.bench.rollout import VIDEOS, name_of, prompt_inputs, serve
-    from app.data.prompts import media_elements
-    from app.data.video import decode_video
-    from app.engines.vllm import collapse_placeholders
+    from app.bench.rollout import VIDEOS, name_of, prompt_inputs, serve, video_conversation
+    from app.data.prompts import encode_prompts
+    from app.engines.vllm import vllm_request
     from app.models import load_processor
 
     processor = load_processor(checkpoint)
+    # max_num_batched_tokens = the longest prompt: the encoder cache must hold a whole video (8,192 tokens at the
+    # largest point; vLLM's default budget refused it), and every point prefills in one chunk as ours does
     llm = LLM(model=checkpoint, dtype="float32", enable_prefix_caching=True, max_model_len=int(max_model_len),
-              seed=0, limit_mm_per_prompt={"image": 0, "video": 1})
-    placeholders = {processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|video_pad|>", "<|image_pad|>")}
+              max_num_batched_tokens=int(max_model_len), seed=0, limit_mm_per_prompt={"image": 0, "video": 1})
     prompt_of: dict[str, dict] = {}
 
     def prompt(point: dict) -> dict:
         key = name_of(point)
         if key not in prompt_of:
-            ours = prompt_inputs(processor, Path(root), point)
-            request = {"prompt_token_ids": collapse_placeholders(ours["input_ids"][0].tolist(), placeholders)}
-            if point["kind"] == "video":
-                from app.bench.rollout import video_conversation
-
-                element = media_elements(video_conversation(Path(root), VIDEOS[point["prompt"]]))[0]
-                frames, metadata = decode_video(element)
-                request["multi_modal_data"] = {"video": video_item(ours, frames, metadata)}
-            prompt_of[key] = request
+            if point["kind"] == "video":  # the unexpanded prompt and the very frames (and fps) we encode
+                _, (view,) = encode_prompts(processor, [video_conversation(Path(root), VIDEOS[point["prompt"]])],
+                                            with_media=True)
+                prompt_of[key] = vllm_request(view)
+            else:
+                prompt_of[key] = {"prompt_token_ids": prompt_inputs(processor, Path(root), point)["input_ids"][0]
+                                  .tolist()}
         return prompt_of[key]
 
     def trial(point: dict) -> dict:

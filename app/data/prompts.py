@@ -26,25 +26,32 @@ def image_patch_size(processor) -> int:
     return getattr(getattr(processor, "image_processor", None), "patch_size", 14)
 
 
-def encode_prompts(processor, conversations: Sequence[Sequence[dict]],
-                   shuffle_frames_seed: int | None = None) -> dict[str, torch.Tensor]:
+def encode_prompts(processor, conversations: Sequence[Sequence[dict]], shuffle_frames_seed: int | None = None,
+                   with_media: bool = False):
     """Encode B conversations (each ending with the user turn) into one left-padded batch.
 
     Video elements ({"type": "video", "video": path, "fps", "max_frames", "min_pixels", "max_pixels"}) are decoded
     with decord through qwen-vl-utils; the real fps goes to the processor as metadata (without it Qwen2.5-VL
     assumes 24 fps for ``second_per_grid_ts``). Images ({"type": "image", "image": path or PIL image}) go through
     qwen-vl-utils' ``fetch_image``. ``shuffle_frames_seed`` permutes each video's frames (temporal GRPO).
+
+    ``with_media``: also return, per conversation, what an engine with its own processor needs to see exactly
+    these inputs (``app.engines.vllm``): ``{"prompt_ids": the template's ids before the processor expands the
+    placeholders, "media": [("video", frames [T, H, W, 3] uint8, metadata) | ("image", PIL image), ...]}`` with
+    the very frames and images encoded here.
     """
     texts = [processor.apply_chat_template(list(c), add_generation_prompt=True, tokenize=False) for c in conversations]
     if not is_multimodal_processor(processor):
         if any(media_elements(c) for c in conversations):
             raise ValueError("a conversation has images or videos but the checkpoint has no vision processor")
-        return dict(processor(texts, padding=True, padding_side="left", return_tensors="pt"))
+        batch = dict(processor(texts, padding=True, padding_side="left", return_tensors="pt"))
+        return (batch, _engine_view(processor, texts, [[] for _ in texts])) if with_media else batch
     from qwen_vl_utils import fetch_image
 
     patch = image_patch_size(processor)
-    videos, metadata, images = [], [], []
+    videos, metadata, images, media = [], [], [], []
     for conversation in conversations:
+        media.append([])
         for element in media_elements(conversation):
             if element["type"] == "video":
                 frames, meta = decode_video(element, image_patch_size=patch)
@@ -53,8 +60,11 @@ def encode_prompts(processor, conversations: Sequence[Sequence[dict]],
                     frames = frames[order]
                 videos.append(frames)
                 metadata.append(meta)
+                if with_media:
+                    media[-1].append(("video", _frames_uint8(frames), dict(meta)))
             else:
                 images.append(fetch_image(element, image_patch_size=patch))
+                media[-1].append(("image", images[-1]))
     kwargs = {}
     if videos:
         # Frames arrive sampled and sized by qwen-vl-utils (its per-frame pixel cap applied there); False is what
@@ -62,7 +72,21 @@ def encode_prompts(processor, conversations: Sequence[Sequence[dict]],
         kwargs.update(videos=videos, video_metadata=metadata, do_sample_frames=False, cap_pixels_per_frame=False)
     if images:
         kwargs.update(images=images)
-    return dict(processor(text=texts, padding=True, padding_side="left", return_tensors="pt", **kwargs))
+    batch = dict(processor(text=texts, padding=True, padding_side="left", return_tensors="pt", **kwargs))
+    return (batch, _engine_view(processor, texts, media)) if with_media else batch
+
+
+def _frames_uint8(frames: torch.Tensor):
+    """qwen-vl-utils' frames [T, 3, H, W] (float, whole numbers: resized as uint8) -> uint8 [T, H, W, 3]."""
+    if not torch.equal(frames, frames.round()):
+        raise ValueError("decoded frames are not whole numbers; they cannot be handed on as uint8 unchanged")
+    return frames.clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
+
+
+def _engine_view(processor, texts: list[str], media: list[list]) -> list[dict]:
+    tokenizer = getattr(processor, "tokenizer", processor)
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [{"prompt_ids": list(i), "media": m} for i, m in zip(ids, media)]
 
 
 PADDED_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")

@@ -252,26 +252,34 @@ def build_conversation(record: dict, data_root: Path, data_cfg) -> list[dict]:
 class EncodedPrompt:
     record: dict
     inputs: dict  # processor output for this one prompt (batch dimension 1)
+    # for an engine with its own processor (rollout.engine=vllm): the unexpanded prompt ids and the very frames and
+    # images encoded into ``inputs`` (``encode_prompts(..., with_media=True)``); None unless the stream keeps them
+    engine_view: dict | None = None
 
     @property
     def length(self) -> int:
         return int(self.inputs["attention_mask"].sum())
 
 
-def encode_record(processor, record: dict, data_root: Path, data_cfg,
-                  shuffle_frames_seed: int | None = None) -> tuple[EncodedPrompt | None, str]:
+def encode_record(processor, record: dict, data_root: Path, data_cfg, shuffle_frames_seed: int | None = None,
+                  engine_view: bool = False) -> tuple[EncodedPrompt | None, str]:
     """One record's prompt, or (None, the reason it cannot be used): undecodable video, an image PIL cannot open, a
-    processor error, a prompt over ``data.max_prompt_length``. Training and evaluation both skip on the reason."""
+    processor error, a prompt over ``data.max_prompt_length``. Training and evaluation both skip on the reason.
+    ``engine_view``: keep what an engine with its own processor needs (``EncodedPrompt.engine_view``)."""
+    view = None
     try:
         conversation = build_conversation(record, data_root, data_cfg)
-        inputs = encode_prompts(processor, [conversation], shuffle_frames_seed=shuffle_frames_seed)
+        inputs = encode_prompts(processor, [conversation], shuffle_frames_seed=shuffle_frames_seed,
+                                with_media=engine_view)
+        if engine_view:
+            inputs, (view,) = inputs
     except SettingError:
         raise  # the settings are wrong, not the record: the run stops and names them
     except VideoDecodeError as error:
         return None, f"undecodable video: {error}"
     except Exception as error:  # the processor and PIL reject odd media in many ways (UnidentifiedImageError...)
         return None, f"could not build the prompt: {type(error).__name__}: {error}"
-    prompt = EncodedPrompt(record, inputs)
+    prompt = EncodedPrompt(record, inputs, view)
     if prompt.length > data_cfg.max_prompt_length:
         return None, (f"prompt too long: {prompt.length} tokens > data.max_prompt_length="
                       f"{data_cfg.max_prompt_length} (never truncated)")
@@ -300,6 +308,7 @@ class PromptStream:
     total_records: int = 0
     lookahead: int = 0
     workers: int = 2
+    engine_views: bool = False  # keep each prompt's media for an engine with its own processor (rollout.engine=vllm)
     wait_seconds: float = 0.0  # time next_prompts spent decoding / waiting for prompts (reset by the caller)
     recent_skips: Counter = field(default_factory=Counter)  # skips since the caller last took them (take_skips)
     _warned: set = field(default_factory=set, repr=False)
@@ -347,7 +356,8 @@ class PromptStream:
             )
 
     def encode(self, record: dict, shuffle_frames_seed: int | None = None) -> EncodedPrompt | None:
-        prompt, reason = encode_record(self.processor, record, self.data_root, self.data_cfg, shuffle_frames_seed)
+        prompt, reason = encode_record(self.processor, record, self.data_root, self.data_cfg, shuffle_frames_seed,
+                                       self.engine_views)
         if prompt is None:
             self.skip(record, reason)
         return prompt
@@ -387,7 +397,8 @@ class PromptStream:
         for position in range(self.position, self.position + self.lookahead):
             if position not in self._pending:
                 self._pending[position] = self._pool.submit(
-                    encode_record, self.processor, self._record_at(position), self.data_root, self.data_cfg)
+                    encode_record, self.processor, self._record_at(position), self.data_root, self.data_cfg, None,
+                    self.engine_views)
 
     def close(self) -> None:
         """Stop the background workers (waiting for the encodes under way)."""
@@ -421,7 +432,7 @@ def report_skips(skipped: list[Skipped], total: int, source: str, skip_log: Path
 
 
 def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int, *, lookahead: int = 0,
-                skip_log: Path | None = None) -> PromptStream:
+                skip_log: Path | None = None, engine_views: bool = False) -> PromptStream:
     """This rank's stream of ``data_cfg.train_file``. Records that cannot be used are counted on every rank and
     reported once, by rank 0 (``report_skips``)."""
     records, skipped = read_records(data_cfg.train_file)
@@ -445,4 +456,4 @@ def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int, *, l
     reasons = Counter(skip_kind(s.reason) for s in skipped)
     return PromptStream(usable, data_root, data_cfg, processor, seed=seed, rank=rank, world_size=world_size,
                         skipped=reasons, total_records=total, lookahead=lookahead,
-                        workers=getattr(data_cfg, "prefetch_workers", 2))
+                        workers=getattr(data_cfg, "prefetch_workers", 2), engine_views=engine_views)

