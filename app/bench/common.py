@@ -52,10 +52,17 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a benchmark's child process: this one's, with the repository put in front of any
+    PYTHONPATH already set (packages installed with ``pip --target`` stay importable in the child)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def isolated(target: str, **kwargs) -> dict:
     """Run ``module:function(**kwargs)`` in a fresh interpreter; return its dict plus that process's peak memory."""
     result = subprocess.run([sys.executable, "-m", "app.bench.common", target, json.dumps(kwargs)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=3600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            capture_output=True, text=True, timeout=3600, env=child_env())
     if result.returncode != 0:
         raise RuntimeError(f"{target}({kwargs}) failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app.bench.common import ROOT, cli, device, markdown_table, timed, write_report
+from app.bench.common import ROOT, child_env, cli, device, markdown_table, timed, write_report
 from app.models import TinySizes, build_tiny_checkpoint
 
 ISSUE_SIZES = TinySizes(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=704, vision_hidden=64,
@@ -102,7 +102,7 @@ class Engine:
 
     def __init__(self, name: str, argv: list[str]):
         self.name = name
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = child_env()
         self.log = tempfile.TemporaryFile("w+")  # its stderr (a pipe nobody reads could fill up and stall it)
         self.process = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=self.log, text=True, bufsize=1)
@@ -218,15 +218,18 @@ def run(out: Path, quick: bool = False, vllm_python: str = "", trials: int = 0, 
     rows = []
     for point in grid:
         key = name_of(point)
-        row = {"point": key, "prompt_tokens": lengths["grouped"][key],
-               "grouped_s": statistics.median(seconds["grouped"][key])}
+        row = {"point": key, "prompt_tokens": lengths["grouped"].get(key, "")}
+        if key in seconds["grouped"]:
+            row["grouped_s"] = statistics.median(seconds["grouped"][key])
         if key in seconds.get("hf", {}):
             row["hf_s"] = statistics.median(seconds["hf"][key])
-            row["grouped_vs_hf"] = row["grouped_s"] / row["hf_s"]
+            if "grouped_s" in row:
+                row["grouped_vs_hf"] = row["grouped_s"] / row["hf_s"]
         if key in seconds.get("vllm", {}):
             row["vllm_s"] = statistics.median(seconds["vllm"][key])
-            row["grouped_vs_vllm"] = row["grouped_s"] / row["vllm_s"]
             row["vllm_prompt_tokens"] = lengths["vllm"][key]
+        if "grouped_s" in row and "vllm_s" in row:
+            row["grouped_vs_vllm"] = row["grouped_s"] / row["vllm_s"]
             # pair by pair (same trial, back to back): the ratio least disturbed by the machine's slow spells
             pairs = [a / b for a, b in zip(seconds["grouped"][key], seconds["vllm"][key])]
             row["grouped_vs_vllm_worst_pair"] = max(pairs)
@@ -244,6 +247,9 @@ def run(out: Path, quick: bool = False, vllm_python: str = "", trials: int = 0, 
     table = (f"## Rollout on {device().type}: G completions of exactly `new` tokens, temperature 1; median of "
              f"{trials} trial(s), engines taking turns; torch threads {torch.get_num_threads()}; {vllm_note}\n\n"
              f"{table}")
+    failed = [f"- {point}: {name} failed: {why}" for name, by_point in errors.items() for point, why in by_point.items()]
+    if failed:
+        table += "\n\nFailed points (their cells are empty):\n" + "\n".join(failed)
     payload = {"rows": rows, "trials": trials, "vllm": vllm_info}
     write_report(out, "rollout", payload, table)
     plot(rows, out / "rollout.png")

@@ -15,7 +15,6 @@ Three parts, each comparing variants side by side in one run:
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app.bench.common import ROOT, cli, device, isolated, markdown_table, write_report
+from app.bench.common import ROOT, child_env, cli, device, isolated, markdown_table, write_report
 from app.models import TinySizes, build_tiny_checkpoint
 
 # ~69M parameters: large enough that gathering is the cost it is at scale, small enough for a CPU.
@@ -104,7 +103,7 @@ def _torchrun(args: list[str], timeout: int = 1800) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
                "app.bench.scale", *args]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                            env=child_env(OMP_NUM_THREADS="1"))
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(args[:3])} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
 
@@ -212,7 +211,7 @@ def bench_prefetch(out: Path, quick: bool) -> list[dict]:
                    f"rollout.group_size={4 if quick else 8}", f"rollout.max_completion_length={16 if quick else 48}", "train.save_every=0", "train.export_hf=false",
                    "logging.wandb_mode=disabled", "logging.progress_bar=false", "forward.self_check=false"]
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                                env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"})
+                                env=child_env(WANDB_MODE="disabled"))
         if result.returncode != 0:
             raise RuntimeError(f"prefetch={prefetch} run failed:\n{result.stderr[-4000:]}")
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
