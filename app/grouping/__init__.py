@@ -6,6 +6,7 @@ Knows nothing of GRPO. Public API:
 - ``GroupedDecoder``: one prefill per prompt, then grouped decode steps (what a rollout samples from)
 - ``GroupLayout``: pack/unpack geometry; ``grouped_attention`` and the registered attention backends
 - ``unwrap``, ``text_config``, ``set_text_attention``: reaching inside a (wrapped) model.
+- ``continue_after_media`` / ``use_qwen_positions``: M-RoPE ids after a video as Qwen's code and vLLM place them.
 """
 
 from app.grouping.attention import (
@@ -30,14 +31,16 @@ from app.grouping.forward import (
 )
 from app.grouping.layout import GroupLayout, LayoutError, normalize_group_sizes
 from app.grouping.modules import set_text_attention, text_config, unwrap
+from app.grouping.positions import continue_after_media, use_qwen_positions
 from app.grouping.precision import PrecisionComparison, compare_to_reference, float32_forward
 from app.grouping.vision_calls import MODALITIES, aligned_vision_calls, present_vision_calls
 
 __all__ = [
     "ATTENTION_NAME", "BACKENDS", "DEFAULT_CHUNK_SIZE", "MODALITIES", "MODES", "CompletionScores", "GroupLayout",
     "GroupedAttentionPlan", "GroupedDecoder", "GroupingMismatchError", "LayoutError", "PrecisionComparison",
-    "SelfCheck", "aligned_vision_calls", "compare_to_reference", "completion_logprobs", "default_backend",
+    "SelfCheck", "aligned_vision_calls", "compare_to_reference", "completion_logprobs", "continue_after_media",
+    "default_backend",
     "float32_forward", "grouped_attention", "idle_forward", "normalize_group_sizes", "present_vision_calls",
     "register", "repeated_inputs", "set_text_attention", "text_config", "unwrap", "usable_backends",
-    "verify_grouping",
+    "use_qwen_positions", "verify_grouping",
 ]

@@ -173,6 +173,8 @@ def _repeated(model, prompts, completion_ids, completion_mask, layout: GroupLayo
     batch = repeated_inputs(model, prompts, completion_ids, completion_mask, layout.group_sizes)
     if rope_index_owner(unwrap(model)) is None:
         batch["position_ids"] = (batch["attention_mask"].long().cumsum(-1) - 1).clamp_min(0)
+    else:  # the ids of [P;Ri] placed as Qwen places them (positions.continue_after_media), not as transformers 5.x does
+        batch["position_ids"] = prompt_positions(unwrap(model), batch["input_ids"], batch["attention_mask"], batch)
     width = completion_ids.shape[1]
     mask = completion_mask.bool()
 
