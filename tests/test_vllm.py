@@ -248,3 +248,44 @@ def test_vllm_outputs_become_the_trainers_rollout():
     assert rollout.stop_reasons == ["eos", "length", "stop_string", "eos"] and rollout.group_sizes == [2, 2]
     with pytest.raises(RuntimeError, match="expected 3"):
         rollout_from_outputs(outputs, 3, pad_id=0, prompt_tokens=30)
+
+
+def test_device_normalization_is_turned_off_where_image_and_video_processors_differ(tiny_checkpoints):
+    """vLLM 0.32 normalizes video pixels with the image processor's mean/std on the device: fine for Qwen's
+    releases (equal values), wrong for a checkpoint whose two processors differ, which the engine detects."""
+    import copy
+
+    from app.engines.vllm import same_normalization
+    from app.models import load_processor
+
+    for family in ("qwen2_5_vl", "qwen3_vl"):
+        assert same_normalization(load_processor(tiny_checkpoints[family])), family
+    processor = copy.deepcopy(load_processor(tiny_checkpoints["qwen3_vl"]))
+    processor.image_processor.image_mean = [0.48145466, 0.4578275, 0.40821073]  # CLIP's, videos keep 0.5
+    assert not same_normalization(processor)
+
+
+@pytest.mark.slow
+def test_eval_with_vllm_gives_the_grouped_engines_greedy_answers(tmp_path):
+    """scripts/eval.sh with eval.engine=vllm on held-out video questions: the same completions, answers and
+    summary as eval.engine=grouped (greedy, fp32)."""
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup_env.sh (INSTALL_VLLM=0 skips it)")
+    from app.data.synthetic import generate
+    from app.models import TinySizes, build_tiny_checkpoint
+
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0, real_tokenizer=True,
+                                       sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
+    heldout = generate(tmp_path / "data", train=2, heldout=4, seed=1)["heldout"]
+    results = {}
+    for engine in ("grouped", "vllm"):
+        out = tmp_path / engine
+        done = subprocess.run(["bash", "scripts/eval.sh", str(checkpoint), str(heldout), f"eval.output_dir={out}",
+                               "data.max_frames=8", "eval.max_new_tokens=10", "eval.batch_size=2",
+                               f"eval.engine={engine}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+        results[engine] = ({r["key"]: (r["completions"], r["answers"]) for r in rows},
+                           json.loads((out / "summary.json").read_text())["overall"])
+    assert len(results["grouped"][0]) == 4
+    assert results["vllm"] == results["grouped"]
