@@ -437,6 +437,9 @@ def prefix_grouper_attention(module, query, key, value, attention_mask, *, dropo
         return decode_attention(plan, module.layer_idx, query, key, value, scaling), None
     if query.shape[2] != key.shape[2]:
         raise RuntimeError("grouped attention runs without a KV cache (use_cache=False)")
+    if hasattr(plan, "attend"):  # a sequence-parallel shard (sequence_parallel.SequenceParallelPlan)
+        out = plan.attend(query, key, value, scale=scaling, dropout=dropout if module.training else 0.0)
+        return out.transpose(1, 2).contiguous(), None
     out = grouped_attention(plan, query, key, value, scale=scaling, dropout=dropout if module.training else 0.0)
     return out.transpose(1, 2).contiguous(), None
 

@@ -1,0 +1,109 @@
+"""Sequence parallelism around the grouped forward (app/grouping/sequence_parallel.py): S ranks on one packed row
+give the one-rank log-probs and, summed, its parameter gradients; the vision tower split by temporal patches
+gives the whole tower's embeddings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from app.grouping.layout import LayoutError
+from app.grouping.sequence_parallel import shard_bounds
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def long_videos(tmp_path_factory):
+    """Videos with several temporal patches each (16 and 12 frames sampled to 8 and 6)."""
+    from app.data.video import write_mp4
+
+    root = tmp_path_factory.mktemp("sp-videos")
+    rng = np.random.default_rng(0)
+    return [str(write_mp4(root / f"clip{i}.mp4", rng.integers(0, 255, (n, h, w, 3), dtype=np.uint8), fps=4))
+            for i, (n, h, w) in enumerate([(16, 56, 84), (12, 64, 64)])]
+
+
+def run_ranks(tmp_path, size: int, **spec) -> dict:
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps({**spec, "out": str(tmp_path / "out.json")}))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(size), "-m", "tests.workers.sequence_parallel", str(spec_file)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-5000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["size"] == size
+    return result["report"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("family", "size", "backends"), [
+    ("qwen2_5_vl", 2, None), ("qwen2_5_vl", 4, ["split"]), ("qwen3_vl", 2, ["packed"]), ("qwen3_vl", 4, None),
+])
+def test_sequence_parallel_equals_one_rank(family, size, backends, tiny_checkpoints, long_videos, tmp_path):
+    """S = 2 and 4 ranks (tiny models: 4 query heads, 2 KV heads, so S = 4 repeats each KV head) on a batch of a
+    video prompt, a text prompt and an image + video prompt, groups of 3, 1 and 2 completions of unequal lengths:
+    log-probs equal the one-rank grouped forward's to 1e-5 and every parameter's gradient, summed over the ranks,
+    to 1e-4 (the vision tower's too, run split by temporal patches); every CPU backend inside it (None = all)."""
+    report = run_ranks(tmp_path, size, family=family, checkpoint=str(tiny_checkpoints[family]), videos=long_videos,
+                       kinds=["video", "text", "image+video"], group_sizes=[3, 1, 2], backends=backends)
+    for backend, r in report.items():
+        assert r["logprob"] <= 1e-5, (backend, r)
+        assert r["grad"] <= 1e-4, (backend, r)
+        assert r["masked_zero"] and not r["no_grad"], (backend, r)
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_with_a_frozen_tower_and_a_text_model(tiny_checkpoints, long_videos, tmp_path):
+    """A frozen tower (run without a backward) and the text-only family."""
+    frozen = run_ranks(tmp_path, 2, family="qwen2_5_vl", checkpoint=str(tiny_checkpoints["qwen2_5_vl"]),
+                       videos=long_videos, kinds=["video", "video"], group_sizes=[2, 3], backends=["split"],
+                       freeze_tower=True)
+    text = run_ranks(tmp_path, 2, family="qwen2", checkpoint=str(tiny_checkpoints["qwen2"]), videos=long_videos,
+                     kinds=["text", "text"], group_sizes=[1, 4], backends=["split"])
+    for r in (*frozen.values(), *text.values()):
+        assert r["logprob"] <= 1e-5 and r["grad"] <= 1e-4, r
+        assert ".visual." not in r["worst"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_vision_tower_split_by_temporal_patches_equals_the_whole(family, tiny_checkpoints, long_videos):
+    """Why frame sharding is exact: the tower run on temporal patches [0, a) and [a, t) of a video gives exactly
+    the rows of the whole video's output (and Qwen3-VL's deepstack features): no block attends across temporal
+    patches and the position embeddings repeat per temporal patch."""
+    from app.grouping.sequence_parallel import _tower_output
+    from tests.helpers import load, max_rel_diff, prompt_batch
+
+    model, processor = load(family, tiny_checkpoints)
+    prompts = prompt_batch(family, processor, long_videos, ["video"])
+    pixels, grid = prompts["pixel_values_videos"], prompts["video_grid_thw"]
+    t, h, w = grid[0].tolist()
+    assert t >= 3
+    visual = model.model.visual
+    merge = visual.spatial_merge_size
+    with torch.no_grad():
+        whole, whole_deep = _tower_output(visual(pixels, grid_thw=grid))
+        cut = 1
+        first, first_deep = _tower_output(visual(pixels[: cut * h * w], grid_thw=torch.tensor([[cut, h, w]])))
+        rest, rest_deep = _tower_output(visual(pixels[cut * h * w :], grid_thw=torch.tensor([[t - cut, h, w]])))
+    assert first.shape[0] == cut * h * w // (merge * merge)
+    # fp32 rounding only (attention batches of other shapes): the largest difference relative to the largest value
+    assert max_rel_diff(torch.cat([first, rest]), whole) <= 1e-5
+    if whole_deep is not None:
+        for a, b, c in zip(first_deep, rest_deep, whole_deep, strict=True):
+            assert max_rel_diff(torch.cat([a, b]), c) <= 1e-5
+
+
+def test_shards_are_contiguous_and_cover_the_row():
+    assert shard_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert shard_bounds(8, 2) == [(0, 4), (4, 8)]
+    with pytest.raises(LayoutError, match="cannot be split"):
+        shard_bounds(3, 4)
