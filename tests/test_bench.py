@@ -25,7 +25,7 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
 @pytest.mark.parametrize("name", ["attention", "rollout", pytest.param("grid", marks=pytest.mark.slow),
                                   pytest.param("e2e", marks=pytest.mark.slow), "flex_shapes",
                                   pytest.param("scale", marks=pytest.mark.slow), "lora",
-                                  pytest.param("vision_cache", marks=pytest.mark.slow)])
+                                  pytest.param("vision_cache", marks=pytest.mark.slow), "long_video"])
 def test_benchmark_runs_quick(name, tmp_path):
     out = tmp_path / name
     result = subprocess.run(["bash", "scripts/bench.sh", name, "--out", str(out), "--quick"], cwd=ROOT,
@@ -48,6 +48,9 @@ def test_benchmark_runs_quick(name, tmp_path):
         assert all(r["same_tokens"] for r in report["rollout"]) and report["rollout"][3]["all_gathers"] > 0
         assert all(r["loss_rel_diff"] < 1e-6 for r in report["logprob_memory"])
         assert report["prefetch"][1]["variant"] == "data.prefetch=1" and (out / "scale.png").is_file()
+    if name == "long_video":
+        assert {(r["S"], r["prefix"]) for r in report["rows"]} == {(s, p) for s in (1, 2) for p in (256, 512)}
+        assert all(r["loss_rel_diff"] < 1e-5 for r in report["rows"]) and (out / "long_video.png").is_file()
     if name == "lora":
         full, adapters = report["rows"]
         assert full["separate_reference"] and not adapters["separate_reference"]
