@@ -17,7 +17,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	@echo "make test: the whole suite (about 19-20 min on 2 cores); make test PYTEST_ARGS='-m \"not slow\"' skips the slow tests"
+	@echo "make test: the whole suite (about 22-24 min on 2 cores, estimated); make test PYTEST_ARGS='-m \"not slow\"' skips the slow tests"
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
