@@ -77,6 +77,7 @@ def random_completions(lengths: list[int], vocab: int, pad_id: int, width: int |
 
 def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| relative to max |b| (elementwise rtol would be meaningless for near-zero entries)."""
+    a, b = a.detach(), b.detach()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 

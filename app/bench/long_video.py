@@ -80,7 +80,7 @@ def worker(prefix: int, out: str) -> None:
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result = {"rank": rank, "seconds": seconds, "before_mb": before, "peak_mb": peak,
-              "activation_mb": peak - before, "loss": float(logprobs.sum())}
+              "activation_mb": peak - before, "loss": float(logprobs.detach().sum())}
     gathered = [result]
     if size > 1:
         gathered = [None] * size
@@ -88,8 +88,9 @@ def worker(prefix: int, out: str) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
     if size > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+        from app.distributed import exit_worker
+
+        exit_worker()
 
 
 def point(size: int, prefix: int, out: Path) -> dict:

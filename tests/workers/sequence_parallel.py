@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from app.distributed import exit_worker
 from app.grouping import completion_logprobs, usable_backends
 from app.grouping.sequence_parallel import SequenceParallel, sequence_parallel_logprobs
 from tests.helpers import load, max_rel_diff, prompt_batch, random_completions
@@ -57,8 +58,9 @@ def main(spec_path: str) -> None:
                                              ref_grads[n].abs().sum() > 0 and rank == 0),
                            "masked_zero": bool((got.detach()[~mask.bool()] == 0).all())}
     if rank == 0:
-        json.dump({"size": size, "report": report}, open(spec["out"], "w"))
-    dist.destroy_process_group()
+        with open(spec["out"], "w") as f:
+            json.dump({"size": size, "report": report}, f)
+    exit_worker()
 
 
 if __name__ == "__main__":
