@@ -264,6 +264,13 @@ class TrainConfig:
                            "still spans max_steps: the first N steps of a longer run, e.g. for an A/B. 0: max_steps.")
     prompts_per_rank: int = _f(1, "Prompts (groups) each rank takes per step; a group never spans ranks.")
     groups_per_micro_batch: int = _f(1, "Groups per forward/backward; the rest is gradient accumulation.")
+    sequence_parallel_size: int = _f(1, "S: ranks that share each packed row [P;R1..RG] for long videos "
+                                     "(Ulysses attention over the grouped layout, the vision tower split by frames); "
+                                     "S consecutive ranks form one data-parallel replica, so the world must be a "
+                                     "multiple of S and prompts_per_rank counts per replica. Query heads (and KV "
+                                     "heads, or S a multiple of them) must divide by S. GRPO with "
+                                     "rollout.engine=grouped/hf and forward.grouping=grouped only; the vision cache "
+                                     "is off under it. 1: off.")
     learning_rate: float = _f(1e-6, "Peak learning rate (AdamW).")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     warmup_steps: int = _f(0, "Linear warmup steps before the cosine decay.")
@@ -506,6 +513,12 @@ def validate(config: Config, training: bool = True) -> None:
     need(config.train.max_steps >= 1, "train.max_steps", "must be >= 1")
     need(config.train.prompts_per_rank >= 1, "train.prompts_per_rank", "must be >= 1")
     need(config.train.groups_per_micro_batch >= 1, "train.groups_per_micro_batch", "must be >= 1")
+    sp = config.train.sequence_parallel_size
+    need(sp >= 1, "train.sequence_parallel_size", "must be >= 1")
+    need(sp == 1 or config.rollout.engine != "vllm", "train.sequence_parallel_size",
+         f"={sp} needs rollout.engine grouped or hf (the vLLM engine is not built for it yet)")
+    need(sp == 1 or config.forward.grouping == "grouped", "train.sequence_parallel_size",
+         f"={sp} needs forward.grouping=grouped (the sequence-parallel forward splits the packed row)")
     need(config.train.prompts_per_rank % config.train.groups_per_micro_batch == 0, "train.groups_per_micro_batch",
          f"must divide train.prompts_per_rank ({config.train.prompts_per_rank})")
     need(0 <= config.data.max_skip_fraction <= 1, "data.max_skip_fraction", "must be in [0, 1]")
@@ -537,6 +550,9 @@ def warnings_for(config: Config, training: bool = True) -> list[str]:
                    f"{c.rollout.max_completion_length}: the upper bound is never reached")
     if training and c.grpo.beta == 0 and c.model.reference_path:
         out.append("model.reference_path is set but grpo.beta=0: no reference model is used")
+    if training and c.train.sequence_parallel_size > 1 and c.forward.vision_cache != "off":
+        out.append(f"forward.vision_cache={c.forward.vision_cache} is not used with train.sequence_parallel_size="
+                   f"{c.train.sequence_parallel_size}: each rank encodes its share of the frames in every forward")
     if not c.lora.rank and (c.lora.vision_tower or c.lora.projector):
         out.append("lora.vision_tower / lora.projector have no effect with lora.rank=0 (no adapters)")
     return out

@@ -173,6 +173,81 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+# ---- sequence parallelism: S consecutive ranks hold one packed row; data parallelism runs over world / S --------
+_SEQUENCE_PARALLEL = None  # this rank's SequenceParallel (set by init_sequence_parallel), None when S = 1
+
+
+def init_sequence_parallel(size: int):
+    """Split the world into groups of ``size`` consecutive ranks that share every packed row (the grouped forward
+    runs sequence-parallel over them; rollouts, rewards and data are the same on each). Returns this rank's
+    ``SequenceParallel`` (its gradients scaled for DeepSpeed's average over the world), or None for size 1."""
+    import torch.distributed as dist
+
+    from app.grouping.sequence_parallel import SequenceParallel
+
+    global _SEQUENCE_PARALLEL
+    world, me = world_size(), rank()
+    if size <= 1:
+        _SEQUENCE_PARALLEL = None
+        return None
+    if world % size:
+        raise ValueError(f"train.sequence_parallel_size={size} must divide the number of ranks ({world})")
+    mine = None
+    for first in range(0, world, size):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= me < first + size:
+            mine = group
+    _SEQUENCE_PARALLEL = SequenceParallel(rank=me % size, size=size, group=mine).for_averaging()
+    return _SEQUENCE_PARALLEL
+
+
+def sequence_parallel():
+    """This rank's ``SequenceParallel``, or None without sequence parallelism."""
+    return _SEQUENCE_PARALLEL
+
+
+def data_parallel_rank() -> int:
+    """Which data-parallel replica this rank belongs to (its SP group's index): what picks prompts and seeds."""
+    sp = _SEQUENCE_PARALLEL
+    return rank() // sp.size if sp is not None else rank()
+
+
+def data_parallel_size() -> int:
+    sp = _SEQUENCE_PARALLEL
+    return world_size() // sp.size if sp is not None else world_size()
+
+
+def _counts_once() -> bool:
+    """Whether this rank's values enter data-parallel sums: one rank per SP group (the group's ranks hold copies)."""
+    return _SEQUENCE_PARALLEL is None or _SEQUENCE_PARALLEL.rank == 0
+
+
+def data_parallel_sum(values: list[float]) -> list[float]:
+    """``all_reduce_sum`` over the data-parallel replicas: each SP group's values counted once."""
+    return all_reduce_sum(values if _counts_once() else [0.0] * len(values))
+
+
+def data_parallel_gather(values: list[float]) -> list[list[float]]:
+    """``all_gather_floats`` keeping one row per data-parallel replica (each SP group's first rank)."""
+    rows = all_gather_floats(values)
+    sp = _SEQUENCE_PARALLEL
+    return rows if sp is None else rows[::sp.size]
+
+
+def same_in_sequence_parallel_group(value):
+    """``value`` as the SP group's first rank has it, on every rank of the group (rollouts: each rank samples the
+    same prompts with the same seeds, and this makes sure they train on the very same tokens). Identity without
+    sequence parallelism."""
+    import torch.distributed as dist
+
+    sp = _SEQUENCE_PARALLEL
+    if sp is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(sp.group, 0), group=sp.group)
+    return box[0]
+
+
 def exit_worker(code: int = 0) -> None:
     """End a worker program (benchmark point, test worker) after ``shutdown``: flush stdio and leave at once,
     without the interpreter's finalization. A gloo run that called ``destroy_process_group`` can still abort there

@@ -50,6 +50,9 @@ class Recipe:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.rank, self.world = distributed.init_distributed()
+        # train.sequence_parallel_size consecutive ranks share each packed row; data parallelism over world / S
+        self.sp = distributed.init_sequence_parallel(cfg.train.sequence_parallel_size)
+        self.dp_rank, self.dp_world = distributed.data_parallel_rank(), distributed.data_parallel_size()
         self.device = distributed.local_device()
         torch.manual_seed(cfg.train.seed)
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
@@ -75,11 +78,12 @@ class Recipe:
         total_updates = cfg.train.max_steps * self.updates_per_step(cfg)
         scheduler = cosine_with_warmup(optimizer, cfg.train.warmup_steps, total_updates, cfg.train.min_lr_ratio)
         self.engine = distributed.build_engine(policy, self.ds_config, optimizer, scheduler)
-        self.vision_cache = vision_cache.install(self.engine, cfg.forward.vision_cache)
+        # the sequence-parallel forward runs the tower frame-sharded, past the cache (config warns)
+        self.vision_cache = vision_cache.install(self.engine, "off" if self.sp else cfg.forward.vision_cache)
         if self.vision_cache is not None and self.rank == 0:
             log.info("vision tower: %s", VISION_PLANS[self.vision_cache.plan])
         self.output_dir = Path(cfg.train.output_dir)
-        self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.rank, self.world,
+        self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.dp_rank, self.dp_world,
                                   lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank,
                                   skip_log=self.output_dir / "logs" / "skipped_at_load.jsonl",
                                   engine_views=cfg.rollout.engine == "vllm")
@@ -103,7 +107,7 @@ class Recipe:
     def batch_plan(self) -> str:
         """The step's arithmetic, said once at start-up (rank 0)."""
         t = self.cfg.train
-        return (f"{self.world} rank(s) x {t.prompts_per_rank} example(s) per rank = {self.world * t.prompts_per_rank} "
+        return (f"{self.dp_world} rank(s) x {t.prompts_per_rank} example(s) per rank = {self.dp_world * t.prompts_per_rank} "
                 f"per step; {t.groups_per_micro_batch} per micro-batch -> {self.gas} micro-batch(es) per rank "
                 f"(gradient accumulation {self.gas}); {t.max_steps} steps")
 
@@ -204,11 +208,13 @@ class Recipe:
         """Completion log-probs through the configured forward (``forward.*``: grouping, backend, chunk size)."""
         f = self.cfg.forward
         return completion_logprobs(model, inputs, completion_ids, completion_mask, group_sizes, mode=f.grouping,
-                                   backend=f.backend, chunk_size=f.logprob_chunk_size, **kwargs)
+                                   backend=f.backend, chunk_size=f.logprob_chunk_size, sequence_parallel=self.sp,
+                                   **kwargs)
 
     def trainer_state(self, step: int) -> dict:
         return {"step": step, "stream_position": self.stream.position, "skipped": dict(self.stream.skipped),
-                "world_size": self.world, "zero_stage": distributed.zero_stage(self.ds_config)}
+                "world_size": self.world, "zero_stage": distributed.zero_stage(self.ds_config),
+                "sequence_parallel_size": self.cfg.train.sequence_parallel_size}
 
     def save(self, step: int) -> None:
         checkpoint.save_checkpoint(self.engine, self.output_dir, step, self.trainer_state(step),
@@ -226,6 +232,10 @@ class Recipe:
         state = checkpoint.load_checkpoint(self.engine, path)
         if state["world_size"] != self.world:
             raise RuntimeError(f"{path} was written by {state['world_size']} ranks, this run has {self.world}")
+        if state.get("sequence_parallel_size", 1) != self.cfg.train.sequence_parallel_size:
+            raise RuntimeError(f"{path} was written with train.sequence_parallel_size="
+                               f"{state.get('sequence_parallel_size', 1)}, this run has "
+                               f"{self.cfg.train.sequence_parallel_size} (the data order per replica would differ)")
         self.start_step = state["step"]
         self.stream.position = state["stream_position"]
         self.stream.skipped.update(state["skipped"])

@@ -106,7 +106,7 @@ class SFTTrainer(Recipe):
         m.local("grad_norm", float(grad_norm) if grad_norm is not None else 0.0)
         m.local("data/skipped", float(sum(self.stream.skipped.values())))
         self.vision_metrics(m)
-        return m.reduce(distributed.all_gather_floats)
+        return m.reduce(distributed.data_parallel_gather)
 
 
 def main(argv: list[str] | None = None) -> None:

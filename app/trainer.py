@@ -57,7 +57,7 @@ class GRPOTrainer(Recipe):
             log.warning("%s", warning)
 
     def batch_plan(self) -> str:
-        return batch_plan(self.cfg, self.world, self.gas)
+        return batch_plan(self.cfg, self.dp_world, self.gas)
 
     def train_step(self, step: int) -> dict:
         cfg, seconds = self.cfg, {}
@@ -68,7 +68,8 @@ class GRPOTrainer(Recipe):
         with timed(seconds, "rollout"):
             trajectory = self.collect(step)
             trajectory.advantages = advantages(trajectory.total_reward, trajectory.group_sizes,
-                                               cfg.grpo.scale_rewards, cfg.grpo.loss_type, distributed.all_reduce_sum)
+                                               cfg.grpo.scale_rewards, cfg.grpo.loss_type,
+                                               distributed.data_parallel_sum)
         seconds["data_wait"] = self.data_wait(step)
         weights = self.loss.weights(trajectory.rollout.completion_mask, trajectory.rollout.stop_reasons)
         micro_batches = trajectory.micro_batches(cfg.train.groups_per_micro_batch, weights,
@@ -91,7 +92,7 @@ class GRPOTrainer(Recipe):
     def rollout_and_score(self, step: int, prompts: list[EncodedPrompt], draw: int = 0) -> Trajectory:
         """G completions per prompt, each prompt its own random stream (independent across steps, draws, ranks
         and batch positions), decoded and scored; with T-GRPO the video prompts again on shuffled frames."""
-        seeds = [derive_seed(self.cfg.train.seed, step, self.rank, draw, i) for i in range(len(prompts))]
+        seeds = [derive_seed(self.cfg.train.seed, step, self.dp_rank, draw, i) for i in range(len(prompts))]
         rollout = self.generate(prompts, seeds)
         texts = self.decode(rollout.completion_ids, rollout.completion_mask)
         shuffled = self.shuffled_rollouts(step, prompts) if self.cfg.rewards.temporal else None
@@ -121,7 +122,7 @@ class GRPOTrainer(Recipe):
         if not video:
             return {}
         rollout = self.generate([encoded[i] for i in video],
-                                [derive_seed(self.cfg.train.seed, step, self.rank, "shuffled", i) for i in video])
+                                [derive_seed(self.cfg.train.seed, step, self.dp_rank, "shuffled", i) for i in video])
         texts, g = self.decode(rollout.completion_ids, rollout.completion_mask), self.cfg.rollout.group_size
         return {i: texts[k * g : (k + 1) * g] for k, i in enumerate(video)}
 
@@ -142,6 +143,11 @@ class GRPOTrainer(Recipe):
         self.vllm.push_weights(policy_weights(self.engine))
 
     def generate(self, prompts: list[EncodedPrompt], seeds: list[int]) -> Rollout:
+        """G completions per prompt; with sequence parallelism the SP group's ranks sample the same prompts with the
+        same seeds and keep its first rank's tokens (so they train on one rollout)."""
+        return distributed.same_in_sequence_parallel_group(self.sample(prompts, seeds))
+
+    def sample(self, prompts: list[EncodedPrompt], seeds: list[int]) -> Rollout:
         if self.vllm is not None:
             return self.vllm.generate(prompts, self.cfg.rollout.group_size, self.sampling, seeds,
                                       eos_token_ids(self.engine, self.tokenizer), self.tokenizer.pad_token_id)
@@ -189,7 +195,7 @@ class GRPOTrainer(Recipe):
 
     def update(self, micro_batches: list[MicroBatch], weights: torch.Tensor) -> list[dict]:
         """mu passes of the clipped loss over the micro-batches, one DeepSpeed step (accumulation) each."""
-        self.loss.start_step(weights, len(micro_batches), self.world, distributed.all_reduce_sum)
+        self.loss.start_step(weights, len(micro_batches), self.dp_world, distributed.data_parallel_sum)
         self.engine.train()
         out = []
         for iteration in range(self.cfg.grpo.num_iterations):
@@ -217,7 +223,7 @@ class GRPOTrainer(Recipe):
         m.local("grad_norm", float(grad_norm) if grad_norm is not None else 0.0)
         m.local("data/skipped", float(sum(self.stream.skipped.values())))
         self.vision_metrics(m)
-        values = m.reduce(distributed.all_gather_floats)
+        values = m.reduce(distributed.data_parallel_gather)
         values["tokens_per_second"] = values["tokens/policy_forward"] / max(seconds["policy"], 1e-9)
         every = self.cfg.logging.sample_table_every
         if every and (step + 1) % every == 0 and self.rank == 0:
@@ -259,7 +265,9 @@ def batch_plan(cfg: Config, world: int, accumulation: int) -> str:
     t, g = cfg.train, cfg.rollout.group_size
     per_step = world * t.prompts_per_rank
     packed = cfg.data.max_prompt_length + g * cfg.rollout.max_completion_length
-    return (f"{world} rank(s) x {t.prompts_per_rank} prompt(s) per rank = {per_step} prompts per step; "
+    ranks = "rank(s)" if t.sequence_parallel_size == 1 else \
+        f"data-parallel replica(s) of {t.sequence_parallel_size} sequence-parallel ranks"
+    return (f"{world} {ranks} x {t.prompts_per_rank} prompt(s) per rank = {per_step} prompts per step; "
             f"G={g} -> {per_step * g} completions per step; {t.groups_per_micro_batch} group(s) per micro-batch "
             f"-> {accumulation} micro-batch(es) per rank (gradient accumulation {accumulation}) x mu="
             f"{cfg.grpo.num_iterations} update pass(es); token budget per packed group <= {packed} "

@@ -107,3 +107,4 @@ def test_shards_are_contiguous_and_cover_the_row():
     assert shard_bounds(8, 2) == [(0, 4), (4, 8)]
     with pytest.raises(LayoutError, match="cannot be split"):
         shard_bounds(3, 4)
+

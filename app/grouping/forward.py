@@ -221,6 +221,7 @@ def completion_logprobs(
     vision_calls: Sequence[str] | None = None,
     return_entropy: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    sequence_parallel=None,
     **forward_kwargs,
 ) -> CompletionScores:
     """Log-probs of each completion token given its prompt, through the grouped or the repeated layout.
@@ -232,6 +233,9 @@ def completion_logprobs(
     ``chunk_size`` > 0 (the default, 1024): the output head computes the target log-probs ``chunk_size`` tokens at a
     time and never holds [tokens, vocab] logits (``logprobs.head_returns_logprobs``); same numbers; ignored when
     ``return_logits``. 0 computes full logits as transformers does ([tokens, 151,936] float32 at Qwen's vocabulary).
+    ``sequence_parallel``: a ``sequence_parallel.SequenceParallel`` of size > 1 spreads the packed row over its
+    ranks (grouped mode only; every rank of it passes the same inputs and gets the same scores); None or size 1:
+    this rank alone.
     """
     if mode not in MODES:
         raise ValueError(f"unknown grouping mode {mode!r}; expected one of {MODES}")
@@ -248,8 +252,17 @@ def completion_logprobs(
             f"completion_ids {tuple(completion_ids.shape)} and completion_mask {tuple(completion_mask.shape)} "
             "differ in shape"
         )
-    layout = GroupLayout.from_masks(prompts["attention_mask"], completion_mask, group_sizes)
     _refuse_placeholders_in_completions(model, completion_ids, completion_mask)
+    if sequence_parallel is not None and sequence_parallel.size > 1:
+        if mode != "grouped" or return_logits or forward_kwargs:
+            raise ValueError("the sequence-parallel forward is grouped only and returns log-probs (and entropy), "
+                             f"not mode={mode!r}, return_logits={return_logits}, or {sorted(forward_kwargs)}")
+        from app.grouping.sequence_parallel import sequence_parallel_scores
+
+        return sequence_parallel_scores(model, prompts, completion_ids, completion_mask, group_sizes,
+                                        sequence_parallel, backend=backend, temperature=temperature,
+                                        return_entropy=return_entropy, vision_calls=vision_calls)
+    layout = GroupLayout.from_masks(prompts["attention_mask"], completion_mask, group_sizes)
     with aligned_vision_calls(model, prompts, vision_calls):
         settings = dict(temperature=temperature, return_logits=return_logits, return_entropy=return_entropy,
                         extra_forward_kwargs=forward_kwargs, chunk_size=chunk_size)

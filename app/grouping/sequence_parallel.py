@@ -41,17 +41,27 @@ from app.grouping.positions import check_max_positions, packed_positions, prompt
 
 @dataclass(frozen=True)
 class SequenceParallel:
-    """The sequence-parallel group this rank belongs to (``group`` None = the default group)."""
+    """The sequence-parallel group this rank belongs to (``group`` None = the default group).
+
+    ``grad_scale`` multiplies the gradient that flows back into each rank's share: 1 leaves the SP group's parts
+    summing to the one-rank gradient; ``size`` (``for_averaging``) makes them AVERAGE to it, for a data-parallel
+    engine (DeepSpeed, DDP) that averages gradients over every rank of the world."""
 
     rank: int
     size: int
     group: object = None
+    grad_scale: float = 1.0
 
     @property
     def gradient_scale(self) -> float:
         """Factor for a loss whose gradients are then AVERAGED over every rank (DeepSpeed, DDP): the SP group's
         ranks hold parts of one gradient that must be summed, not averaged."""
         return float(self.size)
+
+    def for_averaging(self) -> SequenceParallel:
+        """The same group, its gradients scaled so that averaging over the world's ranks gives the data-parallel
+        mean of whole-row gradients: (S/W) * sum of all parts = (1/(W/S)) * sum over the W/S data-parallel ranks."""
+        return SequenceParallel(self.rank, self.size, self.group, float(self.size))
 
 
 def shard_bounds(total: int, size: int) -> list[tuple[int, int]]:
@@ -92,18 +102,19 @@ def _exchange(pieces: list[torch.Tensor], receive_lens: list[int], dim: int, sp:
 
 class _SumScored(torch.autograd.Function):
     """Forward: the SP group's sum of tensors that are each zero except where their own rank scored (so every
-    rank holds all values). Backward: the incoming gradient as it is, since every rank computes the same loss from
-    the sum and each rank's part only reaches the entries it scored."""
+    rank holds all values). Backward: the incoming gradient as it is (times ``scale``), since every rank computes
+    the same loss from the sum and each rank's part only reaches the entries it scored."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, scale=1.0):
+        ctx.scale = scale
         out = x.clone()
         dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return (grad * ctx.scale if ctx.scale != 1.0 else grad), None, None
 
 
 class _SumPieces(torch.autograd.Function):
@@ -201,11 +212,22 @@ def _modality_embeddings(model, pixels, grid, sp: SequenceParallel, split_time: 
     dtype = next(visual.parameters()).dtype
     table = pixels.new_zeros(total_tokens, hidden, dtype=dtype)
     deep_tables = None
-    if pieces:
-        local_pixels = torch.cat([pixels[r] for r, _, _ in pieces]).to(dtype)
-        local_grid = torch.tensor([g for _, g, _ in pieces], dtype=grid.dtype, device=grid.device)
-        with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
+    with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
+        if pieces:
+            local_pixels = torch.cat([pixels[r] for r, _, _ in pieces]).to(dtype)
+            local_grid = torch.tensor([g for _, g, _ in pieces], dtype=grid.dtype, device=grid.device)
             embeds, deep = _tower_output(visual(local_pixels, grid_thw=local_grid))
+        else:  # no share here (fewer temporal patches or images than ranks): the tower still runs once, on a
+            # minimal dummy input whose output enters as exactly 0, so every rank makes the same module calls
+            # (ZeRO-3 gathers parameters per call) and the backward reaches the tower on every rank
+            from app.grouping.vision_cache import dummy_vision_input
+            from app.grouping.vision_calls import _zero_of
+
+            dummy_pixels, dummy_grid = dummy_vision_input(visual)
+            zero = _zero_of(visual(dummy_pixels.to(pixels.device, dtype), grid_thw=dummy_grid.to(grid.device)))
+            if zero is not None:
+                table = table + zero.to(table.dtype)
+    if pieces:
         table = table.to(embeds.dtype)
         index = torch.cat([torch.arange(t.start, t.stop, device=embeds.device) for _, _, t in pieces])
         table = table.index_copy(0, index, embeds)
@@ -235,6 +257,53 @@ def sequence_parallel_logprobs(model, prompts: Mapping, completion_ids: torch.Te
                                temperature: float = 1.0):
     """Per-token log-probs [N, Lc] of the completions (0 at padding), equal on every rank of ``sp``, from this
     rank's shard of the packed row. Every rank of the group must pass the same inputs."""
+    return sequence_parallel_scores(model, prompts, completion_ids, completion_mask, group_sizes, sp,
+                                    backend=backend, temperature=temperature).logprobs
+
+
+def sequence_parallel_scores(model, prompts: Mapping, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                             group_sizes: Sequence[int] | int, sp: SequenceParallel, *, backend: str | None = None,
+                             temperature: float = 1.0, return_entropy: bool = False,
+                             vision_calls: Sequence[str] | None = None):
+    """``completion_logprobs``'s ``CompletionScores`` (log-probs, mask, layout, entropy on request), computed
+    sequence-parallel: equal on every rank of ``sp``. ``vision_calls``: as ``completion_logprobs`` (the tower
+    calls agreed over the world under ZeRO-3; each rank of ``sp`` makes one call per modality either way)."""
+    from app.grouping.forward import CompletionScores
+    from app.grouping.vision_calls import aligned_vision_calls
+
+    def work():
+        return _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, group_sizes, sp, backend,
+                                          temperature, return_entropy)
+
+    with aligned_vision_calls(model, prompts, vision_calls):
+        logprobs, entropy, layout = _through_wrapper(model, work)
+    return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), layout=layout, entropy=entropy)
+
+
+def _through_wrapper(model, work):
+    """``work()`` run as the forward of the module ``model`` wraps (DeepSpeed's engine, DDP, PEFT), so the wrapper
+    sees an ordinary call: DeepSpeed registers its backward hooks on the output (gradient-accumulation scaling, the
+    backward prologue ZeRO-3 needs) and ZeRO-3's root-module hooks run. ``work`` returns (log-probs, ...); the
+    log-probs are the wrapper's output. Without a wrapper, ``work()`` as it is."""
+    inner = unwrap(model)
+    if inner is model or not isinstance(model, torch.nn.Module):
+        return work()
+    kept = {}
+
+    def forward(*args, **kwargs):
+        kept["result"] = work()
+        return kept["result"][0]
+
+    inner.forward = forward  # an instance attribute: shadows the class's forward until deleted
+    try:
+        logprobs = model()
+    finally:
+        del inner.forward
+    return (logprobs, *kept["result"][1:])
+
+
+def _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, group_sizes, sp, backend,
+                               temperature, return_entropy):
     from app.grouping.layout import normalize_group_sizes
 
     inner = unwrap(model)
@@ -269,9 +338,18 @@ def sequence_parallel_logprobs(model, prompts: Mapping, completion_ids: torch.Te
     logits = inner.lm_head(hidden.index_select(0, predict[here] - start)).float()
     if temperature != 1.0:
         logits = logits / temperature
-    chosen = torch.log_softmax(logits, dim=-1).gather(-1, targets[here][:, None])[:, 0]
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(-1, targets[here][:, None])[:, 0]
     scored = chosen.new_zeros(predict.shape[0]).masked_scatter(here, chosen)
-    return layout.unpack_completion_tokens(_SumScored.apply(scored, sp.group))
+    logprobs = layout.unpack_completion_tokens(_SumScored.apply(scored, sp.group, sp.grad_scale))
+    entropy = None
+    if return_entropy:
+        with torch.no_grad():
+            mine = -(logp.exp() * logp).sum(-1)
+            entropy = mine.new_zeros(predict.shape[0]).masked_scatter(here, mine)
+            dist.all_reduce(entropy, group=sp.group)
+            entropy = layout.unpack_completion_tokens(entropy)
+    return logprobs, entropy, layout
 
 
 def _insert_vision(model, prompts, input_ids, start, end, embeds, sp):
