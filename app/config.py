@@ -550,7 +550,8 @@ def warnings_for(config: Config, training: bool = True) -> list[str]:
                    f"{c.rollout.max_completion_length}: the upper bound is never reached")
     if training and c.grpo.beta == 0 and c.model.reference_path:
         out.append("model.reference_path is set but grpo.beta=0: no reference model is used")
-    if training and c.train.sequence_parallel_size > 1 and c.forward.vision_cache != "off":
+    frozen_tower = c.model.freeze_vision_tower or (c.lora.rank and not c.lora.vision_tower)  # where the cache acts
+    if training and c.train.sequence_parallel_size > 1 and c.forward.vision_cache != "off" and frozen_tower:
         out.append(f"forward.vision_cache={c.forward.vision_cache} is not used with train.sequence_parallel_size="
                    f"{c.train.sequence_parallel_size}: each rank encodes its share of the frames in every forward")
     if not c.lora.rank and (c.lora.vision_tower or c.lora.projector):

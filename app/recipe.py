@@ -20,6 +20,7 @@ from app.config import Config, ConfigError, load_config
 from app.data.records import DataError, load_stream
 from app.data.video import SettingError
 from app.grouping import MODALITIES, completion_logprobs, present_vision_calls, vision_cache
+from app.grouping.sequence_parallel import check_heads
 from app.models import enable_activation_checkpointing, load_model, load_processor
 from app.tracking import Tracker, configure_logging
 
@@ -70,6 +71,8 @@ class Recipe:
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         policy = load_model(cfg.model.path, dtype=self.dtype, attn_implementation=cfg.model.vision_attention,
                             trust_remote_code=cfg.model.trust_remote_code)
+        if self.sp is not None:
+            check_heads(policy.config, self.sp.size)
         policy = lora.prepare(policy, cfg.lora, cfg.model)  # frozen towers, LoRA adapters (config permitting)
         if cfg.model.gradient_checkpointing:
             enable_activation_checkpointing(policy)

@@ -267,7 +267,8 @@ def batch_plan(cfg: Config, world: int, accumulation: int) -> str:
     packed = cfg.data.max_prompt_length + g * cfg.rollout.max_completion_length
     ranks = "rank(s)" if t.sequence_parallel_size == 1 else \
         f"data-parallel replica(s) of {t.sequence_parallel_size} sequence-parallel ranks"
-    return (f"{world} {ranks} x {t.prompts_per_rank} prompt(s) per rank = {per_step} prompts per step; "
+    each = "rank" if t.sequence_parallel_size == 1 else "replica"
+    return (f"{world} {ranks} x {t.prompts_per_rank} prompt(s) per {each} = {per_step} prompts per step; "
             f"G={g} -> {per_step * g} completions per step; {t.groups_per_micro_batch} group(s) per micro-batch "
             f"-> {accumulation} micro-batch(es) per rank (gradient accumulation {accumulation}) x mu="
             f"{cfg.grpo.num_iterations} update pass(es); token budget per packed group <= {packed} "

@@ -115,3 +115,20 @@ def test_yaml_booleans_are_yaml_1_2_and_scale_rewards_auto(tmp_path):
     assert scale_rewards(cfg.grpo) == "group"
     assert scale_rewards(load_config(path, ["grpo.loss_type=dr_grpo"]).grpo) == "none"
     assert scale_rewards(load_config(path, ["grpo.loss_type=dr_grpo", "grpo.scale_rewards=batch"]).grpo) == "batch"
+
+
+def test_sequence_parallel_settings_are_checked_by_name():
+    with pytest.raises(ConfigError, match="'train.sequence_parallel_size' must be >= 1"):
+        load_config("configs/demo_cpu.yaml", ["train.sequence_parallel_size=0"])
+    with pytest.raises(ConfigError, match="needs rollout.engine grouped or hf"):
+        load_config("configs/demo_cpu.yaml", ["train.sequence_parallel_size=2", "rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="needs forward.grouping=grouped"):
+        load_config("configs/demo_cpu.yaml", ["train.sequence_parallel_size=2", "forward.grouping=repeated"])
+    from app.grouping.sequence_parallel import check_heads
+    from app.models import TinySizes, build_tokenizer, tiny_config
+
+    config = tiny_config("qwen2_5_vl", build_tokenizer(), TinySizes(heads=4, kv_heads=2))
+    check_heads(config, 2)
+    check_heads(config, 4)  # each KV head repeated twice
+    with pytest.raises(ValueError, match="4 query heads.*3"):
+        check_heads(config, 3)

@@ -64,6 +64,18 @@ class SequenceParallel:
         return SequenceParallel(self.rank, self.size, self.group, float(self.size))
 
 
+def check_heads(config, size: int) -> None:
+    """Refuse, before any work, a model whose attention heads cannot be shared out over ``size`` ranks: query heads
+    must divide by S, and KV heads too or S by them (each KV head then repeated)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % size or (kv_heads % size and size % kv_heads):
+        raise ValueError(f"sequence parallelism over {size} ranks needs the {heads} query heads divisible by {size} "
+                         f"and the {kv_heads} KV heads divisible by it or dividing it; this model has "
+                         f"{heads} query heads and {kv_heads} KV heads (train.sequence_parallel_size={size})")
+
+
 def shard_bounds(total: int, size: int) -> list[tuple[int, int]]:
     """Contiguous near-equal shards of ``total`` tokens over ``size`` ranks (the first ones one longer)."""
     if total < size:
