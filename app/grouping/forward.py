@@ -261,7 +261,8 @@ def completion_logprobs(
 
         return sequence_parallel_scores(model, prompts, completion_ids, completion_mask, group_sizes,
                                         sequence_parallel, backend=backend, temperature=temperature,
-                                        return_entropy=return_entropy, vision_calls=vision_calls)
+                                        return_entropy=return_entropy, vision_calls=vision_calls,
+                                        chunk_size=chunk_size)
     layout = GroupLayout.from_masks(prompts["attention_mask"], completion_mask, group_sizes)
     with aligned_vision_calls(model, prompts, vision_calls):
         settings = dict(temperature=temperature, return_logits=return_logits, return_entropy=return_entropy,

@@ -276,16 +276,17 @@ def sequence_parallel_logprobs(model, prompts: Mapping, completion_ids: torch.Te
 def sequence_parallel_scores(model, prompts: Mapping, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                              group_sizes: Sequence[int] | int, sp: SequenceParallel, *, backend: str | None = None,
                              temperature: float = 1.0, return_entropy: bool = False,
-                             vision_calls: Sequence[str] | None = None):
+                             vision_calls: Sequence[str] | None = None, chunk_size: int = 1024):
     """``completion_logprobs``'s ``CompletionScores`` (log-probs, mask, layout, entropy on request), computed
     sequence-parallel: equal on every rank of ``sp``. ``vision_calls``: as ``completion_logprobs`` (the tower
-    calls agreed over the world under ZeRO-3; each rank of ``sp`` makes one call per modality either way)."""
+    calls agreed over the world under ZeRO-3; each rank of ``sp`` makes one call per modality either way).
+    ``chunk_size``: as ``completion_logprobs`` (> 0: the output head never holds [tokens, vocab] logits)."""
     from app.grouping.forward import CompletionScores
     from app.grouping.vision_calls import aligned_vision_calls
 
     def work():
         return _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, group_sizes, sp, backend,
-                                          temperature, return_entropy)
+                                          temperature, return_entropy, chunk_size)
 
     with aligned_vision_calls(model, prompts, vision_calls):
         logprobs, entropy, layout = _through_wrapper(model, work)
@@ -315,7 +316,7 @@ def _through_wrapper(model, work):
 
 
 def _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, group_sizes, sp, backend,
-                               temperature, return_entropy):
+                               temperature, return_entropy, chunk_size):
     from app.grouping.layout import normalize_group_sizes
 
     inner = unwrap(model)
@@ -347,17 +348,25 @@ def _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, 
     predict = layout.predict_index.to(device)
     targets = completion_ids.flatten().index_select(0, layout.target_index.to(device))
     here = (predict >= start) & (predict < end)
-    logits = inner.lm_head(hidden.index_select(0, predict[here] - start)).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    chosen = logp.gather(-1, targets[here][:, None])[:, 0]
+    rows = hidden.index_select(0, predict[here] - start)
+    if chunk_size:  # the head computes the targets' log-probs chunk by chunk: never [tokens, vocab] logits
+        from app.grouping.logprobs import head_returns_logprobs
+
+        with head_returns_logprobs(inner, targets[here], None, temperature, chunk_size, return_entropy):
+            both = inner.lm_head(rows)
+        chosen, mine = both[:, 0], both[:, 1].detach()
+    else:
+        logits = inner.lm_head(rows).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        chosen = logp.gather(-1, targets[here][:, None])[:, 0]
+        mine = -(logp.exp() * logp).sum(-1).detach()
     scored = chosen.new_zeros(predict.shape[0]).masked_scatter(here, chosen)
     logprobs = layout.unpack_completion_tokens(_SumScored.apply(scored, sp.group, sp.grad_scale))
     entropy = None
     if return_entropy:
         with torch.no_grad():
-            mine = -(logp.exp() * logp).sum(-1)
             entropy = mine.new_zeros(predict.shape[0]).masked_scatter(here, mine)
             dist.all_reduce(entropy, group=sp.group)
             entropy = layout.unpack_completion_tokens(entropy)

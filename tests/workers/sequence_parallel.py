@@ -2,7 +2,8 @@
 forward on the same inputs, for every CPU attention backend.
 
 Argument: a JSON file {"family", "checkpoint", "videos", "kinds", "group_sizes", "out", "freeze_tower",
-"backends"} (backends: default every CPU backend). Every rank
+"backends", "chunk_size"} (backends: default every CPU backend; chunk_size: the output head's, default 1024, 0 =
+whole logits). Every rank
 builds the same prompts and completions; rank 0 writes the largest relative log-prob and gradient differences
 (gradients: the SP ranks' parts summed) per backend, and which parameters got no gradient.
 """
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from app.distributed import exit_worker
 from app.grouping import completion_logprobs, usable_backends
-from app.grouping.sequence_parallel import SequenceParallel, sequence_parallel_logprobs
+from app.grouping.sequence_parallel import SequenceParallel, sequence_parallel_scores
 from tests.helpers import load, max_rel_diff, prompt_batch, random_completions
 
 
@@ -40,11 +41,14 @@ def main(spec_path: str) -> None:
     report = {}
     for backend in spec.get("backends") or usable_backends("cpu"):
         model.zero_grad(set_to_none=True)
-        ref = completion_logprobs(model, prompts, ids, mask, sizes, backend=backend).logprobs
+        scores = completion_logprobs(model, prompts, ids, mask, sizes, backend=backend, return_entropy=True)
+        ref = scores.logprobs
         (ref * weights).sum().backward()
         ref_grads = {n: p.grad.clone() for n, p in params.items()}
         model.zero_grad(set_to_none=True)
-        got = sequence_parallel_logprobs(model, prompts, ids, mask, sizes, sp, backend=backend)
+        mine = sequence_parallel_scores(model, prompts, ids, mask, sizes, sp, backend=backend, return_entropy=True,
+                                        chunk_size=spec.get("chunk_size", 1024))
+        got = mine.logprobs
         (got * weights).sum().backward()
         grads = {}
         for n, p in params.items():
@@ -53,6 +57,7 @@ def main(spec_path: str) -> None:
             grads[n] = g
         worst = max(params, key=lambda n: max_rel_diff(grads[n], ref_grads[n]))
         report[backend] = {"logprob": max_rel_diff(got.detach(), ref.detach()),
+                           "entropy": max_rel_diff(mine.entropy, scores.entropy),
                            "grad": max_rel_diff(grads[worst], ref_grads[worst]), "worst": worst,
                            "no_grad": sorted(n for n in params if params[n].grad is None and
                                              ref_grads[n].abs().sum() > 0 and rank == 0),
