@@ -22,10 +22,9 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
     assert count_flops(prefix, suffix, group, "paper") < count_flops(prefix, suffix, group, "repeated")
 
 
-@pytest.mark.parametrize("name", ["attention", "rollout", pytest.param("grid", marks=pytest.mark.slow),
-                                  pytest.param("e2e", marks=pytest.mark.slow), "flex_shapes",
-                                  pytest.param("scale", marks=pytest.mark.slow), "lora",
-                                  pytest.param("vision_cache", marks=pytest.mark.slow), "long_video"])
+@pytest.mark.slow  # smoke runs of the benchmark scripts: make test-all (CI) runs them
+@pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale", "lora",
+                                  "vision_cache", "long_video"])
 def test_benchmark_runs_quick(name, tmp_path):
     out = tmp_path / name
     result = subprocess.run(["bash", "scripts/bench.sh", name, "--out", str(out), "--quick"], cwd=ROOT,

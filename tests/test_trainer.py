@@ -350,49 +350,57 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("zero", ["zero2", "zero3"])
-def test_two_process_sequence_parallel_grpo_trains_like_one_process(zero, assets, tmp_path):
-    """The tiny Qwen2.5-VL on generated videos, 2 steps of GRPO (2 groups per step, gradient accumulation 2): one
-    process, and two processes holding each packed row half each (S=2), end at the same weights (summation order
-    aside) with the same per-step loss, KL and gradient norm; the S=2 rollouts are the one-process ones."""
-    settings = {"train.deepspeed_config": f"deepspeed_configs/{zero}.json", "train.max_steps": 2}
-    run(trainer(assets, tmp_path / "one", **settings))
-    two = run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml",
-               *overrides(assets, tmp_path / "two", **settings, **{"train.sequence_parallel_size": 2})],
-              env={"NPROC_PER_NODE": "2"})
-    assert "1 data-parallel replica(s) of 2 sequence-parallel ranks" in two.stderr
-    one_m, two_m = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
-    assert [m["step"] for m in two_m] == [1, 2]
+def assert_sequence_parallel_matches(one: Path, two: Path, initial: Path) -> None:
+    """The S=2 run ``two`` against the one-process run ``one``: same rollouts (rewards, token counts), per-step loss,
+    KL, gradient norm and entropy within 1e-4, and the same weights up to float32 summation order."""
+    one_m, two_m = _metrics(one), _metrics(two)
+    assert [m["step"] for m in two_m] == [m["step"] for m in one_m]
     for a, b in zip(one_m, two_m):
         assert a["reward/mean"] == b["reward/mean"] and a["tokens/policy_forward"] == b["tokens/policy_forward"]
         for key in ("loss", "kl", "grad_norm", "entropy"):
             assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-3), (key, a[key], b[key])
-    want, got, initial = (weights(tmp_path / "one" / "final"), weights(tmp_path / "two" / "final"),
-                          weights(assets["checkpoint"]))
-    moved = max(float((want[n] - initial[n]).abs().max()) for n in want)
-    assert moved > 5e-4 and sum(not torch.equal(want[n], initial[n]) for n in want) > len(want) // 2
+    want, got, start = weights(one / "final"), weights(two / "final"), weights(initial)
+    moved = max(float((want[n] - start[n]).abs().max()) for n in want)
+    assert moved > 5e-4 and sum(not torch.equal(want[n], start[n]) for n in want) > len(want) // 2
     worst = max(want, key=lambda n: float((want[n] - got[n]).abs().max()))
     # float32 sums in another order: ~1e-6 here, against updates of ~1e-3 (a wrong gradient flips Adam's signs: 2e-3)
     assert float((want[worst] - got[worst]).abs().max()) < 1e-5, worst
 
 
 @pytest.mark.distributed
-def test_killed_sequence_parallel_run_resumes_bit_for_bit(assets, tmp_path):
-    """S=2 under ZeRO-3: killed after step 2 of 3 and resumed, it ends bitwise equal to the uninterrupted S=2 run,
-    one metrics row per step; a resume with another sequence_parallel_size is refused by name."""
+def test_two_process_sequence_parallel_grpo_under_zero2_trains_like_one_process(assets, tmp_path):
+    """The tiny Qwen2.5-VL on generated videos, 2 steps of GRPO (2 groups per step, gradient accumulation 2): one
+    process, and two processes holding each packed row half each (S=2, one data-parallel replica), end at the same
+    weights with the same per-step loss, KL and gradient norm; the S=2 rollouts are the one-process ones."""
+    settings = {"train.deepspeed_config": "deepspeed_configs/zero2.json", "train.max_steps": 2}
+    run(trainer(assets, tmp_path / "one", **settings))
+    two = run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml",
+               *overrides(assets, tmp_path / "two", **settings, **{"train.sequence_parallel_size": 2})],
+              env={"NPROC_PER_NODE": "2"})
+    assert "1 data-parallel replica(s) of 2 sequence-parallel ranks" in two.stderr
+    assert_sequence_parallel_matches(tmp_path / "one", tmp_path / "two", assets["checkpoint"])
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_under_zero3_trains_like_one_process_and_resumes_bit_for_bit(assets, tmp_path):
+    """Under ZeRO-3, 3 steps: S=2 on two processes ends at the one-process weights (as above); the same S=2 run
+    killed after step 2 and resumed ends bitwise equal to the uninterrupted one, one metrics row per step; a resume
+    with another sequence_parallel_size is refused by name."""
     settings = {"train.deepspeed_config": "deepspeed_configs/zero3.json", "train.max_steps": 3,
-                "train.save_every": 1, "train.sequence_parallel_size": 2}
+                "train.save_every": 1}
+    sp = {**settings, "train.sequence_parallel_size": 2}
     env = {"NPROC_PER_NODE": "2"}
     launch = ["bash", "scripts/train.sh", "configs/demo_cpu.yaml"]
-    run([*launch, *overrides(assets, tmp_path / "straight", **settings)], env=env)
-    crashed = run([*launch, *overrides(assets, tmp_path / "resumed", **settings)],
+    run(trainer(assets, tmp_path / "one", **settings))
+    run([*launch, *overrides(assets, tmp_path / "straight", **sp)], env=env)
+    assert_sequence_parallel_matches(tmp_path / "one", tmp_path / "straight", assets["checkpoint"])
+    crashed = run([*launch, *overrides(assets, tmp_path / "resumed", **sp)],
                   env={**env, "PREFIX_GRPO_CRASH_AFTER_STEP": "2"}, check=False)
     assert crashed.returncode != 0
-    refused = run([*launch, *overrides(assets, tmp_path / "resumed", **{**settings, "train.resume": True,
+    refused = run([*launch, *overrides(assets, tmp_path / "resumed", **{**sp, "train.resume": True,
                                                                         "train.sequence_parallel_size": 1})],
                   env=env, check=False)
     assert refused.returncode != 0 and "train.sequence_parallel_size=2, this run has 1" in refused.stderr
-    run([*launch, *overrides(assets, tmp_path / "resumed", **settings, **{"train.resume": True})], env=env)
+    run([*launch, *overrides(assets, tmp_path / "resumed", **sp, **{"train.resume": True})], env=env)
     assert [m["step"] for m in _metrics(tmp_path / "resumed")] == [1, 2, 3]
     assert_trained_and_equal(tmp_path / "resumed" / "final", tmp_path / "straight" / "final", assets["checkpoint"])

@@ -35,65 +35,70 @@ from app.models import TinySizes, build_tiny_checkpoint, load_model, load_proces
 from app.rollout import SamplingConfig, generate_groups
 from tests.helpers import conversations_of
 
-family, root, out = sys.argv[1], sys.argv[2], sys.argv[3]
-# head_dim 64: vLLM's CPU attention has no kernel for the default tiny head_dim 16
-checkpoint = build_tiny_checkpoint(os.path.join(root, family), family, seed=0, real_tokenizer=True,
-                                   sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
-model, processor = load_model(checkpoint).eval(), load_processor(checkpoint)
+families, root, out = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
 rng = np.random.default_rng(0)
 videos = [write_mp4(os.path.join(root, f"clip{i}.mp4"), rng.integers(0, 255, (n, h, w, 3), dtype=np.uint8), fps=4)
           for i, (n, h, w) in enumerate([(16, 64, 96), (12, 96, 64)])]
 cases = {"text": ["text"], "image": ["image"], "video": ["video"], "two videos": ["video+video"],
          "mixed batch": ["image", "text", "video", "image+video"]}
 from vllm import LLM, SamplingParams
-llm = LLM(model=str(checkpoint), dtype="float32", enable_prefix_caching=True, seed=0,
-          enforce_eager=True, skip_mm_profiling=True,  # start-up: no compile, no encoder profiling run
-          max_model_len=2048, limit_mm_per_prompt={"image": 2, "video": 2})
 params = SamplingParams(n=1, temperature=0.0, max_tokens=8, logprobs=0)
-result = {}
-for name, kinds in cases.items():
-    batch, views = encode_prompts(processor, conversations_of(family, videos, kinds), with_media=True)
-    ours = generate_groups(model, batch, 1, SamplingConfig(temperature=0.0, max_new_tokens=8,
-                                                           suppress_token_ids=()), tokenizer=processor.tokenizer)
-    theirs = llm.generate([vllm_request(v) for v in views], params, use_tqdm=False)
-    for b, r in enumerate(theirs):  # vLLM expanded our unexpanded prompt into exactly the processor's ids
-        check_same_prompt(batch["input_ids"][b][batch["attention_mask"][b].bool()].tolist(), r.prompt_token_ids,
-                          f"{name} prompt {b}")
-    result[name] = {"ours": [row[m.bool()].tolist() for row, m in zip(ours.completion_ids, ours.completion_mask)],
-                    "vllm": [list(r.outputs[0].token_ids) for r in theirs],
-                    # each greedy token's log-prob, where the tokens agree
-                    "logprob_diff": max((abs(step[t].logprob - float(lp)) for r, row, m, mine in
-                                         zip(theirs, ours.logprobs, ours.completion_mask, ours.completion_ids)
-                                         for step, t, lp, keep in zip(r.outputs[0].logprobs, r.outputs[0].token_ids,
-                                                                      row, m) if keep), default=0.0),
-                    "videos": int(batch["video_grid_thw"].shape[0]) if "video_grid_thw" in batch else 0}
+results = {}
+for family in families:  # one process (one vLLM import) for every family; one engine each, freed before the next
+    # head_dim 64: vLLM's CPU attention has no kernel for the default tiny head_dim 16
+    checkpoint = build_tiny_checkpoint(os.path.join(root, family), family, seed=0, real_tokenizer=True,
+                                       sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
+    model, processor = load_model(checkpoint).eval(), load_processor(checkpoint)
+    llm = LLM(model=str(checkpoint), dtype="float32", enable_prefix_caching=True, seed=0,
+              enforce_eager=True, skip_mm_profiling=True,  # start-up: no compile, no encoder profiling run
+              max_model_len=2048, limit_mm_per_prompt={"image": 2, "video": 2})
+    result = results[family] = {}
+    for name, kinds in cases.items():
+        batch, views = encode_prompts(processor, conversations_of(family, videos, kinds), with_media=True)
+        ours = generate_groups(model, batch, 1, SamplingConfig(temperature=0.0, max_new_tokens=8,
+                                                               suppress_token_ids=()), tokenizer=processor.tokenizer)
+        theirs = llm.generate([vllm_request(v) for v in views], params, use_tqdm=False)
+        for b, r in enumerate(theirs):  # vLLM expanded our unexpanded prompt into exactly the processor's ids
+            check_same_prompt(batch["input_ids"][b][batch["attention_mask"][b].bool()].tolist(), r.prompt_token_ids,
+                              f"{name} prompt {b}")
+        result[name] = {"ours": [row[m.bool()].tolist() for row, m in zip(ours.completion_ids, ours.completion_mask)],
+                        "vllm": [list(r.outputs[0].token_ids) for r in theirs],
+                        # each greedy token's log-prob, where the tokens agree
+                        "logprob_diff": max((abs(step[t].logprob - float(lp)) for r, row, m, mine in
+                                             zip(theirs, ours.logprobs, ours.completion_mask, ours.completion_ids)
+                                             for step, t, lp, keep in zip(r.outputs[0].logprobs, r.outputs[0].token_ids,
+                                                                          row, m) if keep), default=0.0),
+                        "videos": int(batch["video_grid_thw"].shape[0]) if "video_grid_thw" in batch else 0}
+    del llm, model
+    import gc; gc.collect()
 import transformers, vllm
-result["versions"] = {"transformers": transformers.__version__, "vllm": vllm.__version__}
-result["broken_imports"] = [m for m in ("torchaudio", "torchcodec") if m in sys.modules]
-json.dump(result, open(out, "w"))
+results["versions"] = {"transformers": transformers.__version__, "vllm": vllm.__version__}
+results["broken_imports"] = [m for m in ("torchaudio", "torchcodec") if m in sys.modules]
+json.dump(results, open(out, "w"))
 """
 
 
 
 
+PARITY_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 _PARITY: dict[str, dict] = {}
 
 
 def parity(family: str, tmp_path_factory) -> dict:
-    """The child's result for one family (run once per session: ~50 s of vLLM start-up and generation)."""
-    if family not in _PARITY:
+    """The child's result for one family, with the versions it ran (one child for both families, once per session:
+    ~90 s of vLLM start-up and generation)."""
+    if not _PARITY:
         pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup_env.sh (INSTALL_VLLM=0 skips it)")
-        root = tmp_path_factory.mktemp(f"vllm-{family}")
+        root = tmp_path_factory.mktemp("vllm-parity")
         out = root / "result.json"
-        done = subprocess.run([sys.executable, "-c", CHILD, family, str(root), str(out)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run([sys.executable, "-c", CHILD, ",".join(PARITY_FAMILIES), str(root), str(out)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-4000:]
-        _PARITY[family] = json.loads(out.read_text())
-    return _PARITY[family]
+        _PARITY.update(json.loads(out.read_text()))
+    return {**_PARITY[family], "versions": _PARITY["versions"], "broken_imports": _PARITY["broken_imports"]}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", PARITY_FAMILIES)
 @pytest.mark.parametrize("case", ["text", "image", "video", "two videos", "mixed batch"])
 def test_vllm_greedy_equals_the_grouped_engine(family, case, tmp_path_factory):
     """Text, image, video, two videos in one prompt, and a batch mixing them: vLLM, given our unexpanded prompt
@@ -149,7 +154,6 @@ def grpo_args(root: Path, out: Path, checkpoint: Path, train_file: Path, **extra
     return [sys.executable, "-m", "app.trainer", "configs/demo_cpu.yaml", *(f"{k}={v}" for k, v in settings.items())]
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_process_zero3_grpo_with_vllm_stays_in_sync_and_resumes_after_a_kill(tmp_path):
     """scripts/train.sh with 2 processes under ZeRO-3 and rollout.engine=vllm (one engine per rank, joined to the
@@ -265,7 +269,6 @@ def test_device_normalization_is_turned_off_where_image_and_video_processors_dif
     assert not same_normalization(processor)
 
 
-@pytest.mark.slow
 def test_eval_with_vllm_gives_the_grouped_engines_greedy_answers(tmp_path):
     """scripts/eval.sh with eval.engine=vllm on held-out video questions: the same completions, answers and
     summary as eval.engine=grouped (greedy, fp32)."""
