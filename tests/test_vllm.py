@@ -269,6 +269,7 @@ def test_device_normalization_is_turned_off_where_image_and_video_processors_dif
     assert not same_normalization(processor)
 
 
+@pytest.mark.slow  # make test-all (CI); make test keeps the parity and the 2-process GRPO run (issue 25's acceptance)
 def test_eval_with_vllm_gives_the_grouped_engines_greedy_answers(tmp_path):
     """scripts/eval.sh with eval.engine=vllm on held-out video questions: the same completions, answers and
     summary as eval.engine=grouped (greedy, fp32)."""
