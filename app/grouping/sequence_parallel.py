@@ -20,7 +20,7 @@ a contiguous 1/S shard of it, and together give the log-probs the one-rank group
   are then summed across the group (each token is scored by exactly one rank), so every rank holds all of them and
   computes the same loss. Backward sends each rank's share of the gradient to the tokens it scored, so a rank's
   parameter gradients are its shard's part of the whole: the sum over the SP group is the one-rank gradient.
-  Whoever averages gradients over the world must scale by S (``gradient_scale``).
+  Whoever averages gradients over the world needs them scaled by S (``SequenceParallel.for_averaging``).
 
 Knows nothing of GRPO; ``SequenceParallel(group, rank, size)`` says who the shard's peers are.
 """
@@ -51,12 +51,6 @@ class SequenceParallel:
     size: int
     group: object = None
     grad_scale: float = 1.0
-
-    @property
-    def gradient_scale(self) -> float:
-        """Factor for a loss whose gradients are then AVERAGED over every rank (DeepSpeed, DDP): the SP group's
-        ranks hold parts of one gradient that must be summed, not averaged."""
-        return float(self.size)
 
     def for_averaging(self) -> SequenceParallel:
         """The same group, its gradients scaled so that averaging over the world's ranks gives the data-parallel
