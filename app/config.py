@@ -138,6 +138,11 @@ class RolloutConfig:
     top_k: int = _f(0, "Top-k filter; 0 disables it.")
     max_completion_length: int = _f(768, "Maximum new tokens per completion.")
     stop_strings: list = _f([], "Extra strings that end a completion (EOS always does).")
+    prefill_chunk_size: int = _f(0, "rollout.engine=grouped: prompt positions per decoder call in the prefill "
+                                 "(chunked prefill): each call attends to the K/V of the positions before it, so a "
+                                 "long video's prefill holds one chunk's activations, not the prompt's; the prompt's "
+                                 "K/V is kept whole. Same samples up to float summation order. 0: the whole prompt "
+                                 "batch in one call. Pair with forward.vision_chunk_frames for long videos.")
     zero3_gather: str = _f("full", "ZeRO-3 only: full gathers the policy's (and reference's) parameters once per "
                            "rollout and decodes with no collectives (fastest, needs the whole model in memory); "
                            "layerwise gathers all but the decoder layers once and each layer (one collective) when it "
@@ -169,6 +174,12 @@ class ForwardConfig:
                            "training, what the projector reads is cached and it still trains. off: every forward runs "
                            "the tower. No effect when the tower trains. The counts are logged as vision/*.",
                            choices=("step", "off"))
+    vision_chunk_frames: int = _f(0, "Temporal patches (temporal_patch_size frames each: 2 in Qwen-VL) per vision-"
+                                  "tower pass while the tower runs without gradient (frozen: model."
+                                  "freeze_vision_tower, or LoRA without lora.vision_tower), in every forward and the "
+                                  "rollout's prefill: a long video's tower activations are one chunk's. Exact: "
+                                  "Qwen's vision attention never crosses a temporal patch. 0: an item in one pass. "
+                                  "A tower that trains runs whole.")
 
     @property
     def backend(self) -> str | None:
@@ -461,14 +472,18 @@ def validate(config: Config, training: bool = True) -> None:
     need(bool(config.model.path), "model.path", "is required (a local checkpoint directory)")
     for key, value, least in (
         ("eval.batch_size", config.eval.batch_size, 1), ("eval.max_new_tokens", config.eval.max_new_tokens, 1),
-        ("data.max_frames", config.data.max_frames, 2),  # qwen-vl-utils samples an even count, >= 2 frames ("data.max_prompt_length", config.data.max_prompt_length, 1),
+        ("data.max_frames", config.data.max_frames, 2),  # qwen-vl-utils samples an even count, >= 2 frames
+        ("data.max_prompt_length", config.data.max_prompt_length, 1),
         ("data.min_pixels", config.data.min_pixels, 1), ("data.image_min_pixels", config.data.image_min_pixels, 1),
         ("logging.log_every", config.logging.log_every, 1), ("logging.sample_table_every",
                                                              config.logging.sample_table_every, 0),
         ("train.save_every", config.train.save_every, 0), ("train.keep_checkpoints", config.train.keep_checkpoints, 1),
-("train.warmup_steps", config.train.warmup_steps, 0),
+        ("train.warmup_steps", config.train.warmup_steps, 0),
         ("forward.logprob_chunk_size", config.forward.logprob_chunk_size, 0),
-        ("sft.max_target_length", config.sft.max_target_length, 1), ("lora.rank", config.lora.rank, 0), ("data.prefetch", config.data.prefetch, 0),
+        ("forward.vision_chunk_frames", config.forward.vision_chunk_frames, 0),
+        ("rollout.prefill_chunk_size", config.rollout.prefill_chunk_size, 0),
+        ("sft.max_target_length", config.sft.max_target_length, 1), ("lora.rank", config.lora.rank, 0),
+        ("data.prefetch", config.data.prefetch, 0),
         ("train.stop_at_step", config.train.stop_at_step, 0),
         ("data.prefetch_workers", config.data.prefetch_workers, 1),
     ):
@@ -554,6 +569,12 @@ def warnings_for(config: Config, training: bool = True) -> list[str]:
     if training and c.train.sequence_parallel_size > 1 and c.forward.vision_cache != "off" and frozen_tower:
         out.append(f"forward.vision_cache={c.forward.vision_cache} is not used with train.sequence_parallel_size="
                    f"{c.train.sequence_parallel_size}: each rank encodes its share of the frames in every forward")
+    if c.rollout.prefill_chunk_size and c.rollout.engine != "grouped":
+        out.append(f"rollout.prefill_chunk_size={c.rollout.prefill_chunk_size} is used by rollout.engine=grouped "
+                   f"only, not {c.rollout.engine}")
+    if training and c.forward.vision_chunk_frames and not frozen_tower:
+        out.append(f"forward.vision_chunk_frames={c.forward.vision_chunk_frames} has no effect while the vision tower "
+                   "trains (model.freeze_vision_tower=false, no LoRA or lora.vision_tower=true): it runs whole")
     if not c.lora.rank and (c.lora.vision_tower or c.lora.projector):
         out.append("lora.vision_tower / lora.projector have no effect with lora.rank=0 (no adapters)")
     return out

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from app.config import ConfigError, load_config
 from app.data.prompts import collate_prompts
 from app.data.records import check_record, encode_record, read_records, where
+from app.grouping import vision_cache
 from app.models import load_model, load_processor
 from app.rewards import accuracy_of, extract_answer
 from app.rollout import SamplingConfig, derive_seed, generate_groups
@@ -256,6 +257,9 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
     else:
         model = load_model(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         model.eval()
+        if cfg.forward.vision_chunk_frames:  # nothing trains here: the tower runs item by item, frame-chunked
+            model.requires_grad_(False)
+            vision_cache.install(model, "off", cfg.forward.vision_chunk_frames)
     crash_after = int(os.environ.get(CRASH_ENV, "-1"))
     scored = 0
     bar = tqdm(total=len(mine), desc=f"eval rank {rank}", disable=rank != 0, dynamic_ncols=True)
@@ -281,7 +285,8 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
                 with torch.no_grad():
                     rollout = generate_groups(model, collate_prompts([p.inputs for p in prompts],
                                                                      tokenizer.pad_token_id), ev.samples,
-                                              sampling, tokenizer=tokenizer, synced=False, prompt_seeds=seeds)
+                                              sampling, tokenizer=tokenizer, synced=False, prompt_seeds=seeds,
+                                              prefill_chunk_size=cfg.rollout.prefill_chunk_size)
             for i, record in enumerate(batch):
                 rows = range(i * ev.samples, (i + 1) * ev.samples)
                 texts = [tokenizer.decode(rollout.completion_ids[n][rollout.completion_mask[n].bool()],

@@ -82,7 +82,8 @@ class Recipe:
         scheduler = cosine_with_warmup(optimizer, cfg.train.warmup_steps, total_updates, cfg.train.min_lr_ratio)
         self.engine = distributed.build_engine(policy, self.ds_config, optimizer, scheduler)
         # the sequence-parallel forward runs the tower frame-sharded, past the cache (config warns)
-        self.vision_cache = vision_cache.install(self.engine, "off" if self.sp else cfg.forward.vision_cache)
+        self.vision_cache = vision_cache.install(self.engine, "off" if self.sp else cfg.forward.vision_cache,
+                                                 cfg.forward.vision_chunk_frames)
         if self.vision_cache is not None and self.rank == 0:
             log.info("vision tower: %s", VISION_PLANS[self.vision_cache.plan])
         self.output_dir = Path(cfg.train.output_dir)
@@ -177,13 +178,15 @@ class Recipe:
         return self.vision_calls_for([inputs], engine, training)[0]
 
     def vision_metrics(self, metrics) -> None:
-        """The step's vision-tower work: items encoded, items served from the cache, and encodings per distinct
-        item (1.0 with the cache on: one tower pass per image/video per step)."""
+        """The step's vision-tower work: items encoded, the tower passes they took (more with
+        forward.vision_chunk_frames), items served from the cache, and encodings per distinct item (1.0 with the
+        cache on: each image/video encoded once per step)."""
         if self.vision_cache is None:
             return
         counts = self.vision_cache.counts()
         metrics.sum("vision/tower_items", counts["tower_items"])
         metrics.sum("vision/cache_hits", counts["cache_hits"])
+        metrics.sum("vision/tower_passes", counts["tower_passes"])  # > tower_items: frame-chunked
         metrics.fraction("vision/tower_passes_per_item", counts["tower_items"], counts["items"])
 
     def decode(self, completion_ids, completion_mask) -> list[str]:

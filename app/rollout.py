@@ -225,6 +225,7 @@ def generate_groups(
     synced: bool | None = None,
     vision_calls: Sequence[str] | None = None,
     prompt_seeds: Sequence[int] | None = None,
+    prefill_chunk_size: int = 0,
 ) -> Rollout:
     """Sample ``group_sizes[b]`` completions for each prompt b of a processor batch (left-padded).
 
@@ -233,7 +234,8 @@ def generate_groups(
     ``prompt_seeds``: one seed per prompt (e.g. ``derive_seed(seed, question key)``): each sample draws from its own
     stream (``sample_generators``), so it does not depend on the batch, the rank, the batch size or when the other
     samples finish; default ``derive_seed(sampling.seed, b)`` when ``sampling.seed`` is set, else torch's global
-    generator.
+    generator. ``prefill_chunk_size`` > 0: the grouped engine's prefill runs its decoder that many prompt positions
+    at a time (``app.grouping.decode.chunked_prefill``: activations bounded by the chunk, not the prompt).
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown generation engine {engine!r}; expected one of {ENGINES}")
@@ -255,7 +257,7 @@ def generate_groups(
             return _hf_generate(model, prompts, sizes, sampling, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id,
                                 generators=generators)
         return _grouped_generate(model, prompts, sizes, sampling, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id,
-                                 synced=synced, generators=generators)
+                                 synced=synced, generators=generators, prefill_chunk_size=prefill_chunk_size)
 
 
 class _Finish:
@@ -297,7 +299,8 @@ class _Finish:
                 for f, s in zip(self.finished.tolist(), self.by_stop.tolist())]
 
 
-def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id, synced, generators) -> Rollout:
+def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id, synced, generators,
+                      prefill_chunk_size=0) -> Rollout:
     """Decode all samples together, each prompt prefilled once. The host looks at which samples finished only
     every ``CHECK_EVERY`` steps: finished samples then leave the batch (``GroupedDecoder.keep``) and, under ZeRO-3,
     the ranks agree whether all are done (every rank steps, idly once done, until all are).
@@ -312,7 +315,8 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
     ids = torch.full((count, limit), pad_id, dtype=torch.long, device=device)
     logprobs_out = torch.zeros(count, limit, device=device)
     rows = torch.arange(count, device=device)  # the decoder's batch -> sample index
-    decoder = GroupedDecoder(model, prompts, sizes, limit)  # each prompt (and its video) once
+    decoder = GroupedDecoder(model, prompts, sizes, limit, prefill_chunk_size=prefill_chunk_size,
+                             synced=synced)  # each prompt (and its video) once
     logits, step, tick, done_here = decoder.logits, 0, 0, False
     try:
         while True:

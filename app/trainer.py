@@ -158,7 +158,8 @@ class GRPOTrainer(Recipe):
         with distributed.gathered_for_inference(self.engine, self.cfg.rollout.zero3_gather) as (model, collective):
             return generate_groups(model, inputs, self.cfg.rollout.group_size, self.sampling,
                                    tokenizer=self.tokenizer, engine=self.cfg.rollout.engine, synced=collective,
-                                   vision_calls=vision_calls, prompt_seeds=seeds)
+                                   vision_calls=vision_calls, prompt_seeds=seeds,
+                                   prefill_chunk_size=self.cfg.rollout.prefill_chunk_size)
 
     def agree_vision_calls(self, micro_batches: list[MicroBatch]) -> None:
         """The vision-tower calls of every micro-batch's training forward, agreed across ranks (one collective

@@ -24,7 +24,7 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
 
 @pytest.mark.slow  # smoke runs of the benchmark scripts: make test-all (CI) runs them
 @pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale", "lora",
-                                  "vision_cache", "long_video"])
+                                  "vision_cache", "long_video", "long_prefill"])
 def test_benchmark_runs_quick(name, tmp_path):
     out = tmp_path / name
     result = subprocess.run(["bash", "scripts/bench.sh", name, "--out", str(out), "--quick"], cwd=ROOT,
@@ -50,6 +50,9 @@ def test_benchmark_runs_quick(name, tmp_path):
     if name == "long_video":
         assert {(r["S"], r["prefix"]) for r in report["rows"]} == {(s, p) for s in (1, 2) for p in (256, 512)}
         assert all(r["loss_rel_diff"] < 1e-5 for r in report["rows"]) and (out / "long_video.png").is_file()
+    if name == "long_prefill":
+        assert [r["setting"] for r in report["rows"]][:3] == ["whole", "prefill", "prefill+tower"]
+        assert all(r["logits_diff"] < 1e-4 for r in report["rows"]) and (out / "long_prefill.png").is_file()
     if name == "lora":
         full, adapters = report["rows"]
         assert full["separate_reference"] and not adapters["separate_reference"]

@@ -67,6 +67,9 @@ def test_missing_file_and_help():
     ("rewards.functions=[format, length]", "set rewards.length=true"),
     ("data.shuffle=yes", "got 'yes' (yes/no/on/off are not booleans here"),
     ("data.image_min_pixels=999999999", "'data.image_min_pixels' must be <= data.image_max_pixels"),
+    ("data.max_prompt_length=0", "'data.max_prompt_length' must be >= 1"),
+    ("rollout.prefill_chunk_size=-1", "'rollout.prefill_chunk_size' must be >= 0"),
+    ("forward.vision_chunk_frames=-2", "'forward.vision_chunk_frames' must be >= 0"),
 ])
 def test_counts_and_intervals_are_validated(override, message):
     with pytest.raises(ConfigError) as error:
@@ -132,3 +135,16 @@ def test_sequence_parallel_settings_are_checked_by_name():
     check_heads(config, 4)  # each KV head repeated twice
     with pytest.raises(ValueError, match="4 query heads.*3"):
         check_heads(config, 3)
+
+
+def test_long_video_settings_that_do_nothing_say_so():
+    from app.config import warnings_for
+
+    chunked = load_config("configs/demo_cpu.yaml", ["rollout.prefill_chunk_size=512", "forward.vision_chunk_frames=4",
+                                                    "model.freeze_vision_tower=true"])
+    assert warnings_for(chunked) == []
+    vllm = load_config("configs/demo_cpu.yaml", ["rollout.prefill_chunk_size=512", "rollout.engine=vllm"])
+    assert any("rollout.prefill_chunk_size=512 is used by rollout.engine=grouped only" in w for w in warnings_for(vllm))
+    training_tower = load_config("configs/demo_cpu.yaml", ["forward.vision_chunk_frames=4"])
+    assert any("forward.vision_chunk_frames=4 has no effect while the vision tower trains" in w
+               for w in warnings_for(training_tower))

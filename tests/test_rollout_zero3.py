@@ -1,5 +1,5 @@
-"""Grouped rollouts under ZeRO-3 with 2 CPU processes (gloo): uneven decode lengths per rank still finish, and
-the partitioned model generates exactly what the unpartitioned one does."""
+"""Grouped rollouts under ZeRO-3 with 2 CPU processes (gloo): uneven decode lengths and uneven prefill chunk counts
+per rank still finish, and the partitioned model generates exactly what the unpartitioned one does."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ def test_zero3_rollouts_with_uneven_lengths(tmp_path):
     for info in ranks:  # layerwise: collective, one layer whole at a time, the same tokens with uneven lengths
         assert info["layerwise_equal"] and info["layerwise_cut_equal"] and info["layerwise_collective"]
         assert info["layer_whole_when_run"] and info["other_layers_partitioned"]
+    # chunked prefill (rollout.prefill_chunk_size), the ranks' prompts taking different numbers of chunks: the same
+    # greedy tokens with DeepSpeed's hooks on (per_step) and layer by layer
+    assert ranks[0]["prefill_chunks"] < ranks[1]["prefill_chunks"]
+    assert all(info["chunked_equal"] and info["layerwise_chunked_equal"] for info in ranks)
 
     # The same prompts, unpartitioned, in this process: identical greedy tokens.
     model, processor = load_model(checkpoint), load_processor(checkpoint)

@@ -186,17 +186,22 @@ def test_zero3_two_ranks_with_a_text_only_rank_equal_with_the_cache_on_and_off(s
     """Two ranks under ZeRO-3 with DeepSpeed's hooks on in the rollout too (per_step), rank 0 with an image and a
     video, rank 1 text only: every rank must call the same modules in the same order (DeepSpeed checks its module
     trace), whatever is cached, so rank 1 makes dummy calls with as many item passes as rank 0 makes. The same
-    weights bit for bit with the cache on and off; a tower that trains runs as the model's own call."""
+    weights bit for bit with the cache on and off; a tower that trains runs as the model's own call. With the
+    long-video settings (frame-chunked tower, chunked prefill) the passes and calls still line up."""
     from tests.test_mixed_modalities import mixed_file
 
     data = mixed_file(assets, tmp_path, "text")
     finals, logged = {}, {}
-    for setting in ("step", "off") if setup != "tower_trains" else ("step",):
+    # chunked: long-video settings (the tower one temporal patch per pass, the prefill 16 positions per call): more
+    # tower passes and decoder calls on rank 0 than on its text-only peer, which pads with dummy passes and idle calls
+    chunked = {"forward.vision_cache": "step", "forward.vision_chunk_frames": 1, "rollout.prefill_chunk_size": 16}
+    runs = {"step": {"forward.vision_cache": "step"}, "off": {"forward.vision_cache": "off"}, "chunked": chunked}
+    for setting in ("step", "off", "chunked") if setup != "tower_trains" else ("step",):
         out = tmp_path / setting
         run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *overrides(assets, out, **{
             "data.train_file": data, "data.data_root": "/", "data.shuffle": False, "train.prompts_per_rank": 2,
             "train.groups_per_micro_batch": 1, "grpo.num_iterations": 2, **ZERO3_SETUPS[setup],
-            "forward.vision_cache": setting, "rollout.zero3_gather": "per_step",
+            **runs[setting], "rollout.zero3_gather": "per_step",
             "train.deepspeed_config": "deepspeed_configs/zero3.json"})], env={"NPROC_PER_NODE": "2"}, timeout=400)
         finals[setting] = weights(out / "final")
         logged[setting] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -209,3 +214,10 @@ def test_zero3_two_ranks_with_a_text_only_rank_equal_with_the_cache_on_and_off(s
         assert torch.equal(finals["step"][name], finals["off"][name]), name
     assert all(row["vision/tower_passes_per_item"] == 1.0 for row in logged["step"])
     assert all(row["vision/tower_passes_per_item"] > 1.0 for row in logged["off"])
+    # chunked: the same rollouts and rewards; weights within float summation order of the whole-pass run
+    for row, whole in zip(logged["chunked"], logged["step"]):
+        assert row["reward/mean"] == whole["reward/mean"] and row["completion_length"] == whole["completion_length"]
+        assert whole["vision/tower_passes"] == whole["vision/tower_items"] < row["vision/tower_passes"]
+    drift = max(float((finals["chunked"][n] - finals["step"][n]).abs().max()) for n in initial)
+    moved = max(float((finals["step"][n] - initial[n]).abs().max()) for n in initial)
+    assert drift < 1e-4 < moved, (drift, moved)

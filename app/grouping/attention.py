@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from app.grouping.decode import GroupedKVCache, decode_attention
+from app.grouping.decode import GroupedKVCache, PrefillChunk, decode_attention, prefill_chunk_attention
 from app.grouping.layout import GroupLayout
 
 ATTENTION_NAME = "prefix_grouper"
@@ -435,6 +435,8 @@ def prefix_grouper_attention(module, query, key, value, attention_mask, *, dropo
         raise NotImplementedError("grouped attention does not support sliding-window layers")
     if isinstance(plan, GroupedKVCache):
         return decode_attention(plan, module.layer_idx, query, key, value, scaling), None
+    if isinstance(plan, PrefillChunk):
+        return prefill_chunk_attention(plan, query, key, value, scaling).transpose(1, 2).contiguous(), None
     if query.shape[2] != key.shape[2]:
         raise RuntimeError("grouped attention runs without a KV cache (use_cache=False)")
     if hasattr(plan, "attend"):  # a sequence-parallel shard (sequence_parallel.SequenceParallelPlan)

@@ -69,13 +69,17 @@ def cached_blocks(visual) -> list[int]:
 class VisionCache:
     """Per-item tower results shared by every forward that sees the item, until ``clear``. See the module doc."""
 
-    def __init__(self, plan: str = "outputs", store: bool = True):
+    def __init__(self, plan: str = "outputs", store: bool = True, chunk_frames: int = 0):
         if plan not in PLANS:
             raise ValueError(f"unknown vision cache plan {plan!r}; expected one of {PLANS}")
+        if chunk_frames < 0:
+            raise ValueError(f"chunk_frames must be >= 0, got {chunk_frames}")
         self.plan = plan
         self.store = store  # keep items for later calls (forward.vision_cache=step); else each call encodes its own
+        self.chunk_frames = chunk_frames  # temporal patches per item pass; 0: an item in one pass
         self.entries: dict[tuple, object] = {}
         self.encoded = 0  # items the tower computed
+        self.chunks = 0  # tower passes those took (more than items with ``chunk_frames``)
         self.served = 0  # items served from the cache
         self.seen: set[tuple] = set()  # distinct items since ``clear``
         self.paused = False
@@ -91,11 +95,12 @@ class VisionCache:
         self.entries.clear()
         self.seen.clear()
         self._keys.clear()
-        self.encoded = self.served = 0
+        self.encoded = self.served = self.chunks = 0
         return counts
 
     def counts(self) -> dict[str, float]:
-        return {"tower_items": float(self.encoded), "cache_hits": float(self.served), "items": float(len(self.seen))}
+        return {"tower_items": float(self.encoded), "tower_passes": float(self.chunks), "cache_hits": float(self.served),
+                "items": float(len(self.seen))}
 
     @contextlib.contextmanager
     def _setting(self, name: str, value):
@@ -107,7 +112,8 @@ class VisionCache:
             setattr(self, name, was)
 
     def pause(self):
-        """Within the block the tower runs as if there were no cache (nothing stored, served or counted)."""
+        """Within the block nothing is stored, served or counted: each call encodes its own items (item by item,
+        frame-chunked, as with ``forward.vision_cache=off``)."""
         return self._setting("paused", True)
 
     def bypass(self):
@@ -149,17 +155,24 @@ class VisionCache:
 
     @property
     def item_by_item(self) -> bool:
-        """Whether the tower's calls encode item by item (a frozen tower, not paused) or run as the model's own."""
-        return self.plan != "count" and not self.paused
+        """Whether the tower's calls encode item by item (a frozen tower) or run as the model's own (it trains)."""
+        return self.plan != "count"
+
+    def _serves(self) -> bool:
+        return self.store and not self.paused
+
+    def item_passes(self, frames: int) -> int:
+        """Tower passes one item of ``frames`` temporal patches takes (``chunk_frames`` at a time)."""
+        return -(-frames // self.chunk_frames) if self.chunk_frames else 1
 
     # ---- the tower's forward, through the cache ------------------------------------------------------------------
     def passes(self, visual, pixels: torch.Tensor, grid: torch.Tensor) -> int:
-        """Item passes a tower call with these items makes inside itself: one per distinct item not cached yet
-        (0 when the call is the model's own batched pass: ``count``, or paused)."""
+        """Item passes a tower call with these items makes inside itself: per distinct item not cached yet, one,
+        or one per ``chunk_frames`` temporal patches (0 when the call is the model's own batched pass: ``count``)."""
         if not self.item_by_item:
             return 0
         keys = self.item_keys(pixels, grid, _dtype(visual))
-        return len({k for k in keys if not (self.store and k in self.entries)})
+        return sum(self.item_passes(k[1][0]) for k in set(keys) if not (self._serves() and k in self.entries))
 
     def aligned(self, passes: list[int] | None):
         """Within the block, the k-th tower call of this rank makes ``passes[k]`` item passes, padding with passes
@@ -175,24 +188,29 @@ class VisionCache:
             if not (self._bypass or self._dummy or self.paused):  # the model's own call: counted
                 keys = self.item_keys(hidden_states, grid_thw, _dtype(visual))
                 self.encoded += len(keys)
+                self.chunks += len(keys)
                 self.seen.update(keys)
             return original(hidden_states, grid_thw=grid_thw, **kwargs)
         pad = self.expect.popleft() if self.expect else None
         if self._dummy:
             return self._dummy_call(visual, original, pad or 0, kwargs)
         keys = self.item_keys(hidden_states, grid_thw, _dtype(visual))
-        self.seen.update(keys)
-        entries = self.entries if self.store else {}
+        counting = not self.paused
+        if counting:
+            self.seen.update(keys)
+        entries = self.entries if self._serves() else {}
         starts = [0, *torch.tensor([t * h * w for t, h, w in grid_thw.tolist()]).cumsum(0).tolist()]
         made = 0
         for i, key in enumerate(keys):
             if key in entries:
-                self.served += 1
+                self.served += counting
                 continue
             rows = hidden_states[starts[i] : starts[i + 1]]
             entries[key] = self._encode(visual, rows, grid_thw[i : i + 1], kwargs)
-            self.encoded += 1
-            made += 1
+            self.encoded += counting
+            made += self.item_passes(key[1][0])
+        if counting:
+            self.chunks += made
         if pad is not None:
             if made > pad:
                 raise RuntimeError(f"this rank's vision call made {made} item passes, more than the {pad} agreed "
@@ -206,14 +224,27 @@ class VisionCache:
             return original(hidden_states, grid_thw=grid_thw, **kwargs)
 
     def _encode(self, visual, rows: torch.Tensor, grid: torch.Tensor, kwargs: dict):
-        """One item through the tower (a module call of its own), without gradient (nothing before what is kept
-        trains): its output, or the outputs of the blocks the projector reads."""
+        """One item through the tower (a module call of its own per ``chunk_frames`` temporal patches), without
+        gradient (nothing before what is kept trains): its output, or the outputs of the blocks the projector
+        reads, the chunks' concatenated in order. Exact: Qwen's vision attention (and its 2-D positions) never
+        cross a temporal patch (``app.grouping.sequence_parallel`` names the blocks; tested there and here)."""
+        t, h, w = grid[0].tolist()
+        step = self.chunk_frames or t
+        parts = []
         with torch.no_grad(), self.bypass():
-            if self.plan == "outputs":
-                return drop_unused(visual(rows, grid_thw=grid, **kwargs))
-            with _blocks_recording(visual) as recorded:
-                visual(rows, grid_thw=grid, **kwargs)
-            return dict(recorded)
+            for start in range(0, t, step):
+                frames = min(step, t - start)
+                piece = rows[start * h * w : (start + frames) * h * w]
+                piece_grid = grid.new_tensor([[frames, h, w]])
+                if self.plan == "outputs":
+                    parts.append(drop_unused(visual(piece, grid_thw=piece_grid, **kwargs)))
+                    continue
+                with _blocks_recording(visual) as recorded:
+                    visual(piece, grid_thw=piece_grid, **kwargs)
+                parts.append(dict(recorded))
+        if self.plan == "outputs":
+            return _concat(parts)
+        return {b: torch.cat([part[b] for part in parts]) if len(parts) > 1 else parts[0][b] for b in parts[0]}
 
     def _dummy_passes(self, visual, count: int, kwargs: dict):
         output = None
@@ -331,12 +362,13 @@ def _blocks_serving(visual, served: dict[int, torch.Tensor]):
             block.__dict__.pop("forward", None)
 
 
-def install(model, setting: str) -> VisionCache | None:
+def install(model, setting: str, chunk_frames: int = 0) -> VisionCache | None:
     """The cache for this policy as ``forward.vision_cache`` says (``step``: items kept for the step; ``off``: each
-    call encodes its own items, the same way), attached to its tower; None for a text model."""
+    call encodes its own items, the same way), attached to its tower; None for a text model. ``chunk_frames``:
+    temporal patches per tower pass (``forward.vision_chunk_frames``)."""
     visual = tower_of(model)
     if visual is None:
         return None
-    cache = VisionCache(plan_for(visual), store=setting == "step")
+    cache = VisionCache(plan_for(visual), store=setting == "step", chunk_frames=chunk_frames)
     attach(model, cache)
     return cache

@@ -20,6 +20,8 @@ from app.data.video import video_element
 from app.models import load_model, load_processor
 from app.rollout import SamplingConfig, generate_groups
 
+CHUNK = 16  # prompt positions per prefill call
+
 
 def main(checkpoint: str, video: str, out: str) -> None:
     rank, world = distributed.init_distributed()
@@ -31,7 +33,8 @@ def main(checkpoint: str, video: str, out: str) -> None:
     partitioned = all(getattr(p, "ds_numel", None) is not None for p in engine.module.parameters())
     processor = load_processor(checkpoint)
     tokenizer = processor.tokenizer
-    questions = ["What colour is the square?", "How many squares are there?"][: rank + 1]
+    questions = ["What colour is the square?", "How many squares are there, counting the small ones in the corners "
+                 "and the large one in the middle, if any of them moves at all during the clip?"][: rank + 1]
     conversations = [[{"role": "user", "content": [video_element(video, fps=2, min_pixels=3136, max_pixels=3136),
                                                    {"type": "text", "text": q}]}] for q in questions]
     prompts = encode_prompts(processor, conversations)
@@ -40,6 +43,9 @@ def main(checkpoint: str, video: str, out: str) -> None:
     # Rank 0 stops at its third token, rank 1 runs to the limit: uneven decode lengths across ranks.
     eos = [int(free.completion_ids[0, 2])] if rank == 0 else []
     cut = generate_groups(engine.module, prompts, 2 + rank, greedy, tokenizer=tokenizer, eos_ids=eos)
+    # Chunked prefill: rank 1's longer prompt takes more chunks; rank 0 joins with idle calls (collective layers).
+    chunked = generate_groups(engine.module, prompts, 2 + rank, greedy, tokenizer=tokenizer, eos_ids=[],
+                              prefill_chunk_size=CHUNK)
     sampled = generate_groups(engine.module, prompts, 2 + rank, SamplingConfig(max_new_tokens=6 + 4 * rank, seed=rank),
                               tokenizer=tokenizer)
     # Gathered once, hooks off (rollout.zero3_gather=full): the same greedy tokens, no collective per step.
@@ -57,6 +63,8 @@ def main(checkpoint: str, video: str, out: str) -> None:
                                   synced=layer_collective)
         layered_cut = generate_groups(module, prompts, 2 + rank, greedy, tokenizer=tokenizer, eos_ids=eos,
                                       synced=layer_collective)
+        layered_chunked = generate_groups(module, prompts, 2 + rank, greedy, tokenizer=tokenizer, eos_ids=[],
+                                          synced=layer_collective, prefill_chunk_size=CHUNK)
         probe.remove()
         other_layers_partitioned = all(p.numel() == 0 for p in distributed.decoder_layers(module)[1].parameters()
                                        if not p.ds_persist)
@@ -83,7 +91,10 @@ def main(checkpoint: str, video: str, out: str) -> None:
         "layerwise_equal": torch.equal(layered.completion_ids, free.completion_ids),
         "layerwise_cut_equal": torch.equal(layered_cut.completion_ids, cut.completion_ids),
         "layerwise_collective": layer_collective, "layer_whole_when_run": bool(layer_whole) and all(layer_whole),
-        "other_layers_partitioned": other_layers_partitioned
+        "other_layers_partitioned": other_layers_partitioned,
+        "prefill_chunks": -(-prompts["input_ids"].shape[1] // CHUNK),
+        "chunked_equal": torch.equal(chunked.completion_ids, free.completion_ids),
+        "layerwise_chunked_equal": torch.equal(layered_chunked.completion_ids, free.completion_ids),
     }))
     distributed.shutdown()
 
