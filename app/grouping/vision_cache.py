@@ -20,6 +20,10 @@ kernel, and cuBLAS picks tiles by shape.) Cached or not, the language model rece
 gradients are bitwise equal with ``forward.vision_cache`` on and off. Qwen's towers attend within an item (frames,
 windows), so one pass per item computes exactly what the model's own batched call means.
 
+Long videos: with ``chunk_frames`` = F an item pass is cut into passes of F temporal patches (the outputs, or the
+recorded blocks, concatenated in order): the tower's activations are one chunk's. Exact for the same reason (no
+temporal patch attends to another); ``passes`` counts the cut passes, so ZeRO-3 ranks still agree.
+
 The cache is installed by replacing the tower module's ``forward`` on the instance (``attach``): it works on
 transformers versions with and without ``mm_encoder_outputs`` and needs no change to the model's own forward.
 ``calls_needed`` says how many tower passes a forward will make per modality, so that ZeRO-3 ranks agree on them
