@@ -59,6 +59,14 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
+# glibc keeps freed blocks under its dynamic mmap threshold (up to 32 MB) in the heap, so a process's resident peak
+# also counts memory no tensor holds any more, more so for the smaller tensors of a split workload (measured: the
+# long_video benchmark's S = 2 rank at 16k tokens peaked 1.25/S above S = 1 by default, 1.01/S with this). The
+# long_video benchmark runs its points with blocks above 64 KiB mmapped and returned on free: its resident figure
+# then follows the live tensors, as a GPU's max_memory_allocated does.
+LIVE_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
 def isolated(target: str, **kwargs) -> dict:
     """Run ``module:function(**kwargs)`` in a fresh interpreter; return its dict plus that process's peak memory."""
     result = subprocess.run([sys.executable, "-m", "app.bench.common", target, json.dumps(kwargs)], cwd=ROOT,

@@ -8,7 +8,8 @@ The model is fixed (a Qwen2.5-VL text stack, hidden 256, 4 query / 2 KV heads, 2
 group G = 4 completions of 64 tokens; S = 1 runs the ordinary grouped forward, S > 1 the sequence-parallel one.
 Each point is a fresh set of processes. "activation" is a rank's peak resident memory during the forward +
 backward minus its resident memory just before (model, inputs and interpreter excluded); the largest over the ranks
-is reported; "saved" is what autograd keeps for the backward (unique storages, parameters excluded: exact, not
+is reported (points run with ``common.LIVE_MEMORY_ENV``: the allocator returns freed blocks, so this follows the
+live tensors); "saved" is what autograd keeps for the backward (unique storages, parameters excluded: exact, not
 subject to the allocator's reuse and fragmentation that make the resident figure noisy). From the table: the longest prefix whose activation fits a budget (the S = 1 activation at the
 second-longest prefix) for each S, read off a straight line through each S's points (activation is linear in P
 here: the attention never holds a P x P matrix). Communication: the time of S ranks against S = 1's divided by S
@@ -28,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app.bench.common import ROOT, child_env, cli, markdown_table, write_report
+from app.bench.common import LIVE_MEMORY_ENV, ROOT, child_env, cli, markdown_table, write_report
 
 SIZES = (1, 2, 4)
 GROUP, COMPLETION = 4, 64
@@ -115,7 +116,7 @@ def point(size: int, prefix: int, out: Path, shape: str = "tiny") -> dict:
     command = ([sys.executable, *module] if size == 1 else
                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(size), *module])
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600,
-                          env=child_env(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // size))))
+                          env=child_env(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // size)), **LIVE_MEMORY_ENV))
     if done.returncode != 0:
         raise RuntimeError(f"S={size} P={prefix} failed:\n{done.stderr[-4000:]}")
     ranks = json.loads(target.read_text())
