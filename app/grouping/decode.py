@@ -403,12 +403,12 @@ def chunked_prefill(model, chunk_size: int, synced: bool = False):
     language = _language_model(model)
     original = language.forward  # the class's bound method: hooks run once, around the whole call
 
-    def call(plan_bias, **kwargs):
-        """The decoder on one chunk: on CPU through ``prefill_chunk_attention`` (the padding as a key bias)."""
-        if plan_bias is False:
+    def call(plan: PrefillChunk | None, **kwargs):
+        """The decoder on one chunk: SDPA with transformers' mask, or (a plan, on CPU) ``prefill_chunk_attention``."""
+        if plan is None:
             return original(**kwargs)
         kwargs["attention_mask"] = None
-        return original(**kwargs, **{attention.PLAN_KWARG: PrefillChunk(plan_bias)})
+        return original(**kwargs, **{attention.PLAN_KWARG: plan})
 
     def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
                 use_cache=None, visual_pos_masks=None, deepstack_visual_embeds=None, **kwargs):
@@ -422,29 +422,28 @@ def chunked_prefill(model, chunk_size: int, synced: bool = False):
         if visual_pos_masks is not None:  # deepstack rows are in (row, position) order over the visual positions
             visual_rows = torch.full(visual_pos_masks.shape, -1, dtype=torch.long, device=visual_pos_masks.device)
             visual_rows[visual_pos_masks] = torch.arange(int(visual_pos_masks.sum()), device=visual_rows.device)
-        bias = False  # False: SDPA with transformers' mask; else the key bias (None: no padding)
-        if inputs_embeds.device.type == "cpu":
-            bias = None
-            if attention_mask is not None and not bool(attention_mask.bool().all()):
-                bias = torch.zeros(attention_mask.shape, dtype=torch.float32, device=attention_mask.device)
-                bias = bias.masked_fill(~attention_mask.bool(), float("-inf"))[:, None, None, :]
+        on_cpu, bias = inputs_embeds.device.type == "cpu", None  # bias: the padding as a key bias (CPU)
+        if on_cpu and attention_mask is not None and not bool(attention_mask.bool().all()):
+            bias = torch.zeros(attention_mask.shape, dtype=torch.float32, device=attention_mask.device)
+            bias = bias.masked_fill(~attention_mask.bool(), float("-inf"))[:, None, None, :]
         previous = text_config(model)._attn_implementation
-        if bias is not False:
+        if on_cpu:
             set_text_attention(model, attention.ATTENTION_NAME)
         try:
             return run_chunks(count, width, inputs_embeds, attention_mask, position_ids, past_key_values,
-                              visual_rows, deepstack_visual_embeds, bias, kwargs)
+                              visual_rows, deepstack_visual_embeds, on_cpu, bias, kwargs)
         finally:
             set_text_attention(model, previous)
 
     def run_chunks(count, width, inputs_embeds, attention_mask, position_ids, past_key_values, visual_rows,
-                   deepstack_visual_embeds, bias, kwargs):
+                   deepstack_visual_embeds, on_cpu, bias, kwargs):
         hidden = None
         for k in range(count):
             start, end = k * chunk_size, min((k + 1) * chunk_size, width)
             if start >= width:  # idle: the layers' calls (and gathers) of a chunk, on one throwaway position
-                call(None if bias is not False else False, inputs_embeds=inputs_embeds[:1, :1], attention_mask=None,
-                     use_cache=False, position_ids=None if position_ids is None else position_ids[..., :1, :1])
+                call(PrefillChunk(None) if on_cpu else None, inputs_embeds=inputs_embeds[:1, :1],
+                     attention_mask=None, use_cache=False,
+                     position_ids=None if position_ids is None else position_ids[..., :1, :1])
                 continue
             extra = dict(kwargs)
             if visual_rows is not None:
@@ -455,7 +454,8 @@ def chunked_prefill(model, chunk_size: int, synced: bool = False):
                                  deepstack_visual_embeds=[d.index_select(0, index) for d in deepstack_visual_embeds])
             if extra.get("cache_position") is not None:
                 extra["cache_position"] = extra["cache_position"][start:end]
-            out = call(bias if bias is False or bias is None else bias[..., :end],
+            plan = PrefillChunk(None if bias is None else bias[..., :end]) if on_cpu else None
+            out = call(plan,
                        inputs_embeds=inputs_embeds[:, start:end],
                        attention_mask=None if attention_mask is None else attention_mask[:, :end],
                        position_ids=None if position_ids is None else position_ids[..., start:end],
