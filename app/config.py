@@ -128,7 +128,12 @@ class RolloutConfig:
                                             "takes (weights + KV cache); the rest is the trainer's.")
     vllm_sleep: bool = _f(True, "rollout.engine=vllm on a GPU: put vLLM to sleep between rollouts (its weights "
                           "offloaded to CPU, its KV cache freed) so the policy update has the memory back.")
-    vllm_tensor_parallel_size: int = _f(1, "rollout.engine=vllm: GPUs one vLLM engine spans (tensor parallelism).")
+    vllm_cpu_kv_cache_gib: float = _f(1.0, "rollout.engine=vllm on a CPU: vLLM's KV cache in GiB (vLLM's CPU worker "
+                                      "otherwise reserves 0.92 of a NUMA node's memory, and a second rank's engine "
+                                      "on the same node cannot start). It must hold one prompt plus its completions.")
+    vllm_tensor_parallel_size: int = _f(1, "rollout.engine=vllm: GPUs one vLLM engine spans. Only 1 is built: with "
+                                        "vLLM's external launcher every rank of a tensor-parallel group must submit "
+                                        "the same prompts, and this engine does not gather them within the group.")
     vllm_max_images: int = _f(1, "rollout.engine=vllm: the most images one prompt may hold (vLLM reserves memory "
                               "for them).")
     vllm_max_videos: int = _f(1, "rollout.engine=vllm: the most videos one prompt may hold.")
@@ -504,6 +509,7 @@ def validate(config: Config, training: bool = True) -> None:
     need(config.eval.temperature >= 0, "eval.temperature", "must be >= 0")
     need(config.eval.temperature > 0 or config.eval.samples == 1, "eval.samples",
          "> 1 needs eval.temperature > 0 (greedy samples would all be the same)")
+    validate_vllm_ranges(config.rollout)
     if not training:
         return
     need(bool(config.data.train_file), "data.train_file", "is required")
@@ -528,6 +534,7 @@ def validate(config: Config, training: bool = True) -> None:
     need(config.train.max_steps >= 1, "train.max_steps", "must be >= 1")
     need(config.train.prompts_per_rank >= 1, "train.prompts_per_rank", "must be >= 1")
     need(config.train.groups_per_micro_batch >= 1, "train.groups_per_micro_batch", "must be >= 1")
+    validate_vllm(config)
     sp = config.train.sequence_parallel_size
     need(sp >= 1, "train.sequence_parallel_size", "must be >= 1")
     need(sp == 1 or config.rollout.engine != "vllm", "train.sequence_parallel_size",
@@ -548,6 +555,42 @@ def validate(config: Config, training: bool = True) -> None:
     need(not weights or len(weights) == len(config.rewards.functions), "rewards.weights",
          f"needs one weight per function ({len(config.rewards.functions)})")
     need(bool(config.rewards.functions), "rewards.functions", "needs at least one reward function")
+
+
+def validate_vllm_ranges(r: RolloutConfig) -> None:
+    """Every rollout.vllm_* value within its range (checked whatever the engine, so a typo never waits for the day
+    the engine is switched on)."""
+    def need(condition: bool, key: str, message: str) -> None:
+        if not condition:
+            raise ConfigError(f"'rollout.{key}' {message}")
+
+    need(0 < r.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization",
+         f"must be in (0, 1] (a fraction of the GPU's memory), got {r.vllm_gpu_memory_utilization}")
+    need(r.vllm_cpu_kv_cache_gib > 0, "vllm_cpu_kv_cache_gib", f"must be > 0 (GiB), got {r.vllm_cpu_kv_cache_gib}")
+    need(r.vllm_tensor_parallel_size >= 1, "vllm_tensor_parallel_size",
+         f"must be >= 1, got {r.vllm_tensor_parallel_size}")
+    need(r.vllm_tensor_parallel_size == 1, "vllm_tensor_parallel_size",
+         f"={r.vllm_tensor_parallel_size} is not supported: with vLLM's external launcher every rank of a "
+         "tensor-parallel group must submit the same prompts, and this engine does not gather them within the group "
+         "(each rank would submit its own); use 1 (one engine per rank)")
+    need(r.vllm_max_images >= 0, "vllm_max_images", f"must be >= 0, got {r.vllm_max_images}")
+    need(r.vllm_max_videos >= 0, "vllm_max_videos", f"must be >= 0, got {r.vllm_max_videos}")
+
+
+def validate_vllm(config: Config) -> None:
+    """Training with rollout.engine=vllm: settings whose numbers would compare different things."""
+    r = config.rollout
+    if r.engine != "vllm":
+        return
+    filtered = r.top_p < 1 or r.top_k > 0
+    cap = config.grpo.to_options(r.max_completion_length, r.engine).importance_sampling_cap
+    if filtered and cap > 0:
+        raise ConfigError(
+            f"'rollout.top_p'/'rollout.top_k' (top_p={r.top_p}, top_k={r.top_k}) with rollout.engine=vllm and "
+            f"truncated importance sampling (grpo.importance_sampling_cap={cap}) compare different distributions: "
+            "vLLM reports log-probs of the top-p/top-k filtered distribution, the trainer's are of the whole "
+            "vocabulary, so the importance weights would be off. Use top_p=1 and top_k=0, or set "
+            "grpo.importance_sampling_cap=0 (then mismatch/* also compares the filtered with the whole)")
 
 
 def warnings_for(config: Config, training: bool = True) -> list[str]:
@@ -575,6 +618,10 @@ def warnings_for(config: Config, training: bool = True) -> list[str]:
     if training and c.forward.vision_chunk_frames and not frozen_tower:
         out.append(f"forward.vision_chunk_frames={c.forward.vision_chunk_frames} has no effect while the vision tower "
                    "trains (model.freeze_vision_tower=false, no LoRA or lora.vision_tower=true): it runs whole")
+    if training and c.rollout.engine == "vllm" and (c.rollout.top_p < 1 or c.rollout.top_k > 0):
+        out.append(f"rollout.top_p={c.rollout.top_p}, top_k={c.rollout.top_k} with rollout.engine=vllm: vLLM's "
+                   "sampling log-probs are of the filtered distribution, so mismatch/* compares it with the trainer's "
+                   "whole-vocabulary log-probs and is not 0 even when the weights agree")
     if not c.lora.rank and (c.lora.vision_tower or c.lora.projector):
         out.append("lora.vision_tower / lora.projector have no effect with lora.rank=0 (no adapters)")
     return out

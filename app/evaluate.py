@@ -29,8 +29,9 @@ from tqdm import tqdm
 from app.config import ConfigError, load_config
 from app.data.prompts import collate_prompts
 from app.data.records import check_record, encode_record, read_records, where
+from app.distributed import local_device
 from app.grouping import vision_cache
-from app.models import load_model, load_processor
+from app.models import DTYPES, CheckpointPathError, check_checkpoint, load_model, load_processor
 from app.rewards import accuracy_of, extract_answer
 from app.rollout import SamplingConfig, derive_seed, generate_groups
 from app.tracking import configure_logging
@@ -59,8 +60,7 @@ def _dist():
 
 # ---- what made the predictions: a resume continues only the same model, data files and settings ---------------
 RUN_FILE = "run.json"
-SAMPLED_BYTES = 1 << 20  # files above WHOLE_FILE_LIMIT are identified by size + their first and last MiB
-WHOLE_FILE_LIMIT = 64 << 20
+DIGEST_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "prefix-grpo" / "sha256.json"
 # Settings that do not change a prediction (where it is written, how many questions share a generate call, how a
 # mismatch is handled, training-only data keys).
 NOT_PREDICTION_SETTINGS = {"eval": {"output_dir", "resume", "batch_size", "if_different"},
@@ -71,32 +71,61 @@ class EvaluationMismatch(RuntimeError):
     """eval.output_dir holds predictions made by another model, other data files or other settings."""
 
 
-def file_identity(path: Path) -> dict:
-    """Size and sha256 of a file (of its first and last MiB when it is over 64 MiB: checkpoint shards)."""
-    size = path.stat().st_size
+def _file_key(path: Path, stat) -> str:
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|{stat.st_ino}"
+
+
+def file_identity(path: Path, cache: dict | None = None) -> dict:
+    """Size and sha256 of a file's whole content. ``cache`` maps (path, size, mtime, inode) to a digest already
+    computed, so a multi-GB checkpoint is read once, not at every resume; a rewritten file has a new change time
+    (which no tool can set back) and is hashed again."""
+    stat = path.stat()
+    key = _file_key(path, stat)
+    if cache is not None and key in cache:
+        return {"size": stat.st_size, "sha256": cache[key]}
     digest = hashlib.sha256()
     with path.open("rb") as f:
-        if size <= WHOLE_FILE_LIMIT:
-            digest.update(f.read())
-        else:
-            digest.update(f.read(SAMPLED_BYTES))
-            f.seek(size - SAMPLED_BYTES)
-            digest.update(f.read(SAMPLED_BYTES))
-    return {"size": size, "sha256": digest.hexdigest()}
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    if cache is not None:
+        cache[key] = digest.hexdigest()
+    return {"size": stat.st_size, "sha256": digest.hexdigest()}
+
+
+def _load_digests() -> dict:
+    try:
+        return json.loads(DIGEST_CACHE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_digests(cache: dict) -> None:
+    try:  # a cache: a failure to write it costs time at the next resume, nothing else
+        DIGEST_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = DIGEST_CACHE.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dict(list(cache.items())[-4096:])))  # the newest entries, bounded
+        os.replace(tmp, DIGEST_CACHE)
+    except OSError:
+        pass
 
 
 def run_identity(cfg, model_dir: Path, data_files: list[Path]) -> dict:
     """Everything that decides a prediction: the model's files (weights, config, processor), the data files'
     contents, and the evaluation and data settings (NOT_PREDICTION_SETTINGS excluded)."""
     model_files = sorted(p for p in Path(model_dir).iterdir() if p.is_file())
+    cache = _load_digests()
+    known = dict(cache)
     values = cfg.to_dict()
     settings = {section: {k: v for k, v in values[section].items() if k not in NOT_PREDICTION_SETTINGS.get(section, ())}
                 for section in ("eval", "data")}
     settings["model"] = {k: values["model"][k] for k in ("dtype", "vision_attention", "trust_remote_code")}
-    return {"model": {"path": str(Path(model_dir).resolve()),
-                      "files": {p.name: file_identity(p) for p in model_files}},
-            "data": {str(f.resolve()): file_identity(f) for f in data_files},
-            "settings": settings}
+    identity = {"model": {"path": str(Path(model_dir).resolve()),
+                          "files": {p.name: file_identity(p, cache) for p in model_files}},
+                "data": {str(f.resolve()): file_identity(f, cache) for f in data_files},
+                "settings": settings}
+    if cache != known:
+        _save_digests(cache)
+    return identity
 
 
 def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -202,6 +231,7 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
     """Evaluate on one data file or a list of them (one table per file: a benchmark)."""
     cfg = load_config(None, [f"model.path={model_dir}", *overrides], training=False)
     ev, data_cfg = cfg.eval, cfg.data
+    check_checkpoint(model_dir, "MODEL_DIR")
     dist, rank, world = _dist()
     data_files = [Path(f) for f in ([data_files] if isinstance(data_files, (str, Path)) else data_files)]
     for data_file in data_files:
@@ -247,16 +277,20 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
     processor = load_processor(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     tokenizer = getattr(processor, "tokenizer", processor)
     sampling = SamplingConfig(temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens)
+    device = local_device()  # the rank's GPU when there is one
     if ev.engine == "vllm":
         from app.engines.vllm import VLLMEngine, checkpoint_eos_ids
 
         model = VLLMEngine(str(model_dir), cfg.rollout, cfg.model.dtype,
                            max_model_len=data_cfg.max_prompt_length + ev.max_new_tokens, seed=ev.seed,
-                           device_type="cuda" if torch.cuda.is_available() else "cpu", world=world)
+                           device_type=device.type, world=world)
         eos_ids = checkpoint_eos_ids(model_dir, tokenizer)
     else:
-        model = load_model(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+        # in model.dtype, with the vision attention training uses, on the rank's device
+        model = load_model(model_dir, dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.vision_attention,
+                           trust_remote_code=cfg.model.trust_remote_code).to(device)
         model.eval()
+        log.info("evaluating %s in %s on %s", model_dir, cfg.model.dtype, device)
         if cfg.forward.vision_chunk_frames:  # nothing trains here: the tower runs item by item, frame-chunked
             model.requires_grad_(False)
             vision_cache.install(model, "off", cfg.forward.vision_chunk_frames)
@@ -284,7 +318,7 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
             else:
                 with torch.no_grad():
                     rollout = generate_groups(model, collate_prompts([p.inputs for p in prompts],
-                                                                     tokenizer.pad_token_id), ev.samples,
+                                                                     tokenizer.pad_token_id, device), ev.samples,
                                               sampling, tokenizer=tokenizer, synced=False, prompt_seeds=seeds,
                                               prefill_chunk_size=cfg.rollout.prefill_chunk_size)
             for i, record in enumerate(batch):
@@ -345,6 +379,8 @@ def main(argv: list[str] | None = None) -> None:
         summary = evaluate(argv[0], files, [a for a in argv[1:] if OVERRIDE.match(a)])
     except ConfigError as error:
         raise SystemExit(f"config error: {error}") from None
+    except CheckpointPathError as error:
+        raise SystemExit(f"model error: {error}") from None
     except EvaluationMismatch as error:
         raise SystemExit(f"evaluation error: {error}") from None
     if summary is not None:

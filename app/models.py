@@ -8,6 +8,7 @@ through exactly the code path a user's local 7B checkpoint takes.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import app  # noqa: F401  (torchvision fix before transformers)
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3")
 VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # model.dtype -> torch dtype
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -294,6 +296,41 @@ def _aliased(config: dict) -> bool:
             config[key] = PROCESSOR_ALIASES[value]
             changed = True
     return changed
+
+
+class CheckpointPathError(ValueError):
+    """A model path that is not a readable Hugging Face checkpoint directory (the message names the path)."""
+
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def check_checkpoint(path: str | Path, key: str = "model.path") -> Path:
+    """``path`` as a readable checkpoint directory (config.json that parses, weight files), else one sentence naming
+    the path and what is wrong with it."""
+    path = Path(path)
+    where = f"{key} {str(path)!r}"
+    if not path.exists():
+        raise CheckpointPathError(f"{where} does not exist")
+    if not path.is_dir():
+        raise CheckpointPathError(f"{where} is a file, not a checkpoint directory (save_pretrained writes a folder)")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise CheckpointPathError(f"{where} cannot be read (permissions)")
+    config = path / "config.json"
+    if not config.is_file():
+        raise CheckpointPathError(f"{where} is not a Hugging Face checkpoint: it has no config.json")
+    try:
+        parsed = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointPathError(f"{where}: config.json cannot be read as JSON ({error})") from None
+    if not isinstance(parsed, dict) or "model_type" not in parsed:
+        raise CheckpointPathError(f"{where}: config.json has no model_type, so it is not a model's config")
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        raise CheckpointPathError(f"{where} holds no weights (no *.safetensors or *.bin files)")
+    for weights in path.glob("*.safetensors"):
+        if not os.access(weights, os.R_OK):
+            raise CheckpointPathError(f"{where}: {weights.name} cannot be read (permissions)")
+    return path
 
 
 def load_processor(path: str | Path, trust_remote_code: bool = False):

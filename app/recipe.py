@@ -21,7 +21,13 @@ from app.data.records import DataError, load_stream
 from app.data.video import SettingError
 from app.grouping import MODALITIES, completion_logprobs, present_vision_calls, vision_cache
 from app.grouping.sequence_parallel import check_heads
-from app.models import enable_activation_checkpointing, load_model, load_processor
+from app.models import (
+    CheckpointPathError,
+    check_checkpoint,
+    enable_activation_checkpointing,
+    load_model,
+    load_processor,
+)
 from app.tracking import Tracker, configure_logging
 
 log = logging.getLogger("app.recipe")
@@ -258,8 +264,13 @@ def run(recipe: type[Recipe], doc: str, argv: list[str] | None = None) -> None:
     configure_logging()
     try:
         cfg = load_config(argv[0], argv[1:])
+        check_checkpoint(cfg.model.path)
+        if cfg.model.reference_path:
+            check_checkpoint(cfg.model.reference_path, "model.reference_path")
     except ConfigError as error:
         raise SystemExit(f"config error: {error}") from None
+    except CheckpointPathError as error:
+        raise SystemExit(f"model error: {error}") from None
     configure_logging(Path(cfg.train.output_dir) / "logs" / f"rank{os.environ.get('RANK', '0')}.log",
                       rank=int(os.environ.get("RANK", "0")))
     try:

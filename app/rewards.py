@@ -82,12 +82,35 @@ def _unwrap(text: str) -> str:
     return text
 
 
+# A statement of the choice inside a sentence: "..., so the answer is B", "I think the correct option is (C)".
+_STATED = re.compile(r"(?:^|[\s,;:(])(?:answer|option|choice)(?:\s+(?:is|would\s+be|should\s+be|must\s+be))?\s*[:：]?\s*"
+                     r"(?P<said>[(\[*`$]*[A-Za-z](?![\w'])[^\n]*)$", re.IGNORECASE | re.DOTALL)
+# One-letter words that are not option letters: the pronoun "I" ("I think", "I'm") and the article "A"/"a" before a
+# word ("A dog runs"). Every other letter standing alone is a candidate.
+_NOT_A_LETTER = re.compile(r"^(?:I(?:\s+[a-z]|'[a-z])|[Aa]\s+[a-z])")
+_STANDALONE = re.compile(r"(?<![\w'\\])[A-Za-z](?![\w'])")
+
+
+def _letters_in_sentence(text: str) -> list[str]:
+    """Every one-letter word of a sentence that may be an option letter (upper case; lower-case "a" and "i" only
+    as the whole answer): the pronoun I and the article A before a word are words, not options."""
+    found = []
+    for match in _STANDALONE.finditer(text):
+        letter = match.group(0)
+        if _NOT_A_LETTER.match(text[match.start():]) or letter.islower():
+            continue
+        found.append(letter)
+    return found
+
+
 def option_letter(text: str) -> str | None:
     """The option letter an answer names (A-Z: benchmarks have up to 26 options), or None.
 
     Named: "B", "b", "B.", "(B)", "[B]", "**B**", "\\boxed{B}", "Answer: B", "B. red", "B, the red one",
-    "B - red", "B because the square is red", "B is correct", "B (the red one)". None: "blue", "Because ...", "a cat", "B or C", "A, C", "B, not C"
-    (a second option letter in the text is a hedge)."""
+    "B - red", "B because the square is red", "B is correct", "B (the red one)"; inside a sentence, "the red one
+    falls, so the answer is B" and "I think it is C" / "A dog runs left: D" (the pronoun I and the article A before a
+    word are words). None: "blue", "Because ...", "a cat", "B or C", "A, C", "B, not C" (a second option letter in
+    the text is a hedge)."""
     text = _unwrap(text)
     for pattern in (*_LETTER_FORMS, _JUSTIFIED):
         match = pattern.match(text)
@@ -96,7 +119,13 @@ def option_letter(text: str) -> str | None:
             if _OTHER_LETTER.search(rest):
                 return None
             return match.group(1).upper()
-    return None
+    stated = list(_STATED.finditer(text))
+    if stated:  # the last "answer is X" of a sentence decides, parsed as a whole answer would be
+        said = stated[-1].group("said").strip()
+        if said != text:
+            return option_letter(said)
+    letters = _letters_in_sentence(text)
+    return letters[0] if len(letters) == 1 else None  # one candidate letter in the sentence; several are a hedge
 
 
 # ---- numbers: one value, thousands separators, leading-dot decimals, exponents, unicode minus; hedges refused -----
@@ -228,9 +257,11 @@ def accuracy_of(completion: str, record: dict, regression: str = "relative_error
     if regression not in REGRESSION_METRICS:
         raise RewardError(f"unknown regression metric {regression!r}; expected one of {sorted(REGRESSION_METRICS)}")
     answer = extract_answer(completion)
-    if answer is None or not answer:
+    if answer is None:
         return 0.0
     truth = solution_answer(record["solution"])
+    if not truth or not answer:  # an empty reference is matched by an empty answer only (and vice versa)
+        return float(not truth and not answer)
     if record["problem_type"] == "regression":
         return _regression(answer, truth, regression)
     return ACCURACY_BY_PROBLEM_TYPE[record["problem_type"]](answer, truth)

@@ -137,10 +137,9 @@ class GRPOTrainer(Recipe):
 
     def push_weights_to_vllm(self) -> None:
         """The policy's current weights into vLLM, before every rollout (so after every optimizer step, and after
-        a resume): under ZeRO-3 gathered one tensor at a time, LoRA merged (``app.engines.vllm.policy_weights``)."""
-        from app.engines.vllm import policy_weights
-
-        self.vllm.push_weights(policy_weights(self.engine))
+        a resume): under ZeRO-3 gathered one tensor at a time, LoRA merged, frozen tensors only the first time
+        (``app.engines.vllm.VLLMEngine.sync_weights``)."""
+        self.vllm.sync_weights(self.engine)
 
     def generate(self, prompts: list[EncodedPrompt], seeds: list[int]) -> Rollout:
         """G completions per prompt; with sequence parallelism the SP group's ranks sample the same prompts with the
@@ -331,9 +330,10 @@ def step_metrics(t: Trajectory, updates: list[dict], seconds: dict, grouped: boo
     m.mean("entropy", mean_of(first, "entropy"))
     m.mean("mismatch/mean_abs_logprob_diff", mean_of(first, "mismatch/mean_abs_logprob_diff"))
     m.max("mismatch/max_ratio", max((u.get("mismatch/max_ratio", 1.0) for u in first), default=1.0))
-    for key in ("rollout", "data_wait", "reference", "policy"):
-        m.mean(f"time/{key}", seconds[key])
-    m.mean("time/step", seconds["rollout"] + seconds["reference"] + seconds["policy"])
+    for key in ("rollout", "data_wait", "reference", "policy", "weight_sync"):
+        if key in seconds:  # weight_sync: rollout.engine=vllm only (every rank alike)
+            m.mean(f"time/{key}", seconds[key])
+    m.mean("time/step", seconds["rollout"] + seconds["reference"] + seconds["policy"] + seconds.get("weight_sync", 0.0))
     m.sum("tokens/policy_forward", float(sum(u["tokens"] for u in updates)))
     saved = sum(p.length * (size - 1) for p, size in zip(t.prompts, t.group_sizes))  # prefix tokens not re-encoded
     m.sum("tokens/prefix_saved_by_grouping", float(saved if grouped else 0))

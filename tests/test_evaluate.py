@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.data.synthetic import generate
 from app.models import build_tiny_checkpoint
@@ -213,3 +214,48 @@ def test_each_question_draws_its_own_samples_whatever_the_batch(small, tmp_path)
                                     "eval.batch_size=4", *sampled])
     completions = [tuple(r["completions"]) for r in predictions(tmp_path / "copies").values()]
     assert len(completions) == 4 and len(set(completions)) == 4
+
+
+def test_evaluation_runs_in_the_configured_dtype_on_the_ranks_device(small, tmp_path, monkeypatch):
+    """model.dtype=bfloat16 evaluates a bfloat16 model (not float32 on the host), inputs on the model's device,
+    with the configured vision attention; float32 stays float32. The answers of both are scored."""
+    import app.evaluate as evaluate_module
+
+    seen = []
+    real = evaluate_module.generate_groups
+
+    def spy(model, prompts, *args, **kwargs):
+        seen.append((next(model.parameters()).dtype, next(model.parameters()).device, prompts["input_ids"].device,
+                     model.config.vision_config._attn_implementation))
+        return real(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate_module, "generate_groups", spy)
+    summary = in_process(small["a"], small["data"], tmp_path / "bf16", "model.dtype=bfloat16",
+                         "model.vision_attention=eager")
+    assert summary["scored_this_run"] == 4
+    assert {s[0] for s in seen} == {torch.bfloat16} and {s[3] for s in seen} == {"eager"}
+    assert all(s[1] == s[2] for s in seen)  # inputs on the model's device
+    seen.clear()
+    in_process(small["a"], small["data"], tmp_path / "fp32")
+    assert {s[0] for s in seen} == {torch.float32}
+
+
+def test_resume_identity_reads_the_whole_weight_file(tmp_path, monkeypatch):
+    """A re-export that changes only middle bytes of a large weight file (a LoRA merge with a frozen tower) is
+    another model; an unchanged file is hashed once and then served from the digest cache."""
+    import app.evaluate as evaluate_module
+
+    monkeypatch.setattr(evaluate_module, "DIGEST_CACHE", tmp_path / "cache" / "sha256.json")
+    big = tmp_path / "model.safetensors"
+    size = 80 << 20  # past the 64 MiB where only the first and last MiB used to be read
+    big.write_bytes(bytes(size))
+    cache = {}
+    first = evaluate_module.file_identity(big, cache)
+    with big.open("r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\x01")
+    assert evaluate_module.file_identity(big, cache)["sha256"] != first["sha256"]
+    calls = []
+    monkeypatch.setattr(evaluate_module.hashlib, "sha256", lambda *a: calls.append(1) or __import__("hashlib").sha256())
+    again = evaluate_module.file_identity(big, cache)
+    assert not calls and again == evaluate_module.file_identity(big, cache)  # cached by size, times and inode

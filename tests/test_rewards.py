@@ -89,6 +89,16 @@ GAMED = [
     ("multiple choice", "A", said("A cat"), 0.0),
     ("multiple choice", "B", said("B is wrong, C is right"), 0.0),
     ("multiple choice", "B", said("B and C"), 0.0),
+    # inside a sentence: one-letter words that are not options (I, the article A) never make a hedge or a choice
+    ("multiple choice", "C", said("I think it could be B or C"), 0.0),
+    ("multiple choice", "A", said("I see a dog"), 0.0),
+    ("multiple choice", "A", said("A dog runs left"), 0.0),
+    ("multiple choice", "B", said("I am not sure"), 0.0),
+    # an empty reference: only an empty (closed) answer matches it, and an empty answer matches nothing else
+    ("free-form", "", said(""), 1.0),
+    ("OCR", "", said("some text"), 0.0),
+    ("multiple choice", "", "<think>nothing</think>", 0.0),
+    ("OCR", "hello", said(""), 0.0),
 ]
 RIGHT = [
     ("multiple choice", "B", said(answer), 1.0)
@@ -101,7 +111,13 @@ RIGHT = [
         ("multiple choice", "E", "e, since it comes first"), ("multiple choice", "C", "C - it moves left"),
         ("multiple choice", "A", "A because the ball falls"), ("multiple choice", "J", "(J), the last one"),
         ("multiple choice", "F", "The answer is F, as the clip shows"), ("multiple choice", "B", "B is correct"),
-        ("multiple choice", "C", "C (the square that moves)"), ("multiple choice", "D", "D was right, the clip shows it"))
+        ("multiple choice", "C", "C (the square that moves)"), ("multiple choice", "D", "D was right, the clip shows it"),
+        # the letter after a sentence with the pronoun I or the article A in it
+        ("multiple choice", "B", "I think the answer is B"), ("multiple choice", "C", "I believe it is C."),
+        ("multiple choice", "D", "A ball rolls left, so the answer is D"), ("multiple choice", "B", "I'd say B"),
+        ("multiple choice", "E", "After watching, I choose E"), ("multiple choice", "A", "I think the answer is A."),
+        ("multiple choice", "C", "A square moves; the correct option is (C) the square"),
+        ("multiple choice", "I", "The answer is I"), ("multiple choice", "B", "Looking at a frame, I pick B."))
 ] + [
     ("numerical", "3", said("3.0"), 1.0),
     ("numerical", "12", said("12 squares"), 1.0),

