@@ -234,18 +234,32 @@ def data_parallel_gather(values: list[float]) -> list[list[float]]:
     return rows if sp is None else rows[::sp.size]
 
 
-def same_in_sequence_parallel_group(value):
-    """``value`` as the SP group's first rank has it, on every rank of the group (rollouts: each rank samples the
-    same prompts with the same seeds, and this makes sure they train on the very same tokens). Identity without
-    sequence parallelism."""
+def same_in_sequence_parallel_group(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` as the SP group's first rank has them, on every rank of the group (rollouts: each rank samples
+    the same prompts with the same seeds, and this makes sure they train on the very same tokens). Tensor
+    collectives only (first the shapes, then each tensor on the backend's device: the GPU under nccl), each result
+    on its input's device and in its dtype; the other ranks' shapes may differ. Identity without sequence
+    parallelism."""
     import torch.distributed as dist
 
     sp = _SEQUENCE_PARALLEL
     if sp is None:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(sp.group, 0), group=sp.group)
-    return box[0]
+        return tensors
+    src = dist.get_global_rank(sp.group, 0)
+    device = local_device() if dist.get_backend() == "nccl" else torch.device("cpu")
+    most = 4
+    if any(t.dim() > most for t in tensors):
+        raise ValueError(f"same_in_sequence_parallel_group takes tensors of at most {most} dimensions")
+    shapes = torch.tensor([[t.dim(), *t.shape, *[0] * (most - t.dim())] for t in tensors], dtype=torch.long,
+                          device=device)
+    dist.broadcast(shapes, src=src, group=sp.group)
+    out = []
+    for t, row in zip(tensors, shapes.tolist()):
+        shape = row[1 : 1 + row[0]]
+        buffer = t.to(device).contiguous() if sp.rank == 0 else torch.empty(shape, dtype=t.dtype, device=device)
+        dist.broadcast(buffer, src=src, group=sp.group)
+        out.append(buffer.to(t.device))
+    return out
 
 
 def exit_worker(code: int = 0) -> None:

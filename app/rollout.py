@@ -67,6 +67,22 @@ class Rollout:
     prefill_tokens: int  # prompt tokens the decoder processed in prefill
 
 
+STOP_REASONS = ("eos", "length", "stop_string")
+
+
+def shared_rollout(rollout: Rollout, share) -> Rollout:
+    """``rollout`` as ``share`` (a list of tensors -> the same list as one rank has it, e.g.
+    ``distributed.same_in_sequence_parallel_group``) makes it: tokens, mask, log-probs, stop reasons, group sizes
+    and prefill count go as tensors."""
+    codes = torch.tensor([STOP_REASONS.index(r) for r in rollout.stop_reasons], dtype=torch.long)
+    counts = torch.tensor([*rollout.group_sizes, rollout.prefill_tokens], dtype=torch.long)
+    ids, mask, logprobs, codes, counts = share([rollout.completion_ids, rollout.completion_mask, rollout.logprobs,
+                                                codes, counts])
+    counts = counts.tolist()
+    return Rollout(completion_ids=ids, completion_mask=mask, logprobs=logprobs, group_sizes=counts[:-1],
+                   stop_reasons=[STOP_REASONS[c] for c in codes.tolist()], prefill_tokens=counts[-1])
+
+
 def derive_seed(*parts) -> int:
     """A 63-bit seed from any parts (seed, step, rank, question key...): independent streams for different parts."""
     digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
@@ -125,11 +141,18 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, generators: Se
         tokens = allowed.argmax(dim=-1)
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     inverse_t = 1.0 / sampling.temperature
-    top = logits.amax(dim=-1, keepdim=True)
-    weights = torch.sub(logits, top)
+    # The max and the weights are of the tokens that may be drawn: a suppressed token far above the rest (a head
+    # biased towards a placeholder) would otherwise underflow every other weight to 0 and the draw degenerate.
+    weights = logits.clone() if suppress is not None else logits
+    if suppress is not None:
+        weights.index_fill_(-1, suppress, float("-inf"))
+    top = weights.amax(dim=-1, keepdim=True)
+    weights = torch.sub(weights, top)
     if sampling.temperature != 1.0:
         weights.mul_(inverse_t)
-    log_total = weights.exp_().sum(dim=-1).log()  # unfiltered normaliser
+    log_total = weights.exp_().sum(dim=-1).log()  # the drawable tokens' normaliser
+    if suppress is not None:  # plus the suppressed tokens' mass: the reported log-probs stay unfiltered
+        log_total = torch.logaddexp(log_total, ((logits.index_select(-1, suppress) - top) * inverse_t).logsumexp(-1))
     if (sampling.top_k and sampling.top_k < logits.shape[-1]) or sampling.top_p < 1.0:
         scaled = logits if sampling.temperature == 1.0 else logits * inverse_t
         filtered = scaled if suppress is None else scaled.index_fill(-1, suppress, float("-inf"))
@@ -139,8 +162,6 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, generators: Se
         if sampling.top_p < 1.0:
             filtered = _top_p(filtered, sampling.top_p)
         weights = weights.masked_fill_(torch.isinf(filtered), 0.0)
-    elif suppress is not None:
-        weights.index_fill_(-1, suppress, 0.0)  # the drawn token is never one of these: its log-prob is unaffected
     if generators is None:
         uniform = torch.rand(len(weights), 1, dtype=torch.float64, device=weights.device)
     else:

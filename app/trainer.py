@@ -26,13 +26,13 @@ from app import distributed, lora
 from app.config import Config
 from app.data.prompts import collate_prompts
 from app.data.records import EncodedPrompt
-from app.grouping import verify_grouping
+from app.grouping import text_before_media, verify_grouping
 from app.grouping.vision_cache import attach as attach_vision_cache
 from app.grpo import GRPOLoss, advantages, choose_groups, groups_with_signal, mismatch_metrics, zero_variance_groups
 from app.models import load_model
 from app.recipe import Recipe, run
 from app.rewards import RewardSet
-from app.rollout import Rollout, derive_seed, eos_token_ids, generate_groups
+from app.rollout import Rollout, derive_seed, eos_token_ids, generate_groups, shared_rollout
 from app.tracking import StepMetrics
 from app.trajectory import MicroBatch, Trajectory
 
@@ -139,12 +139,13 @@ class GRPOTrainer(Recipe):
         """The policy's current weights into vLLM, before every rollout (so after every optimizer step, and after
         a resume): under ZeRO-3 gathered one tensor at a time, LoRA merged, frozen tensors only the first time
         (``app.engines.vllm.VLLMEngine.sync_weights``)."""
-        self.vllm.sync_weights(self.engine)
+        self.pushed_tensors = self.vllm.sync_weights(self.engine)
 
     def generate(self, prompts: list[EncodedPrompt], seeds: list[int]) -> Rollout:
         """G completions per prompt; with sequence parallelism the SP group's ranks sample the same prompts with the
         same seeds and keep its first rank's tokens (so they train on one rollout)."""
-        return distributed.same_in_sequence_parallel_group(self.sample(prompts, seeds))
+        rollout = self.sample(prompts, seeds)
+        return shared_rollout(rollout, distributed.same_in_sequence_parallel_group) if self.sp else rollout
 
     def sample(self, prompts: list[EncodedPrompt], seeds: list[int]) -> Rollout:
         if self.vllm is not None:
@@ -187,11 +188,18 @@ class GRPOTrainer(Recipe):
 
     @torch.no_grad()
     def self_check(self, mb: MicroBatch) -> None:
+        """Grouped vs repeated on the first micro-batch. With sequence parallelism the whole row is what needed S
+        ranks, so the check runs on the text before each prompt's first image/video and the first completion
+        tokens (``text_before_media``): layout, positions, backend and dtype, not the tower; the SP forward itself
+        is tested against one rank in the suite."""
+        batch = (mb.inputs, mb.completion_ids, mb.completion_mask)
+        if self.sp is not None:
+            batch = text_before_media(self.engine, *batch)
         # Gathered whole: in low precision the check also runs a float32 forward, upcasting layer by layer.
         with distributed.gathered_for_inference(self.engine, "full") as (module, _), paused(self.vision_cache):
-            result = verify_grouping(module, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes,
-                                     backend=self.cfg.forward.backend)
-        log.info("self-check passed: %s", result.describe())
+            result = verify_grouping(module, *batch, mb.group_sizes, backend=self.cfg.forward.backend)
+        what = " (sequence parallel: on the text before the media and the first completion tokens)" if self.sp else ""
+        log.info("self-check passed%s: %s", what, result.describe())
 
     def update(self, micro_batches: list[MicroBatch], weights: torch.Tensor) -> list[dict]:
         """mu passes of the clipped loss over the micro-batches, one DeepSpeed step (accumulation) each."""
@@ -222,6 +230,8 @@ class GRPOTrainer(Recipe):
         m.local("learning_rate", learning_rate)
         m.local("grad_norm", float(grad_norm) if grad_norm is not None else 0.0)
         m.local("data/skipped", float(sum(self.stream.skipped.values())))
+        if self.vllm is not None:
+            m.mean("weight_sync/tensors", float(self.pushed_tensors))  # all at the first push, then what can change
         self.vision_metrics(m)
         values = m.reduce(distributed.data_parallel_gather)
         values["tokens_per_second"] = values["tokens/policy_forward"] / max(seconds["policy"], 1e-9)

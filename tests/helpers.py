@@ -126,3 +126,35 @@ def world_of_one(monkeypatch):
         for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
                      "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
             getattr(ds_groups, name).clear()
+
+
+def bias_head_towards_placeholder(checkpoint, token_key: str = "image_token_id", strength: float = 20.0) -> int:
+    """Rewrite a Qwen2.5-VL checkpoint so its head prefers a vision placeholder at every text position: the last
+    hidden dimension carries a constant 1 from the embeddings (no layer writes to it), and the placeholder's head row
+    reads only that dimension, scaled. Returns the placeholder id (what an engine without suppression would sample
+    nearly always)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = Path(checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    token = int(config[token_key])
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    for name, tensor in weights.items():
+        if name.endswith("embed_tokens.weight"):
+            tensor[:, -1] = 1.0
+        elif name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")) and "visual" not in name:
+            tensor[-1, :] = 0.0
+        elif name.endswith("merger.mlp.2.weight"):
+            tensor[-1, :] = 0.0
+        elif name.endswith("merger.mlp.2.bias"):
+            tensor[-1] = 1.0
+        elif name.endswith("language_model.norm.weight"):
+            tensor[-1] = 1.0
+    head = weights["lm_head.weight"]
+    head[token] = 0.0
+    head[token, -1] = strength
+    save_file(weights, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    return token

@@ -152,6 +152,34 @@ def test_sampler_draws_the_tempered_filtered_distribution(temperature, top_k, to
     torch.testing.assert_close(logprobs, torch.log_softmax(logits / temperature, -1)[tokens])  # unfiltered log-probs
 
 
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 0.9)])
+def test_a_suppressed_token_far_above_the_rest_leaves_the_draw_intact(temperature, top_k, top_p):
+    """A suppressed token (a vision placeholder) whose logit is 140 above the rest: it is never drawn, the others
+    come with softmax(logits / T) restricted to them (their exp(x - max) would all underflow to 0 against the
+    suppressed max: every draw was token 0 before), and the log-probs stay those of the whole distribution."""
+    from app.rollout import sample_tokens
+
+    logits = torch.tensor([0.2, 1.5, 1.0, 140.0, -0.5, 0.9, 140.5, 0.3])
+    suppress = torch.tensor([3, 6])
+    allowed = torch.ones(8, dtype=torch.bool)
+    allowed[suppress] = False
+    probs = torch.where(allowed, torch.softmax(logits.masked_fill(~allowed, float("-inf")) / temperature, -1), 0.0)
+    if top_k:
+        probs = torch.where(probs >= probs.topk(top_k).values[-1], probs, 0.0)
+        order = probs.argsort(descending=True)
+        sorted_probs = probs[order] / probs.sum()
+        drop = order[(sorted_probs.cumsum(0) - sorted_probs) >= top_p]
+        probs[drop] = 0.0
+    expected = probs / probs.sum()
+    n = 40_000
+    tokens, logprobs = sample_tokens(logits.expand(n, -1), SamplingConfig(temperature=temperature, top_k=top_k,
+                                                                          top_p=top_p), None, suppress)
+    frequencies = torch.bincount(tokens, minlength=8).double() / n
+    assert not bool(torch.isin(tokens, suppress).any())
+    assert (frequencies - expected.double()).abs().max() < 0.01
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits / temperature, -1)[tokens])
+
+
 def test_top_p_looks_at_the_largest_probabilities_first_and_falls_back_to_a_full_sort(monkeypatch):
     """Looking at the largest 64, then 1024, probabilities first keeps exactly what sorting the whole vocabulary
     keeps, for mass concentrated in a few tokens, spread over hundreds, and flat over all (the full sort)."""

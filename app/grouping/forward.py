@@ -288,6 +288,37 @@ class SelfCheck:
         return f"{text}; {self.comparison.describe()}" if self.comparison is not None else text
 
 
+SELF_CHECK_COMPLETION_TOKENS = 32
+
+
+def text_before_media(model, prompts, completion_ids, completion_mask,
+                      completion_tokens: int = SELF_CHECK_COMPLETION_TOKENS):
+    """A short batch cut from a micro-batch for a self-check that must fit on one rank (sequence parallelism: the
+    whole row needs S ranks): each prompt up to its first image or video (the chat preamble and any text before the
+    media), each completion's first ``completion_tokens`` tokens. Checks the grouped layout, positions, attention
+    backend and dtype on this model; not the vision tower. Returns (prompts, completion_ids, completion_mask)."""
+    config = unwrap(model).config
+    start = getattr(config, "vision_start_token_id", None)
+    rows = []
+    for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"]):
+        real = ids[mask.bool()]
+        cut = (real == start).nonzero() if start is not None else real.new_zeros(0, 1)
+        rows.append(real[: int(cut[0, 0])] if len(cut) else real)
+    width = max(len(r) for r in rows)
+    padded = prompts["input_ids"][prompts["attention_mask"] == 0]
+    pad = int(padded[0]) if padded.numel() else 0  # the batch's own pad id
+    input_ids = prompts["input_ids"].new_full((len(rows), width), pad)
+    attention = prompts["attention_mask"].new_zeros((len(rows), width))
+    for b, row in enumerate(rows):  # left-padded, as the processor pads
+        input_ids[b, width - len(row):] = row
+        attention[b, width - len(row):] = 1
+    cut_prompts = {"input_ids": input_ids, "attention_mask": attention}
+    if "mm_token_type_ids" in prompts:
+        cut_prompts["mm_token_type_ids"] = torch.zeros_like(input_ids)
+    keep = min(completion_tokens, completion_ids.shape[1])
+    return cut_prompts, completion_ids[:, :keep], completion_mask[:, :keep]
+
+
 def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes, *, backend: str | None = None,
                     rtol: float = 1e-4, atol: float = 1e-5) -> SelfCheck:
     """Run both layouts on one batch; raise GroupingMismatchError when grouped is wrong. Returns a ``SelfCheck``.
