@@ -582,15 +582,16 @@ def validate_vllm(config: Config) -> None:
     r = config.rollout
     if r.engine != "vllm":
         return
-    filtered = r.top_p < 1 or r.top_k > 0
+    filtered = (r.top_p < 1 or r.top_k > 0) and r.temperature != 1.0  # at T=1 vLLM's raw log-probs are unfiltered
     cap = config.grpo.to_options(r.max_completion_length, r.engine).importance_sampling_cap
     if filtered and cap > 0:
         raise ConfigError(
-            f"'rollout.top_p'/'rollout.top_k' (top_p={r.top_p}, top_k={r.top_k}) with rollout.engine=vllm and "
-            f"truncated importance sampling (grpo.importance_sampling_cap={cap}) compare different distributions: "
-            "vLLM reports log-probs of the top-p/top-k filtered distribution, the trainer's are of the whole "
-            "vocabulary, so the importance weights would be off. Use top_p=1 and top_k=0, or set "
-            "grpo.importance_sampling_cap=0 (then mismatch/* also compares the filtered with the whole)")
+            f"'rollout.top_p'/'rollout.top_k' (top_p={r.top_p}, top_k={r.top_k}) with rollout.engine=vllm at "
+            f"rollout.temperature={r.temperature} and truncated importance sampling (grpo.importance_sampling_cap="
+            f"{cap}) compare different distributions: at a temperature other than 1 vLLM reports log-probs of the "
+            "top-p/top-k filtered distribution, the trainer's are of the whole vocabulary, so the importance weights "
+            "would be off. Use top_p=1 and top_k=0, rollout.temperature=1, or grpo.importance_sampling_cap=0 (then "
+            "mismatch/* also compares the filtered with the whole)")
 
 
 def warnings_for(config: Config, training: bool = True) -> list[str]:
@@ -618,10 +619,12 @@ def warnings_for(config: Config, training: bool = True) -> list[str]:
     if training and c.forward.vision_chunk_frames and not frozen_tower:
         out.append(f"forward.vision_chunk_frames={c.forward.vision_chunk_frames} has no effect while the vision tower "
                    "trains (model.freeze_vision_tower=false, no LoRA or lora.vision_tower=true): it runs whole")
-    if training and c.rollout.engine == "vllm" and (c.rollout.top_p < 1 or c.rollout.top_k > 0):
-        out.append(f"rollout.top_p={c.rollout.top_p}, top_k={c.rollout.top_k} with rollout.engine=vllm: vLLM's "
-                   "sampling log-probs are of the filtered distribution, so mismatch/* compares it with the trainer's "
-                   "whole-vocabulary log-probs and is not 0 even when the weights agree")
+    if (training and c.rollout.engine == "vllm" and (c.rollout.top_p < 1 or c.rollout.top_k > 0)
+            and c.rollout.temperature != 1.0):
+        out.append(f"rollout.top_p={c.rollout.top_p}, top_k={c.rollout.top_k} with rollout.engine=vllm at "
+                   f"rollout.temperature={c.rollout.temperature}: vLLM's sampling log-probs are of the filtered "
+                   "distribution, so mismatch/* compares it with the trainer's whole-vocabulary log-probs and is not "
+                   "0 even when the weights agree")
     if not c.lora.rank and (c.lora.vision_tower or c.lora.projector):
         out.append("lora.vision_tower / lora.projector have no effect with lora.rank=0 (no adapters)")
     return out

@@ -148,3 +148,64 @@ def test_long_video_settings_that_do_nothing_say_so():
     training_tower = load_config("configs/demo_cpu.yaml", ["forward.vision_chunk_frames=4"])
     assert any("forward.vision_chunk_frames=4 has no effect while the vision tower trains" in w
                for w in warnings_for(training_tower))
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("rollout.vllm_tensor_parallel_size=0", "'rollout.vllm_tensor_parallel_size' must be >= 1"),
+    ("rollout.vllm_tensor_parallel_size=2", "'rollout.vllm_tensor_parallel_size' =2 is not supported: with vLLM's "
+                                            "external launcher"),
+    ("rollout.vllm_gpu_memory_utilization=5", "'rollout.vllm_gpu_memory_utilization' must be in \\(0, 1\\]"),
+    ("rollout.vllm_gpu_memory_utilization=0", "'rollout.vllm_gpu_memory_utilization' must be in \\(0, 1\\]"),
+    ("rollout.vllm_cpu_kv_cache_gib=0", "'rollout.vllm_cpu_kv_cache_gib' must be > 0"),
+    ("rollout.vllm_max_videos=-1", "'rollout.vllm_max_videos' must be >= 0"),
+    ("rollout.vllm_max_images=-2", "'rollout.vllm_max_images' must be >= 0"),
+])
+def test_every_vllm_setting_is_checked_against_its_range_by_name(override, message):
+    """Whatever the engine (a typo must not wait for the day vLLM is switched on), in training and evaluation."""
+    for training in (True, False):
+        with pytest.raises(ConfigError, match=message):
+            load_config("configs/demo_cpu.yaml", [override, "model.path=m"], training=training)
+
+
+def test_vllm_with_filtered_sampling_and_importance_weights_is_refused_off_temperature_one():
+    """At temperature 1 vLLM's raw log-probs are the trainer's (unfiltered); elsewhere its log-probs are of the
+    top-p/top-k filtered distribution, which truncated importance sampling must not compare with the whole."""
+    base = ["rollout.engine=vllm", "model.path=m"]
+    load_config("configs/demo_cpu.yaml", [*base, "rollout.top_p=0.9"])  # temperature 1: the same distribution
+    with pytest.raises(ConfigError, match="compare different distributions"):
+        load_config("configs/demo_cpu.yaml", [*base, "rollout.top_p=0.9", "rollout.temperature=0.7"])
+    with pytest.raises(ConfigError, match="compare different distributions"):
+        load_config("configs/demo_cpu.yaml", [*base, "rollout.top_k=20", "rollout.temperature=0.7"])
+    load_config("configs/demo_cpu.yaml", [*base, "rollout.top_k=20", "rollout.temperature=0.7",
+                                          "grpo.importance_sampling_cap=0"])  # no importance weights: allowed
+    load_config("configs/demo_cpu.yaml", ["model.path=m", "rollout.top_p=0.9", "rollout.temperature=0.7"])  # grouped
+
+
+def test_a_model_path_that_is_not_a_checkpoint_is_one_line_naming_it(tmp_path, capsys):
+    """From the launcher's entry point: a missing path, a file, a folder without config.json, a config that is
+    not JSON, a checkpoint without weights: one line naming the path, before any process group starts."""
+    from app.models import build_tiny_checkpoint
+    from app.trainer import main
+
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    not_json = tmp_path / "bad"
+    not_json.mkdir()
+    (not_json / "config.json").write_text("{not json")
+    no_weights = tmp_path / "noweights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_text("x")
+    good = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl")
+    cases = {tmp_path / "missing": "does not exist", a_file: "is a file, not a checkpoint directory",
+             folder: "has no config.json", not_json: "config.json cannot be read as JSON",
+             no_weights: "holds no weights"}
+    for path, reason in cases.items():
+        with pytest.raises(SystemExit) as raised:
+            main(["configs/demo_cpu.yaml", f"model.path={path}"])
+        message = str(raised.value.code)
+        assert message.startswith("model error: model.path") and str(path) in message and reason in message
+        assert "\n" not in message
+    with pytest.raises(SystemExit, match="model error: model.reference_path"):
+        main(["configs/demo_cpu.yaml", f"model.path={good}", f"model.reference_path={folder}"])

@@ -351,10 +351,13 @@ def vllm_checkpoint(path: Path):
                                  sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
 
 
+WORLD_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def train_with_vllm(tmp_path: Path, name: str, checkpoint: Path, train_file: Path, **extra) -> list[dict]:
     """One process, ``python -m app.trainer`` as a user types it (no vLLM variables): the metrics rows."""
     out = tmp_path / name
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") and k not in WORLD_VARIABLES}
     done = subprocess.run(grpo_args(tmp_path, out, checkpoint, train_file, **{"train.max_steps": 3, **extra}),
                           cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
@@ -403,6 +406,11 @@ def test_a_head_biased_towards_a_placeholder_trains_through_both_engines(tmp_pat
     files = generate(tmp_path / "data", train=6, heldout=2, seed=0)
     initial = load_file(str(checkpoint / "model.safetensors"))
 
+    metrics = train_with_vllm(tmp_path, "vllm", checkpoint, files["train"], **{"data.max_frames": 8})
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["completion_length"] > 0 for m in metrics)
+    trained = load_file(str(tmp_path / "vllm" / "final" / "model.safetensors"))
+    assert sum(not torch.equal(trained[n], initial[n]) for n in initial) > len(initial) // 2
+
     args = grpo_args(tmp_path, tmp_path / "grouped", checkpoint, files["train"], **{
         "train.max_steps": 3, "rollout.engine": "grouped", "data.max_frames": 8})
     cfg = load_config(args[3], args[4:])
@@ -411,8 +419,5 @@ def test_a_head_biased_towards_a_placeholder_trains_through_both_engines(tmp_pat
         trainer.train()
     grouped = load_file(str(tmp_path / "grouped" / "final" / "model.safetensors"))
     assert sum(not torch.equal(grouped[n], initial[n]) for n in initial) > len(initial) // 2
-
-    metrics = train_with_vllm(tmp_path, "vllm", checkpoint, files["train"], **{"data.max_frames": 8})
-    assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["completion_length"] > 0 for m in metrics)
-    trained = load_file(str(tmp_path / "vllm" / "final" / "model.safetensors"))
-    assert sum(not torch.equal(trained[n], initial[n]) for n in initial) > len(initial) // 2
+    rows = [json.loads(line) for line in (tmp_path / "grouped" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["reward/std"] > 0 for m in rows)  # the draws are spread, not one token over and over

@@ -118,7 +118,7 @@ def rollout_from_outputs(outputs, group_size: int, pad_id: int, prompt_tokens: i
 
 def sampling_params(sampling, group_size: int, eos_ids, seed: int | None, banned_words: Sequence[str] = ()):
     """The grouped engine's ``SamplingConfig`` as vLLM's ``SamplingParams`` (n = G; one sampled log-prob per token,
-    of the tempered distribution: vLLM's ``processed_logprobs``). ``banned_words``: tokens never sampled (the vision
+    of the tempered distribution, as ``logprobs_mode`` says). ``banned_words``: tokens never sampled (the vision
     placeholders, ``suppressed_words``), set to -inf before sampling as the grouped engine does."""
     from vllm import SamplingParams
 
@@ -127,6 +127,15 @@ def sampling_params(sampling, group_size: int, eos_ids, seed: int | None, banned
                           stop=list(sampling.stop_strings) or None, include_stop_str_in_output=True,
                           stop_token_ids=list(eos_ids) or None, logprobs=0, seed=seed, skip_special_tokens=False,
                           bad_words=list(banned_words) or None)
+
+
+def logprobs_mode(temperature: float) -> str:
+    """Which of vLLM's log-probs are the trainer's: at temperature 1 its raw log-probs (log-softmax of the logits
+    before any processing) are exactly the trainer's whole-vocabulary log-probs, placeholders banned or top-p/top-k
+    set; at another temperature only the processed ones are tempered, and they are renormalised over what may be
+    drawn (banned placeholders and the top-p/top-k filter excluded): they differ from the trainer's by the log of
+    the excluded mass (nil for the placeholders of a sane checkpoint; config refuses top-p/top-k with TIS there)."""
+    return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
 
 
 PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
@@ -246,7 +255,7 @@ class VLLMEngine:
         self.banned_words = suppressed_words(AutoConfig.from_pretrained(model_path),
                                              getattr(processor, "tokenizer", processor))
         kwargs = dict(model=model_path, dtype=dtype, seed=seed, enable_prefix_caching=True,
-                      max_model_len=max_model_len, logprobs_mode="processed_logprobs",
+                      max_model_len=max_model_len, logprobs_mode=logprobs_mode(rollout_cfg.temperature),
                       # a whole prompt per scheduler step: vLLM sizes its encoder cache from this budget and
                       # refuses a video with more tokens than it holds (an 8,192-token video was refused at 4,096)
                       max_num_batched_tokens=max_model_len,
