@@ -21,6 +21,7 @@ import yaml
 # Every choice list comes from the module that defines the choice (one source of truth).
 from app.data.records import PROMPT_TEMPLATES
 from app.distributed import GATHER_MODES
+from app.engines import ENGINE_NAMES, TRAINING_ONLY
 from app.grouping import BACKENDS, DEFAULT_CHUNK_SIZE, MODES
 from app.grpo import (
     DYNAMIC_SAMPLING_METRICS,
@@ -31,7 +32,7 @@ from app.grpo import (
 )
 from app.options import OptionError
 from app.rewards import BONUS_RULES, REGRESSION_METRICS
-from app.rollout import ROLLOUT_ENGINES, SamplingConfig
+from app.rollout import SamplingConfig
 
 
 class ConfigError(ValueError):
@@ -123,11 +124,14 @@ class RolloutConfig:
     engine: str = _f("grouped", "grouped: one prefill per prompt (shared prefix); hf: plain HF generate on the "
                      "repeated batch, for A/B; vllm: a vLLM engine colocated in each training process (n = G with "
                      "prefix caching), fed the trainer's exact prompts and media, given the policy's weights after "
-                     "every optimizer step. The training forward stays grouped either way.", choices=ROLLOUT_ENGINES)
+                     "every optimizer step; replay: the rollouts of a run recorded with rollout.record=true "
+                     "(rollout.replay_dir), so an A/B varies only the training. The training forward follows "
+                     "forward.grouping whatever the engine.", choices=ENGINE_NAMES)
     vllm_gpu_memory_utilization: float = _f(0.3, "rollout.engine=vllm on a GPU: the fraction of GPU memory vLLM "
                                             "takes (weights + KV cache); the rest is the trainer's.")
-    vllm_sleep: bool = _f(True, "rollout.engine=vllm on a GPU: put vLLM to sleep between rollouts (its weights "
-                          "offloaded to CPU, its KV cache freed) so the policy update has the memory back.")
+    vllm_sleep: bool = _f(True, "rollout.engine=vllm on a GPU: put vLLM to sleep between rollouts (its KV cache "
+                          "freed; its weights discarded when all of them train, since every one is pushed again "
+                          "before the next rollout, else kept on the host) so the policy update has the memory back.")
     vllm_cpu_kv_cache_gib: float = _f(1.0, "rollout.engine=vllm on a CPU: vLLM's KV cache in GiB (vLLM's CPU worker "
                                       "otherwise reserves 0.92 of a NUMA node's memory, and a second rank's engine "
                                       "on the same node cannot start). It must hold one prompt plus its completions.")
@@ -143,6 +147,10 @@ class RolloutConfig:
     top_k: int = _f(0, "Top-k filter; 0 disables it.")
     max_completion_length: int = _f(768, "Maximum new tokens per completion.")
     stop_strings: list = _f([], "Extra strings that end a completion (EOS always does).")
+    record: bool = _f(False, "Write every rollout to train.output_dir/rollouts (named by its prompt seeds) for a later "
+                      "run with rollout.engine=replay.")
+    replay_dir: str = _f("", "rollout.engine=replay: a recorded run's train.output_dir (or its rollouts folder); that "
+                         "run's config, data, seed and number of ranks are needed.")
     prefill_chunk_size: int = _f(0, "rollout.engine=grouped: prompt positions per decoder call in the prefill "
                                  "(chunked prefill): each call attends to the K/V of the positions before it, so a "
                                  "long video's prefill holds one chunk's activations, not the prompt's; the prompt's "
@@ -315,9 +323,9 @@ class EvalConfig:
     output_dir: str = _f("outputs/eval", "Where predictions.jsonl, summary.json and summary.md go.")
     samples: int = _f(1, "Completions per question (k). 1 with temperature 0 is greedy; k > 1 reports pass@k "
                       "and mean accuracy, all k drawn from one shared prefill.")
-    engine: str = _f("grouped", "grouped: this project's shared-prefill decoder; vllm: a vLLM engine in each "
-                     "evaluation process (its settings: rollout.vllm_*), fed the same prompts and media.",
-                     choices=("grouped", "vllm"))
+    engine: str = _f("grouped", "grouped: this project's shared-prefill decoder; hf: plain HF generate; vllm: a "
+                     "vLLM engine in each evaluation process (its settings: rollout.vllm_*), fed the same prompts and "
+                     "media. (replay is for training only.)", choices=ENGINE_NAMES)
     temperature: float = _f(0.0, "0 for greedy; > 0 samples.")
     top_p: float = _f(1.0, "Nucleus sampling threshold when sampling.")
     max_new_tokens: int = _f(256, "Maximum new tokens per completion.")
@@ -510,8 +518,12 @@ def validate(config: Config, training: bool = True) -> None:
     need(config.eval.temperature > 0 or config.eval.samples == 1, "eval.samples",
          "> 1 needs eval.temperature > 0 (greedy samples would all be the same)")
     validate_vllm_ranges(config.rollout)
+    need(config.eval.engine not in TRAINING_ONLY, "eval.engine",
+         f"={config.eval.engine} is for training only (a recorded run's rollouts); use grouped, hf or vllm")
     if not training:
         return
+    need(config.rollout.engine != "replay" or bool(config.rollout.replay_dir), "rollout.replay_dir",
+         "is required with rollout.engine=replay (a run recorded with rollout.record=true)")
     need(bool(config.data.train_file), "data.train_file", "is required")
     need(config.rollout.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages compare a group)")
     need(config.rollout.temperature > 0, "rollout.temperature", "must be > 0 for GRPO sampling")

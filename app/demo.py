@@ -6,8 +6,12 @@
 3. evaluate the untrained and the warm-started model on held-out videos;
 4. GRPO with `scripts/train.sh configs/demo_cpu.yaml` (grouped attention, shared-prefix rollouts);
 5. evaluate again;
-6. the same GRPO for its first steps with the repeated layout and HF generate (`forward.grouping=repeated`,
-   `rollout.engine=hf`, same seed): one figure overlays both runs' curves and compares their seconds per step;
+6. the same GRPO for its first steps with the repeated layout (`forward.grouping=repeated`, same seed) on the
+   grouped run's own rollouts (`rollout.engine=replay` of its `rollout.record`: only the training layout differs,
+   so rewards are equal and loss, KL and gradient norm agree to float rounding for the whole comparison), then with
+   HF generate sampling its own (`rollout.engine=hf`: the baseline's whole cost; the same sampler on logits that
+   agree to float rounding, so its rewards match until rounding flips a draw): one figure overlays the curves and
+   compares seconds per step;
 7. print the before/after table; write PNG plots.
 
 Re-running reuses what is already there (an interrupted training resumes); `--fresh` starts over.
@@ -34,6 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/demo_cpu.yaml"
 DEMO_SIZES = TinySizes(init_std=0.1)  # a larger init than transformers' 0.02 so the random model is not uniform
 FORMAT_REASONING = "<think>I look at the video and the options.</think>"
+
+
+REPLAYED = "repeated layout, same rollouts"  # the like-with-like A/B: only the training layout differs
+HF = "repeated + HF generate"  # the baseline's whole cost; it samples its own rollouts
 
 
 def format_only_sft_data(train: Path, out: Path, seed: int) -> Path:
@@ -65,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--heldout-size", type=int, default=120)
     parser.add_argument("--warm-steps", type=int, default=60)
     parser.add_argument("--mix", nargs="*", default=["colour"], help="tasks mixed into training (a curriculum)")
-    parser.add_argument("--ab-steps", type=int, default=30, help="steps of the repeated + HF generate comparison")
+    parser.add_argument("--ab-steps", type=int, default=30, help="steps of the grouped-vs-repeated comparison runs")
     parser.add_argument("--task", default="order", choices=("order", "motion", "colour", "direction", "count"),
                         help="order: which of two colours, shown one after the other, appears first (needs time)")
     parser.add_argument("overrides", nargs="*", help="extra section.key=value for the training config")
@@ -122,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     t = time.time()
     if not (run / "final" / "config.json").exists():
         command = ["bash", str(ROOT / "scripts" / "train.sh"), str(ROOT / CONFIG), *base, "train.resume=true",
-                   *args.overrides]
+                   "rollout.record=true", *args.overrides]  # its rollouts, for the A/B's replay
         print(" ".join(command), flush=True)
         subprocess.run(command, check=True, env={**os.environ, "NPROC_PER_NODE": str(args.nproc)})
     timings["grpo_s"] = time.time() - t
@@ -132,18 +140,26 @@ def main(argv: list[str] | None = None) -> dict:
     trained = held_out(run / "final", "grpo")
     timings["eval_after_s"] = time.time() - t
 
-    say(f"6. A/B: the first {args.ab_steps} steps again with forward.grouping=repeated rollout.engine=hf (same seed)")
+    say(f"6. A/B: the first {args.ab_steps} steps again with forward.grouping=repeated on the grouped run's own "
+        "rollouts (rollout.engine=replay), then with HF generate sampling its own")
     t = time.time()
-    ab = out / "run-repeated"
-    if not (ab / "final" / "config.json").exists():
-        command = ["bash", str(ROOT / "scripts" / "train.sh"), str(ROOT / CONFIG), *base, *args.overrides,
-                   f"train.output_dir={ab}", "forward.grouping=repeated", "rollout.engine=hf",
-                   f"train.stop_at_step={args.ab_steps}", "train.resume=true"]
-        print(" ".join(command), flush=True)
-        subprocess.run(command, check=True, env={**os.environ, "NPROC_PER_NODE": str(args.nproc)})
+    ab_runs = {"grouped (Prefix Grouper)": run}
+    for name, folder, engine in ((REPLAYED, "run-repeated", ["rollout.engine=replay", f"rollout.replay_dir={run}"]),
+                                 (HF, "run-repeated-hf", ["rollout.engine=hf"])):
+        ab = out / folder
+        if not (ab / "final" / "config.json").exists():
+            command = ["bash", str(ROOT / "scripts" / "train.sh"), str(ROOT / CONFIG), *base, *args.overrides,
+                       f"train.output_dir={ab}", "forward.grouping=repeated", "rollout.record=false", *engine,
+                       f"train.stop_at_step={args.ab_steps}", "train.resume=true"]
+            print(" ".join(command), flush=True)
+            subprocess.run(command, check=True, env={**os.environ, "NPROC_PER_NODE": str(args.nproc)})
+        ab_runs[name] = ab
     timings["ab_repeated_s"] = time.time() - t
-    comparison = plot_ab(run / "metrics.jsonl", ab / "metrics.jsonl", args.ab_steps, out / "grouped_vs_repeated.png",
-                         title=f"The same GRPO, first {args.ab_steps} steps: grouped vs repeated + HF generate")
+    comparison = plot_ab({name: folder / "metrics.jsonl" for name, folder in ab_runs.items()}, args.ab_steps,
+                         out / "grouped_vs_repeated.png",
+                         title=f"The same GRPO, first {args.ab_steps} steps: grouped vs repeated")
+    comparison["max_reward_difference"] = comparison["runs"][REPLAYED]["max_reward_difference"]  # 0 by construction
+    comparison["max_relative_difference"] = comparison["runs"][REPLAYED]["max_relative_difference"]
 
     chance = 0.25
     rows = [("untrained", untrained), ("format warm start", warmed), ("after GRPO", trained)]
@@ -153,11 +169,12 @@ def main(argv: list[str] | None = None) -> dict:
     for name, summary in rows:
         per = " | ".join(f"{summary['by_data_source'].get(s, {}).get('accuracy', 0):.3f}" for s in sources)
         lines.append(f"| {name} | {summary['overall']['accuracy']:.3f} | {per} |")
-    seconds = comparison["seconds_per_step"]
-    lines += ["", f"| first {comparison['steps']} steps | seconds per step |", "|---|---|",
-              f"| grouped (Prefix Grouper) | {seconds['grouped']:.2f} |",
-              f"| repeated + HF generate | {seconds['repeated_hf']:.2f} |",
-              f"| ratio | **{comparison['ratio']:.2f}x** |"]
+    lines += ["", f"| first {comparison['steps']} steps | seconds per step | training seconds per step | largest "
+              "reward difference | largest relative loss / KL / grad-norm difference |", "|---|---|---|---|---|"]
+    for name, numbers in comparison["runs"].items():
+        lines.append(f"| {name} | {numbers['seconds_per_step']:.2f} ({numbers['ratio']:.2f}x) | "
+                     f"{numbers['training_seconds_per_step']:.2f} ({numbers['training_ratio']:.2f}x) | "
+                     f"{numbers['max_reward_difference']:.3g} | {numbers['max_relative_difference']:.2g} |")
     table = "\n".join(lines)
     plot_training(run / "metrics.jsonl", out / "training_curves.png", title="GRPO on synthetic video QA (tiny Qwen2.5-VL, CPU)")
     plot_accuracy_bars({name: s["overall"]["accuracy"] for name, s in rows}, out / "heldout_accuracy.png",
@@ -176,8 +193,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(table)
     print(f"\nchance {chance:.2f}; gain over untrained {result['gain_over_untrained']:+.3f}, over the warm start "
           f"{result['gain_over_warm_start']:+.3f}; {result['heldout_questions']} held-out questions")
-    print(f"grouped vs repeated + HF generate over the first {comparison['steps']} steps: largest reward difference "
-          f"{comparison['max_reward_difference']:.2g}; {comparison['ratio']:.2f}x the seconds per step")
+    same, hf = comparison["runs"][REPLAYED], comparison["runs"][HF]
+    print(f"over the first {comparison['steps']} steps: the repeated layout on the same rollouts trained with loss, KL "
+          f"and gradient norm within {same['max_relative_difference']:.2g} (relative) of the grouped run's, in "
+          f"{same['training_ratio']:.2f}x its training seconds; repeated + HF generate took {hf['ratio']:.2f}x the "
+          f"seconds per step, its own draws within {hf['max_reward_difference']:.2g} of the grouped run's rewards")
     print(f"plots: {out / 'training_curves.png'}, {out / 'heldout_accuracy.png'}, {out / 'grouped_vs_repeated.png'}; "
           f"total {result['total_s']:.0f} s")
     return result

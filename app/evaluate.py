@@ -27,13 +27,13 @@ import torch
 from tqdm import tqdm
 
 from app.config import ConfigError, load_config
-from app.data.prompts import collate_prompts
 from app.data.records import check_record, encode_record, read_records, where
 from app.distributed import local_device
+from app.engines import needs_engine_views
 from app.grouping import vision_cache
 from app.models import DTYPES, CheckpointPathError, check_checkpoint, load_model, load_processor
 from app.rewards import accuracy_of, extract_answer
-from app.rollout import SamplingConfig, derive_seed, generate_groups
+from app.rollout import SamplingConfig, derive_seed, eos_token_ids
 from app.tracking import configure_logging
 
 log = logging.getLogger("app.evaluate")
@@ -227,6 +227,29 @@ def markdown(summary: dict, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def evaluation_engine(cfg, model_dir, tokenizer, sampling, world: int):
+    """``eval.engine`` through the same registry as training (``app.engines``): the checkpoint in ``model.dtype``
+    with the vision attention training uses, on the rank's device (its GPU when there is one), or vLLM there."""
+    from app.engines import EngineSetup, build_rollout_engine
+    from app.engines.vllm import checkpoint_eos_ids
+
+    device, ev = local_device(), cfg.eval
+    model = None
+    if not needs_engine_views(ev.engine):  # an engine with its own processor (vLLM) loads the checkpoint itself
+        model = load_model(model_dir, dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.vision_attention,
+                           trust_remote_code=cfg.model.trust_remote_code).to(device).eval()
+        if cfg.forward.vision_chunk_frames:  # nothing trains here: the tower runs item by item, frame-chunked
+            model.requires_grad_(False)
+            vision_cache.install(model, "off", cfg.forward.vision_chunk_frames)
+        log.info("evaluating %s in %s on %s", model_dir, cfg.model.dtype, device)
+    eos_ids = checkpoint_eos_ids(model_dir, tokenizer) if model is None else eos_token_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    setup = EngineSetup(policy=model, tokenizer=tokenizer, sampling=sampling, device=device, eos_ids=eos_ids,
+                        pad_id=pad_id, rollout=cfg.rollout, model_path=str(model_dir), dtype=cfg.model.dtype,
+                        world=world, seed=ev.seed, max_model_len=cfg.data.max_prompt_length + ev.max_new_tokens)
+    return build_rollout_engine(ev.engine, setup)
+
+
 def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> dict | None:
     """Evaluate on one data file or a list of them (one table per file: a benchmark)."""
     cfg = load_config(None, [f"model.path={model_dir}", *overrides], training=False)
@@ -277,23 +300,7 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
     processor = load_processor(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     tokenizer = getattr(processor, "tokenizer", processor)
     sampling = SamplingConfig(temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens)
-    device = local_device()  # the rank's GPU when there is one
-    if ev.engine == "vllm":
-        from app.engines.vllm import VLLMEngine, checkpoint_eos_ids
-
-        model = VLLMEngine(str(model_dir), cfg.rollout, cfg.model.dtype,
-                           max_model_len=data_cfg.max_prompt_length + ev.max_new_tokens, seed=ev.seed,
-                           device_type=device.type, world=world)
-        eos_ids = checkpoint_eos_ids(model_dir, tokenizer)
-    else:
-        # in model.dtype, with the vision attention training uses, on the rank's device
-        model = load_model(model_dir, dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.vision_attention,
-                           trust_remote_code=cfg.model.trust_remote_code).to(device)
-        model.eval()
-        log.info("evaluating %s in %s on %s", model_dir, cfg.model.dtype, device)
-        if cfg.forward.vision_chunk_frames:  # nothing trains here: the tower runs item by item, frame-chunked
-            model.requires_grad_(False)
-            vision_cache.install(model, "off", cfg.forward.vision_chunk_frames)
+    engine = evaluation_engine(cfg, model_dir, tokenizer, sampling, world)
     crash_after = int(os.environ.get(CRASH_ENV, "-1"))
     scored = 0
     bar = tqdm(total=len(mine), desc=f"eval rank {rank}", disable=rank != 0, dynamic_ncols=True)
@@ -301,7 +308,7 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
         batch, prompts = [], []
         for record in mine[start : start + ev.batch_size]:
             prompt, reason = encode_record(processor, record, record["_root"], data_cfg,
-                                           engine_view=ev.engine == "vllm")
+                                           engine_view=needs_engine_views(ev.engine))
             if prompt is None:  # skipped with its reason, exactly as training does; a resumed run skips it again
                 _append(out / f"skipped.rank{rank}.jsonl", {"where": where(record), "reason": reason,
                                                              "reason_kind": reason.split(":")[0]})
@@ -313,14 +320,8 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
             # Each question draws from its own stream (seed, question key): its samples do not depend on the
             # batch it falls in, eval.batch_size or the number of ranks.
             seeds = [derive_seed(ev.seed, record_key(r)) for r in batch]
-            if ev.engine == "vllm":
-                rollout = model.generate(prompts, ev.samples, sampling, seeds, eos_ids, tokenizer.pad_token_id)
-            else:
-                with torch.no_grad():
-                    rollout = generate_groups(model, collate_prompts([p.inputs for p in prompts],
-                                                                     tokenizer.pad_token_id, device), ev.samples,
-                                              sampling, tokenizer=tokenizer, synced=False, prompt_seeds=seeds,
-                                              prefill_chunk_size=cfg.rollout.prefill_chunk_size)
+            with torch.no_grad():
+                rollout = engine.generate(prompts, ev.samples, seeds)
             for i, record in enumerate(batch):
                 rows = range(i * ev.samples, (i + 1) * ev.samples)
                 texts = [tokenizer.decode(rollout.completion_ids[n][rollout.completion_mask[n].bool()],

@@ -74,41 +74,53 @@ def plot_accuracy_bars(values: dict[str, float], out_png: str | Path, chance: fl
     return Path(out_png)
 
 
-def plot_ab(grouped_metrics: str | Path, repeated_metrics: str | Path, steps: int, out_png: str | Path,
+AB_STYLES = [dict(color="#08519c", linewidth=2.5), dict(color="#fd8d3c", linewidth=1.2, linestyle="--", marker="."),
+             dict(color="#31a354", linewidth=1.0, linestyle=":", marker="x")]
+
+
+def plot_ab(runs_metrics: dict[str, str | Path], steps: int, out_png: str | Path,
             title: str = "Same GRPO, two layouts") -> dict:
-    """The product's claim in one picture: reward and accuracy of the grouped run and of the repeated + HF-generate
-    run over their first ``steps`` steps (same seed: the curves should coincide up to float rounding), and the mean
-    seconds per step of each (the first step, which runs the one-off self-check, left out). Returns the numbers."""
-    runs = {"grouped (Prefix Grouper)": read_metrics(grouped_metrics)[:steps],
-            "repeated + HF generate": read_metrics(repeated_metrics)[:steps]}
+    """The product's claim in one picture: reward and accuracy of several runs of the same GRPO over their first
+    ``steps`` steps (the first is the reference: grouped), and the mean seconds per step of each (the first step,
+    which runs the one-off self-check, left out). Returns per run its seconds per step, its ratio to the first
+    run's, and its largest per-step reward difference from the first run."""
+    runs = {name: read_metrics(path)[:steps] for name, path in runs_metrics.items()}
     seconds = {name: sum(r["time/step"] for r in rows[1:]) / max(1, len(rows) - 1) for name, rows in runs.items()}
+    names = list(runs)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), constrained_layout=True)
-    styles = {"grouped (Prefix Grouper)": dict(color="#08519c", linewidth=2.5),
-              "repeated + HF generate": dict(color="#fd8d3c", linewidth=1.2, linestyle="--", marker=".")}
     for ax, (key, label) in zip(axes[:2], (("reward/mean", "reward (mean)"), ("accuracy", "accuracy (training)"))):
-        for name, rows in runs.items():
-            ax.plot([r["step"] for r in rows], [r.get(key, float("nan")) for r in rows], label=name, **styles[name])
+        for name, style in zip(names, AB_STYLES):
+            rows = runs[name]
+            ax.plot([r["step"] for r in rows], [r.get(key, float("nan")) for r in rows], label=name, **style)
         ax.set_title(label)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0].legend(loc="lower right")
-    names = list(runs)
-    bars = axes[2].bar(["grouped", "repeated\n+ HF generate"], [seconds[n] for n in names],
-                       color=["#08519c", "#fd8d3c"])
-    ratio = seconds[names[1]] / max(seconds[names[0]], 1e-9)
+    axes[0].legend(loc="lower right", fontsize=8)
+    bars = axes[2].bar([n.replace(" + ", "\n+ ").replace(" (", "\n(") for n in names], [seconds[n] for n in names],
+                       color=[style["color"] for style in AB_STYLES[:len(names)]])
     for bar, name in zip(bars, names):
         axes[2].text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{seconds[name]:.2f} s", ha="center",
                      va="bottom")
     axes[2].set_ylim(0, 1.2 * max(seconds.values()))
-    axes[2].set_title(f"seconds per step (repeated / grouped = {ratio:.2f}x)")
+    axes[2].set_title("seconds per step")
     fig.suptitle(title)
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
-    grouped, repeated = (runs[n] for n in names)
-    worst = max((abs(a.get("reward/mean", 0) - b.get("reward/mean", 0)) for a, b in zip(grouped, repeated)),
-                default=0.0)
-    return {"seconds_per_step": {"grouped": seconds[names[0]], "repeated_hf": seconds[names[1]]}, "ratio": ratio,
-            "steps": min(len(grouped), len(repeated)), "max_reward_difference": worst}
+    first = runs[names[0]]
+    training = {name: sum(r["time/reference"] + r["time/policy"] for r in rows[1:]) / max(1, len(rows) - 1)
+                for name, rows in runs.items()}
+    out = {"steps": min(len(rows) for rows in runs.values()), "runs": {}}
+    for name in names:
+        pairs = list(zip(first, runs[name]))
+        worst = max((abs(a.get("reward/mean", 0) - b.get("reward/mean", 0)) for a, b in pairs), default=0.0)
+        # relative to the value, or to 1e-3 for values near 0 (the first step's loss is ~1e-9)
+        relative = max((abs(a[k] - b[k]) / max(abs(a[k]), 1e-3) for a, b in pairs for k in ("loss", "kl", "grad_norm")
+                        if k in a and k in b), default=0.0)
+        out["runs"][name] = {"seconds_per_step": seconds[name], "ratio": seconds[name] / max(seconds[names[0]], 1e-9),
+                             "training_seconds_per_step": training[name],
+                             "training_ratio": training[name] / max(training[names[0]], 1e-9),
+                             "max_reward_difference": worst, "max_relative_difference": relative}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

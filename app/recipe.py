@@ -19,6 +19,7 @@ from app import checkpoint, distributed, lora
 from app.config import Config, ConfigError, load_config
 from app.data.records import DataError, load_stream
 from app.data.video import SettingError
+from app.engines import needs_engine_views
 from app.grouping import MODALITIES, completion_logprobs, present_vision_calls, vision_cache
 from app.grouping.sequence_parallel import check_heads
 from app.models import (
@@ -96,7 +97,7 @@ class Recipe:
         self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.dp_rank, self.dp_world,
                                   lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank,
                                   skip_log=self.output_dir / "logs" / "skipped_at_load.jsonl",
-                                  engine_views=cfg.rollout.engine == "vllm")
+                                  engine_views=needs_engine_views(cfg.rollout.engine))
         self.start_step = 0
         self.setup()
         if cfg.train.resume:

@@ -28,8 +28,7 @@ from app.grouping import (
 )
 from app.options import OptionError
 
-ENGINES = ("grouped", "hf")  # generate_groups' engines
-ROLLOUT_ENGINES = (*ENGINES, "vllm")  # rollout.engine: vllm is app.engines.vllm.VLLMEngine, colocated
+ENGINES = ("grouped", "hf")  # generate_groups' decoders (rollout.engine lists every engine: app.engines.ENGINE_NAMES)
 CHECK_EVERY = 8  # decode steps between looks at which samples finished (one host sync; compaction; ZeRO-3 agreement)
 TOP_P_CANDIDATES = (64, 1024)  # top-p looks at the largest probabilities first and sorts the vocabulary only if needed
 SAMPLE_BLOCK = 1024  # tokens per block of the two-level inverse-CDF draw (``draw_from_weights``)
@@ -175,16 +174,17 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, generators: Se
 def draw_from_weights(weights: torch.Tensor, uniform: torch.Tensor, block: int = SAMPLE_BLOCK) -> torch.Tensor:
     """Inverse CDF: row r's token is the first i whose cumulative weight exceeds uniform[r] * total, so token i
     comes with probability w_i / sum(w) (w >= 0, float32 [N, V]; uniform float64 [N, 1] in [0, 1)). Two levels,
-    so the vocabulary is read once, not cumulated: the sums of blocks of ``block`` tokens (float32 sums, about
-    1e-7 relative, cumulated in float64) locate the block, then the block's own float64 cumulative sum the
-    token. A token of zero weight is never returned (rounding at a block's top end falls back to its last token
-    of positive weight)."""
+    so the vocabulary is read once, not cumulated: the sums of blocks of ``block`` tokens locate the block, then
+    the block's own cumulative sum the token, all accumulated in float64, so both levels agree to float64
+    rounding. (Block sums once accumulated in float32 put the target up to ~1e-7 off the block's float64
+    cumulative sum: a draw that close to a boundary was decided by float32 summation noise, and the grouped and
+    HF engines, whose logits differ by float rounding, parted on such draws.) A token of zero weight is never
+    returned (rounding at a block's top end falls back to its last token of positive weight)."""
     rows, vocab = weights.shape
     full = vocab // block * block
-    sums = weights[:, :full].reshape(rows, full // block, block).sum(dim=-1)
+    sums = weights[:, :full].reshape(rows, full // block, block).double().sum(dim=-1)  # faster than sum(dtype=)
     if full < vocab:
-        sums = torch.cat([sums, weights[:, full:].sum(dim=-1, keepdim=True)], dim=-1)
-    sums = sums.double()
+        sums = torch.cat([sums, weights[:, full:].double().sum(dim=-1, keepdim=True)], dim=-1)
     cdf = sums.cumsum(dim=-1)
     target = uniform * cdf[:, -1:]
     last_block = (cdf < cdf[:, -1:]).sum(dim=-1, keepdim=True)  # the last block of positive weight

@@ -24,7 +24,6 @@ import torch
 
 from app import distributed, lora
 from app.config import Config
-from app.data.prompts import collate_prompts
 from app.data.records import EncodedPrompt
 from app.grouping import text_before_media, verify_grouping
 from app.grouping.vision_cache import attach as attach_vision_cache
@@ -32,7 +31,7 @@ from app.grpo import GRPOLoss, advantages, choose_groups, groups_with_signal, mi
 from app.models import load_model
 from app.recipe import Recipe, run
 from app.rewards import RewardSet
-from app.rollout import Rollout, derive_seed, eos_token_ids, generate_groups, shared_rollout
+from app.rollout import Rollout, derive_seed, eos_token_ids
 from app.tracking import StepMetrics
 from app.trajectory import MicroBatch, Trajectory
 
@@ -51,8 +50,7 @@ class GRPOTrainer(Recipe):
         self.reference = kl_reference(cfg, self.engine, self.ds_config, self.device, self.dtype, self.vision_cache)
         self.rewards = RewardSet(cfg.rewards)
         self.loss = GRPOLoss(cfg.grpo.to_options(cfg.rollout.max_completion_length, cfg.rollout.engine))
-        self.sampling = cfg.rollout.to_sampling()
-        self.vllm = self.colocated_vllm() if cfg.rollout.engine == "vllm" else None
+        self.rollout_engine = self.build_rollout_engine()
         for warning in data_warnings(cfg, self.stream.records):
             log.warning("%s", warning)
 
@@ -62,9 +60,8 @@ class GRPOTrainer(Recipe):
     def train_step(self, step: int) -> dict:
         cfg, seconds = self.cfg, {}
         learning_rate = self.learning_rate()  # the rate this step's updates use (read before the scheduler moves)
-        if self.vllm is not None:
-            with timed(seconds, "weight_sync"):
-                self.push_weights_to_vllm()
+        with timed(seconds, "weight_sync"):  # engines that sample from the policy itself send nothing
+            self.pushed_tensors = self.rollout_engine.sync_weights(self.engine)
         with timed(seconds, "rollout"):
             trajectory = self.collect(step)
             trajectory.advantages = advantages(trajectory.total_reward, trajectory.group_sizes,
@@ -126,40 +123,31 @@ class GRPOTrainer(Recipe):
         texts, g = self.decode(rollout.completion_ids, rollout.completion_mask), self.cfg.rollout.group_size
         return {i: texts[k * g : (k + 1) * g] for k, i in enumerate(video)}
 
-    def colocated_vllm(self):
-        """rollout.engine=vllm: this process's vLLM engine, loaded from the policy's checkpoint."""
-        from app.engines.vllm import VLLMEngine
+    def build_rollout_engine(self):
+        """``rollout.engine`` (``app.engines``), built once; with sequence parallelism the group's ranks keep its
+        first rank's rollout, with ``rollout.record`` every rollout is written for a later replay."""
+        from app.engines import EngineSetup, Recorded, SharedInGroup, build_rollout_engine
+        from app.engines.vllm import choose_sleep_level
 
         cfg = self.cfg
-        return VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype,
-                          max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_completion_length,
-                          seed=cfg.train.seed, device_type=self.device.type, world=self.world)
-
-    def push_weights_to_vllm(self) -> None:
-        """The policy's current weights into vLLM, before every rollout (so after every optimizer step, and after
-        a resume): under ZeRO-3 gathered one tensor at a time, LoRA merged, frozen tensors only the first time
-        (``app.engines.vllm.VLLMEngine.sync_weights``)."""
-        self.pushed_tensors = self.vllm.sync_weights(self.engine)
+        everything_trains = not cfg.lora.rank and all(p.requires_grad for p in self.engine.parameters())
+        setup = EngineSetup(
+            policy=self.engine, tokenizer=self.tokenizer, sampling=cfg.rollout.to_sampling(), device=self.device,
+            eos_ids=eos_token_ids(self.engine, self.tokenizer), pad_id=self.tokenizer.pad_token_id,
+            rollout=cfg.rollout, model_path=cfg.model.path, dtype=cfg.model.dtype, world=self.world,
+            seed=cfg.train.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_completion_length,
+            sleep_level=choose_sleep_level(cfg.rollout.vllm_sleep, self.device.type, everything_trains),
+            vision_calls=lambda inputs: self.vision_calls(inputs, self.engine), replay_dir=cfg.rollout.replay_dir)
+        engine = build_rollout_engine(cfg.rollout.engine, setup)
+        if self.sp is not None:
+            engine = SharedInGroup(engine, distributed.same_in_sequence_parallel_group)
+        if cfg.rollout.record:
+            engine = Recorded(engine, self.output_dir / "rollouts")
+        return engine
 
     def generate(self, prompts: list[EncodedPrompt], seeds: list[int]) -> Rollout:
-        """G completions per prompt; with sequence parallelism the SP group's ranks sample the same prompts with the
-        same seeds and keep its first rank's tokens (so they train on one rollout)."""
-        rollout = self.sample(prompts, seeds)
-        return shared_rollout(rollout, distributed.same_in_sequence_parallel_group) if self.sp else rollout
-
-    def sample(self, prompts: list[EncodedPrompt], seeds: list[int]) -> Rollout:
-        if self.vllm is not None:
-            return self.vllm.generate(prompts, self.cfg.rollout.group_size, self.sampling, seeds,
-                                      eos_token_ids(self.engine, self.tokenizer), self.tokenizer.pad_token_id)
-        inputs = collate_prompts([p.inputs for p in prompts], self.tokenizer.pad_token_id, self.device)
-        per_step = self.cfg.rollout.zero3_gather == "per_step"  # DeepSpeed's hooks stay on: calls must agree
-        vision_calls = self.vision_calls(inputs, self.engine) if per_step else None
-        self.engine.eval()
-        with distributed.gathered_for_inference(self.engine, self.cfg.rollout.zero3_gather) as (model, collective):
-            return generate_groups(model, inputs, self.cfg.rollout.group_size, self.sampling,
-                                   tokenizer=self.tokenizer, engine=self.cfg.rollout.engine, synced=collective,
-                                   vision_calls=vision_calls, prompt_seeds=seeds,
-                                   prefill_chunk_size=self.cfg.rollout.prefill_chunk_size)
+        """G completions per prompt from the configured engine."""
+        return self.rollout_engine.generate(prompts, self.cfg.rollout.group_size, seeds)
 
     def agree_vision_calls(self, micro_batches: list[MicroBatch]) -> None:
         """The vision-tower calls of every micro-batch's training forward, agreed across ranks (one collective
@@ -230,8 +218,7 @@ class GRPOTrainer(Recipe):
         m.local("learning_rate", learning_rate)
         m.local("grad_norm", float(grad_norm) if grad_norm is not None else 0.0)
         m.local("data/skipped", float(sum(self.stream.skipped.values())))
-        if self.vllm is not None:
-            m.mean("weight_sync/tensors", float(self.pushed_tensors))  # all at the first push, then what can change
+        m.mean("weight_sync/tensors", float(self.pushed_tensors))  # vLLM: all at the first push, then what changes
         self.vision_metrics(m)
         values = m.reduce(distributed.data_parallel_gather)
         values["tokens_per_second"] = values["tokens/policy_forward"] / max(seconds["policy"], 1e-9)
@@ -341,7 +328,7 @@ def step_metrics(t: Trajectory, updates: list[dict], seconds: dict, grouped: boo
     m.mean("mismatch/mean_abs_logprob_diff", mean_of(first, "mismatch/mean_abs_logprob_diff"))
     m.max("mismatch/max_ratio", max((u.get("mismatch/max_ratio", 1.0) for u in first), default=1.0))
     for key in ("rollout", "data_wait", "reference", "policy", "weight_sync"):
-        if key in seconds:  # weight_sync: rollout.engine=vllm only (every rank alike)
+        if key in seconds:
             m.mean(f"time/{key}", seconds[key])
     m.mean("time/step", seconds["rollout"] + seconds["reference"] + seconds["policy"] + seconds.get("weight_sync", 0.0))
     m.sum("tokens/policy_forward", float(sum(u["tokens"] for u in updates)))

