@@ -210,3 +210,14 @@ def test_a_model_path_that_is_not_a_checkpoint_is_one_line_naming_it(tmp_path, c
         assert "\n" not in message
     with pytest.raises(SystemExit, match="model error: model.reference_path"):
         main(["configs/demo_cpu.yaml", f"model.path={good}", f"model.reference_path={folder}"])
+
+
+def test_the_config_reference_page_is_generated_from_the_declarations():
+    """docs/config.md is `python -m app.config --markdown`: a key added, renamed or re-documented without
+    regenerating it fails here (run that command and commit the page)."""
+    from pathlib import Path
+
+    from app.config import CONFIG_PAGE, reference_markdown
+
+    page = Path(__file__).resolve().parents[1] / CONFIG_PAGE
+    assert page.read_text() == reference_markdown(), "stale: python -m app.config --markdown > docs/config.md"
