@@ -50,7 +50,7 @@ class GRPOTrainer(Recipe):
         self.reference = kl_reference(cfg, self.engine, self.ds_config, self.device, self.dtype, self.vision_cache)
         self.rewards = RewardSet(cfg.rewards)
         self.loss = GRPOLoss(cfg.grpo.to_options(cfg.rollout.max_completion_length, cfg.rollout.engine))
-        self.rollout_engine = self.build_rollout_engine()
+        self.rollout_engine = training_rollout_engine(self)
         for warning in data_warnings(cfg, self.stream.records):
             log.warning("%s", warning)
 
@@ -103,9 +103,9 @@ class GRPOTrainer(Recipe):
         """T-GRPO: each video prompt again with its frames shuffled -> group index -> completions. These frames
         are no later forward's input, so the vision cache stays out of it (nothing stored or counted)."""
         with paused(self.vision_cache):
-            return self._shuffled_rollouts(step, prompts)
+            return self.shuffled_texts(step, prompts)
 
-    def _shuffled_rollouts(self, step: int, prompts: list[EncodedPrompt]) -> dict[int, list[str]]:
+    def shuffled_texts(self, step: int, prompts: list[EncodedPrompt]) -> dict[int, list[str]]:
         video = [i for i, p in enumerate(prompts) if p.record.get("data_type") == "video"]
         encoded = {i: self.stream.encode(prompts[i].record, shuffle_frames_seed=derive_seed(self.cfg.train.seed,
                                                                                           step, i)) for i in video}
@@ -122,28 +122,6 @@ class GRPOTrainer(Recipe):
                                 [derive_seed(self.cfg.train.seed, step, self.dp_rank, "shuffled", i) for i in video])
         texts, g = self.decode(rollout.completion_ids, rollout.completion_mask), self.cfg.rollout.group_size
         return {i: texts[k * g : (k + 1) * g] for k, i in enumerate(video)}
-
-    def build_rollout_engine(self):
-        """``rollout.engine`` (``app.engines``), built once; with sequence parallelism the group's ranks keep its
-        first rank's rollout, with ``rollout.record`` every rollout is written for a later replay."""
-        from app.engines import EngineSetup, Recorded, SharedInGroup, build_rollout_engine
-        from app.engines.vllm import choose_sleep_level
-
-        cfg = self.cfg
-        everything_trains = not cfg.lora.rank and all(p.requires_grad for p in self.engine.parameters())
-        setup = EngineSetup(
-            policy=self.engine, tokenizer=self.tokenizer, sampling=cfg.rollout.to_sampling(), device=self.device,
-            eos_ids=eos_token_ids(self.engine, self.tokenizer), pad_id=self.tokenizer.pad_token_id,
-            rollout=cfg.rollout, model_path=cfg.model.path, dtype=cfg.model.dtype, world=self.world,
-            seed=cfg.train.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_completion_length,
-            sleep_level=choose_sleep_level(cfg.rollout.vllm_sleep, self.device.type, everything_trains),
-            vision_calls=lambda inputs: self.vision_calls(inputs, self.engine), replay_dir=cfg.rollout.replay_dir)
-        engine = build_rollout_engine(cfg.rollout.engine, setup)
-        if self.sp is not None:
-            engine = SharedInGroup(engine, distributed.same_in_sequence_parallel_group)
-        if cfg.rollout.record:
-            engine = Recorded(engine, self.output_dir / "rollouts")
-        return engine
 
     def generate(self, prompts: list[EncodedPrompt], seeds: list[int]) -> Rollout:
         """G completions per prompt from the configured engine."""
@@ -229,6 +207,29 @@ class GRPOTrainer(Recipe):
 
 
 # ---- the stages that need no model: called by the trainer, and by tests directly -------------------------------
+def training_rollout_engine(t: GRPOTrainer):
+    """``rollout.engine`` (``app.engines``) for a trainer, built once; with sequence parallelism the group's ranks
+    keep its first rank's rollout, with ``rollout.record`` every rollout is written for a later replay."""
+    from app.engines import EngineSetup, Recorded, SharedInGroup, build_rollout_engine
+    from app.engines.vllm import choose_sleep_level
+
+    cfg = t.cfg
+    everything_trains = not cfg.lora.rank and all(p.requires_grad for p in t.engine.parameters())
+    setup = EngineSetup(
+        policy=t.engine, tokenizer=t.tokenizer, sampling=cfg.rollout.to_sampling(), device=t.device,
+        eos_ids=eos_token_ids(t.engine, t.tokenizer), pad_id=t.tokenizer.pad_token_id,
+        rollout=cfg.rollout, model_path=cfg.model.path, dtype=cfg.model.dtype, world=t.world,
+        seed=cfg.train.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_completion_length,
+        sleep_level=choose_sleep_level(cfg.rollout.vllm_sleep, t.device.type, everything_trains),
+        vision_calls=lambda inputs: t.vision_calls(inputs, t.engine), replay_dir=cfg.rollout.replay_dir)
+    engine = build_rollout_engine(cfg.rollout.engine, setup)
+    if t.sp is not None:
+        engine = SharedInGroup(engine, distributed.same_in_sequence_parallel_group)
+    if cfg.rollout.record:
+        engine = Recorded(engine, t.output_dir / "rollouts")
+    return engine
+
+
 def kl_reference(cfg: Config, engine, ds_config: dict, device, dtype, vision_cache=None):
     """What reference log-probs come from, decided here only: nothing (beta 0), the policy with its adapters off
     (LoRA: the base weights are the policy's own, frozen), or a frozen model (partitioned like the policy under

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from app import distributed
 from app.data.prompts import collate_prompts
-from app.engines import EngineSetup, RolloutEngine
+from app.engines.base import EngineSetup, RolloutEngine
 from app.rollout import Rollout, generate_groups
 
 

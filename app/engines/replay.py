@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from app.engines import RolloutEngine, rollout_key
+from app.engines.base import RolloutEngine, rollout_key
 from app.rollout import Rollout
 
 

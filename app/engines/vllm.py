@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from app.engines import RolloutEngine
+from app.engines.base import RolloutEngine
 
 
 def collapse_placeholders(ids: list[int], placeholder_ids: set[int]) -> list[int]:

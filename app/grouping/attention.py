@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from app.grouping.decode import GroupedKVCache, PrefillChunk, decode_attention, prefill_chunk_attention
 from app.grouping.layout import GroupLayout
 
 ATTENTION_NAME = "prefix_grouper"
@@ -80,6 +79,14 @@ class GroupedAttentionPlan:
         if slot not in self._cache:
             self._cache[slot] = build()
         return self._cache[slot]
+
+    def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
+        """The attention-plan protocol (every plan has it: this one, ``decode.GroupedKVCache``,
+        ``decode.PrefillChunk``, ``sequence_parallel.SequenceParallelPlan``): transformers' q [B, H, L, D], k/v
+        [B, Hkv, L, D] -> [B, L, H, D]."""
+        if query.shape[2] != key.shape[2]:
+            raise RuntimeError("grouped attention runs without a KV cache (use_cache=False)")
+        return grouped_attention(self, query, key, value, scale=scale, dropout=dropout).transpose(1, 2).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -433,17 +440,8 @@ def prefix_grouper_attention(module, query, key, value, attention_mask, *, dropo
         )
     if sliding_window is not None:
         raise NotImplementedError("grouped attention does not support sliding-window layers")
-    if isinstance(plan, GroupedKVCache):
-        return decode_attention(plan, module.layer_idx, query, key, value, scaling), None
-    if isinstance(plan, PrefillChunk):
-        return prefill_chunk_attention(plan, query, key, value, scaling).transpose(1, 2).contiguous(), None
-    if query.shape[2] != key.shape[2]:
-        raise RuntimeError("grouped attention runs without a KV cache (use_cache=False)")
-    if hasattr(plan, "attend"):  # a sequence-parallel shard (sequence_parallel.SequenceParallelPlan)
-        out = plan.attend(query, key, value, scale=scaling, dropout=dropout if module.training else 0.0)
-        return out.transpose(1, 2).contiguous(), None
-    out = grouped_attention(plan, query, key, value, scale=scaling, dropout=dropout if module.training else 0.0)
-    return out.transpose(1, 2).contiguous(), None
+    # one protocol for every plan (a packed row, a decode step, a prefill chunk, a sequence-parallel shard)
+    return plan.attend(module, query, key, value, scale=scaling, dropout=dropout if module.training else 0.0), None
 
 
 def register() -> str:

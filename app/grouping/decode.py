@@ -48,6 +48,10 @@ class GroupedKVCache:
 
     is_compileable = False
 
+    def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
+        """The attention-plan protocol (``attention.GroupedAttentionPlan.attend``): one decode step's attention."""
+        return decode_attention(self, module.layer_idx, query, key, value, scale)
+
     def __init__(self, prefix_cache, prompt_mask: torch.Tensor, group_sizes: Sequence[int], max_new_tokens: int):
         layers = getattr(prefix_cache, "layers", None)
         if layers is None:
@@ -304,6 +308,10 @@ class PrefillChunk:
 
     key_bias: torch.Tensor | None
 
+    def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
+        """The attention-plan protocol (``attention.GroupedAttentionPlan.attend``): -> [B, c, H, D]."""
+        return prefill_chunk_attention(self, query, key, value, scale).transpose(1, 2).contiguous()
+
 
 def prefill_chunk_attention(plan: PrefillChunk, query, key, value, scale: float | None) -> torch.Tensor:
     """q [B, H, c, D] of a chunk; k/v [B, Hkv, past + c, D] (the cache so far, the chunk's own last) -> [B, H, c, D].
@@ -410,8 +418,8 @@ def chunked_prefill(model, chunk_size: int, synced: bool = False):
         kwargs["attention_mask"] = None
         return original(**kwargs, **{attention.PLAN_KWARG: plan})
 
-    def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
-                use_cache=None, visual_pos_masks=None, deepstack_visual_embeds=None, **kwargs):
+    def forward(*, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+                use_cache=None, visual_pos_masks=None, deepstack_visual_embeds=None, **kwargs):  # VL models call by keyword
         if inputs_embeds is None:
             inputs_embeds = language.get_input_embeddings()(input_ids)
         batch, width = inputs_embeds.shape[:2]
@@ -430,12 +438,13 @@ def chunked_prefill(model, chunk_size: int, synced: bool = False):
         if on_cpu:
             set_text_attention(model, attention.ATTENTION_NAME)
         try:
-            return run_chunks(count, width, inputs_embeds, attention_mask, position_ids, past_key_values,
-                              visual_rows, deepstack_visual_embeds, on_cpu, bias, kwargs)
+            return run_chunks(count, width, inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                              past_key_values=past_key_values, visual_rows=visual_rows,
+                              deepstack_visual_embeds=deepstack_visual_embeds, on_cpu=on_cpu, bias=bias, kwargs=kwargs)
         finally:
             set_text_attention(model, previous)
 
-    def run_chunks(count, width, inputs_embeds, attention_mask, position_ids, past_key_values, visual_rows,
+    def run_chunks(count, width, inputs_embeds, *, attention_mask, position_ids, past_key_values, visual_rows,
                    deepstack_visual_embeds, on_cpu, bias, kwargs):
         hidden = None
         for k in range(count):

@@ -19,7 +19,7 @@ import torch
 
 from app.grouping import attention
 from app.grouping.layout import GroupLayout, LayoutError
-from app.grouping.logprobs import head_returns_logprobs
+from app.grouping.logprobs import CompletionScores, head_returns_logprobs
 from app.grouping.modules import set_text_attention, text_config, unwrap
 from app.grouping.positions import (
     VISION_KEYS,
@@ -37,15 +37,6 @@ DEFAULT_CHUNK_SIZE = 1024  # completion tokens per output-head chunk: never [tok
 
 class GroupingMismatchError(RuntimeError):
     """The grouped forward disagreed with the repeated forward beyond tolerance."""
-
-
-@dataclass
-class CompletionScores:
-    logprobs: torch.Tensor  # [N, Lc] log p(token) of each completion token, 0 at padding
-    mask: torch.Tensor  # [N, Lc] completion mask (bool)
-    logits: torch.Tensor | None = None  # [N, Lc, V] when requested, 0 at padding
-    layout: GroupLayout | None = None
-    entropy: torch.Tensor | None = None  # [N, Lc] entropy of each token's (tempered) distribution, no gradient
 
 
 def split_vision_inputs(model, prompts: Mapping) -> list[dict]:

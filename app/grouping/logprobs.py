@@ -14,9 +14,22 @@ every ZeRO stage and with activation checkpointing.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass
+class CompletionScores:
+    """What a forward over completions returns (``completion_logprobs``, the sequence-parallel forward)."""
+
+    logprobs: torch.Tensor  # [N, Lc] log p(token) of each completion token, 0 at padding
+    mask: torch.Tensor  # [N, Lc] completion mask (bool)
+    logits: torch.Tensor | None = None  # [N, Lc, V] when requested, 0 at padding
+    layout: Any = None  # the GroupLayout
+    entropy: torch.Tensor | None = None  # [N, Lc] entropy of each token's (tempered) distribution, no gradient
 
 
 class _ChunkedTargetLogprobs(torch.autograd.Function):

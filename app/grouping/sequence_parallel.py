@@ -152,7 +152,11 @@ class SequenceParallelPlan:
     sp: SequenceParallel
     bounds: list[tuple[int, int]]
 
-    def attend(self, query, key, value, scale=None, dropout=0.0) -> torch.Tensor:
+    def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
+        """The attention-plan protocol (``attention.GroupedAttentionPlan.attend``): -> [1, t, H, D]."""
+        return self.shard_attention(query, key, value, scale, dropout).transpose(1, 2).contiguous()
+
+    def shard_attention(self, query, key, value, scale=None, dropout=0.0) -> torch.Tensor:
         """q [1, H, t, D], k/v [1, Hkv, t, D] of this rank's shard -> [1, H, t, D] (Ulysses)."""
         size = self.sp.size
         heads, kv_heads = query.shape[1], key.shape[1]
@@ -275,12 +279,13 @@ def sequence_parallel_scores(model, prompts: Mapping, completion_ids: torch.Tens
     sequence-parallel: equal on every rank of ``sp``. ``vision_calls``: as ``completion_logprobs`` (the tower
     calls agreed over the world under ZeRO-3; each rank of ``sp`` makes one call per modality either way).
     ``chunk_size``: as ``completion_logprobs`` (> 0: the output head never holds [tokens, vocab] logits)."""
-    from app.grouping.forward import CompletionScores
+    from app.grouping.logprobs import CompletionScores
     from app.grouping.vision_calls import aligned_vision_calls
 
     def work():
-        return _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, group_sizes, sp, backend,
-                                          temperature, return_entropy, chunk_size)
+        return _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, group_sizes, sp=sp,
+                                          backend=backend, temperature=temperature, return_entropy=return_entropy,
+                                          chunk_size=chunk_size)
 
     with aligned_vision_calls(model, prompts, vision_calls):
         logprobs, entropy, layout = _through_wrapper(model, work)
@@ -309,7 +314,7 @@ def _through_wrapper(model, work):
     return (logprobs, *kept["result"][1:])
 
 
-def _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, group_sizes, sp, backend,
+def _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, group_sizes, *, sp, backend,
                                temperature, return_entropy, chunk_size):
     from app.grouping.layout import normalize_group_sizes
 
@@ -332,7 +337,7 @@ def _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, 
     extra = {}
     config = inner.config
     if getattr(config, "vision_config", None) is not None:
-        embeds, extra = _insert_vision(model, prompts, input_ids, start, end, embeds, sp)
+        embeds, extra = _insert_vision(model, prompts, input_ids, (start, end), embeds, sp)
     local_positions = positions[..., start:end]
     if local_positions.shape[0] == 1:
         local_positions = local_positions[0]
@@ -367,9 +372,10 @@ def _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, 
     return logprobs, entropy, layout
 
 
-def _insert_vision(model, prompts, input_ids, start, end, embeds, sp):
-    """The shard's placeholder tokens replaced by their tower embeddings (computed frame-sharded); for Qwen3-VL also
-    the shard's deepstack inputs."""
+def _insert_vision(model, prompts, input_ids, shard: tuple[int, int], embeds, sp):
+    """The shard's placeholder tokens (positions ``shard`` = (start, end) of the row) replaced by their tower
+    embeddings (computed frame-sharded); for Qwen3-VL also the shard's deepstack inputs."""
+    start, end = shard
     inner = unwrap(model)
     config = inner.config
     local = input_ids[start:end]
