@@ -27,6 +27,7 @@ from app.grpo import (
     DYNAMIC_SAMPLING_METRICS,
     KL_ESTIMATORS,
     LOSS_TYPES,
+    POLICY_LOSSES,
     SCALE_REWARDS_SETTINGS,
     LossOptions,
 )
@@ -232,6 +233,17 @@ class GRPOConfig:
     dynamic_sampling_max_draws: int = _f(4, "Extra prompt batches a step may draw; when still short, the step is "
                                          "filled with dropped groups (warned and counted).")
     num_iterations: int = _f(1, "Policy updates per rollout batch (mu); >1 uses old log-probs.")
+    policy_loss: str = _f("clip", "The per-token objective: clip (PPO/GRPO: the token ratio clipped to [1-epsilon_low, "
+                          "1+epsilon_high]); gspo (GSPO: one ratio per sequence, the geometric mean of its token "
+                          "ratios, clipped; needs loss_type=grpo; GSPO used epsilons of 3e-4/4e-4); gspo_token (its "
+                          "token variant: the sequence ratio's value, each token's own gradient); cispo (CISPO, "
+                          "MiniMax-M1: the clipped token ratio as a detached weight on log pi, so no token loses its "
+                          "gradient; MiniMax normalises over all tokens: loss_type=dapo); sapo (SAPO: a soft sigmoid "
+                          "gate instead of the clip, temperatures sapo_tau_pos / sapo_tau_neg). docs/grpo.md has "
+                          "the equations and sources.", choices=POLICY_LOSSES)
+    sapo_tau_pos: float = _f(1.0, "policy_loss=sapo: gate temperature for positive advantages (SAPO's default 1.0).")
+    sapo_tau_neg: float = _f(1.05, "policy_loss=sapo: gate temperature for negative advantages (SAPO's default "
+                             "1.05: a faster decay, so negative updates stay closer to the old policy).")
 
     def to_options(self, max_completion_length: int, engine: str = "grouped") -> LossOptions:
         """The loss's settings (validated there, once)."""
@@ -242,7 +254,9 @@ class GRPOConfig:
                            epsilon_high=self.epsilon_high, delta=self.delta, kl_estimator=self.kl_estimator,
                            max_completion_length=max_completion_length,
                            importance_sampling_cap=cap,
-                           mask_truncated_completions=self.mask_truncated_completions)
+                           mask_truncated_completions=self.mask_truncated_completions,
+                           policy_loss=self.policy_loss, sapo_tau_pos=self.sapo_tau_pos,
+                           sapo_tau_neg=self.sapo_tau_neg)
 
 
 @dataclass

@@ -7,6 +7,9 @@ The options follow the papers and peers that introduced them (README "GRPO optio
 - ``kl_estimator``: the per-token KL penalty (``kl_penalty``).
 - ``delta``: two-sided clipping of the ratio for negative advantages.
 - importance weights: truncated importance sampling against the rollout's own log-probs.
+- ``policy_loss``: the per-token objective (``policy_objective``): PPO/GRPO's clipped token ratio, GSPO's
+  sequence ratio (and its token variant), CISPO's clipped detached weight, SAPO's soft gate. docs/grpo.md writes
+  each equation with its source.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import torch
 from app.groups import group_slices
 from app.options import OptionError
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # how per-token losses are normalised (``aggregate``)
+POLICY_LOSSES = ("clip", "gspo", "gspo_token", "cispo", "sapo")  # the per-token objective (``policy_objective``)
+SEQUENCE_LEVEL = ("gspo", "gspo_token")  # ratios of whole sequences: normalised per sequence (loss_type grpo)
 SCALE_REWARDS = ("group", "batch", "none")
 SCALE_REWARDS_SETTINGS = ("auto", *SCALE_REWARDS)  # auto: none under dr_grpo, group otherwise
 KL_ESTIMATORS = ("k3", "low_var_kl", "k1")
@@ -127,6 +132,9 @@ class LossOptions:
     max_completion_length: int = 0  # dr_grpo's constant denominator
     importance_sampling_cap: float = 0.0  # 0: off; else truncated importance sampling against the rollout
     mask_truncated_completions: bool = False  # DAPO's overlong filtering
+    policy_loss: str = "clip"
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature for positive advantages
+    sapo_tau_neg: float = 1.05  # ... and for negative ones
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -145,6 +153,18 @@ class LossOptions:
         if not (self.importance_sampling_cap == 0 or self.importance_sampling_cap >= 1):
             raise OptionError("importance_sampling_cap", f"must be 0 (off) or >= 1, got "
                                                          f"{self.importance_sampling_cap}")
+        if self.policy_loss not in POLICY_LOSSES:
+            raise OptionError("policy_loss", f"must be one of {list(POLICY_LOSSES)}, got {self.policy_loss!r}")
+        if self.policy_loss in SEQUENCE_LEVEL and self.loss_type != "grpo":
+            raise OptionError("policy_loss", f"={self.policy_loss} is a sequence-level objective (one ratio per "
+                                             f"completion, GSPO's mean over sequences): it needs loss_type=grpo; "
+                                             f"{self.loss_type} would weight each sequence by its token count")
+        if self.delta > 0 and self.policy_loss != "clip":
+            raise OptionError("delta", f"(two-sided clipping) caps the token ratio of policy_loss=clip; "
+                                       f"policy_loss={self.policy_loss} has no such ratio term")
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
+            if getattr(self, name) <= 0:
+                raise OptionError(name, f"must be > 0, got {getattr(self, name)}")
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int = 0,
@@ -196,6 +216,48 @@ def mismatch_metrics(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
                 "mismatch/max_ratio": float(torch.exp(diff.abs().max()))}
 
 
+def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's length-normalised log of the sequence importance ratio: mean over each completion's loss tokens of
+    log pi/pi_old, i.e. log of the geometric mean of its token ratios ([N, L] -> [N]; 0 for an empty mask)."""
+    return (log_ratio * mask).sum(1) / mask.sum(1).clamp_min(1)
+
+
+def policy_objective(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                     o: LossOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token policy loss [N, L] of ``o.policy_loss`` (to be aggregated by ``o.loss_type``) and the ratio it
+    uses [N, L] (no gradient; sequence-level objectives repeat the sequence ratio on each token). ``adv`` [N, 1].
+
+    - ``clip`` (PPO, GRPO): r = pi/pi_old per token; -min(r A, clip(r, 1-eps_low, 1+eps_high) A), the ratio capped
+      at ``delta`` for negative advantages when set.
+    - ``gspo`` (Zheng et al. 2025, arXiv 2507.18071): s = exp(mean_t log r_t) per sequence;
+      -min(s A, clip(s, 1-eps_low, 1+eps_high) A), the same for each of its tokens.
+    - ``gspo_token`` (same paper): s_t = sg(s) * pi_t / sg(pi_t): the value of s on every token, the gradient of each
+      token's own log-prob times s (per-token advantages would weigh tokens apart; with GRPO's sequence advantages
+      it equals ``gspo`` in value and gradient).
+    - ``cispo`` (MiniMax-M1, arXiv 2506.13585): -sg(clip(r, 1-eps_low, 1+eps_high)) A log pi: the clipped weight is
+      detached, so every token keeps a gradient (PPO's clip drops the tokens outside the band).
+    - ``sapo`` (Gao et al. 2025, arXiv 2511.20347): -(4/tau) sigmoid(tau (r - 1)) A with tau = sapo_tau_pos for
+      A > 0 and sapo_tau_neg otherwise: a soft trust region, gradient A grad log pi at r = 1.
+    """
+    log_ratio = logprobs - old_logprobs
+    if o.policy_loss in SEQUENCE_LEVEL:
+        seq = sequence_log_ratio(log_ratio, mask)[:, None]
+        log_r = seq.expand_as(logprobs) if o.policy_loss == "gspo" else logprobs - logprobs.detach() + seq.detach()
+        ratio = torch.exp(log_r)
+        return -torch.min(ratio * adv, torch.clamp(ratio, 1 - o.epsilon_low, 1 + o.epsilon_high) * adv), \
+            ratio.detach()
+    ratio = torch.exp(log_ratio)
+    if o.policy_loss == "cispo":
+        weight = torch.clamp(ratio, 1 - o.epsilon_low, 1 + o.epsilon_high).detach()
+        return -weight * adv * logprobs, ratio.detach()
+    if o.policy_loss == "sapo":
+        tau = torch.where(adv > 0, torch.full_like(adv, o.sapo_tau_pos), torch.full_like(adv, o.sapo_tau_neg))
+        return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv, ratio.detach()
+    clipped = torch.clamp(ratio, 1 - o.epsilon_low, 1 + o.epsilon_high)
+    unclipped = torch.clamp(ratio, max=o.delta) if o.delta > 0 else ratio
+    return -torch.min(unclipped * adv, clipped * adv), ratio.detach()
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -207,18 +269,16 @@ def grpo_loss(
     importance_weights: torch.Tensor | None = None,
     tokens_per_micro_batch: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped-ratio policy loss plus beta * KL for one micro-batch.
+    """Policy loss (``options.policy_loss``, ``policy_objective``) plus beta * KL for one micro-batch.
 
     All per-token tensors are [N, L]; ``advantages`` is [N]; ``mask`` marks the tokens that carry loss.
-    ``importance_weights`` (no gradient) multiply the per-token policy loss (truncated importance sampling).
+    ``importance_weights`` (no gradient) multiply the per-token policy loss (truncated importance sampling; for the
+    sequence-level objectives one weight per sequence, ``GRPOLoss``).
     """
     o = options
     mask = mask.to(logprobs.dtype)
-    ratio = torch.exp(logprobs - old_logprobs)
-    clipped = torch.clamp(ratio, 1 - o.epsilon_low, 1 + o.epsilon_high)
-    unclipped = torch.clamp(ratio, max=o.delta) if o.delta > 0 else ratio
     adv = advantages[:, None]
-    per_token = -torch.min(unclipped * adv, clipped * adv)
+    per_token, ratio = policy_objective(logprobs, old_logprobs, adv, mask, o)
     if importance_weights is not None:
         per_token = per_token * importance_weights
     kl = None
@@ -239,6 +299,10 @@ def grpo_loss(
         if o.delta > 0:
             metrics["clip_fraction_delta"] = float((((ratio > o.delta) & (adv < 0)).to(mask.dtype) * mask).sum()
                                                    / tokens)
+        kept = ratio[mask.bool()]
+        metrics.update({"ratio/mean": float(kept.mean()) if kept.numel() else 1.0,
+                        "ratio/min": float(kept.min()) if kept.numel() else 1.0,
+                        "ratio/max": float(kept.max()) if kept.numel() else 1.0})
     return loss, metrics
 
 
@@ -267,8 +331,13 @@ class GRPOLoss:
     def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                  loss_weights: torch.Tensor, ref_logprobs: torch.Tensor | None,
                  sampled_logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        cap = self.options.importance_sampling_cap
-        weights = truncated_importance_weights(old_logprobs, sampled_logprobs, cap) if cap > 0 else None
+        cap, o = self.options.importance_sampling_cap, self.options
+        weights = None
+        if cap > 0 and o.policy_loss in SEQUENCE_LEVEL:  # one weight per sequence, length-normalised like s
+            log_w = sequence_log_ratio(old_logprobs.detach() - sampled_logprobs, loss_weights.to(old_logprobs.dtype))
+            weights = torch.exp(log_w).clamp(max=cap)[:, None]
+        elif cap > 0:
+            weights = truncated_importance_weights(old_logprobs, sampled_logprobs, cap)
         return grpo_loss(logprobs, old_logprobs, advantages, loss_weights, ref_logprobs, self.options,
                          importance_weights=weights, tokens_per_micro_batch=self.tokens_per_micro_batch)
 

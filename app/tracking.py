@@ -18,12 +18,13 @@ class StepMetrics:
         m.mean("accuracy", 0.5)              # averaged over ranks
         m.sum("tokens/policy_forward", 900)  # added up over ranks
         m.max("mismatch/max_ratio", 1.02)    # the largest over ranks
+        m.min("ratio/min", 0.97)             # the smallest over ranks
         m.fraction("groups/all_correct", 3, 8)  # sum of counts / sum of totals
         m.local("learning_rate", 1e-6)       # the same on every rank (rank 0's is kept)
         values = m.reduce(gather)            # gather: list[float] -> one list per rank
     """
 
-    REDUCTIONS = ("mean", "sum", "max", "fraction", "local")
+    REDUCTIONS = ("mean", "sum", "max", "min", "fraction", "local")
 
     def __init__(self):
         self._declared: dict[str, tuple[str, float, float]] = {}
@@ -41,6 +42,9 @@ class StepMetrics:
 
     def max(self, key: str, value: float) -> None:
         self._add("max", key, value)
+
+    def min(self, key: str, value: float) -> None:
+        self._add("min", key, value)
 
     def fraction(self, key: str, count: float, total: float) -> None:
         self._add("fraction", key, count, total)
@@ -65,6 +69,8 @@ class StepMetrics:
                 out[key] = sum(values)
             elif how == "max":
                 out[key] = max(values)
+            elif how == "min":
+                out[key] = min(values)
             elif how == "fraction":
                 out[key] = sum(values) / max(sum(totals), 1e-12)
             else:

@@ -323,8 +323,10 @@ def step_metrics(t: Trajectory, updates: list[dict], seconds: dict, grouped: boo
     m.mean("completions/eos_fraction", sum(r != "length" for r in reasons) / n)
     m.mean("completions/truncated_fraction", sum(r == "length" for r in reasons) / n)
     m.mean("loss", sum(u["loss"] for u in updates) / len(updates))
-    for key in ("kl", "clip_fraction", "clip_fraction_low", "clip_fraction_high"):
+    for key in ("kl", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "ratio/mean"):
         m.mean(key, mean_of([u["metrics"] for u in updates], key))
+    m.min("ratio/min", min((u["metrics"]["ratio/min"] for u in updates if "ratio/min" in u["metrics"]), default=1.0))
+    m.max("ratio/max", max((u["metrics"]["ratio/max"] for u in updates if "ratio/max" in u["metrics"]), default=1.0))
     m.mean("entropy", mean_of(first, "entropy"))
     m.mean("mismatch/mean_abs_logprob_diff", mean_of(first, "mismatch/mean_abs_logprob_diff"))
     m.max("mismatch/max_ratio", max((u.get("mismatch/max_ratio", 1.0) for u in first), default=1.0))

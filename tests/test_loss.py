@@ -20,6 +20,9 @@ import torch
 
 from app.grpo import (
     LOSS_TYPES,
+    POLICY_LOSSES,
+    SEQUENCE_LEVEL,
+    GRPOLoss,
     LossOptions,
     grpo_loss,
     kl_penalty,
@@ -139,6 +142,138 @@ def test_loss_types_equal_hand_written_references(loss_type, estimator, delta, c
     assert grad_ours.abs().sum() > 0
 
 
+# ---- the other policy objectives (GSPO, GSPO-token, CISPO, SAPO), each written out from its paper ---------------
+def combinations():
+    """Every policy objective with every loss type it accepts (GSPO's two: loss_type grpo only)."""
+    return [(policy, loss_type) for policy in POLICY_LOSSES for loss_type in LOSS_TYPES
+            if policy not in SEQUENCE_LEVEL or loss_type == "grpo"]
+
+
+def kl_term(lp, ref):
+    d = ref - lp
+    return torch.exp(d) - d - 1
+
+
+def objective_tokens(mb, i, policy, eps_low, eps_high, tau_pos, tau_neg, cap):
+    """Completion i's per-token losses [(loss, 1)] written from each paper's definition, tokens one by one."""
+    adv, tokens = mb["adv"][i], [t for t in range(L_MAX) if mb["mask"][i, t] != 0]
+    clip = lambda x: min(max(x, torch.tensor(1 - eps_low, dtype=x.dtype)), torch.tensor(1 + eps_high, dtype=x.dtype))  # noqa: E731
+    out = []
+    if policy in ("gspo", "gspo_token"):
+        log_s = sum(mb["logp"][i, t] - mb["old"][i, t] for t in tokens) / len(tokens)  # geometric mean of ratios
+        weight = 1.0
+        if cap > 0:  # one truncated importance weight per sequence, length-normalised like s
+            weight = min(math.exp(sum(float(mb["old"][i, t] - mb["sampled"][i, t]) for t in tokens) / len(tokens)),
+                         cap)
+        for t in tokens:
+            s = torch.exp(log_s)
+            if policy == "gspo_token":  # sg[s] * pi_t / sg[pi_t]
+                s = torch.exp(log_s.detach()) * torch.exp(mb["logp"][i, t] - mb["logp"][i, t].detach())
+            out.append(-min(s * adv, clip(s) * adv) * weight)
+        return out
+    for t in tokens:
+        ratio = torch.exp(mb["logp"][i, t] - mb["old"][i, t])
+        weight = min(math.exp(float(mb["old"][i, t] - mb["sampled"][i, t])), cap) if cap > 0 else 1.0
+        if policy == "cispo":  # sg(clip(r)) * A * log pi
+            loss = -clip(ratio).detach() * adv * mb["logp"][i, t]
+        elif policy == "sapo":  # (4 / tau) sigmoid(tau (r - 1)) A
+            tau = tau_pos if adv > 0 else tau_neg
+            loss = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
+        else:
+            loss = -min(ratio * adv, clip(ratio) * adv)
+        out.append(loss * weight)
+    return out
+
+
+def reference_policy_objective(data, policy, loss_type, beta=0.04, eps_low=0.2, eps_high=0.28, tau_pos=1.0,
+                               tau_neg=1.05, cap=0.0):
+    per_sequence, micro_batch_means, total, tokens, sequences = [], [], 0.0, 0.0, 0
+    for mb in data:
+        mb_sum, mb_tokens = 0.0, 0.0
+        for i in range(mb["mask"].shape[0]):
+            losses = objective_tokens(mb, i, policy, eps_low, eps_high, tau_pos, tau_neg, cap)
+            kept = [t for t in range(L_MAX) if mb["mask"][i, t] != 0]
+            seq_sum = sum(loss + beta * kl_term(mb["logp"][i, t], mb["ref"][i, t]) for loss, t in zip(losses, kept))
+            per_sequence.append((seq_sum, len(kept)))
+            mb_sum, mb_tokens, sequences = mb_sum + seq_sum, mb_tokens + len(kept), sequences + 1
+        micro_batch_means.append(mb_sum / mb_tokens)
+        total, tokens = total + mb_sum, tokens + mb_tokens
+    if loss_type == "grpo":
+        return sum(s / n for s, n in per_sequence) / sequences
+    if loss_type == "bnpo":
+        return sum(micro_batch_means) / len(micro_batch_means)
+    if loss_type == "dapo":
+        return total / tokens
+    return sum(s for s, _ in per_sequence) / (sequences * L_MAX)
+
+
+def trainer_step_objective(data, options: LossOptions):
+    """What DeepSpeed optimises, through the trainer's loss object (GRPOLoss: its importance weights included)."""
+    loss_fn = GRPOLoss(options)
+    loss_fn.start_step(torch.cat([mb["mask"] for mb in data]), len(data))
+    losses = [loss_fn(mb["logp"], mb["old"], mb["adv"], mb["mask"], mb["ref"], mb["sampled"])[0] for mb in data]
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.parametrize(("policy", "loss_type"), combinations())
+@pytest.mark.parametrize("cap", [0.0, 2.0])
+def test_policy_objectives_equal_hand_written_references(policy, loss_type, cap):
+    data = step_data(seed=5)
+    for mb in data:  # ratios far from 1 as well, so clips and gates act
+        mb["old"] = mb["old"] + 0.3 * torch.randn(mb["old"].shape, dtype=torch.float64,
+                                                  generator=torch.Generator().manual_seed(9))
+    options = LossOptions(loss_type=loss_type, beta=0.04, epsilon_low=0.2, epsilon_high=0.28, kl_estimator="k3",
+                          max_completion_length=L_MAX, policy_loss=policy, importance_sampling_cap=cap)
+    ours = trainer_step_objective(data, options)
+    grad_ours = gradients(ours, data)
+    reference = reference_policy_objective(data, policy, loss_type, cap=cap)
+    grad_reference = gradients(reference, data)
+    assert float(ours) == pytest.approx(float(reference), rel=1e-12, abs=1e-14)
+    assert torch.allclose(grad_ours, grad_reference, rtol=1e-10, atol=1e-14)
+    assert grad_ours.abs().sum() > 0
+
+
+def test_the_objectives_really_differ_and_gspo_token_equals_gspo_with_sequence_advantages():
+    data = step_data(seed=6)
+    for mb in data:
+        mb["old"] = mb["old"] + 0.3
+    values, grads = {}, {}
+    for policy in POLICY_LOSSES:
+        objective = reference_policy_objective(data, policy, "grpo")
+        values[policy], grads[policy] = float(objective), gradients(objective, data)
+    assert len({round(v, 9) for v in values.values()}) == len(POLICY_LOSSES) - 1, values  # gspo == gspo_token
+    assert values["gspo"] == pytest.approx(values["gspo_token"], rel=1e-12)
+    assert torch.allclose(grads["gspo"], grads["gspo_token"], rtol=1e-10, atol=1e-14)
+    assert not torch.allclose(grads["gspo"], grads["clip"])
+
+
+def test_cispo_keeps_a_gradient_where_the_clip_drops_it():
+    """A token whose ratio is far outside the band: PPO's clip gives it no gradient, CISPO's detached weight does."""
+    lp = torch.tensor([[-0.1]], dtype=torch.float64, requires_grad=True)
+    old, adv, mask = torch.tensor([[-1.0]], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64), \
+        torch.ones(1, 1)
+    grads = {}
+    for policy in ("clip", "cispo"):
+        lp.grad = None
+        grpo_loss(lp, old, adv, mask, None, LossOptions(policy_loss=policy))[0].backward()
+        grads[policy] = float(lp.grad)
+    assert grads["clip"] == 0 and grads["cispo"] == pytest.approx(-1.2)  # -clip(e^0.9) * A
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"policy_loss": "gspo", "loss_type": "dapo"}, "'grpo.policy_loss' =gspo is a sequence-level objective"),
+    ({"policy_loss": "gspo_token", "loss_type": "bnpo"}, "'grpo.policy_loss' .* needs grpo.loss_type=grpo"),
+    ({"policy_loss": "cispo", "delta": 1.5}, "'grpo.delta' \\(two-sided clipping\\)"),
+    ({"policy_loss": "sapo", "sapo_tau_neg": 0.0}, "'grpo.sapo_tau_neg' must be > 0"),
+    ({"policy_loss": "ppo"}, "'grpo.policy_loss' must be one of"),
+])
+def test_combinations_that_make_no_sense_are_refused_by_name(settings, message):
+    from app.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/demo_cpu.yaml", ["model.path=m", *(f"grpo.{k}={v}" for k, v in settings.items())])
+
+
 def test_loss_types_really_differ_on_unequal_micro_batches():
     """The references are not all the same function: on this data each pair of loss types disagrees."""
     data = step_data(seed=2)
@@ -205,19 +340,23 @@ def test_zero_variance_groups():
 @pytest.mark.distributed
 def test_two_ranks_under_deepspeed_follow_the_reference_gradient(tmp_path):
     """A real 2-process DeepSpeed step (gradient accumulation 2, SGD lr 1) moves the parameters by exactly the
-    reference gradient of the whole step, for every loss type: DAPO's normalisation spans micro-batches and ranks."""
+    reference gradient of the whole step, for every policy objective and loss type it accepts: DAPO's
+    normalisation spans micro-batches and ranks, GSPO's sequence ratio stays within its micro-batch."""
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "tests.workers.loss_ranks", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     moved = json.loads((tmp_path / "rank0.json").read_text())
-    for loss_type in LOSS_TYPES:
+    assert set(moved) == {f"{policy}/{loss_type}" for policy, loss_type in combinations()}
+    for policy, loss_type in combinations():
         data = step_data(seed=4)
         for mb in data:  # the worker's float32 values, exactly
             for key in ("logp", "old", "ref", "adv"):
                 mb[key] = mb[key].detach().float().double()
             mb["logp"].requires_grad_()
-        grad = gradients(reference_objective(data, loss_type), data).view(len(data), -1)
-        step = -torch.tensor(moved[loss_type], dtype=torch.float64).view(len(data), -1)
-        assert torch.allclose(step, grad, rtol=2e-4, atol=1e-6), (loss_type, (step - grad).abs().max())
+        reference = reference_objective(data, loss_type) if policy == "clip" else \
+            reference_policy_objective(data, policy, loss_type)
+        grad = gradients(reference, data).view(len(data), -1)
+        step = -torch.tensor(moved[f"{policy}/{loss_type}"], dtype=torch.float64).view(len(data), -1)
+        assert torch.allclose(step, grad, rtol=2e-4, atol=1e-6), (policy, loss_type, (step - grad).abs().max())

@@ -3,6 +3,8 @@ the group bonuses, metric reductions, and one real step on a tiny model. Each fa
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -174,6 +176,34 @@ def test_a_grpo_step_in_process_with_any_backend(assets, tmp_path, monkeypatch, 
         trainer = GRPOTrainer(cfg)
         t = trainer.collect(0)
         assert t.group_sizes == [2, 2] and len(t.texts) == 4 and t.draws["groups/drawn"] == 2
+        before = {n: p.detach().clone() for n, p in trainer.engine.module.named_parameters()}
         metrics = trainer.train_step(0)
+        after = dict(trainer.engine.module.named_parameters())
     assert metrics["groups/trained"] == 2 and metrics["tokens/policy_forward"] > 0
-    assert metrics["kl"] >= 0 and metrics["loss"] == metrics["loss"]  # finite
+    assert metrics["reward/std"] > 0 and metrics["grad_norm"] > 0  # rewards differ within a group: a real update
+    assert math.isfinite(metrics["loss"]) and metrics["mismatch/mean_abs_logprob_diff"] < 1e-4
+    # mu = 2: the second pass runs after the first update, so the policy has left the reference
+    assert metrics["kl"] > 0
+    moved = [n for n, p in after.items() if not torch.equal(p.detach(), before[n])]
+    assert len(moved) > len(before) // 2, moved
+
+
+@pytest.mark.parametrize("policy_loss", ["gspo", "gspo_token", "cispo", "sapo"])
+def test_a_grpo_step_with_each_policy_objective_trains_and_logs_its_ratios(assets, tmp_path, monkeypatch,  # noqa: F811
+                                                                           policy_loss):
+    """One real step of the demo's GRPO with each newer objective (mu = 2, so the second pass sees ratios away
+    from 1): the weights move and the step logs the ratio's mean, min and max (GSPO: the sequence ratios)."""
+    from app.trainer import GRPOTrainer
+
+    cfg = load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "run", **{
+        "grpo.policy_loss": policy_loss, "train.prompts_per_rank": 2, "rollout.group_size": 2,
+        "rollout.max_completion_length": 4, "grpo.num_iterations": 2}))
+    with world_of_one(monkeypatch):
+        trainer = GRPOTrainer(cfg)
+        before = {n: p.detach().clone() for n, p in trainer.engine.module.named_parameters()}
+        metrics = trainer.train_step(0)
+        after = dict(trainer.engine.module.named_parameters())
+    assert metrics["ratio/min"] <= metrics["ratio/mean"] <= metrics["ratio/max"]
+    assert metrics["ratio/min"] < 1 < metrics["ratio/max"] or metrics["ratio/max"] != metrics["ratio/min"]
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert sum(not torch.equal(p.detach(), before[n]) for n, p in after.items()) > len(before) // 2

@@ -226,19 +226,48 @@ def test_bad_records_are_skipped_with_named_reasons(assets, tmp_path):
     assert "records in" in failing.stderr and "are unusable" in failing.stderr
 
 
-def test_temporal_grpo_and_dapo_settings_run(assets, tmp_path):
-    """T-GRPO (a second group on shuffled frames), token-level loss, eps_high, mu=2 and the HF rollout engine."""
+def test_temporal_grpo_and_dapo_settings_run(assets, tmp_path, monkeypatch, capfd):
+    """T-GRPO (a second group on shuffled frames), token-level loss, eps_high, mu=2 and the HF rollout engine,
+    through the trainer's command line in this process: every video group gets G completions on its shuffled
+    frames, and the logged temporal reward is Video-R1's rule applied to the ordered and shuffled accuracies (the
+    bonus forced on by a margin of 0 and an accuracy that some completions earn)."""
+    from app.rewards import RewardSet, temporal_bonus
+    from app.trainer import main
+    from tests.helpers import world_of_one
+
+    seen = []
+    real_score, real_accuracy = RewardSet.score, RewardSet.accuracy
+
+    def score(self, texts, records, group_sizes, lengths, shuffled_texts=None):
+        out = real_score(self, texts, records, group_sizes, lengths, shuffled_texts)
+        seen.append((list(group_sizes), records, shuffled_texts, out))
+        return out
+
+    monkeypatch.setattr(RewardSet, "score", score)
+    monkeypatch.setattr(RewardSet, "accuracy", lambda self, texts, records: [float(len(t) % 2) for t in texts])
     out = tmp_path / "run"
-    result = run(trainer(assets, out, **{"rewards.temporal": True, "grpo.loss_type": "dapo", "grpo.epsilon_high": 0.28,
-                                "grpo.num_iterations": 2, "rollout.engine": "hf", "train.max_steps": 1,
-                                "rollout.temperature": 0.7,
-                                "train.export_hf": False}))
+    args = overrides(assets, out, **{"rewards.temporal": True, "rewards.temporal_ratio": 0.0,
+                                     "grpo.loss_type": "dapo", "grpo.epsilon_high": 0.28, "grpo.num_iterations": 2,
+                                     "rollout.engine": "hf", "train.max_steps": 1, "rollout.temperature": 0.7,
+                                     "train.export_hf": False})
+    with world_of_one(monkeypatch):
+        main(["configs/demo_cpu.yaml", *args])
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    assert "reward/temporal" in metrics and metrics["reward/temporal"] >= 0
+    (group_sizes, records, shuffled, scored), = seen
+    videos = [g for g, start in enumerate(range(0, sum(group_sizes), group_sizes[0]))
+              if records[start].get("data_type") == "video"]
+    assert videos and sorted(shuffled) == videos and all(len(texts) == 4 for texts in shuffled.values())
+    want = [0.0] * len(scored.accuracy)
+    for g, texts in shuffled.items():
+        rows = slice(g * 4, g * 4 + 4)
+        want[rows] = temporal_bonus(scored.accuracy[rows], [float(len(t) % 2) for t in texts], 0.3, 0.0)
+    assert scored.rewards["temporal"] == want and any(want)
+    assert metrics["reward/temporal"] == pytest.approx(sum(want) / len(want))
+    monkeypatch.setattr(RewardSet, "accuracy", real_accuracy)
     # Old log-probs (mu=2) come from the training forward at the rollout temperature, as the rollout's own do
     assert metrics["mismatch/mean_abs_logprob_diff"] < 1e-4 and metrics["mismatch/max_ratio"] < 1.001
     # qwen-vl-utils' line per decoded video goes to the run's log file, not over the progress bar
-    assert "decord:  video_path" not in result.stderr
+    assert "decord:  video_path" not in capfd.readouterr().err
     assert "decord:  video_path" in (out / "logs" / "rank0.log").read_text()
 
 

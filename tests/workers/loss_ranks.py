@@ -1,4 +1,5 @@
-"""Run under torchrun with 2 processes: one DeepSpeed ZeRO-2 step per loss type with the trainer's loss (GRPOLoss).
+"""Run under torchrun with 2 processes: one DeepSpeed ZeRO-2 step per policy objective and loss type with the
+trainer's loss (GRPOLoss).
 
 Each rank owns 2 micro-batches of tests/test_loss.py's step data (unequal token counts); the "policy" is a table
 of log-probs, the optimiser SGD with lr 1, so the parameter change is minus the gradient DeepSpeed applied. Rank 0
@@ -14,8 +15,8 @@ from pathlib import Path
 import torch
 
 from app import distributed
-from app.grpo import LOSS_TYPES, GRPOLoss, LossOptions
-from tests.test_loss import L_MAX, step_data
+from app.grpo import GRPOLoss, LossOptions
+from tests.test_loss import L_MAX, combinations, step_data
 
 
 class Table(torch.nn.Module):
@@ -32,14 +33,14 @@ def main(out: str) -> None:
     data = step_data(seed=4)
     mine = data[2 * rank : 2 * rank + 2]
     moved = {}
-    for loss_type in LOSS_TYPES:
+    for policy, loss_type in combinations():
         ds_config = distributed.load_deepspeed_config("deepspeed_configs/zero2.json", gradient_accumulation_steps=2,
                                                       max_grad_norm=0.0, dtype="float32")
         model = Table(torch.stack([mb["logp"].detach().float() for mb in data]))
         before = model.logp.detach().clone()
         engine = distributed.build_engine(model, ds_config, torch.optim.SGD(model.parameters(), lr=1.0), None)
         options = LossOptions(loss_type=loss_type, beta=0.04, epsilon_low=0.2, epsilon_high=0.28,
-                              max_completion_length=L_MAX)
+                              max_completion_length=L_MAX, policy_loss=policy)
         loss_fn = GRPOLoss(options)  # the trainer's loss: the DAPO denominator over the step's ranks
         loss_fn.start_step(torch.cat([mb["mask"] for mb in mine]), len(mine), world, distributed.all_reduce_sum)
         for k, mb in enumerate(mine):
@@ -48,7 +49,7 @@ def main(out: str) -> None:
             loss, _ = loss_fn(logp, old, mb["adv"].float(), mb["mask"], mb["ref"].float(), sampled_logprobs=old)
             engine.backward(loss)
             engine.step()
-        moved[loss_type] = (engine.module.logp.detach() - before).flatten().tolist()
+        moved[f"{policy}/{loss_type}"] = (engine.module.logp.detach() - before).flatten().tolist()
     if rank == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "rank0.json").write_text(json.dumps(moved))
