@@ -32,7 +32,7 @@ from app.distributed import local_device
 from app.engines import needs_engine_views
 from app.grouping import vision_cache
 from app.models import DTYPES, CheckpointPathError, check_checkpoint, load_model, load_processor
-from app.rewards import accuracy_of, extract_answer
+from app.rewards import GROUNDING_TYPES, accuracy_of, extract_answer, grounding_metrics
 from app.rollout import SamplingConfig, derive_seed, eos_token_ids
 from app.tracking import configure_logging
 
@@ -207,6 +207,10 @@ def summarize(predictions: list[dict], skipped: list[dict], samples: int) -> dic
                "skipped": dict(Counter(s["reason_kind"] for s in skipped)), "skipped_total": len(skipped)}
     if "regression" in by_type:
         summary["regression_mean_relative_accuracy"] = block(by_type["regression"])["accuracy"]
+    grounding = {kind: grounding_metrics([iou for row in by_type[kind] for iou in row["accuracies"]])
+                 for kind in GROUNDING_TYPES if kind in by_type}  # accuracy is the IoU: mIoU, R@0.3/0.5/0.7
+    if grounding:
+        summary["grounding"] = grounding
     return summary
 
 
@@ -219,6 +223,8 @@ def markdown(summary: dict, title: str) -> str:
                            ("question type", "by_original_question_type")):
         for name, b in summary[section].items():
             lines.append(f"| {label}: {name} | {b['count']} | {b['accuracy']:.3f} | {b[f'pass@{k}']:.3f} |")
+    for kind, metrics in summary.get("grounding", {}).items():
+        lines.append(f"\n{kind}: " + ", ".join(f"{name} {value:.3f}" for name, value in metrics.items()))
     if summary.get("regression_mean_relative_accuracy") is not None:
         lines.append(f"\nRegression mean relative accuracy: {summary['regression_mean_relative_accuracy']:.3f}")
     lines.append(f"\nSkipped records: {summary['skipped_total']}")

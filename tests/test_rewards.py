@@ -144,7 +144,8 @@ def test_regression_reports_mra_in_evaluation(truth, answer, expected):
 
 
 def test_every_problem_type_has_a_case():
-    assert set(PROBLEM_TYPES) == {"multiple choice", "numerical", "OCR", "free-form", "regression"}
+    assert set(PROBLEM_TYPES) == {"multiple choice", "numerical", "OCR", "free-form", "regression",
+                                  "temporal grounding", "spatial grounding"}
 
 
 def test_free_form_partial_credit_is_mean_rouge():
@@ -244,3 +245,80 @@ def test_grpo_loss_clipping_and_aggregation():
     with_kl, metrics = grpo_loss(logp, old, adv, mask, ref_logprobs=ref, options=LossOptions(beta=0.5))
     assert metrics["kl"] == pytest.approx(float(kl_penalty(logp, ref, "k3")[0, 0]), rel=1e-5)
     assert with_kl.item() > loss.item()
+
+
+# ---- grounding: temporal IoU in seconds, spatial IoU of boxes --------------------------------------------------------
+def grounding(kind: str, truth: str, **fields) -> dict:
+    return {"problem_type": kind, "solution": f"<answer>{truth}</answer>", **fields}
+
+
+TEMPORAL = [
+    # right, in the forms models write: brackets or none, commas, dashes or "to", units, clock times, swapped ends
+    ("[3.0, 7.0]", {}, 1.0), ("3 - 7", {}, 1.0), ("from 3s to 7s", {}, 1.0), ("3 to 7 seconds", {}, 1.0),
+    ("(7.0, 3.0)", {}, 1.0), ("0:03 - 0:07", {}, 1.0), ("3.0-7.0", {}, 1.0), ("The moment is [3, 7].", {}, 1.0),
+    ("[5, 9]", {}, pytest.approx(2 / 6)), ("[8, 12]", {}, 0.0),
+    # gamed: the whole video earns only its overlap; past the record's duration counts to its end
+    ("[0, 9999]", {}, pytest.approx(4 / 9999)), ("[0, 9999]", {"duration": 20}, pytest.approx(4 / 20)),
+    # malformed or ambiguous: no score
+    ("7", {}, 0.0), ("3, 5, 7", {}, 0.0), ("[1, 2] and [3, 7]", {}, 0.0), ("[-1, 7]", {}, 0.0), ("soon", {}, 0.0),
+    ("", {}, 0.0),
+]
+
+
+@pytest.mark.parametrize(("answer", "fields", "expected"), TEMPORAL)
+def test_temporal_grounding_scores_the_iou_of_the_span_in_seconds(answer, fields, expected):
+    assert accuracy_of(said(answer), grounding("temporal grounding", "[3, 7]", **fields)) == expected
+
+
+SPATIAL = [
+    ("[10, 20, 110, 220]", "pixel", 1.0), ("10, 20, 110, 220", "pixel", 1.0), ("(110, 220, 10, 20)", "pixel", 1.0),
+    ("x1=10, y1=20, x2=110, y2=220", "pixel", 1.0), ("[60, 20, 160, 220]", "pixel", pytest.approx(1 / 3)),
+    ("[0.1, 0.2, 0.5, 0.6]", "normalized", 1.0), ("[100, 200, 500, 600]", "normalized_1000", 1.0),
+    # refused, not guessed: pixel values where normalised ones are asked, 5 numbers, two boxes, a negative
+    ("[10, 20, 110, 220]", "normalized", 0.0), ("[10, 20, 110, 220, 5]", "pixel", 0.0),
+    ("[0, 0, 5, 5] [10, 20, 110, 220]", "pixel", 0.0), ("[-10, 20, 110, 220]", "pixel", 0.0),
+    ("the left one", "pixel", 0.0),
+]
+
+
+@pytest.mark.parametrize(("answer", "box_format", "expected"), SPATIAL)
+def test_spatial_grounding_scores_the_iou_of_the_box_in_the_records_coordinates(answer, box_format, expected):
+    truth = {"pixel": "[10, 20, 110, 220]", "normalized": "[0.1, 0.2, 0.5, 0.6]",
+             "normalized_1000": "[100, 200, 500, 600]"}[box_format]
+    assert accuracy_of(said(answer), grounding("spatial grounding", truth, box_format=box_format)) == expected
+
+
+def test_grounding_records_that_cannot_be_scored_are_named():
+    from app.rewards import check_grounding_record
+
+    assert check_grounding_record(grounding("temporal grounding", "[3, 7]", duration=10)) is None
+    assert "not one [start, end]" in check_grounding_record(grounding("temporal grounding", "around 5"))
+    assert "past the record's duration" in check_grounding_record(grounding("temporal grounding", "[3, 17]",
+                                                                            duration=10))
+    assert "unknown box_format 'percent'" in check_grounding_record(grounding("spatial grounding", "[1, 2, 3, 4]",
+                                                                              box_format="percent"))
+    assert "not one [x1, y1, x2, y2] box in normalized" in check_grounding_record(
+        grounding("spatial grounding", "[10, 20, 30, 40]", box_format="normalized"))
+
+
+def test_grounding_metrics_are_miou_and_recall_at_thresholds():
+    from app.rewards import grounding_metrics
+
+    assert grounding_metrics([0.2, 0.4, 0.6, 0.8]) == pytest.approx(
+        {"mIoU": 0.5, "R@0.3": 0.75, "R@0.5": 0.5, "R@0.7": 0.25})
+
+
+def test_evaluation_summary_reports_grounding_metrics_per_type():
+    from app.evaluate import markdown, summarize
+
+    def row(kind, ious):
+        return {"problem_type": kind, "data_source": "s", "accuracies": ious, "accuracy": sum(ious) / len(ious),
+                "pass": 1.0}
+
+    rows = [row("temporal grounding", [0.2]), row("temporal grounding", [0.8]), row("spatial grounding", [0.6]),
+            row("multiple choice", [1.0])]
+    summary = summarize(rows, [], 1)
+    assert summary["grounding"]["temporal grounding"] == pytest.approx(
+        {"mIoU": 0.5, "R@0.3": 0.5, "R@0.5": 0.5, "R@0.7": 0.5})
+    assert summary["grounding"]["spatial grounding"]["R@0.5"] == 1.0
+    assert "temporal grounding: mIoU 0.500, R@0.3 0.500" in markdown(summary, "t")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from app.data.prompts import encode_prompts
 from app.data.video import SettingError, VideoDecodeError, frame_files, video_element
-from app.rewards import PROBLEM_TYPES
+from app.rewards import PROBLEM_TYPES, check_grounding_record
 
 log = logging.getLogger(__name__)
 SKIP_EXAMPLES = 5  # skipped records named on the console (per rank at run time, rank 0 at load); the rest in files
@@ -36,6 +36,10 @@ TYPE_TEMPLATES = {
            "<answer> </answer> tags.",
     "free-form": " Please provide your text answer within the <answer> </answer> tags.",
     "regression": " Please provide the numerical value (e.g., 42 or 3.14) within the <answer> </answer> tags.",
+    # grounding (this project's wording; not in Video-R1's template): an answer in the units the reward reads
+    "temporal grounding": " Please provide the start and end time of the moment in seconds, as [start, end], within "
+                          "the <answer> </answer> tags.",
+    "spatial grounding": " Please provide the bounding box as [x1, y1, x2, y2] within the <answer> </answer> tags.",
 }
 # Video-R1's QUESTION_TEMPLATE, verbatim (its missing period after "thought expressions" included): the prompt
 # Video-R1's checkpoints were trained on.
@@ -153,6 +157,9 @@ def check_record(record: dict, data_root: Path, confine_to_root: bool = True) ->
             return f"missing or empty field '{name}'"
     if record["problem_type"] not in PROBLEM_TYPES:
         return f"unknown problem_type {record['problem_type']!r} (known: {', '.join(PROBLEM_TYPES)})"
+    reason = check_grounding_record(record)
+    if reason:
+        return reason
     data_type = record.get("data_type")
     if data_type not in (None, "", "image", "video", "text"):
         return f"unknown data_type {data_type!r} (image, video or text)"
