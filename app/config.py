@@ -32,7 +32,7 @@ from app.grpo import (
     LossOptions,
 )
 from app.options import OptionError
-from app.rewards import BONUS_RULES, REGRESSION_METRICS
+from app.rewards import ANSWER_EXTRACTION, BONUS_RULES, REGRESSION_METRICS
 from app.rollout import SamplingConfig
 
 
@@ -342,6 +342,11 @@ class EvalConfig:
                      "media. (replay is for training only.)", choices=ENGINE_NAMES)
     temperature: float = _f(0.0, "0 for greedy; > 0 samples.")
     top_p: float = _f(1.0, "Nucleus sampling threshold when sampling.")
+    answer_extraction: str = _f("project", "How an output is scored: project (the trainer's reward code: the last "
+                                "closed <answer>, option letters in the forms models write, regression by MRA) or "
+                                "video_r1 (Video-R1's evaluation script: the first <answer> or the whole output, "
+                                "exact string match for options, OCR and free-form scored 0), to reproduce its "
+                                "published numbers.", choices=tuple(ANSWER_EXTRACTION))
     max_new_tokens: int = _f(256, "Maximum new tokens per completion.")
     batch_size: int = _f(4, "Questions per generate call on each rank.")
     seed: int = _f(0, "Sampling seed.")

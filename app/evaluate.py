@@ -1,7 +1,10 @@
 """Held-out evaluation of any checkpoint on any file in Video-R1's schema.
 
-    python -m app.evaluate MODEL_DIR DATA.json[l] [DATA2 ...] [section.key=value ...]
-    scripts/eval.sh MODEL_DIR DATA.json[l] [DATA2 ...] [section.key=value ...]   (NPROC_PER_NODE ranks, merged)
+    python -m app.evaluate MODEL_DIR DATA.json[l] [DATA2 ...] [--protocol NAME] [section.key=value ...]
+    scripts/eval.sh MODEL_DIR DATA.json[l] [DATA2 ...] [--protocol NAME] [section.key=value ...]   (NPROC_PER_NODE ranks)
+
+``--protocol NAME`` applies a preset of configs/eval/ (Video-R1's evaluation: frames, pixels, prompt, sampling,
+answer extraction) before the overrides; the settings used are written to OUTPUT_DIR/eval_config.yaml.
 
 Several files (e.g. Video-R1's benchmark JSONs) are evaluated together: predictions are keyed by file and position
 (benchmarks number their problem_ids from 1 alike), and the summary has a table per benchmark (file stem).
@@ -32,7 +35,7 @@ from app.distributed import local_device
 from app.engines import needs_engine_views
 from app.grouping import vision_cache
 from app.models import DTYPES, CheckpointPathError, check_checkpoint, load_model, load_processor
-from app.rewards import GROUNDING_TYPES, accuracy_of, extract_answer, grounding_metrics
+from app.rewards import ANSWER_EXTRACTION, GROUNDING_TYPES, extract_answer, grounding_metrics, video_r1_eval_answer
 from app.rollout import SamplingConfig, derive_seed, eos_token_ids
 from app.tracking import configure_logging
 
@@ -187,6 +190,19 @@ def _append(path: Path, row: dict) -> None:
         f.flush()
 
 
+def write_settings(path: Path, cfg, model_dir, data_files, protocol: str | None, overrides) -> None:
+    """Every setting this evaluation ran with, beside its numbers, and the command that reruns it: a result can be
+    reproduced from its own output folder (``--protocol`` OUTPUT/eval_config.yaml takes it back)."""
+    import yaml
+
+    settings = {k: v for k, v in cfg.to_dict().items() if k in ("model", "data", "eval", "rollout", "forward")}
+    settings["model"] = {k: v for k, v in settings["model"].items() if k != "path"}
+    command = ["scripts/eval.sh", str(model_dir), *map(str, data_files), "--protocol", str(path)]
+    header = (f"# The settings of this evaluation (protocol: {protocol or 'none'}; overrides: {list(overrides)}).\n"
+              f"# Rerun it: {' '.join(command)}\n")
+    path.write_text(header + yaml.safe_dump(settings, sort_keys=True))
+
+
 def summarize(predictions: list[dict], skipped: list[dict], samples: int) -> dict:
     def block(rows):
         return {"count": len(rows), "accuracy": sum(r["accuracy"] for r in rows) / len(rows) if rows else 0.0,
@@ -256,9 +272,28 @@ def evaluation_engine(cfg, model_dir, tokenizer, sampling, world: int):
     return build_rollout_engine(ev.engine, setup)
 
 
-def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> dict | None:
-    """Evaluate on one data file or a list of them (one table per file: a benchmark)."""
-    cfg = load_config(None, [f"model.path={model_dir}", *overrides], training=False)
+PROTOCOLS = Path(__file__).resolve().parents[1] / "configs" / "eval"
+SETTINGS_FILE = "eval_config.yaml"
+
+
+def protocol_file(name: str) -> Path:
+    """``--protocol NAME``: configs/eval/NAME.yaml, or a YAML file's path; else an error listing the presets."""
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    preset = PROTOCOLS / f"{name}.yaml"
+    if not preset.is_file():
+        known = sorted(p.stem for p in PROTOCOLS.glob("*.yaml"))
+        raise ConfigError(f"unknown evaluation protocol {name!r}: presets are {known} (configs/eval/), or pass a "
+                          "YAML file")
+    return preset
+
+
+def evaluate(model_dir: str | Path, data_files, overrides: list[str] = (), protocol: str | None = None) -> dict | None:
+    """Evaluate on one data file or a list of them (one table per file: a benchmark). ``protocol``: a preset of
+    configs/eval/ (frames, pixels, prompt template, sampling, answer extraction), under the overrides."""
+    protocol_path = protocol_file(protocol) if protocol else None
+    cfg = load_config(protocol_path, [f"model.path={model_dir}", *overrides], training=False)
     ev, data_cfg = cfg.eval, cfg.data
     check_checkpoint(model_dir, "MODEL_DIR")
     dist, rank, world = _dist()
@@ -297,6 +332,7 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
             path.unlink(missing_ok=True)
     if rank == 0:
         (out / RUN_FILE).write_text(json.dumps(identity, indent=2))
+        write_settings(out / SETTINGS_FILE, cfg, model_dir, data_files, protocol, overrides)
     if dist:
         dist.barrier()
     done = {row["key"] for path in [merged_file, *out.glob("predictions.rank*.jsonl")] for row in _read_jsonl(path)}
@@ -307,6 +343,8 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
     tokenizer = getattr(processor, "tokenizer", processor)
     sampling = SamplingConfig(temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens)
     engine = evaluation_engine(cfg, model_dir, tokenizer, sampling, world)
+    score = ANSWER_EXTRACTION[ev.answer_extraction]
+    answer_of = video_r1_eval_answer if ev.answer_extraction == "video_r1" else (lambda t: extract_answer(t) or "")
     crash_after = int(os.environ.get(CRASH_ENV, "-1"))
     scored = 0
     bar = tqdm(total=len(mine), desc=f"eval rank {rank}", disable=rank != 0, dynamic_ncols=True)
@@ -332,12 +370,12 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = ()) -> di
                 rows = range(i * ev.samples, (i + 1) * ev.samples)
                 texts = [tokenizer.decode(rollout.completion_ids[n][rollout.completion_mask[n].bool()],
                                           skip_special_tokens=True) for n in rows]
-                accuracies = [accuracy_of(t, record, regression="mra") for t in texts]  # what Video-R1 reports
+                accuracies = [score(t, record) for t in texts]  # eval.answer_extraction
                 _append(rank_file, {
                     "key": record_key(record), "problem_id": record.get("problem_id"),
                     "benchmark": record["_benchmark"], "original_question_type": record.get("original_question_type"),
                     "problem_type": record["problem_type"], "data_source": record.get("data_source", "unknown"),
-                    "solution": record["solution"], "answers": [extract_answer(t) or "" for t in texts],
+                    "solution": record["solution"], "answers": [answer_of(t) for t in texts],
                     "completions": texts, "accuracies": accuracies,
                     "accuracy": sum(accuracies) / len(accuracies), "pass": float(max(accuracies) >= 0.5),
                 })
@@ -382,8 +420,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     configure_logging()
     try:
-        files = [a for a in argv[1:] if not OVERRIDE.match(a)]
-        summary = evaluate(argv[0], files, [a for a in argv[1:] if OVERRIDE.match(a)])
+        rest, protocol = list(argv[1:]), None
+        if "--protocol" in rest:
+            at = rest.index("--protocol")
+            if at + 1 >= len(rest):
+                raise ConfigError("--protocol needs a preset name (configs/eval/) or a YAML file")
+            protocol = rest[at + 1]
+            del rest[at : at + 2]
+        files = [a for a in rest if not OVERRIDE.match(a)]
+        summary = evaluate(argv[0], files, [a for a in rest if OVERRIDE.match(a)], protocol=protocol)
     except ConfigError as error:
         raise SystemExit(f"config error: {error}") from None
     except CheckpointPathError as error:

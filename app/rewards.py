@@ -381,6 +381,57 @@ def accuracy_of(completion: str, record: dict, regression: str = "relative_error
     return ACCURACY_BY_PROBLEM_TYPE[record["problem_type"]](answer, truth)
 
 
+# ---- Video-R1's evaluation scoring (src/eval_bench.py), for reproducing its published numbers ----------------------
+_FIRST_ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
+
+
+def video_r1_eval_answer(text: str) -> str:
+    """What Video-R1's evaluation reads as the answer: the FIRST ``<answer>`` content, stripped, else the whole
+    output (this project's own scoring takes the last closed tag and nothing without one)."""
+    found = _FIRST_ANSWER.search(text)
+    return found.group(1).strip() if found else text
+
+
+def video_r1_eval_accuracy(completion: str, record: dict) -> float:
+    """Video-R1's evaluation score of one output, transcribed from its ``reward_fn``: multiple choice by exact
+    string equality of the answers; numerical equal after rounding to 2 decimals, and 0 when exactly one of the two
+    is written with a decimal point or comma; regression by MRA (relative error against |truth| + 1e-8, thresholds
+    0.50-0.95); every other type (OCR, free-form, grounding) 0, as that script scores them."""
+    kind = record["problem_type"]
+    check_problem_type(kind)
+    output = video_r1_eval_answer(completion)
+    found = _FIRST_ANSWER.search(str(record.get("solution", "")))
+    truth = found.group(1).strip() if found else ""
+
+    def number(text: str) -> float | None:
+        try:
+            return float(text.replace(",", ""))
+        except ValueError:
+            return None
+
+    if kind == "multiple choice":
+        return float(output.strip() == truth.strip())
+    if kind == "numerical":
+        if (("." in truth) or ("," in truth)) != (("." in output) or ("," in output)):
+            return 0.0
+        p, t = number(output), number(truth)
+        return float(p is not None and t is not None and round(t, 2) == round(p, 2))
+    if kind == "regression":
+        p, t = number(output), number(truth)
+        if p is None or t is None:
+            return 0.0
+        relative = abs(p - t) / (abs(t) + 1e-8)
+        return sum(relative < 1 - theta for theta in MRA_THRESHOLDS) / len(MRA_THRESHOLDS)
+    return 0.0
+
+
+ANSWER_EXTRACTION = {
+    # this project's scoring (the trainer's reward code; regression by MRA, as evaluations report it)
+    "project": lambda completion, record: accuracy_of(completion, record, regression="mra"),
+    "video_r1": video_r1_eval_accuracy,  # Video-R1's evaluation script, to reproduce its numbers
+}
+
+
 def format_reward(completions: list[str], records: list[dict]) -> list[float]:
     return [float(bool(FORMAT_PATTERN.match(c))) for c in completions]
 

@@ -49,6 +49,15 @@ VIDEO_R1_QUESTION = ("{question}\nPlease think about this question as if you wer
                      "include self-reflection or verification in the reasoning process. Provide your detailed "
                      "reasoning between the <think> </think> tags, and then give your final answer between the "
                      "<answer> </answer> tags.")
+# Video-R1's EVALUATION template (src/eval_bench.py), verbatim: it differs from the training one above in two places
+# ("between the <think> and </think> tags", "between the <answer> and </answer> tags"); the eval/video_r1 protocol
+# uses it so that published numbers can be reproduced.
+VIDEO_R1_EVAL_QUESTION = ("{question}\nPlease think about this question as if you were a human pondering deeply. "
+                          "Engage in an internal dialogue using expressions such as 'let me think', 'wait', 'Hmm', "
+                          "'oh, I see', 'let's break it down', etc, or other natural language thought expressions "
+                          "It's encouraged to include self-reflection or verification in the reasoning process. "
+                          "Provide your detailed reasoning between the <think> and </think> tags, and then give your "
+                          "final answer between the <answer> and </answer> tags.")
 # This project's first template (kept for runs and checkpoints made with it).
 PREFIX_GRPO_QUESTION = ("{question}\nPlease think about this question as if you were a human pondering deeply. "
                         "Provide your detailed reasoning between the <think> </think> tags, and then give your final "
@@ -67,6 +76,7 @@ class PromptTemplate:
 
 PROMPT_TEMPLATES = {
     "video_r1": PromptTemplate(VIDEO_R1_QUESTION, "video_r1", None),
+    "video_r1_eval": PromptTemplate(VIDEO_R1_EVAL_QUESTION, "video_r1", None),
     "prefix_grpo": PromptTemplate(PREFIX_GRPO_QUESTION, "lines", PREFIX_GRPO_SYSTEM),
 }
 
