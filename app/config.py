@@ -264,6 +264,12 @@ class RewardConfig:
     functions: list = _f(["format", "accuracy"], "Reward functions: format, accuracy, or path/to/file.py:function "
                          "for a custom one (called as fn(completions, records)).")
     weights: list = _f([], "One weight per function; empty means all 1.")
+    judge_path: str = _f("", "rewards.functions entry judge: a local checkpoint (Qwen-VL or text) that scores each "
+                         "completion's answer against the reference; the reward is its probability of 'yes', the G "
+                         "completions of a group judged in one grouped forward (the question and video once).")
+    judge_template: str = _f("Is the answer above correct? The reference answer is: {reference}. Reply with yes or "
+                             "no.", "The judge's verdict question, asked after each completion; {reference} is the "
+                             "record's answer.")
     length: bool = _f(False, "Length bonus (Video-R1's len_control): correct completions with length_min_tokens..."
                       "length_max_tokens completion tokens earn length_bonus, when more than one completion of the "
                       "group is correct.")
@@ -586,6 +592,10 @@ def validate(config: Config, training: bool = True) -> None:
     need(not weights or len(weights) == len(config.rewards.functions), "rewards.weights",
          f"needs one weight per function ({len(config.rewards.functions)})")
     need(bool(config.rewards.functions), "rewards.functions", "needs at least one reward function")
+    need("judge" not in config.rewards.functions or bool(config.rewards.judge_path), "rewards.judge_path",
+         "is required when rewards.functions lists judge (a local checkpoint of the judge model)")
+    need("{reference}" in config.rewards.judge_template, "rewards.judge_template",
+         "must contain {reference} (where the record's answer goes)")
 
 
 def validate_vllm_ranges(r: RolloutConfig) -> None:

@@ -457,10 +457,11 @@ def load_plugin(spec: str) -> RewardFn:
     return fn
 
 
-def build_rewards(names: Sequence[str], weights: Sequence[float] = (),
-                  regression: str = "relative_error") -> list[tuple[str, RewardFn, float]]:
+def build_rewards(names: Sequence[str], weights: Sequence[float] = (), regression: str = "relative_error",
+                  judge=None) -> list[tuple[str, RewardFn, float]]:
     """Resolve reward names into (name, function, weight); ``regression`` is the accuracy metric of regression
-    answers (``REGRESSION_METRICS``)."""
+    answers (``REGRESSION_METRICS``); ``judge``: the model judge ``judge`` names (``app.judge``), built by the
+    caller (this module loads no model)."""
     weights = list(weights) or [1.0] * len(names)
     if len(weights) != len(names):
         raise RewardError(f"{len(weights)} reward weights for {len(names)} reward functions")
@@ -470,20 +471,29 @@ def build_rewards(names: Sequence[str], weights: Sequence[float] = (),
             fn = format_reward
         elif name == "accuracy":
             fn = functools.partial(accuracy_reward, regression=regression)
+        elif name == "judge":
+            if judge is None:
+                raise RewardError("reward 'judge' needs a judge model (rewards.judge_path)")
+            fn = judge
         elif ":" in name:
             fn = load_plugin(name)
         else:
             hint = " (the length bonus is rewards.length=true now)" if name == "length" else ""
-            raise RewardError(f"unknown reward function {name!r}; use format, accuracy or file.py:function{hint}")
+            raise RewardError(f"unknown reward function {name!r}; use format, accuracy, judge or file.py:function{hint}")
         resolved.append((name, fn, float(weight)))
     return resolved
 
 
-def score(rewards: list[tuple[str, RewardFn, float]], completions: list[str], records: list[dict]) -> dict[str, list[float]]:
-    """Per reward name, one value per completion (unweighted). Non-finite values are refused."""
+def score(rewards: list[tuple[str, RewardFn, float]], completions: list[str], records: list[dict],
+          group_sizes: Sequence[int] | None = None) -> dict[str, list[float]]:
+    """Per reward name, one value per completion (unweighted). Non-finite values are refused. A function marked
+    ``group_aware`` (the judge) also gets the group sizes."""
     out = {}
     for name, fn, _ in rewards:
-        values = [float(v) for v in fn(completions, records)]
+        if getattr(fn, "group_aware", False):
+            values = [float(v) for v in fn(completions, records, list(group_sizes or [len(completions)]))]
+        else:
+            values = [float(v) for v in fn(completions, records)]
         if len(values) != len(completions):
             raise RewardError(f"reward {name!r} returned {len(values)} values for {len(completions)} completions")
         bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
@@ -551,9 +561,9 @@ class RewardSet:
     """The configured rewards (``rewards.*``): functions with their weights, the regression metric, and the
     group-level length and temporal bonuses with their rules. Built once; ``score`` is the only call."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, judge=None):
         self.cfg = cfg
-        self.functions = build_rewards(cfg.functions, cfg.weights, cfg.regression)
+        self.functions = build_rewards(cfg.functions, cfg.weights, cfg.regression, judge)
         self.weights = {name: weight for name, _, weight in self.functions}
 
     def accuracy(self, texts: Sequence[str], records: Sequence[dict]) -> list[float]:
@@ -565,7 +575,7 @@ class RewardSet:
         that group's prompt with shuffled frames (groups without video are absent and earn no temporal bonus)."""
         cfg = self.cfg
         accuracy = self.accuracy(texts, records)
-        rewards = score(self.functions, list(texts), list(records))
+        rewards = score(self.functions, list(texts), list(records), group_sizes)
         groups = group_slices(group_sizes)
         if cfg.length:
             rewards["length"] = [bonus for rows in groups for bonus in length_bonus(

@@ -28,6 +28,7 @@ from app.data.records import EncodedPrompt
 from app.grouping import text_before_media, verify_grouping
 from app.grouping.vision_cache import attach as attach_vision_cache
 from app.grpo import GRPOLoss, advantages, choose_groups, groups_with_signal, mismatch_metrics, zero_variance_groups
+from app.judge import build_judge
 from app.models import load_model
 from app.recipe import Recipe, run
 from app.rewards import RewardSet
@@ -48,7 +49,7 @@ class GRPOTrainer(Recipe):
     def setup(self) -> None:
         cfg = self.cfg
         self.reference = kl_reference(cfg, self.engine, self.ds_config, self.device, self.dtype, self.vision_cache)
-        self.rewards = RewardSet(cfg.rewards)
+        self.rewards = RewardSet(cfg.rewards, judge=build_judge(cfg.rewards, cfg.data, cfg.model, self.device))
         self.loss = GRPOLoss(cfg.grpo.to_options(cfg.rollout.max_completion_length, cfg.rollout.engine))
         self.rollout_engine = training_rollout_engine(self)
         for warning in data_warnings(cfg, self.stream.records):
