@@ -53,12 +53,9 @@ def run(out: Path, quick: bool = False) -> dict:
     prompts = judge.prompt(record)
     reference = "B"
     timings, results = {}, {}
-    for mode in ("grouped", "separate"):
-        def once():
-            if mode == "grouped":
-                return judge.group_scores(prompts, completions, reference)
-            return [judge.group_scores(prompts, [c], reference)[0] for c in completions]
-
+    ways = {"grouped": lambda: judge.group_scores(prompts, completions, reference),
+            "separate": lambda: [judge.group_scores(prompts, [c], reference)[0] for c in completions]}
+    for mode, once in ways.items():
         results[mode] = once()  # warm-up
         seconds = []
         for _ in range(trials):
