@@ -19,7 +19,7 @@ from typing import Any, get_origin, get_type_hints
 import yaml
 
 # Every choice list comes from the module that defines the choice (one source of truth).
-from app.data.records import PROMPT_TEMPLATES
+from app.data.prompts import PROMPT_TEMPLATES
 from app.distributed import GATHER_MODES
 from app.engines import ENGINE_NAMES, TRAINING_ONLY
 from app.grouping import BACKENDS, DEFAULT_CHUNK_SIZE, MODES

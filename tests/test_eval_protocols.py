@@ -92,7 +92,8 @@ def test_the_video_r1_preset_samples_video_r1s_frames_at_its_pixels(tmp_path, fr
 
 
 def test_the_video_r1_preset_writes_video_r1s_prompt_and_scores_as_it_does(tmp_path):
-    from app.data.records import build_conversation, question_text
+    from app.data.prompts import question_text
+    from app.data.records import build_conversation
     from app.rewards import video_r1_eval_accuracy
 
     record = {"problem": "Which colour appears first?", "problem_type": "multiple choice", "data_type": "video",

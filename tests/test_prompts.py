@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from app.data.records import build_conversation, question_text
+from app.data.prompts import question_text
+from app.data.records import build_conversation
 
 VIDEO_R1_MC = (
     "What moves?Options:\nA. cat\nB. dog\n\nPlease think about this question as if you were a human pondering "

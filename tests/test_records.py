@@ -158,7 +158,7 @@ def test_prefetch_keeps_order_skips_and_resume(tmp_path, caplog):
 
 
 def test_options_are_labelled_and_many_options_work():
-    from app.data.records import labelled_options, question_text
+    from app.data.prompts import labelled_options, question_text
     from app.rewards import accuracy_of
 
     assert labelled_options(["A. red", "B. blue"]) == ["A. red", "B. blue"]

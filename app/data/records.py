@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.data.prompts import encode_prompts
+from app.data.prompts import encode_prompts, question_text, system_message
 from app.data.video import SettingError, VideoDecodeError, frame_files, video_element
 from app.rewards import PROBLEM_TYPES, check_grounding_record
 
@@ -27,59 +27,6 @@ log = logging.getLogger(__name__)
 SKIP_EXAMPLES = 5  # skipped records named on the console (per rank at run time, rank 0 at load); the rest in files
 
 REQUIRED_FIELDS = ("problem", "problem_type", "solution")
-
-TYPE_TEMPLATES = {
-    "multiple choice": " Please provide only the single option letter (e.g., A, B, C, D, etc.) within the "
-                       "<answer> </answer> tags.",
-    "numerical": " Please provide the numerical value (e.g., 42 or 3.14) within the <answer> </answer> tags.",
-    "OCR": " Please transcribe text from the image/video clearly and provide your text answer within the "
-           "<answer> </answer> tags.",
-    "free-form": " Please provide your text answer within the <answer> </answer> tags.",
-    "regression": " Please provide the numerical value (e.g., 42 or 3.14) within the <answer> </answer> tags.",
-    # grounding (this project's wording; not in Video-R1's template): an answer in the units the reward reads
-    "temporal grounding": " Please provide the start and end time of the moment in seconds, as [start, end], within "
-                          "the <answer> </answer> tags.",
-    "spatial grounding": " Please provide the bounding box as [x1, y1, x2, y2] within the <answer> </answer> tags.",
-}
-# Video-R1's QUESTION_TEMPLATE, verbatim (its missing period after "thought expressions" included): the prompt
-# Video-R1's checkpoints were trained on.
-VIDEO_R1_QUESTION = ("{question}\nPlease think about this question as if you were a human pondering deeply. Engage "
-                     "in an internal dialogue using expressions such as 'let me think', 'wait', 'Hmm', 'oh, I see', "
-                     "'let's break it down', etc, or other natural language thought expressions It's encouraged to "
-                     "include self-reflection or verification in the reasoning process. Provide your detailed "
-                     "reasoning between the <think> </think> tags, and then give your final answer between the "
-                     "<answer> </answer> tags.")
-# Video-R1's EVALUATION template (src/eval_bench.py), verbatim: it differs from the training one above in two places
-# ("between the <think> and </think> tags", "between the <answer> and </answer> tags"); the eval/video_r1 protocol
-# uses it so that published numbers can be reproduced.
-VIDEO_R1_EVAL_QUESTION = ("{question}\nPlease think about this question as if you were a human pondering deeply. "
-                          "Engage in an internal dialogue using expressions such as 'let me think', 'wait', 'Hmm', "
-                          "'oh, I see', 'let's break it down', etc, or other natural language thought expressions "
-                          "It's encouraged to include self-reflection or verification in the reasoning process. "
-                          "Provide your detailed reasoning between the <think> and </think> tags, and then give your "
-                          "final answer between the <answer> and </answer> tags.")
-# This project's first template (kept for runs and checkpoints made with it).
-PREFIX_GRPO_QUESTION = ("{question}\nPlease think about this question as if you were a human pondering deeply. "
-                        "Provide your detailed reasoning between the <think> </think> tags, and then give your final "
-                        "answer between the <answer> </answer> tags.")
-PREFIX_GRPO_SYSTEM = ("A conversation between User and Assistant. The Assistant first thinks about the question and "
-                      "then answers. The reasoning goes in <think> </think> tags and the final answer in <answer> "
-                      "</answer> tags.")
-
-
-@dataclass(frozen=True)
-class PromptTemplate:
-    question: str  # format string with {question}
-    options: str  # "video_r1": problem + "Options:\n" + each option + "\n"; "lines": "\nOptions:\n" + joined by "\n"
-    system: str | None  # None: no system message (the chat template's default applies)
-
-
-PROMPT_TEMPLATES = {
-    "video_r1": PromptTemplate(VIDEO_R1_QUESTION, "video_r1", None),
-    "video_r1_eval": PromptTemplate(VIDEO_R1_EVAL_QUESTION, "video_r1", None),
-    "prefix_grpo": PromptTemplate(PREFIX_GRPO_QUESTION, "lines", PREFIX_GRPO_SYSTEM),
-}
-
 
 class DataError(ValueError):
     """Unusable data: too many bad records, or a file that cannot be read at all."""
@@ -208,42 +155,6 @@ def check_record(record: dict, data_root: Path, confine_to_root: bool = True) ->
 def where(record: dict) -> str:
     pid = record.get("problem_id")
     return f"{record.get('_where', '?')}" + (f" (problem_id {pid})" if pid is not None else "")
-
-
-_LABELLED = re.compile(r"^\s*\(?[A-Z]\s*[.):：]")
-
-
-def labelled_options(options: list) -> list[str]:
-    """Options as the prompt shows them: already labelled ("A. red", "(B) blue") as they are; otherwise (some
-    benchmark files list bare texts) each gets its letter, "A. ", "B. ", ... in order, so that an answer letter means
-    something. Up to 26 options."""
-    texts = [str(o) for o in options]
-    if all(_LABELLED.match(t) for t in texts):
-        return texts
-    if len(texts) > 26:
-        raise ValueError(f"{len(texts)} unlabelled options; letters run out after Z")
-    return [f"{chr(65 + i)}. {t}" for i, t in enumerate(texts)]
-
-
-def question_text(record: dict, template: str = "video_r1") -> str:
-    chosen = PROMPT_TEMPLATES[template]
-    question = record["problem"]
-    options = record.get("options")
-    if record["problem_type"] == "multiple choice" and options:
-        options = labelled_options(options)
-        if chosen.options == "video_r1":
-            question = question + "Options:\n" + "".join(str(o) + "\n" for o in options)
-        else:
-            question = question + "\nOptions:\n" + "\n".join(str(o) for o in options)
-    return chosen.question.format(question=question) + TYPE_TEMPLATES[record["problem_type"]]
-
-
-def system_message(data_cfg) -> str | None:
-    """``data.system_prompt``: "template" takes the template's own (video_r1: none), "" none, else the text."""
-    text = data_cfg.system_prompt
-    if text == "template":
-        return PROMPT_TEMPLATES[data_cfg.prompt_template].system
-    return text or None
 
 
 def build_conversation(record: dict, data_root: Path, data_cfg) -> list[dict]:
