@@ -291,10 +291,13 @@ def protocol_file(name: str) -> Path:
 
 def evaluate(model_dir: str | Path, data_files, overrides: list[str] = (), protocol: str | None = None) -> dict | None:
     """Evaluate on one data file or a list of them (one table per file: a benchmark). ``protocol``: a preset of
-    configs/eval/ (frames, pixels, prompt template, sampling, answer extraction), under the overrides."""
+    configs/eval/ (frames, pixels, prompt template, sampling, answer extraction), under the overrides.
+
+    The stages: the run's settings and identity -> the output folder (resumed or new) -> the usable records ->
+    this rank's unscored questions -> scored through the engine, one prediction line each -> merged and summarised
+    by rank 0."""
     protocol_path = protocol_file(protocol) if protocol else None
     cfg = load_config(protocol_path, [f"model.path={model_dir}", *overrides], training=False)
-    ev, data_cfg = cfg.eval, cfg.data
     check_checkpoint(model_dir, "MODEL_DIR")
     dist, rank, world = _dist()
     data_files = [Path(f) for f in ([data_files] if isinstance(data_files, (str, Path)) else data_files)]
@@ -302,8 +305,41 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = (), proto
         if not data_file.is_file():
             raise ConfigError(f"data file not found: {data_file}")
     identity = run_identity(cfg, Path(model_dir), data_files)
+    out = output_folder(cfg.eval, identity, dist)
+    usable, skipped = usable_records(data_files, cfg.data)
+    if not cfg.eval.resume and rank == 0:
+        for path in [out / "predictions.jsonl", *out.glob("predictions.rank*.jsonl"), *out.glob("skipped.rank*.jsonl")]:
+            path.unlink(missing_ok=True)
+    if rank == 0:
+        (out / RUN_FILE).write_text(json.dumps(identity, indent=2))
+        write_settings(out / SETTINGS_FILE, cfg, model_dir, data_files, protocol, overrides)
+    if dist:
+        dist.barrier()
+    done = {row["key"] for path in [out / "predictions.jsonl", *out.glob("predictions.rank*.jsonl")]
+            for row in _read_jsonl(path)}
+    mine = [r for i, r in enumerate(usable) if i % world == rank and record_key(r) not in done]
+    resumed = sum(1 for i, r in enumerate(usable) if i % world == rank and record_key(r) in done)
+    scored = score_questions(mine, cfg, model_dir, out, rank, world)
+    counts = torch.tensor([scored, resumed], dtype=torch.long)
+    if dist:
+        dist.all_reduce(counts)
+        dist.barrier()
+    if rank != 0:
+        return None
+    summary = merge_and_summarize(out, usable, skipped, cfg.eval.samples)
+    data_names = ", ".join(str(f) for f in data_files)
+    summary.update(model=str(model_dir), data=data_names, scored_this_run=int(counts[0]),
+                   resumed_from_file=int(counts[1]), world_size=world, output_dir=str(out))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.md").write_text(markdown(summary, f"Evaluation of {model_dir} on {data_names}"))
+    return summary
+
+
+def output_folder(ev, identity: dict, dist) -> Path:
+    """``eval.output_dir``, or with a resume the folder that holds this very evaluation (``choose_output_dir``):
+    every rank decides alike (same files, nothing written yet)."""
     out = Path(ev.output_dir)
-    if ev.resume:  # every rank decides alike (same files, nothing written yet), then rank 0 records the run
+    if ev.resume:
         chosen = choose_output_dir(out, identity, ev.if_different)
         if chosen != out:
             log.warning("%s holds a different evaluation; evaluating into %s (eval.if_different=new_dir)", out, chosen)
@@ -311,6 +347,12 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = (), proto
     if dist:
         dist.barrier()
     out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def usable_records(data_files: list[Path], data_cfg) -> tuple[list[dict], list[dict]]:
+    """Every record of the files, each tagged with its benchmark (file stem) and data root, and the skipped ones
+    with their reasons (malformed lines, records training could not use either)."""
     records, skipped = [], []
     for data_file in data_files:
         found, bad_lines = read_records(data_file)
@@ -325,26 +367,21 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = (), proto
                             .split(":")[0]})
         else:
             usable.append(record)
+    return usable, skipped
 
-    merged_file, rank_file = out / "predictions.jsonl", out / f"predictions.rank{rank}.jsonl"
-    if not ev.resume and rank == 0:
-        for path in [merged_file, *out.glob("predictions.rank*.jsonl"), *out.glob("skipped.rank*.jsonl")]:
-            path.unlink(missing_ok=True)
-    if rank == 0:
-        (out / RUN_FILE).write_text(json.dumps(identity, indent=2))
-        write_settings(out / SETTINGS_FILE, cfg, model_dir, data_files, protocol, overrides)
-    if dist:
-        dist.barrier()
-    done = {row["key"] for path in [merged_file, *out.glob("predictions.rank*.jsonl")] for row in _read_jsonl(path)}
-    mine = [r for i, r in enumerate(usable) if i % world == rank and record_key(r) not in done]
-    resumed = sum(1 for i, r in enumerate(usable) if i % world == rank and record_key(r) in done)
 
+def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, world: int) -> int:
+    """This rank's questions through ``eval.engine``, ``eval.batch_size`` at a time: one prediction line each in
+    predictions.rank{r}.jsonl (a record that cannot be encoded goes to skipped.rank{r}.jsonl with its reason).
+    Returns how many were scored."""
+    ev, data_cfg = cfg.eval, cfg.data
     processor = load_processor(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     tokenizer = getattr(processor, "tokenizer", processor)
     sampling = SamplingConfig(temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens)
     engine = evaluation_engine(cfg, model_dir, tokenizer, sampling, world)
     score = ANSWER_EXTRACTION[ev.answer_extraction]
     answer_of = video_r1_eval_answer if ev.answer_extraction == "video_r1" else (lambda t: extract_answer(t) or "")
+    rank_file = out / f"predictions.rank{rank}.jsonl"
     crash_after = int(os.environ.get(CRASH_ENV, "-1"))
     scored = 0
     bar = tqdm(total=len(mine), desc=f"eval rank {rank}", disable=rank != 0, dynamic_ncols=True)
@@ -385,12 +422,13 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = (), proto
                     os._exit(17)
         bar.update(len(mine[start : start + ev.batch_size]))
     bar.close()
-    counts = torch.tensor([scored, resumed], dtype=torch.long)
-    if dist:
-        dist.all_reduce(counts)
-        dist.barrier()
-    if rank != 0:
-        return None
+    return scored
+
+
+def merge_and_summarize(out: Path, usable: list[dict], skipped: list[dict], samples: int) -> dict:
+    """Rank 0: every rank's prediction lines merged into predictions.jsonl in the files' order (atomically; the
+    per-rank files removed), the skips of every rank added, and the summary."""
+    merged_file = out / "predictions.jsonl"
     order = {record_key(r): i for i, r in enumerate(usable)}
     rows = {}
     for path in [merged_file, *sorted(out.glob("predictions.rank*.jsonl"))]:
@@ -398,19 +436,13 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = (), proto
             rows[row["key"]] = row
     predictions = sorted(rows.values(), key=lambda r: order.get(r["key"], len(order)))
     skip_rows = {s["where"]: s for path in sorted(out.glob("skipped.rank*.jsonl")) for s in _read_jsonl(path)}
-    skipped += list(skip_rows.values())
+    skipped = skipped + list(skip_rows.values())
     tmp = merged_file.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in predictions))
     os.replace(tmp, merged_file)
     for path in out.glob("predictions.rank*.jsonl"):
         path.unlink()
-    summary = summarize(predictions, skipped, ev.samples)
-    data_names = ", ".join(str(f) for f in data_files)
-    summary.update(model=str(model_dir), data=data_names, scored_this_run=int(counts[0]),
-                   resumed_from_file=int(counts[1]), world_size=world, output_dir=str(out))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "summary.md").write_text(markdown(summary, f"Evaluation of {model_dir} on {data_names}"))
-    return summary
+    return summarize(predictions, skipped, samples)
 
 
 def main(argv: list[str] | None = None) -> None:
