@@ -198,11 +198,10 @@ class DecodingHead:
         if not self.active:
             yield
             return
-        self.head.forward = self._forward
-        try:
+        from app.grouping.modules import patched
+
+        with patched(self.head, "forward", self._forward):
             yield
-        finally:
-            del self.head.forward
 
     def close(self) -> None:
         self.packed = None
@@ -472,11 +471,10 @@ def chunked_prefill(model, chunk_size: int, synced: bool = False):
             hidden = out.last_hidden_state
         return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
 
-    language.forward = forward  # an instance attribute: shadows the class's forward until deleted
-    try:
+    from app.grouping.modules import patched
+
+    with patched(language, "forward", forward):  # the class's forward shadowed until the block ends
         yield
-    finally:
-        del language.forward
 
 
 def idle_forward(model) -> None:

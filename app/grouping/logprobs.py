@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from app.grouping.modules import patched
+
 
 @dataclass
 class CompletionScores:
@@ -115,8 +117,5 @@ def head_returns_logprobs(model, targets: torch.Tensor, select: torch.Tensor | N
             return packed.reshape(*hidden.shape[:-1], 2)
         return packed.new_zeros(*hidden.shape[:-1], 2).index_put((select,), packed)
 
-    head.forward = forward  # an instance attribute: module hooks (ZeRO-3 gathering) still run around it
-    try:
+    with patched(head, "forward", forward):  # module hooks (ZeRO-3 gathering) still run around it
         yield
-    finally:
-        del head.forward

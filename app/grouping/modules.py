@@ -1,7 +1,9 @@
-"""The model behind a wrapper, its text config, and the text model's attention setting: what every part of
-grouping (and its callers) needs to reach inside a model. One definition each."""
+"""The model behind a wrapper, its text config, the text model's attention setting, and instance patches: what
+every part of grouping (and its callers) needs to reach inside a model. One definition each."""
 
 from __future__ import annotations
+
+import contextlib
 
 from app.grouping import attention
 
@@ -28,3 +30,31 @@ def set_text_attention(model, name: str) -> None:
         model.set_attn_implementation({"text_config": name})
     else:
         model.set_attn_implementation(name)
+
+
+# ---- instance patches: a method replaced on ONE object (the class and other instances keep theirs) ----------------
+def patch_instance(obj, name: str, replacement) -> None:
+    """``obj.name`` replaced by an instance attribute for good (until ``unpatch_instance``). On a module the class's
+    ``__call__`` still runs, so hooks around it (ZeRO-3's gathering, DeepSpeed's) run around the replacement."""
+    object.__setattr__(obj, name, replacement)
+
+
+def unpatch_instance(obj, name: str) -> None:
+    """The class's ``name`` back on ``obj`` (nothing when it was not patched)."""
+    obj.__dict__.pop(name, None)
+
+
+@contextlib.contextmanager
+def patched(obj, name: str, replacement):
+    """``obj.name`` replaced for the block (``patch_instance``), then exactly what the instance had before comes
+    back: a patch made inside another one's block restores the outer patch, not the class's method."""
+    missing = object()
+    previous = obj.__dict__.get(name, missing)
+    patch_instance(obj, name, replacement)
+    try:
+        yield
+    finally:
+        if previous is missing:
+            unpatch_instance(obj, name)
+        else:
+            patch_instance(obj, name, previous)

@@ -15,6 +15,7 @@ import types
 import torch
 
 from app.grouping.layout import GroupLayout, LayoutError
+from app.grouping.modules import patch_instance
 
 # Keys of a processor's output that describe the vision inputs of a prompt batch.
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -111,7 +112,7 @@ def use_qwen_positions(model) -> None:
         return fixed, deltas
 
     get_rope_index.continues_after_media = True
-    owner.get_rope_index = types.MethodType(get_rope_index, owner)
+    patch_instance(owner, "get_rope_index", types.MethodType(get_rope_index, owner))
 
 
 def packed_positions(layout: GroupLayout, prompt_pos: torch.Tensor) -> torch.Tensor:

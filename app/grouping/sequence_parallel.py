@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from app.grouping import attention
 from app.grouping.layout import GroupLayout, LayoutError
-from app.grouping.modules import set_text_attention, text_config, unwrap
+from app.grouping.modules import patched, set_text_attention, text_config, unwrap
 from app.grouping.positions import check_max_positions, packed_positions, prompt_positions
 
 
@@ -306,11 +306,8 @@ def _through_wrapper(model, work):
         kept["result"] = work()
         return kept["result"][0]
 
-    inner.forward = forward  # an instance attribute: shadows the class's forward until deleted
-    try:
+    with patched(inner, "forward", forward):  # the class's forward shadowed for this call only
         logprobs = model()
-    finally:
-        del inner.forward
     return (logprobs, *kept["result"][1:])
 
 

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 
 import torch
 
-from app.grouping.modules import unwrap
+from app.grouping.modules import patch_instance, patched, unpatch_instance, unwrap
 
 ATTRIBUTE = "_prefix_grpo_vision_cache"  # set on the tower module by ``attach``
 PROJECTORS = ("merger", "deepstack_merger_list")  # the modules after the blocks (Qwen2/2.5/3-VL)
@@ -300,7 +300,7 @@ def attach(model, cache: VisionCache) -> bool:
     def forward(hidden_states, grid_thw=None, **kwargs):
         return cache.forward(visual, original, hidden_states, grid_thw, **kwargs)
 
-    visual.forward = forward
+    patch_instance(visual, "forward", forward)
     return True
 
 
@@ -308,7 +308,7 @@ def detach(model) -> None:
     visual = tower_of(model)
     if visual is not None and hasattr(visual, ATTRIBUTE):
         delattr(visual, ATTRIBUTE)
-        visual.__dict__.pop("forward", None)
+        unpatch_instance(visual, "forward")
 
 
 def cache_of(model) -> VisionCache | None:
@@ -355,15 +355,12 @@ def _blocks_recording(visual):
 def _blocks_serving(visual, served: dict[int, torch.Tensor]):
     """Within the block, block b returns ``served[b]`` and every other block returns its input unchanged: the
     values that the projector reads are those the blocks would compute, without computing them."""
-    for b, block in enumerate(visual.blocks):
-        value = served.get(b)
-        block.forward = (lambda hidden_states, *a, _v=value, **k: _v) if value is not None else \
-            (lambda hidden_states, *a, **k: hidden_states)
-    try:
+    with contextlib.ExitStack() as stack:
+        for b, block in enumerate(visual.blocks):
+            value = served.get(b)
+            stack.enter_context(patched(block, "forward", (lambda hidden_states, *a, _v=value, **k: _v)
+                                        if value is not None else (lambda hidden_states, *a, **k: hidden_states)))
         yield
-    finally:
-        for block in visual.blocks:
-            block.__dict__.pop("forward", None)
 
 
 def install(model, setting: str, chunk_frames: int = 0) -> VisionCache | None:
