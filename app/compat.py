@@ -45,6 +45,8 @@ def set_environment_defaults() -> None:
     # qwen-vl-utils reads this once at import; its fallback reader (torchvision.io) no longer exists.
     os.environ.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Checkpoints load from local paths only: nothing reaches a model hub unasked (set HF_HUB_OFFLINE=0 to allow it).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # JIT-built torch extensions (DeepSpeed's CPU communication op) in this environment's own folder: two
     # environments on one machine no longer rebuild one shared copy in turn (each build.ninja names its env).
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))

@@ -35,7 +35,7 @@ from app.distributed import local_device
 from app.engines import needs_engine_views
 from app.grouping import vision_cache
 from app.models import DTYPES, CheckpointPathError, check_checkpoint, load_model, load_processor
-from app.rewards import ANSWER_EXTRACTION, GROUNDING_TYPES, extract_answer, grounding_metrics, video_r1_eval_answer
+from app.rewards import ANSWER_EXTRACTION, GROUNDING_TYPES, grounding_metrics
 from app.rollout import SamplingConfig, derive_seed, eos_token_ids
 from app.tracking import configure_logging
 
@@ -379,8 +379,7 @@ def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, worl
     tokenizer = getattr(processor, "tokenizer", processor)
     sampling = SamplingConfig(temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens)
     engine = evaluation_engine(cfg, model_dir, tokenizer, sampling, world)
-    score = ANSWER_EXTRACTION[ev.answer_extraction]
-    answer_of = video_r1_eval_answer if ev.answer_extraction == "video_r1" else (lambda t: extract_answer(t) or "")
+    score, answer_of = ANSWER_EXTRACTION[ev.answer_extraction]
     rank_file = out / f"predictions.rank{rank}.jsonl"
     crash_after = int(os.environ.get(CRASH_ENV, "-1"))
     scored = 0

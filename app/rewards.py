@@ -425,10 +425,11 @@ def video_r1_eval_accuracy(completion: str, record: dict) -> float:
     return 0.0
 
 
-ANSWER_EXTRACTION = {
+ANSWER_EXTRACTION = {  # name -> (score of an output, the answer it read)
     # this project's scoring (the trainer's reward code; regression by MRA, as evaluations report it)
-    "project": lambda completion, record: accuracy_of(completion, record, regression="mra"),
-    "video_r1": video_r1_eval_accuracy,  # Video-R1's evaluation script, to reproduce its numbers
+    "project": (lambda completion, record: accuracy_of(completion, record, regression="mra"),
+                lambda completion: extract_answer(completion) or ""),
+    "video_r1": (video_r1_eval_accuracy, video_r1_eval_answer),  # Video-R1's evaluation script, to reproduce it
 }
 
 

@@ -142,11 +142,9 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, generators: Se
     inverse_t = 1.0 / sampling.temperature
     # The max and the weights are of the tokens that may be drawn: a suppressed token far above the rest (a head
     # biased towards a placeholder) would otherwise underflow every other weight to 0 and the draw degenerate.
-    weights = logits.clone() if suppress is not None else logits
-    if suppress is not None:
-        weights.index_fill_(-1, suppress, float("-inf"))
+    weights = logits.index_fill(-1, suppress, float("-inf")) if suppress is not None else logits
     top = weights.amax(dim=-1, keepdim=True)
-    weights = torch.sub(weights, top)
+    weights = weights.sub_(top) if suppress is not None else torch.sub(weights, top)  # one vocabulary-sized copy
     if sampling.temperature != 1.0:
         weights.mul_(inverse_t)
     log_total = weights.exp_().sum(dim=-1).log()  # the drawable tokens' normaliser
