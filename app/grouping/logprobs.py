@@ -34,6 +34,13 @@ class CompletionScores:
     entropy: torch.Tensor | None = None  # [N, Lc] entropy of each token's (tempered) distribution, no gradient
 
 
+def _scaled_logits(hidden, weight, bias, temperature: float) -> torch.Tensor:
+    """float32 head(hidden) / T as a fresh tensor (divided in place: no second [chunk, vocab] buffer)."""
+    logits = F.linear(hidden, weight, bias)
+    logits = logits.float() if logits.dtype != torch.float32 else logits
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
 class _ChunkedTargetLogprobs(torch.autograd.Function):
     """log softmax(h W^T + b) / T at ``targets``, chunk by chunk; entropy rides along without gradient."""
 
@@ -45,7 +52,7 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
         normaliser = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            logits = F.linear(hidden[rows], weight, bias).float() / temperature
+            logits = _scaled_logits(hidden[rows], weight, bias, temperature)
             lse = torch.logsumexp(logits, dim=-1)
             normaliser[rows] = lse
             chosen[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse
@@ -62,21 +69,25 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, normaliser = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
+        grad_weight = None  # float32 [vocab, hidden]: the first chunk's product, then accumulated in place (no
+        # second vocabulary-sized buffer per chunk: at Qwen2.5-VL-7B's head that is 2.2 GB)
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
             if bias is not None and ctx.needs_input_grad[2] else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            logits = F.linear(hidden[rows], weight, bias).float() / ctx.temperature
-            # d log_softmax(z)_t / dz = onehot(t) - softmax(z); then through the division by T.
-            grad_logits = torch.exp(logits - normaliser[rows, None]).mul_(-grad_chosen[rows, None])
+            logits = _scaled_logits(hidden[rows], weight, bias, ctx.temperature)
+            # d log_softmax(z)_t / dz = onehot(t) - softmax(z); then through the division by T. In place: one
+            # [chunk, vocab] buffer at a time.
+            grad_logits = logits.sub_(normaliser[rows, None]).exp_().mul_(-grad_chosen[rows, None])
             grad_logits.scatter_add_(-1, targets[rows, None], grad_chosen[rows, None].float())
             grad_logits = grad_logits.div_(ctx.temperature)
             if grad_hidden is not None:
                 grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight += grad_logits.T @ hidden[rows].float()
+            if ctx.needs_input_grad[1]:
+                if grad_weight is None:
+                    grad_weight = grad_logits.T @ hidden[rows].float()
+                else:
+                    grad_weight.addmm_(grad_logits.T, hidden[rows].float())
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
