@@ -25,11 +25,22 @@ from __future__ import annotations
 from app.engines.base import EngineSetup, Recorded, RolloutEngine, SharedInGroup, rollout_key
 
 __all__ = ["ENGINE_NAMES", "EngineSetup", "Recorded", "RolloutEngine", "SharedInGroup", "build_rollout_engine",
-           "needs_engine_views", "rollout_key"]
+           "memory_kind", "needs_engine_views", "rollout_key"]
 
 ENGINE_NAMES = ("grouped", "hf", "vllm", "replay")  # rollout.engine and eval.engine: the one list
 TRAINING_ONLY = ("replay",)  # engines evaluation cannot use (nothing was recorded for held-out questions)
 OWN_PROCESSOR = ("vllm",)  # engines that take the unexpanded prompt and the decoded media (EncodedPrompt.engine_view)
+# What an engine's rollout holds in GPU memory, for the planner (app/plan.py): shared_prefix (one K/V of each prompt,
+# its G samples' own), per_sample (G copies of the prompt's K/V), reserved (a share of the GPU set aside by the
+# engine: rollout.vllm_gpu_memory_utilization; asleep during training when rollout.vllm_sleep), none.
+MEMORY_KIND = {"grouped": "shared_prefix", "hf": "per_sample", "vllm": "reserved", "replay": "none"}
+
+
+def memory_kind(name: str) -> str:
+    """How engine ``name`` uses GPU memory during a rollout (``MEMORY_KIND``)."""
+    if name not in MEMORY_KIND:
+        raise ValueError(f"unknown rollout engine {name!r}; expected one of {ENGINE_NAMES}")
+    return MEMORY_KIND[name]
 
 
 def needs_engine_views(name: str) -> bool:

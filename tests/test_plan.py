@@ -1,0 +1,230 @@
+"""Real model shapes and the planner: presets as published, the planner's arithmetic, its errors, and its memory and
+FLOP formulas against real forward+backward passes at real widths (Qwen2.5-VL-3B and 7B layer shapes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from app import costs, shapes
+from app.bench.measure import forward_backward
+from app.costs import GiB, Workload
+from app.models import model_class
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Parameter counts the hub reports for each released checkpoint (its model page), in billions.
+PUBLISHED_BILLIONS = {"qwen2_vl_2b": 2.21, "qwen2_vl_7b": 8.29, "qwen2_5_vl_3b": 3.75, "qwen2_5_vl_7b": 8.29,
+                      "qwen2_5_vl_32b": 33.5, "qwen2_5_vl_72b": 73.4, "qwen3_vl_2b": 2.13, "qwen3_vl_4b": 4.44,
+                      "qwen3_vl_8b": 8.77, "qwen3_vl_32b": 33.4}
+
+
+def test_every_size_has_a_preset_with_its_source_and_the_published_parameter_count():
+    assert set(shapes.preset_names()) == set(PUBLISHED_BILLIONS)
+    for name, billions in PUBLISHED_BILLIONS.items():
+        preset = shapes.load_preset(name)
+        assert preset["source"] == f"https://huggingface.co/{preset['hub_id']}/blob/main/config.json"
+        assert preset["checked_against"]
+        counts = shapes.count_parameters(shapes.hf_config(name))  # meta device: nothing allocated
+        assert abs(counts.total / 1e9 - billions) <= 0.006 * billions + 0.005, (name, counts.total)
+
+
+def test_the_7b_preset_is_the_shape_the_issue_names():
+    shape = costs.shape_of(shapes.hf_config("qwen2_5_vl_7b"))
+    assert (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate,
+            shape.vocab) == (3584, 28, 28, 4, 128, 18944, 152064)
+
+
+def test_reduced_depth_keeps_the_width_and_the_singled_out_blocks_within_depth():
+    full = shapes.hf_config("qwen2_5_vl_7b")
+    small = shapes.hf_config("qwen2_5_vl_7b", layers=2, vision_layers=3)
+    assert small.text_config.num_hidden_layers == 2 and small.vision_config.depth == 3
+    assert small.text_config.hidden_size == full.text_config.hidden_size
+    assert small.vision_config.fullatt_block_indexes == [2]
+    q3 = shapes.hf_config("qwen3_vl_8b", layers=1, vision_layers=9)
+    assert q3.vision_config.deepstack_visual_indexes == [8]
+    with pytest.raises(ValueError, match="layers=29 is outside 1..28"):
+        shapes.hf_config("qwen2_5_vl_7b", layers=29)
+
+
+def test_unknown_preset_is_refused_with_the_known_ones():
+    with pytest.raises(shapes.PresetError, match="unknown model preset 'qwen9_vl'.*qwen2_5_vl_7b"):
+        shapes.load_preset("qwen9_vl")
+
+
+def test_a_checkpoint_path_finds_its_preset_by_name():
+    assert shapes.preset_for_path("/models/Qwen2.5-VL-7B-Instruct") == "qwen2_5_vl_7b"
+    assert shapes.preset_for_path("/models/Qwen3-VL-32B-Instruct/") == "qwen3_vl_32b"
+    assert shapes.preset_for_path("/models/my-finetune") is None
+
+
+@pytest.mark.slow
+def test_a_real_width_checkpoint_is_written_and_loads_as_a_real_one(tmp_path):
+    from app.models import load_model, load_processor
+
+    path = shapes.build_real_width_checkpoint(tmp_path / "ckpt", "qwen2_5_vl_3b", layers=1, vision_layers=1)
+    model = load_model(path, dtype=torch.bfloat16)
+    assert model.config.text_config.hidden_size == 2048 and model.config.text_config.num_hidden_layers == 1
+    processor = load_processor(path)
+    assert processor.tokenizer.convert_tokens_to_ids("<|video_pad|>") == 151656
+    assert model.config.video_token_id == 151656
+
+
+# ------------------------------------------------------------------------------------------------------ the CLI
+def _plan(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "app.plan", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_plan_of_the_7b_config_on_8_gpus_is_standard_zero_arithmetic_and_fast(tmp_path):
+    start = time.perf_counter()
+    done = _plan("configs/qwen2_5_vl_7b_video.yaml", "--out", str(tmp_path))
+    seconds = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr
+    assert seconds < 10, f"plan took {seconds:.1f} s"
+    assert "FITS" in done.stdout and "largest video that fits" in done.stdout
+    result = json.loads((tmp_path / "plan.json").read_text())
+    phi, ranks = result["parameters"]["total"], 8
+    states = result["states"]  # ZeRO-3, bf16: 2 + 2 + 12 bytes per parameter, all partitioned over 8 ranks
+    assert states["weights"] == pytest.approx(2 * phi / ranks)
+    assert states["gradients"] == pytest.approx(2 * phi / ranks)
+    assert states["optimizer"] == pytest.approx(12 * phi / ranks)
+    assert states["reference"] == pytest.approx(2 * phi / ranks)
+    assert (tmp_path / "plan.txt").read_text().startswith("model qwen2_5_vl_7b")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "qwen9_vl"], "--model 'qwen9_vl' is neither a checkpoint folder nor a preset"),
+    (["--gpus-per-node", "6", "train.sequence_parallel_size=4"], "a world of 6 ranks cannot be split"),
+    (["train.sequence_parallel_size=8"], "sequence_parallel_size=8 does not divide this model's 28 query heads"),
+    (["--gpu-memory-gib", "0"], "--gpu-memory-gib must be > 0, got 0.0"),
+    (["rollout.group_sizes=8"], "rollout.group_sizes"),
+    (["model.path=/models/my-finetune"], "names no preset; pass --model"),
+])
+def test_bad_input_is_named(args, message, tmp_path):
+    done = _plan("configs/qwen2_5_vl_7b_video.yaml", *args, "--out", str(tmp_path))
+    assert done.returncode == 2
+    assert message in done.stderr, done.stderr
+
+
+def test_a_config_that_does_not_fit_gets_a_change_that_does(tmp_path):
+    from app.config import load_config
+    from app.planning import World, plan, remedies
+
+    cfg = load_config(ROOT / "configs/qwen2_5_vl_7b_video.yaml", ["data.max_frames=256"])
+    world = World(gpus_per_node=8, gpu_memory_gib=80)
+    assert not plan(cfg, world, "qwen2_5_vl_7b")["fits"]
+    fixes = remedies(cfg, world, "qwen2_5_vl_7b")
+    assert fixes and fixes[-1]["fits"]
+    assert plan(cfg, World(gpus_per_node=8, gpu_memory_gib=1000), "qwen2_5_vl_7b")["fits"]
+
+
+def test_lora_trains_only_the_adapters_and_loads_no_reference():
+    from app.config import load_config
+    from app.planning import World, plan
+
+    cfg = load_config(ROOT / "configs/qwen2_5_vl_7b_video_lora.yaml")
+    result = plan(cfg, World(), "qwen2_5_vl_7b")
+    assert 0 < result["trainable"] < 0.05 * result["parameters"]["total"]
+    assert result["states"]["reference"] == 0
+
+
+# --------------------------------------------------------------------------- the formulas against measurement
+@pytest.fixture(scope="module")
+def real_width_models():
+    """Full-width, reduced-depth models (float32 on this CPU), built once per module."""
+    built = {}
+
+    def get(preset: str, layers: int):
+        if (preset, layers) not in built:
+            built.clear()  # one at a time: the 7B width is 5 GB of float32 weights
+            config = shapes.hf_config(preset, layers=layers, vision_layers=1)
+            torch.manual_seed(0)
+            model = model_class(config).from_config(config, dtype=torch.float32)
+            model.train()
+            built[(preset, layers)] = model
+        return built[(preset, layers)]
+
+    yield get
+    built.clear()
+
+
+def _inputs(prefix: int, group: int, completion: int):
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 100000, (1, prefix), generator=generator)  # plain text ids of Qwen's vocabulary
+    prompts = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": torch.zeros_like(ids)}
+    completions = torch.randint(1000, 100000, (group, completion), generator=generator)
+    return prompts, completions, torch.ones_like(completions)
+
+
+def _check(model, prefix, group, completion, mode, checkpointing=False):
+    from app.models import enable_activation_checkpointing
+
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    shape = costs.shape_of(model.config)
+    prompts, completions, mask = _inputs(prefix, group, completion)
+    measured = forward_backward(model, prompts, completions, mask, group, mode=mode,
+                                backend=None if mode == "repeated" else "split")
+    if checkpointing:
+        model.gradient_checkpointing_disable()
+    work = Workload(prefix=prefix, completion=completion, group_size=group)
+    backend = "repeated" if mode == "repeated" else "split"
+    predicted = costs.training_activations(shape, work, backend=backend, dtype_bytes=4, checkpointing=checkpointing,
+                                           chunk=1024)
+    flops = costs.train_flops(shape, work, backend, checkpointing=checkpointing, chunk=1024)["total"]
+    where = f"{mode} P={prefix} G={group} C={completion}"
+    if not checkpointing:  # with checkpointing autograd saves the layer inputs, then the recomputed layer's
+        assert predicted["saved"] == pytest.approx(measured["saved"], rel=0.15), where
+    assert predicted["peak"] == pytest.approx(measured["peak"], rel=0.15), (where, predicted, measured)
+    assert flops == pytest.approx(measured["flops"], rel=0.05), where
+    return measured, predicted
+
+
+@pytest.mark.parametrize("mode", ["grouped", "repeated"])
+def test_planner_matches_a_measured_pass_at_the_3b_width(real_width_models, mode):
+    _check(real_width_models("qwen2_5_vl_3b", 1), 256, 4, 32, mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers, prefix, group, completion, mode, checkpointing", [
+    (2, 512, 8, 64, "grouped", False),
+    (2, 512, 8, 64, "repeated", False),  # here the last layer's MLP backward is the high point
+    (2, 1024, 4, 128, "grouped", True),
+    (2, 1024, 4, 128, "repeated", True),
+])
+def test_planner_matches_measured_passes_at_the_3b_width(real_width_models, layers, prefix, group, completion, mode,
+                                                         checkpointing):
+    _check(real_width_models("qwen2_5_vl_3b", layers), prefix, group, completion, mode, checkpointing)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefix, group, completion, mode", [
+    (512, 8, 64, "grouped"), (512, 8, 64, "repeated"), (1024, 4, 32, "grouped"),
+])
+def test_planner_matches_measured_passes_at_the_7b_width(real_width_models, prefix, group, completion, mode):
+    _check(real_width_models("qwen2_5_vl_7b", 1), prefix, group, completion, mode)
+
+
+def test_grouped_flops_tend_to_one_over_g_of_repeated_as_the_prefix_grows():
+    shape = costs.shape_of(shapes.hf_config("qwen2_5_vl_7b"))
+    ratios = [costs.train_flops(shape, Workload(prefix=p, completion=128, group_size=8), "flash",
+                                checkpointing=False, chunk=1024)["total_causal"]
+              / costs.train_flops(shape, Workload(prefix=p, completion=128, group_size=8), "repeated",
+                                  checkpointing=False, chunk=1024)["total_causal"] for p in (1024, 8192, 65536)]
+    assert ratios[0] > ratios[1] > ratios[2] > 1 / 8
+    assert ratios[2] < 1 / 8 * 1.2
+    assert model_states_gib_7b() == pytest.approx(16 * 8.292e9 / 8 / GiB, rel=1e-3)
+
+
+def model_states_gib_7b() -> float:
+    counts = shapes.count_parameters(shapes.hf_config("qwen2_5_vl_7b"))
+    states = costs.model_states(costs.StatesInput(total=counts.total, trainable=counts.total, reference=False,
+                                                  stage=3, ranks=8, dtype_bytes=2))
+    return states["total"] / GiB
