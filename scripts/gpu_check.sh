@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU acceptance in one command (also `make gpu-check`): the GPU-only tests (tests/test_gpu.py), a CUDA benchmark
-# subset with CUDA memory counters (flex shapes, attention, rollout engines), and one report, docs/gpu/report.json + report.md.
+# subset with CUDA memory counters (flex shapes, attention, rollout engines, the 7B layer shape at 4 layers with the
+# planner's prediction), and one report, docs/gpu/report.json + report.md.
 # Without CUDA it says so and exits 0 having run nothing.
 #   scripts/gpu_check.sh [REPORT_DIR]      (default docs/gpu; raw outputs under outputs/gpu)
 set -uo pipefail
@@ -23,5 +24,8 @@ tests_rc=${PIPESTATUS[0]}
 # The rollout comparison of the CPU README table, on CUDA: grouped vs HF generate, and vLLM when
 # PREFIX_GRPO_VLLM_PYTHON names a Python that has it.
 "$PY" -m app.bench.rollout --out "$RAW/rollout" --trials 3 2>&1 | tee "$RAW/rollout.log"
+# Real shape: Qwen2.5-VL-7B's layer width, 4 of 28 layers, bf16, 8k and 16k video prefixes, G=8: grouped vs
+# repeated step time and CUDA peak memory beside the planner's prediction, and grouped decoding vs HF generate.
+"$PY" -m app.bench.gpu_real_shape --out "$RAW/gpu_real_shape" 2>&1 | tee "$RAW/gpu_real_shape.log"
 "$PY" -m app.bench.gpu_report "$RAW" "$REPORT"
 exit "$tests_rc"

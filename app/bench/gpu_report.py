@@ -39,7 +39,7 @@ def main(raw: str, report: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tests = test_results(raw_dir / "tests.xml")
     benches = {}
-    for name in ("flex_shapes", "attention", "rollout"):
+    for name in ("flex_shapes", "attention", "rollout", "gpu_real_shape"):
         path = raw_dir / name / f"{name}.json"
         if path.is_file():
             benches[name] = json.loads(path.read_text())
