@@ -107,10 +107,14 @@ def test_plan_of_the_7b_config_on_8_gpus_is_standard_zero_arithmetic_and_fast(tm
     (["rollout.group_sizes=8"], "rollout.group_sizes"),
     (["model.path=/models/my-finetune"], "names no preset; pass --model"),
 ])
-def test_bad_input_is_named(args, message, tmp_path):
-    done = _plan("configs/qwen2_5_vl_7b_video.yaml", *args, "--out", str(tmp_path))
-    assert done.returncode == 2
-    assert message in done.stderr, done.stderr
+def test_bad_input_is_named(args, message, tmp_path, capsys, monkeypatch):
+    from app.plan import main
+
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as stopped:
+        main(["configs/qwen2_5_vl_7b_video.yaml", *args, "--out", str(tmp_path)])
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_a_config_that_does_not_fit_gets_a_change_that_does(tmp_path):

@@ -119,9 +119,13 @@ def test_multinode_script_two_nodes_on_localhost(assets, tmp_path):
     assert (out / "final" / "model.safetensors").is_file()
 
 
-def test_grouped_and_repeated_training_reach_the_same_parameters(assets, tmp_path):
-    for mode in ("grouped", "repeated"):
-        run(trainer(assets, tmp_path / mode, **{"forward.grouping": mode}))
+def test_grouped_and_repeated_training_reach_the_same_parameters(assets, tmp_path, monkeypatch):
+    from app.trainer import main
+    from tests.helpers import world_of_one
+
+    for mode in ("grouped", "repeated"):  # in this process: the launcher is tested above
+        with world_of_one(monkeypatch):
+            main(["configs/demo_cpu.yaml", *overrides(assets, tmp_path / mode, **{"forward.grouping": mode})])
     grouped, repeated = weights(tmp_path / "grouped" / "final"), weights(tmp_path / "repeated" / "final")
     initial = weights(assets["checkpoint"])
     moved = 0
