@@ -70,6 +70,17 @@ def test_chunked_function_gradients(bias):
         assert a.dtype == b.dtype and max_rel_diff(a, b) <= 1e-6
 
 
+def test_chunked_function_with_no_rows_gives_the_head_a_zero_gradient():
+    """A sequence-parallel rank can score no completion token: the head still gets a (zero) gradient, as every rank
+    must for DeepSpeed's reduction, never None."""
+    head = torch.nn.Linear(6, 11)
+    hidden = torch.zeros(0, 6, requires_grad=True)
+    chosen, _ = chunked_target_logprobs(hidden, head, torch.zeros(0, dtype=torch.long), chunk_size=4)
+    chosen.sum().backward()
+    assert head.weight.grad is not None and not head.weight.grad.any()
+    assert head.bias.grad is not None and not head.bias.grad.any()
+
+
 def test_head_restored_and_families_have_linear_heads(tiny_checkpoints):
     from app.grouping.logprobs import head_returns_logprobs
     from app.models import load_model

@@ -90,6 +90,8 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
                     grad_weight.addmm_(grad_logits.T, hidden[rows].float())
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
+        if ctx.needs_input_grad[1] and grad_weight is None:  # no rows here (a sequence-parallel rank may score none)
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
         return grad_hidden, grad_weight, grad_bias, None, None
