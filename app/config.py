@@ -104,12 +104,17 @@ class DataConfig:
                                  "ship) whose record has no `fps` field; frames are sampled from it at data.fps.")
     min_pixels: int = _f(3136, "Lower bound on pixels per video frame (always passed with max_pixels).")
     max_pixels: int = _f(100352, "Upper bound on pixels per video frame.")
+    video_total_pixels: int = _f(0, "A pixel budget for a whole video instead of data.max_pixels per frame: "
+                                 "qwen-vl-utils caps each frame at total / frames x 2 (TimeZero's evaluation: "
+                                 "3584 x 28 x 28). 0: data.max_pixels applies.")
     image_min_pixels: int = _f(3136, "Lower bound on pixels per image.")
     image_max_pixels: int = _f(401408, "Upper bound on pixels per image.")
     max_prompt_length: int = _f(16384, "Prompts longer than this (tokens, video included) are dropped, never cut.")
     max_skip_fraction: float = _f(0.1, "Fail when more than this fraction of records is unusable.")
     prompt_template: str = _f("video_r1", "Question template: video_r1 reproduces Video-R1's prompt exactly (what its "
-                              "checkpoints were trained on); prefix_grpo is this project's first template.",
+                              "checkpoints were trained on); video_r1_eval its evaluation script's; timezero_grounding "
+                              "TimeZero's temporal-grounding evaluation prompt (text before the video, no per-type "
+                              "instruction); prefix_grpo is this project's first template.",
                               choices=tuple(PROMPT_TEMPLATES))
     system_prompt: str = _f("template", "System message: 'template' uses the template's own (video_r1: none, so the "
                             "chat template's default 'You are a helpful assistant.'; prefix_grpo: its "
@@ -513,6 +518,7 @@ def validate(config: Config, training: bool = True) -> None:
         ("data.max_frames", config.data.max_frames, 2),  # qwen-vl-utils samples an even count, >= 2 frames
         ("data.max_prompt_length", config.data.max_prompt_length, 1),
         ("data.min_pixels", config.data.min_pixels, 1), ("data.image_min_pixels", config.data.image_min_pixels, 1),
+        ("data.video_total_pixels", config.data.video_total_pixels, 0),
         ("logging.log_every", config.logging.log_every, 1), ("logging.sample_table_every",
                                                              config.logging.sample_table_every, 0),
         ("train.save_every", config.train.save_every, 0), ("train.keep_checkpoints", config.train.keep_checkpoints, 1),

@@ -425,11 +425,40 @@ def video_r1_eval_accuracy(completion: str, record: dict) -> float:
     return 0.0
 
 
+_TIMEZERO_SPAN = re.compile(r"(\d+\.?\d*) (to|and) (\d+\.?\d*)")
+_TIMEZERO_ANSWER = re.compile(r"<answer>(.*?)</answer>")
+
+
+def timezero_answer(text: str) -> str:
+    """The span TimeZero's evaluation reads (evaluate.py parse_timestamp_output): the LAST "a to b" / "a and b" in
+    the whole output, else in its first <answer>; "" when there is none."""
+    spans = _TIMEZERO_SPAN.findall(text)
+    if not spans:
+        found = _TIMEZERO_ANSWER.search(text)
+        spans = _TIMEZERO_SPAN.findall(found.group(1).strip()) if found else []
+    return f"{spans[-1][0]} to {spans[-1][2]}" if spans else ""
+
+
+def timezero_accuracy(completion: str, record: dict) -> float:
+    """TimeZero's score of one output: its IoU with the record's span, as its evaluation computes it (the ends as
+    written, not reordered; no clamp to the video's duration; 0 when no span is read, and never below 0)."""
+    answer = timezero_answer(completion)
+    truth = parse_interval(solution_answer(str(record.get("solution", ""))))
+    if not answer or truth is None:
+        return 0.0
+    sp, _, ep = answer.partition(" to ")
+    sp, ep = float(sp), float(ep)
+    s, e = truth
+    union = max(e, ep) - min(s, sp)
+    return max((min(e, ep) - max(s, sp)) / union, 0.0) if union > 0 else 0.0
+
+
 ANSWER_EXTRACTION = {  # name -> (score of an output, the answer it read)
     # this project's scoring (the trainer's reward code; regression by MRA, as evaluations report it)
     "project": (lambda completion, record: accuracy_of(completion, record, regression="mra"),
                 lambda completion: extract_answer(completion) or ""),
     "video_r1": (video_r1_eval_accuracy, video_r1_eval_answer),  # Video-R1's evaluation script, to reproduce it
+    "timezero": (timezero_accuracy, timezero_answer),  # TimeZero's temporal-grounding evaluation
 }
 
 

@@ -142,3 +142,93 @@ def test_an_evaluation_records_the_settings_that_reproduce_it(tmp_path):
 def test_an_unknown_protocol_is_named_with_the_presets():
     with pytest.raises(ConfigError, match=r"unknown evaluation protocol 'video_r2'.*video_r1"):
         protocol_file("video_r2")
+
+
+# ---- TimeZero's temporal-grounding evaluation (www-Ye/TimeZero evaluate.py), transcribed ---------------------------
+TZ_TEMPLATE = """To accurately pinpoint the event "[EVENT]" in the video, determine the precise time period of the event.
+
+Output your thought process within the <think> </think> tags, including analysis with either specific timestamps (xx.xx) or time ranges (xx.xx to xx.xx) in <timestep> </timestep> tags.
+
+Then, provide the start and end times (in seconds, precise to two decimal places) in the format "start time to end time" within the <answer> </answer> tags. For example: "12.54 to 17.83"."""
+
+
+def tz_parse(output: str):
+    import re
+
+    matches = re.findall(r"(\d+\.?\d*) (to|and) (\d+\.?\d*)", output)
+    if not matches:
+        answer = re.search(r"<answer>(.*?)</answer>", output)
+        if answer:
+            inner = re.findall(r"(\d+\.?\d*) (to|and) (\d+\.?\d*)", answer.group(1).strip())
+            if inner:
+                return float(inner[-1][0]), float(inner[-1][2])
+        return None, None
+    return float(matches[-1][0]), float(matches[-1][2])
+
+
+def tz_iou(output: str, span) -> float:
+    sp, ep = tz_parse(output)
+    if sp is None:
+        return 0.0
+    s, e = span
+    return max((min(e, ep) - max(s, sp)) / (max(e, ep) - min(s, sp)), 0)
+
+
+@pytest.mark.parametrize("output", [
+    "<think>it starts around 3.5 to 7.2 <timestep>4.00</timestep></think><answer>12.54 to 17.83</answer>",
+    "<answer>24.3 and 30.4</answer>", "the person turns the light on from 20.0 to 31.0 seconds",
+    "<answer>[24.3, 30.4]</answer>", "<answer>30.4 to 24.3</answer>", "no answer", "<answer>0 to 5</answer> 26 to 29",
+])
+def test_the_timezero_preset_scores_as_timezero_does(output):
+    from app.rewards import timezero_accuracy
+
+    record = {"problem_type": "temporal grounding", "solution": "<answer>[24.3, 30.4]</answer>", "duration": 30.96}
+    assert timezero_accuracy(output, record) == pytest.approx(tz_iou(output, (24.3, 30.4)), abs=1e-12)
+
+
+def test_the_timezero_preset_writes_its_prompt_text_first_with_its_pixel_budget(tmp_path):
+    from qwen_vl_utils import fetch_video
+
+    from app.data.records import build_conversation
+    from app.data.video import decode_video, write_mp4
+
+    rng = np.random.default_rng(0)
+    write_mp4(tmp_path / "3MSZA.mp4", rng.integers(0, 255, (62, 180, 240, 3), dtype=np.uint8), fps=2)
+    record = {"problem": "person turn a light on.", "problem_type": "temporal grounding", "data_type": "video",
+              "path": "3MSZA.mp4", "solution": "<answer>[24.3, 30.4]</answer>", "duration": 30.96}
+    cfg = preset("timezero_charades_sta")
+    conversation = build_conversation(record, tmp_path, cfg.data)
+    assert [m["role"] for m in conversation] == ["user"]
+    text, video = conversation[0]["content"]
+    assert text == {"type": "text", "text": TZ_TEMPLATE.replace("[EVENT]", record["problem"])}
+    assert video["total_pixels"] == 3584 * 28 * 28 and video["min_pixels"] == 16 * 28 * 28
+    assert "max_pixels" not in video
+    ours, _ = decode_video(video)
+    theirs = fetch_video({"video": str(tmp_path / "3MSZA.mp4"), "total_pixels": 3584 * 28 * 28,
+                          "min_pixels": 16 * 28 * 28})  # the element TimeZero's inference() builds
+    assert ours.shape == theirs.shape
+    assert (cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.eval.answer_extraction) == (0.0, 2048, "timezero")
+
+
+def test_charades_sta_annotations_convert_to_records(tmp_path):
+    import json
+
+    from app.data.convert import ConvertError, charades_sta, main
+    from app.rewards import check_grounding_record
+
+    (tmp_path / "videos").mkdir()
+    (tmp_path / "videos" / "3MSZA.mp4").write_bytes(b"")
+    annotation = tmp_path / "charades_test.json"
+    annotation.write_text(json.dumps({
+        "3MSZA": {"duration": 30.96, "timestamps": [[24.3, 30.4], [24.3, 30.4]],
+                  "sentences": ["person turn a light on.", "person flipped the light switch near the door."]},
+        "AMT7R": {"duration": 30.08, "timestamps": [[4.3, 12.5]], "sentences": ["a person is putting a picture."]}}))
+    records, missing = charades_sta(annotation, tmp_path / "videos")
+    assert missing == ["AMT7R"] and [r["problem_id"] for r in records] == ["3MSZA_0", "3MSZA_1"]
+    assert records[0]["solution"] == "<answer>[24.3, 30.4]</answer>" and records[0]["duration"] == 30.96
+    assert all(check_grounding_record(r) is None for r in records)
+    main(["charades_sta", str(annotation), "--videos", str(tmp_path / "videos"), "--out", str(tmp_path / "r.jsonl")])
+    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
+    annotation.write_text(json.dumps({"3MSZA": {"duration": 30.96, "timestamps": [[1, 2]], "sentences": []}}))
+    with pytest.raises(ConvertError, match="video '3MSZA' has 1 timestamps but 0 sentences"):
+        charades_sta(annotation, tmp_path / "videos")

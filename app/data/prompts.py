@@ -51,17 +51,30 @@ PREFIX_GRPO_SYSTEM = ("A conversation between User and Assistant. The Assistant 
                       "</answer> tags.")
 
 
+# TimeZero's evaluation prompt for temporal grounding (www-Ye/TimeZero, evaluate.py GROUND_TEMPLATE), verbatim, the
+# event sentence in place of its [EVENT]: the eval/timezero_charades_sta protocol reproduces its Charades-STA numbers.
+TIMEZERO_GROUNDING = ('To accurately pinpoint the event "{question}" in the video, determine the precise time period '
+                      "of the event.\n\nOutput your thought process within the <think> </think> tags, including "
+                      "analysis with either specific timestamps (xx.xx) or time ranges (xx.xx to xx.xx) in <timestep> "
+                      "</timestep> tags.\n\nThen, provide the start and end times (in seconds, precise to two decimal "
+                      'places) in the format "start time to end time" within the <answer> </answer> tags. For '
+                      'example: "12.54 to 17.83".')
+
+
 @dataclass(frozen=True)
 class PromptTemplate:
     question: str  # format string with {question}
     options: str  # "video_r1": problem + "Options:\n" + each option + "\n"; "lines": "\nOptions:\n" + joined by "\n"
     system: str | None  # None: no system message (the chat template's default applies)
+    type_instruction: bool = True  # append the problem type's answer instruction (TYPE_TEMPLATES)
+    text_first: bool = False  # the question's text before the video/images in the user turn (TimeZero's order)
 
 
 PROMPT_TEMPLATES = {
     "video_r1": PromptTemplate(VIDEO_R1_QUESTION, "video_r1", None),
     "video_r1_eval": PromptTemplate(VIDEO_R1_EVAL_QUESTION, "video_r1", None),
     "prefix_grpo": PromptTemplate(PREFIX_GRPO_QUESTION, "lines", PREFIX_GRPO_SYSTEM),
+    "timezero_grounding": PromptTemplate(TIMEZERO_GROUNDING, "lines", None, type_instruction=False, text_first=True),
 }
 
 
@@ -90,7 +103,8 @@ def question_text(record: dict, template: str = "video_r1") -> str:
             question = question + "Options:\n" + "".join(str(o) + "\n" for o in options)
         else:
             question = question + "\nOptions:\n" + "\n".join(str(o) for o in options)
-    return chosen.question.format(question=question) + TYPE_TEMPLATES[record["problem_type"]]
+    instruction = TYPE_TEMPLATES[record["problem_type"]] if chosen.type_instruction else ""
+    return chosen.question.format(question=question) + instruction
 
 
 def system_message(data_cfg) -> str | None:

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.data.prompts import encode_prompts, question_text, system_message
+from app.data.prompts import PROMPT_TEMPLATES, encode_prompts, question_text, system_message
 from app.data.video import SettingError, VideoDecodeError, frame_files, video_element
 from app.rewards import PROBLEM_TYPES, check_grounding_record
 
@@ -162,7 +162,8 @@ def build_conversation(record: dict, data_root: Path, data_cfg) -> list[dict]:
     if record.get("data_type") == "video":
         for path in media_paths(record, data_root):
             element = video_element(path, fps=data_cfg.fps, max_frames=data_cfg.max_frames,
-                                    min_pixels=data_cfg.min_pixels, max_pixels=data_cfg.max_pixels)
+                                    min_pixels=data_cfg.min_pixels, max_pixels=data_cfg.max_pixels,
+                                    total_pixels=getattr(data_cfg, "video_total_pixels", 0))
             if path.is_dir():  # a frame folder: its frame rate from the record, else the config
                 element["folder_fps"] = float(record.get("fps") or data_cfg.frame_folder_fps)
             content.append(element)
@@ -170,7 +171,8 @@ def build_conversation(record: dict, data_root: Path, data_cfg) -> list[dict]:
         for path in media_paths(record, data_root):
             content.append({"type": "image", "image": str(path), "min_pixels": data_cfg.image_min_pixels,
                             "max_pixels": data_cfg.image_max_pixels})
-    content.append({"type": "text", "text": question_text(record, data_cfg.prompt_template)})
+    text = {"type": "text", "text": question_text(record, data_cfg.prompt_template)}
+    content = [text, *content] if PROMPT_TEMPLATES[data_cfg.prompt_template].text_first else [*content, text]
     system = system_message(data_cfg)
     messages = [{"role": "system", "content": system}] if system else []
     return messages + [{"role": "user", "content": content}]

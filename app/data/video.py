@@ -46,12 +46,17 @@ def write_mp4(path: str | Path, frames: np.ndarray, fps: float = 8.0) -> Path:
 
 
 def video_element(path: str | Path, fps: float = 2.0, max_frames: int | None = None, min_pixels: int | None = None,
-                  max_pixels: int | None = None) -> dict:
-    """A qwen-vl-utils message element; always carries min_pixels with max_pixels (its defaults assert otherwise)."""
+                  max_pixels: int | None = None, *, total_pixels: int = 0) -> dict:
+    """A qwen-vl-utils message element; always carries min_pixels with max_pixels (its defaults assert otherwise).
+    ``total_pixels`` > 0: a budget for the whole video instead of ``max_pixels`` per frame (qwen-vl-utils then caps
+    each frame at total_pixels / frames x 2, at least 1.05 x min_pixels)."""
     element: dict = {"type": "video", "video": str(path), "fps": fps}
     if max_frames is not None:
         element["max_frames"] = max_frames
-    if max_pixels is not None:
+    if total_pixels:
+        element["total_pixels"] = total_pixels
+        element["min_pixels"] = min_pixels if min_pixels is not None else 4 * 28 * 28
+    elif max_pixels is not None:
         element["max_pixels"] = max_pixels
         element["min_pixels"] = min_pixels if min_pixels is not None else min(max_pixels, 4 * 28 * 28)
     elif min_pixels is not None:

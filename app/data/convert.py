@@ -1,0 +1,82 @@
+"""Benchmark annotation files -> this project's records (JSONL), so evaluation and training read them as they read
+Video-R1's.
+
+    python -m app.data.convert charades_sta ANNOTATION.json --videos DIR --out records.jsonl
+
+``charades_sta``: the Charades-STA test annotations as TimeZero (www-Ye/TimeZero, dataset/charades-sta/*.json) and
+its successors ship them, ``{video_id: {"duration": s, "timestamps": [[start, end], ...], "sentences": [...]}}``;
+one record per sentence, ``problem_type: "temporal grounding"``, the span as its solution, the video's duration
+(the reward reads it), the video found as ``DIR/<video_id>.mp4`` (or .mkv, .webm, as TimeZero looks for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+VIDEO_EXTENSIONS = ("mp4", "mkv", "webm")
+
+
+class ConvertError(ValueError):
+    """An annotation file that cannot be converted (the message names the file and the entry)."""
+
+
+def charades_sta(annotation: Path, videos: Path) -> tuple[list[dict], list[str]]:
+    """(records, the video ids whose file is missing: their sentences are left out, as TimeZero leaves them)."""
+    try:
+        data = json.loads(annotation.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConvertError(f"{annotation}: cannot be read as JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise ConvertError(f"{annotation}: expected an object of video id -> annotation")
+    records, missing = [], []
+    for vid, entry in data.items():
+        where = f"{annotation}: video {vid!r}"
+        try:
+            duration = float(entry.get("duration", entry.get("video_duration")))
+            spans, sentences = entry["timestamps"], entry["sentences"]
+        except (AttributeError, KeyError, TypeError, ValueError):
+            raise ConvertError(f"{where} lacks duration, timestamps or sentences") from None
+        if len(spans) != len(sentences):
+            raise ConvertError(f"{where} has {len(spans)} timestamps but {len(sentences)} sentences")
+        path = next((f"{vid}.{ext}" for ext in VIDEO_EXTENSIONS if (videos / f"{vid}.{ext}").is_file()), None)
+        if path is None:
+            missing.append(vid)
+            continue
+        for i, (span, sentence) in enumerate(zip(spans, sentences)):
+            if not (isinstance(span, list) and len(span) == 2):
+                raise ConvertError(f"{where}, sentence {i}: timestamp {span!r} is not [start, end]")
+            start, end = (float(v) for v in span)
+            records.append({"problem_id": f"{vid}_{i}", "problem": str(sentence).strip(),
+                            "problem_type": "temporal grounding", "data_type": "video", "path": path,
+                            "solution": f"<answer>[{start}, {end}]</answer>", "duration": duration,
+                            "data_source": "charades_sta"})
+    return records, missing
+
+
+FORMATS = {"charades_sta": charades_sta}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m app.data.convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("format", choices=sorted(FORMATS))
+    parser.add_argument("annotation", type=Path)
+    parser.add_argument("--videos", type=Path, required=True, help="the folder of the benchmark's videos")
+    parser.add_argument("--out", type=Path, required=True, help="the records file to write (JSONL)")
+    args = parser.parse_args(argv)
+    try:
+        records, missing = FORMATS[args.format](args.annotation, args.videos)
+    except ConvertError as error:
+        print(f"convert error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    print(f"{len(records)} records written to {args.out}" + (f"; {len(missing)} videos not found in {args.videos} "
+                                                            f"(their sentences left out): {', '.join(missing[:5])}"
+                                                            f"{' ...' if len(missing) > 5 else ''}" if missing else ""))
+
+
+if __name__ == "__main__":
+    main()
