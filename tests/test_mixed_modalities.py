@@ -46,7 +46,7 @@ def mixed_file(assets, tmp_path: Path, rank1_kind: str) -> Path:  # noqa: F811
     return out
 
 
-@pytest.mark.parametrize("rank1_kind", ["video", "text"])
+@pytest.mark.parametrize("rank1_kind", ["video", pytest.param("text", marks=pytest.mark.slow)])
 def test_zero3_mixed_modalities_equal_zero2(rank1_kind, assets, tmp_path):  # noqa: F811
     data = mixed_file(assets, tmp_path, rank1_kind)
     finals = {}

@@ -191,7 +191,7 @@ def _check(model, prefix, group, completion, mode, checkpointing=False):
     return measured, predicted
 
 
-@pytest.mark.parametrize("mode", ["grouped", "repeated"])
+@pytest.mark.parametrize("mode", ["grouped", pytest.param("repeated", marks=pytest.mark.slow)])
 def test_planner_matches_a_measured_pass_at_the_3b_width(real_width_models, mode):
     _check(real_width_models("qwen2_5_vl_3b", 1), 256, 4, 32, mode)
 

@@ -168,6 +168,7 @@ def grpo_args(root: Path, out: Path, checkpoint: Path, train_file: Path, **extra
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # 2.5 minutes (two vLLM starts per process): make test-all and CI run it; make test keeps parity
 def test_two_process_zero3_grpo_with_vllm_stays_in_sync_and_resumes_after_a_kill(tmp_path):
     """scripts/train.sh with 2 processes under ZeRO-3 and rollout.engine=vllm (one engine per rank, joined to the
     training world by vLLM's external launcher) on video prompts, the vision tower training too: it checkpoints,
