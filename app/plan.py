@@ -51,6 +51,9 @@ def report(result: dict, frames_by_size: dict, fixes: list[dict]) -> str:
     lines.append("  training forward+backward (on top of the states)")
     lines += [f"    {key:<22}{_gib(value)}" for key, value in t.items() if key not in ("total", "saved")]
     lines.append(f"    {'(saved tensors)':<22}{_gib(t['saved'])}")
+    by_layout = result["activations_by_layout"]
+    lines.append(f"    {'(activations by layout)':<22} grouped {by_layout['grouped'] / GiB:.2f}, repeated "
+                 f"{by_layout['repeated'] / GiB:.2f} ({by_layout['grouped'] / by_layout['repeated']:.2f}x)")
     lines += [f"  peak {_gib(result['peak']).strip()} GiB of {_gib(result['usable']).strip()} usable "
               f"({result['world']['headroom']:.0%} of the GPU): {'FITS' if result['fits'] else 'DOES NOT FIT'}", ""]
     lines.append("FLOPs per group (one prompt, G completions), grouped vs repeated layout")

@@ -169,6 +169,7 @@ def plan(cfg, world: World, source: str, frames: int | None = None) -> dict:
             "dtype_bytes": b, "frames": frames, "workload": asdict(work), "attention": attention_backend(cfg),
             "states": states, "rollout": rollout, "training": training, "peak": peak, "usable": usable,
             "fits": peak <= usable, "flops_per_group": flops, "step_seconds": seconds,
+            "activations_by_layout": layout_activations(cfg, shape, work, b, trains_head=not lora),
             "prompts_per_rank": cfg.train.prompts_per_rank}
 
 
@@ -227,6 +228,15 @@ def training_memory(cfg, shape: Shape, work: Workload, ds: dict, b: int, gpu: fl
              "engine_awake": reserved}
     parts["total"] = act["peak"] + tower + zero3 + reserved
     return parts
+
+
+def layout_activations(cfg, shape: Shape, work: Workload, b: int, *, trains_head: bool) -> dict:
+    """The policy forward+backward's activation peak on one rank in each layout (the grouped backend planned)."""
+    return {layout: costs.training_activations(
+        shape, work, backend="repeated" if layout == "repeated" else grouped_backend(cfg), dtype_bytes=b,
+        checkpointing=cfg.model.gradient_checkpointing, chunk=cfg.forward.logprob_chunk_size,
+        trains_head=trains_head, sequence_parallel=cfg.train.sequence_parallel_size)["peak"]
+        for layout in ("grouped", "repeated")}
 
 
 def step_flops(cfg, shape: Shape, work: Workload, layout: str) -> dict:
