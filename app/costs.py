@@ -242,11 +242,15 @@ def forward_flops(shape: Shape, work: Workload, backend: str) -> dict:
 
 def train_flops(shape: Shape, work: Workload, backend: str, *, checkpointing: bool, chunk: int) -> dict:
     """Forward+backward FLOPs of the policy update over one micro-batch: the backward is twice the forward for
-    matmuls and 2.5 times for fused attention; checkpointing runs each layer's forward again; the chunked head (``chunk`` > 0)
-    recomputes its logits in the backward."""
+    matmuls and 2.5 times for fused attention; checkpointing runs each layer's forward again but its last matmul; the
+    chunked head (``chunk`` > 0) recomputes its logits in the backward."""
     f = forward_flops(shape, work, backend)
     again = 1 if checkpointing else 0
-    linear = (3 + again) * f["linear"] + (4 if chunk else 3) * f["head"]
+    # torch's non-reentrant checkpoint stops recomputing once every saved tensor is back: each layer's last matmul
+    # (down_proj, hidden x intermediate of its weights) is not run again (measured with the flop counter)
+    recompute = f["linear"] * (1 - shape.hidden * shape.intermediate / shape.layer_matmul_params) if checkpointing \
+        else 0.0
+    linear = 3 * f["linear"] + recompute + (4 if chunk else 3) * f["head"]
     # fused attention backward recomputes the scores: 5 matmuls against the forward's 2 (torch's flop_counter)
     attention = 3.5 + again
     return {"total": linear + attention * f["attention"], "total_causal": linear + attention * f["attention_causal"]}

@@ -1,5 +1,5 @@
 """Real model shapes and the planner: presets as published, the planner's arithmetic, its errors, and its memory and
-FLOP formulas against real forward+backward passes at real widths (Qwen2.5-VL-3B and 7B layer shapes)."""
+FLOP formulas against real forward+backward passes at real widths (Qwen2-VL-2B, Qwen2.5-VL-3B and 7B layer shapes)."""
 
 from __future__ import annotations
 
@@ -191,9 +191,10 @@ def _check(model, prefix, group, completion, mode, checkpointing=False):
     return measured, predicted
 
 
-@pytest.mark.parametrize("mode", ["grouped", pytest.param("repeated", marks=pytest.mark.slow)])
-def test_planner_matches_a_measured_pass_at_the_3b_width(real_width_models, mode):
-    _check(real_width_models("qwen2_5_vl_3b", 1), 256, 4, 32, mode)
+@pytest.mark.parametrize("mode", ["grouped", "repeated"])
+def test_planner_matches_a_measured_pass_at_the_2b_width(real_width_models, mode):
+    """Qwen2-VL-2B's width (the smallest real one: quick enough for make test); the 3B and 7B widths below."""
+    _check(real_width_models("qwen2_vl_2b", 1), 256, 4, 32, mode)
 
 
 @pytest.mark.slow
