@@ -5,8 +5,6 @@ named reason, and no record changing modality on the way."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -85,27 +83,30 @@ def test_no_modality_change(shapes):
         assert has == {"video": kind == "video", "image": kind == "image"}, pid
 
 
-def test_trains_two_steps_and_evaluates(shapes, tmp_path):
+def test_trains_two_steps_and_evaluates(shapes, tmp_path, monkeypatch, caplog):
+    """Training then evaluation on every record shape, in this process (the launchers have their own tests)."""
+    import logging
+
+    from app.evaluate import evaluate
+    from app.trainer import main
+    from tests.helpers import world_of_one
+
     common = ["data.max_frames=4", "data.min_pixels=3136", "data.max_pixels=3136", "data.image_max_pixels=6272",
               "data.max_skip_fraction=0.5", "data.prompt_template=video_r1"]
-    train = subprocess.run(
-        [sys.executable, "-m", "app.trainer", "configs/demo_cpu.yaml", f"model.path={shapes['checkpoint']}",
-         f"data.train_file={shapes['file']}", f"train.output_dir={tmp_path / 'run'}", "train.max_steps=2",
-         f"train.prompts_per_rank={len(USABLE)}", f"train.groups_per_micro_batch={len(USABLE)}",
-         "rollout.group_size=2", "rollout.max_completion_length=6", "train.save_every=0",
-         "logging.wandb_mode=disabled", "logging.progress_bar=false", "data.shuffle=false", *common],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
-    log = train.stdout + train.stderr
-    assert train.returncode == 0, log[-4000:]
+    monkeypatch.chdir(ROOT)
+    with world_of_one(monkeypatch), caplog.at_level(logging.INFO):
+        main(["configs/demo_cpu.yaml", f"model.path={shapes['checkpoint']}",
+              f"data.train_file={shapes['file']}", f"train.output_dir={tmp_path / 'run'}", "train.max_steps=2",
+              f"train.prompts_per_rank={len(USABLE)}", f"train.groups_per_micro_batch={len(USABLE)}",
+              "rollout.group_size=2", "rollout.max_completion_length=6", "train.save_every=0",
+              "logging.wandb_mode=disabled", "logging.progress_bar=false", "data.shuffle=false", *common])
+    log = caplog.text
     for pid, (_, words) in SKIPPED.items():
         assert f"(problem_id {pid})" in log and words in log, pid
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
 
-    ev = subprocess.run(
-        ["bash", "scripts/eval.sh", str(tmp_path / "run" / "final"), str(shapes["file"]),
-         f"eval.output_dir={tmp_path / 'eval'}", "eval.max_new_tokens=6", "eval.batch_size=4", *common],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert ev.returncode == 0, (ev.stdout + ev.stderr)[-4000:]
+    evaluate(tmp_path / "run" / "final", [shapes["file"]],
+             [f"eval.output_dir={tmp_path / 'eval'}", "eval.max_new_tokens=6", "eval.batch_size=4", *common])
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert summary["overall"]["count"] == len(USABLE)
     assert summary["skipped_total"] == len(SKIPPED)
