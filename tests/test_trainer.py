@@ -188,8 +188,13 @@ def test_prefetch_resume_equals_plain_uninterrupted_and_counts_a_skip_once(asset
     assert skipped(tmp_path / "plain")[-1] == 1  # 16 records, 4 steps x 2 prompts: the corrupt one drawn once
 
 
-def test_bad_records_are_skipped_with_named_reasons(assets, tmp_path):
+def test_bad_records_are_skipped_with_named_reasons(assets, tmp_path, monkeypatch, caplog):
+    """In this process: the trainer's main, as the launcher runs it (the launchers have their own tests)."""
+    import logging
+
     from app.data.video import write_mp4
+    from app.trainer import main
+    from tests.helpers import world_of_one
 
     data = tmp_path / "bad"
     (data / "videos").mkdir(parents=True)
@@ -215,10 +220,11 @@ def test_bad_records_are_skipped_with_named_reasons(assets, tmp_path):
         json.dumps({**base, "problem_id": "too-long", "problem": "why " * 3000, "path": "videos/ok.mp4"}),
     ]
     (data / "train.jsonl").write_text("\n".join(lines) + "\n")
-    result = run(trainer(assets, tmp_path / "run", **{
-        "data.train_file": data / "train.jsonl", "data.max_skip_fraction": 0.9, "data.max_prompt_length": 1024,
-        "data.shuffle": False, "train.prompts_per_rank": 4, "train.max_steps": 2}))
-    log = result.stderr + result.stdout
+    with world_of_one(monkeypatch), caplog.at_level(logging.INFO):
+        main(["configs/demo_cpu.yaml", *overrides(assets, tmp_path / "run", **{
+            "data.train_file": data / "train.jsonl", "data.max_skip_fraction": 0.9, "data.max_prompt_length": 1024,
+            "data.shuffle": False, "train.prompts_per_rank": 4, "train.max_steps": 2})])
+    log = caplog.text
     assert "problem_id missing" in log and "video file not found" in log
     assert "unknown problem_type 'poetry'" in log
     assert "malformed JSON line" in log
@@ -227,10 +233,10 @@ def test_bad_records_are_skipped_with_named_reasons(assets, tmp_path):
     assert "problem_id too-long" in log and "prompt too long" in log
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
 
-    failing = run(trainer(assets, tmp_path / "strict", **{"data.train_file": data / "train.jsonl",
-                                                           "data.max_skip_fraction": 0.1}), check=False)
-    assert failing.returncode != 0
-    assert "records in" in failing.stderr and "are unusable" in failing.stderr
+    with world_of_one(monkeypatch), pytest.raises(SystemExit) as stopped:
+        main(["configs/demo_cpu.yaml", *overrides(assets, tmp_path / "strict", **{
+            "data.train_file": data / "train.jsonl", "data.max_skip_fraction": 0.1})])
+    assert "records in" in str(stopped.value.code) and "are unusable" in str(stopped.value.code)
 
 
 def test_temporal_grpo_and_dapo_settings_run(assets, tmp_path, monkeypatch):
