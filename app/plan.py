@@ -16,10 +16,19 @@ import json
 import sys
 from pathlib import Path
 
-from app import costs, shapes
+from app import shapes
 from app.config import ConfigError, load_config
 from app.costs import GiB
-from app.planning import SP_SIZES, PlanError, World, largest_frames, model_of, model_source, plan, remedies
+from app.planning import (
+    PlanError,
+    World,
+    largest_frames,
+    model_of,
+    model_source,
+    plan,
+    remedies,
+    sequence_parallel_sizes,
+)
 
 
 def _gib(value: float) -> str:
@@ -104,10 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             raise PlanError(f"--frames must be >= 0, got {args.frames}")
         source = model_source(cfg, args.model)
         result = plan(cfg, world, source, frames=args.frames or None)
-        config = model_of(source)[0]
-        shape = costs.shape_of(config)
-        sizes = [s for s in SP_SIZES if world.ranks % s == 0
-                 and not (shape.heads % s or (shape.kv_heads % s and s % shape.kv_heads))]
+        sizes = sequence_parallel_sizes(model_of(source)[0], world.ranks)
         frames_by_size = {s: largest_frames(cfg, world, source, s) for s in sizes}
         fixes = [] if result["fits"] else remedies(cfg, world, source)
     except (ConfigError, PlanError, shapes.PresetError) as error:

@@ -46,17 +46,14 @@ class World:
 
 @lru_cache(maxsize=8)
 def model_of(source: str):
-    """(transformers config, parameter counts, LoRA-able Linear shapes) of a preset name or checkpoint folder."""
+    """(transformers config, parameter counts, the model on the meta device) of a preset name or checkpoint folder."""
     from transformers import AutoConfig
 
     if Path(source).is_dir():
         config = AutoConfig.from_pretrained(source)
     else:
         config = shapes.hf_config(source)
-    model = shapes.meta_model(config)
-    linears = {name: (m.in_features, m.out_features) for name, m in model.named_modules()
-               if type(m).__name__ == "Linear"}
-    return config, shapes.count_parameters(config), linears
+    return config, shapes.count_parameters(config), shapes.meta_model(config)
 
 
 def model_source(cfg, override: str = "") -> str:
@@ -75,20 +72,13 @@ def model_source(cfg, override: str = "") -> str:
     return preset
 
 
-def lora_parameters(cfg, linears: dict) -> int:
-    """Adapter parameters: rank x (in + out) for every Linear ``lora.target_names`` would pick."""
-    from app.lora import part_of
+def lora_parameters(cfg, meta) -> int:
+    """Adapter parameters: rank x (in + out) for every Linear ``lora.target_names`` picks on the meta model."""
+    from app.lora import target_names
 
-    total = 0
-    for name, (fan_in, fan_out) in linears.items():
-        part = part_of(name)
-        leaf = name.split(".")[-1]
-        if leaf == "lm_head":
-            continue
-        if ((part == "language" and leaf in cfg.lora.target_modules) or (part == "vision" and cfg.lora.vision_tower)
-                or (part == "projector" and cfg.lora.projector)):
-            total += cfg.lora.rank * (fan_in + fan_out)
-    return total
+    modules = dict(meta.named_modules())
+    return sum(cfg.lora.rank * (modules[name].in_features + modules[name].out_features)
+               for name in target_names(meta, cfg.lora))
 
 
 def deepspeed_settings(cfg) -> dict:
@@ -127,22 +117,41 @@ def tower_chunk(cfg, work: Workload) -> int:
     return cfg.forward.vision_chunk_frames * (work.patches // max(1, work.temporal))
 
 
-def check_sequence_parallel(shape: Shape, ranks: int, size: int) -> None:
+def check_sequence_parallel(config, ranks: int, size: int) -> None:
+    """The world and the model's heads allow S = ``size`` (the heads by the trainer's own check)."""
+    from app.grouping.sequence_parallel import check_heads
+
     if ranks % size:
         raise PlanError(f"a world of {ranks} ranks cannot be split into sequence-parallel groups of {size} "
                         f"(train.sequence_parallel_size)")
-    if shape.heads % size or (shape.kv_heads % size and size % shape.kv_heads):
+    try:
+        check_heads(config, size)
+    except ValueError:
+        shape = costs.shape_of(config)
         raise PlanError(f"train.sequence_parallel_size={size} does not divide this model's {shape.heads} query "
-                        f"heads / {shape.kv_heads} KV heads")
+                        f"heads / {shape.kv_heads} KV heads (query heads must divide by S, KV heads divide by S or "
+                        f"S by them)") from None
+
+
+def sequence_parallel_sizes(config, ranks: int) -> list[int]:
+    """The S of ``SP_SIZES`` the world and the model's heads allow."""
+    allowed = []
+    for size in SP_SIZES:
+        try:
+            check_sequence_parallel(config, ranks, size)
+        except PlanError:
+            continue
+        allowed.append(size)
+    return allowed
 
 
 def plan(cfg, world: World, source: str, frames: int | None = None) -> dict:
     """The whole prediction for one config, as a dict of bytes (per rank), FLOPs (per rank and step), seconds."""
     world.check()
-    config, counts, linears = model_of(source)
+    config, counts, meta = model_of(source)
     shape = costs.shape_of(config)
     size = cfg.train.sequence_parallel_size
-    check_sequence_parallel(shape, world.ranks, size)
+    check_sequence_parallel(config, world.ranks, size)
     ds = deepspeed_settings(cfg)
     b = 2 if cfg.model.dtype == "bfloat16" else 4
     frames = frames or cfg.data.max_frames
@@ -150,7 +159,7 @@ def plan(cfg, world: World, source: str, frames: int | None = None) -> dict:
     lora = cfg.lora.rank > 0
     frozen = (counts.vision if cfg.model.freeze_vision_tower else 0) + (counts.projector if cfg.model.freeze_projector
                                                                         else 0)
-    trainable = lora_parameters(cfg, linears) if lora else counts.total - frozen
+    trainable = lora_parameters(cfg, meta) if lora else counts.total - frozen
     states = costs.model_states(costs.StatesInput(
         total=counts.total, trainable=trainable, reference=cfg.grpo.beta > 0 and not lora, stage=ds["stage"],
         ranks=world.ranks, dtype_bytes=b, offload_optimizer=ds["offload_optimizer"],
