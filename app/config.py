@@ -353,6 +353,10 @@ class EvalConfig:
                      "media. (replay is for training only.)", choices=ENGINE_NAMES)
     temperature: float = _f(0.0, "0 for greedy; > 0 samples.")
     top_p: float = _f(1.0, "Nucleus sampling threshold when sampling.")
+    repetition_penalty: float = _f(1.0, "> 1 makes tokens already in the prompt or the output less likely (HF's and "
+                                   "vLLM's rule: a seen token's logit divided by it when positive, multiplied when "
+                                   "negative); Qwen2.5-VL-Instruct's generation_config.json sets 1.05, which HF "
+                                   "generate applies unless told otherwise (TimeZero's protocol).")
     answer_extraction: str = _f("project", "How an output is scored: project (the trainer's reward code: the last "
                                 "closed <answer>, option letters in the forms models write, regression by MRA) or "
                                 "video_r1 (Video-R1's evaluation script: the first <answer> or the whole output, "
@@ -480,21 +484,32 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, name, value
 
 
+def _config_files(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict]]:
+    """``path``'s sections, after those of the file its ``extends:`` names (relative to it), base first."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}" + (f" (extended by {seen[-1]})" if seen else ""))
+    if path.resolve() in seen:
+        raise ConfigError(f"{seen[-1]}: 'extends' makes a circle through {path}")
+    try:
+        raw = _yaml(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML ({error})") from error
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    base = raw.pop("extends", None)
+    if base is None:
+        return [(path, raw)]
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: 'extends' must name one YAML file, got {base!r}")
+    return [*_config_files(path.parent / base, (*seen, path.resolve())), (path, raw)]
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 training: bool = True) -> Config:
     config = Config()
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            raw = _yaml(path.read_text()) or {}
-        except yaml.YAMLError as error:
-            raise ConfigError(f"{path}: not valid YAML ({error})") from error
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    for source, raw in _config_files(Path(path)) if path is not None else ():
         for section, values in raw.items():
-            _apply(config, section, values, str(path))
+            _apply(config, section, values, str(source))
     for text in overrides:
         section, name, value = parse_override(text)
         _apply(config, section, {name: value}, f"override '{text}'")
@@ -546,6 +561,8 @@ def validate(config: Config, training: bool = True) -> None:
     need(config.train.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0")
     need(config.eval.samples >= 1, "eval.samples", "must be >= 1")
     need(config.eval.temperature >= 0, "eval.temperature", "must be >= 0")
+    need(config.eval.repetition_penalty > 0, "eval.repetition_penalty",
+         f"must be > 0 (1 leaves the logits alone), got {config.eval.repetition_penalty}")
     need(config.eval.temperature > 0 or config.eval.samples == 1, "eval.samples",
          "> 1 needs eval.temperature > 0 (greedy samples would all be the same)")
     validate_vllm_ranges(config.rollout)

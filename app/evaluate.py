@@ -377,7 +377,8 @@ def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, worl
     ev, data_cfg = cfg.eval, cfg.data
     processor = load_processor(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     tokenizer = getattr(processor, "tokenizer", processor)
-    sampling = SamplingConfig(temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens)
+    sampling = SamplingConfig(temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens,
+                              repetition_penalty=ev.repetition_penalty)
     engine = evaluation_engine(cfg, model_dir, tokenizer, sampling, world)
     score, answer_of = ANSWER_EXTRACTION[ev.answer_extraction]
     rank_file = out / f"predictions.rank{rank}.jsonl"

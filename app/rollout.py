@@ -44,6 +44,9 @@ class SamplingConfig:
     seed: int | None = None  # prompt b draws from derive_seed(seed, b) unless generate_groups gets prompt_seeds
     # Never sampled (vision placeholders by default); their log-probs are still reported unfiltered.
     suppress_token_ids: tuple[int, ...] | None = None
+    # > 1 makes every token already in the prompt or the completion less likely (HF's and vLLM's rule:
+    # ``repetition_penalised``); the reported log-probs stay those of the model's own distribution. Evaluation only.
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -54,6 +57,8 @@ class SamplingConfig:
             raise OptionError("top_k", f"must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise OptionError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        if self.repetition_penalty <= 0:
+            raise OptionError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
 
 
 @dataclass
@@ -167,6 +172,32 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, generators: Se
     tokens = draw_from_weights(weights, uniform)
     logprobs = (logits.gather(-1, tokens[:, None]) - top).squeeze(-1) * inverse_t - log_total
     return tokens, logprobs
+
+
+def seen_tokens(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, V] bool: which tokens row n holds where ``mask`` is set (padding does not count)."""
+    seen = torch.zeros(ids.shape[0], vocab, dtype=torch.bool, device=ids.device)
+    return seen.scatter_(1, ids.clamp(0, vocab - 1), mask.bool()) if ids.numel() else seen
+
+
+def repetition_penalised(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """The repetition penalty of HF's ``RepetitionPenaltyLogitsProcessor`` and vLLM's ``repetition_penalty``
+    (Keskar et al. 2019, CTRL): a token already seen has its logit divided by ``penalty`` when positive,
+    multiplied when negative. A copy; ``penalty`` 1 returns ``logits``."""
+    if penalty == 1.0:
+        return logits
+    scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, scaled, logits)
+
+
+def penalised_sample(logits, sampling: SamplingConfig, generators, suppress, seen: torch.Tensor | None):
+    """``sample_tokens`` on the penalised logits, reporting the model's own (unpenalised) log-probs."""
+    if seen is None or sampling.repetition_penalty == 1.0:
+        return sample_tokens(logits, sampling, generators, suppress)
+    tokens, _ = sample_tokens(repetition_penalised(logits.float(), seen, sampling.repetition_penalty), sampling,
+                              generators, suppress)
+    scale = sampling.temperature if sampling.temperature > 0 else 1.0
+    return tokens, torch.log_softmax(logits.float() / scale, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def draw_from_weights(weights: torch.Tensor, uniform: torch.Tensor, block: int = SAMPLE_BLOCK) -> torch.Tensor:
@@ -337,12 +368,19 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
     decoder = GroupedDecoder(model, prompts, sizes, limit, prefill_chunk_size=prefill_chunk_size,
                              synced=synced)  # each prompt (and its video) once
     logits, step, tick, done_here = decoder.logits, 0, 0, False
+    seen = None  # the tokens of each sample's prompt and completion so far, for the repetition penalty
+    if sampling.repetition_penalty != 1.0:
+        group = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+        seen = seen_tokens(prompts["input_ids"][group], prompts["attention_mask"][group], logits.shape[-1])
     try:
         while True:
             if not done_here:
-                tokens, logprobs = sample_tokens(logits, sampling, generators, suppress)
+                tokens, logprobs = penalised_sample(logits, sampling, generators, suppress,
+                                                    None if seen is None else seen[rows])
                 alive = ~finish.finished[rows]
                 tokens = torch.where(alive, tokens, torch.full_like(tokens, pad_id))
+                if seen is not None:
+                    seen[rows[alive], tokens[alive]] = True
                 ids[rows, step] = tokens
                 logprobs_out[rows, step] = torch.where(alive, logprobs, torch.zeros_like(logprobs))
                 finish.record(rows, tokens, step)
@@ -396,6 +434,18 @@ class _SampleLikeGrouped:
         return torch.full_like(scores, float("-inf")).scatter(-1, tokens[:, None], 0.0)
 
 
+class _PenaliseRepeats:
+    """A logits processor for HF generate: ``repetition_penalised`` over the prompt's real tokens (not its left
+    padding, which HF's own processor would count) and the tokens generated so far."""
+
+    def __init__(self, prompt_mask: torch.Tensor, penalty: float):
+        self.prompt_mask, self.penalty = prompt_mask, penalty
+
+    def __call__(self, input_ids, scores):
+        mask = torch.nn.functional.pad(self.prompt_mask, (0, input_ids.shape[1] - self.prompt_mask.shape[1]), value=1)
+        return repetition_penalised(scores, seen_tokens(input_ids, mask, scores.shape[-1]), self.penalty)
+
+
 def _hf_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id, generators) -> Rollout:
     """Plain HF generate on the repeated batch (prompt and video copied per sample): the A/B baseline."""
     device = prompts["input_ids"].device
@@ -407,15 +457,20 @@ def _hf_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id,
     kwargs = dict(max_new_tokens=sampling.max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
                   output_logits=True, return_dict_in_generate=True, pad_token_id=pad_id, eos_token_id=eos_ids or None)
     suppress_ids = vision_token_ids(model) if sampling.suppress_token_ids is None else list(sampling.suppress_token_ids)
+    from transformers import LogitsProcessorList
+
+    processors = LogitsProcessorList()
+    if sampling.repetition_penalty != 1.0:
+        processors.append(_PenaliseRepeats(batch["attention_mask"], sampling.repetition_penalty))
     if sampling.temperature > 0:
         # The grouped engine's own sampler, fed HF's logits: with the same seed both engines draw the same tokens
         # (their logits agree up to float rounding), so A/B runs differ only by the layout, not by the dice.
-        from transformers import LogitsProcessorList
-
         suppress = torch.tensor(suppress_ids, device=device, dtype=torch.long) if suppress_ids else None
-        kwargs["logits_processor"] = LogitsProcessorList([_SampleLikeGrouped(sampling, generators, suppress)])
+        processors.append(_SampleLikeGrouped(sampling, generators, suppress))
     elif suppress_ids:
         kwargs.update(suppress_tokens=suppress_ids)
+    if processors:
+        kwargs["logits_processor"] = processors
     if sampling.stop_strings:
         kwargs.update(stop_strings=list(sampling.stop_strings), tokenizer=tokenizer)
     try:

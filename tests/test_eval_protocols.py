@@ -208,12 +208,43 @@ def test_the_timezero_preset_writes_its_prompt_text_first_with_its_pixel_budget(
                           "min_pixels": 16 * 28 * 28})  # the element TimeZero's inference() builds
     assert ours.shape == theirs.shape
     assert (cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.eval.answer_extraction) == (0.0, 2048, "timezero")
+    assert cfg.eval.repetition_penalty == 1.05  # HF generate takes it from Qwen2.5-VL-Instruct's generation_config
+
+
+def test_the_activitynet_preset_is_timezeros_charades_protocol_on_other_files(tmp_path):
+    """TimeZero's evaluate.py --dataset activitynet changes only files; the preset extends the Charades one, and
+    ActivityNet's sentences reach the prompt verbatim (leading space included, as TimeZero inserts them)."""
+    import json
+
+    from app.config import ConfigError, load_config
+    from app.data.convert import FORMATS
+    from app.data.records import build_conversation
+
+    assert preset("timezero_activitynet").to_dict() == preset("timezero_charades_sta").to_dict()
+    (tmp_path / "videos").mkdir()
+    (tmp_path / "videos" / "v_uqiMw7tQ1Cc.mp4").write_bytes(b"")
+    annotation = tmp_path / "test.json"
+    annotation.write_text(json.dumps({"v_uqiMw7tQ1Cc": {
+        "duration": 55.15, "timestamps": [[0, 4.14], [4.14, 33.36]],
+        "sentences": ["Two men are standing in a gym.", " One man is holding onto a rope."]}}))
+    records, _ = FORMATS["activitynet_captions"](annotation, tmp_path / "videos")
+    assert records[1]["problem"] == " One man is holding onto a rope." and records[1]["data_source"] == \
+        "activitynet_captions"
+    text = build_conversation(records[1], tmp_path / "videos", preset("timezero_activitynet").data)[0]["content"][0]
+    assert text["text"] == TZ_TEMPLATE.replace("[EVENT]", " One man is holding onto a rope.")
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ConfigError, match="'extends' makes a circle"):
+        load_config(tmp_path / "a.yaml", ["model.path=m"], training=False)
+    (tmp_path / "b.yaml").write_text("extends: missing.yaml\n")
+    with pytest.raises(ConfigError, match=r"config file not found: .*missing.yaml \(extended by .*b.yaml\)"):
+        load_config(tmp_path / "b.yaml", ["model.path=m"], training=False)
 
 
 def test_charades_sta_annotations_convert_to_records(tmp_path):
     import json
 
-    from app.data.convert import ConvertError, charades_sta, main
+    from app.data.convert import FORMATS, ConvertError, main
     from app.rewards import check_grounding_record
 
     (tmp_path / "videos").mkdir()
@@ -223,6 +254,7 @@ def test_charades_sta_annotations_convert_to_records(tmp_path):
         "3MSZA": {"duration": 30.96, "timestamps": [[24.3, 30.4], [24.3, 30.4]],
                   "sentences": ["person turn a light on.", "person flipped the light switch near the door."]},
         "AMT7R": {"duration": 30.08, "timestamps": [[4.3, 12.5]], "sentences": ["a person is putting a picture."]}}))
+    charades_sta = FORMATS["charades_sta"]
     records, missing = charades_sta(annotation, tmp_path / "videos")
     assert missing == ["AMT7R"] and [r["problem_id"] for r in records] == ["3MSZA_0", "3MSZA_1"]
     assert records[0]["solution"] == "<answer>[24.3, 30.4]</answer>" and records[0]["duration"] == 30.96

@@ -328,3 +328,32 @@ def test_a_rollout_travels_as_tensors():
     assert torch.equal(theirs.completion_ids, first.completion_ids)
     assert theirs.stop_reasons == ["eos", "eos", "length", "stop_string", "length"]
     assert theirs.group_sizes == [4, 1] and theirs.prefill_tokens == 42
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_repetition_penalty_is_the_same_in_both_engines_and_changes_the_output(temperature, tiny_checkpoints,
+                                                                                 videos):
+    """eval.repetition_penalty (HF's and vLLM's rule over the prompt's real tokens and the output so far): the
+    grouped engine and HF generate pick the same tokens, prompts of different lengths included (HF's own
+    processor would also count the left padding), and the penalty changes what is picked."""
+    model, prompts, tok = setup("qwen2_5_vl", tiny_checkpoints, videos)
+    runs = {}
+    for penalty in (1.0, 3.0):
+        sampling = SamplingConfig(temperature=temperature, max_new_tokens=16, seed=2, repetition_penalty=penalty)
+        ours = generate_groups(model, prompts, 2, sampling, tokenizer=tok, eos_ids=[])
+        hf = generate_groups(model, prompts, 2, sampling, tokenizer=tok, eos_ids=[], engine="hf")
+        assert torch.equal(ours.completion_ids, hf.completion_ids), penalty
+        torch.testing.assert_close(ours.logprobs, hf.logprobs, rtol=0, atol=1e-5)  # the model's own log-probs
+        runs[penalty] = ours
+    assert not torch.equal(runs[1.0].completion_ids, runs[3.0].completion_ids)
+    with torch.no_grad():  # reported log-probs are the unpenalised model's, as the grouped forward scores them
+        forward = completion_logprobs(model, prompts, runs[3.0].completion_ids, runs[3.0].completion_mask, [2, 2])
+    scale = temperature or 1.0
+    if scale == 1.0:
+        torch.testing.assert_close(runs[3.0].logprobs, forward.logprobs, rtol=0, atol=1e-5)
+    if temperature == 0:  # greedy decoding of a random model repeats itself; the penalty makes it repeat less
+
+        def repeats(rollout):
+            return sum(len(row) - len(set(row)) for row in rollout.completion_ids.tolist())
+
+        assert repeats(runs[3.0]) < repeats(runs[1.0])

@@ -1,12 +1,14 @@
 """Benchmark annotation files -> this project's records (JSONL), so evaluation and training read them as they read
 Video-R1's.
 
-    python -m app.data.convert charades_sta ANNOTATION.json --videos DIR --out records.jsonl
+    python -m app.data.convert {charades_sta,activitynet_captions} ANNOTATION.json --videos DIR --out records.jsonl
 
-``charades_sta``: the Charades-STA test annotations as TimeZero (www-Ye/TimeZero, dataset/charades-sta/*.json) and
-its successors ship them, ``{video_id: {"duration": s, "timestamps": [[start, end], ...], "sentences": [...]}}``;
-one record per sentence, ``problem_type: "temporal grounding"``, the span as its solution, the video's duration
-(the reward reads it), the video found as ``DIR/<video_id>.mp4`` (or .mkv, .webm, as TimeZero looks for it).
+``charades_sta`` / ``activitynet_captions``: the temporal-grounding test annotations as TimeZero (www-Ye/TimeZero,
+dataset/charades-sta/*.json, dataset/activitynet/test.json) and its successors ship them,
+``{video_id: {"duration": s, "timestamps": [[start, end], ...], "sentences": [...]}}``; one record per sentence
+(kept verbatim, leading space included, as TimeZero puts it into its prompt), ``problem_type: "temporal
+grounding"``, the span as its solution, the video's duration (the reward reads it), the video found as
+``DIR/<video_id>.mp4`` (or .mkv, .webm, as TimeZero looks for it).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 VIDEO_EXTENSIONS = ("mp4", "mkv", "webm")
@@ -23,7 +26,7 @@ class ConvertError(ValueError):
     """An annotation file that cannot be converted (the message names the file and the entry)."""
 
 
-def charades_sta(annotation: Path, videos: Path) -> tuple[list[dict], list[str]]:
+def temporal_grounding(annotation: Path, videos: Path, source: str) -> tuple[list[dict], list[str]]:
     """(records, the video ids whose file is missing: their sentences are left out, as TimeZero leaves them)."""
     try:
         data = json.loads(annotation.read_text())
@@ -49,14 +52,16 @@ def charades_sta(annotation: Path, videos: Path) -> tuple[list[dict], list[str]]
             if not (isinstance(span, list) and len(span) == 2):
                 raise ConvertError(f"{where}, sentence {i}: timestamp {span!r} is not [start, end]")
             start, end = (float(v) for v in span)
-            records.append({"problem_id": f"{vid}_{i}", "problem": str(sentence).strip(),
+            if not isinstance(sentence, str) or not sentence.strip():
+                raise ConvertError(f"{where}, sentence {i}: {sentence!r} is not a sentence")
+            records.append({"problem_id": f"{vid}_{i}", "problem": sentence,
                             "problem_type": "temporal grounding", "data_type": "video", "path": path,
                             "solution": f"<answer>[{start}, {end}]</answer>", "duration": duration,
-                            "data_source": "charades_sta"})
+                            "data_source": source})
     return records, missing
 
 
-FORMATS = {"charades_sta": charades_sta}
+FORMATS = {name: partial(temporal_grounding, source=name) for name in ("charades_sta", "activitynet_captions")}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -129,7 +129,8 @@ def sampling_params(sampling, group_size: int, eos_ids, seed: int | None, banned
                           top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
                           stop=list(sampling.stop_strings) or None, include_stop_str_in_output=True,
                           stop_token_ids=list(eos_ids) or None, logprobs=0, seed=seed, skip_special_tokens=False,
-                          bad_words=list(banned_words) or None)
+                          bad_words=list(banned_words) or None,
+                          repetition_penalty=getattr(sampling, "repetition_penalty", 1.0))
 
 
 def logprobs_mode(temperature: float) -> str:
