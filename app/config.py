@@ -269,12 +269,18 @@ class RewardConfig:
     functions: list = _f(["format", "accuracy"], "Reward functions: format, accuracy, or path/to/file.py:function "
                          "for a custom one (called as fn(completions, records)).")
     weights: list = _f([], "One weight per function; empty means all 1.")
-    judge_path: str = _f("", "rewards.functions entry judge: a local checkpoint (Qwen-VL or text) that scores each "
-                         "completion's answer against the reference; the reward is its probability of 'yes', the G "
-                         "completions of a group judged in one grouped forward (the question and video once).")
-    judge_template: str = _f("Is the answer above correct? The reference answer is: {reference}. Reply with yes or "
-                             "no.", "The judge's verdict question, asked after each completion; {reference} is the "
-                             "record's answer.")
+    judge_path: str = _f("", "rewards.functions entry judge: a local Qwen-VL checkpoint that scores each "
+                         "completion's answer against the reference, the G completions of a group judged in one "
+                         "grouped forward (the question and video once); partitioned like the reference model under "
+                         "ZeRO-3.")
+    judge_verdict: str = _f("yes", "What the judge's reward is: yes (its probability of 'yes') or score (its expected "
+                            "digit 0-9 over 9, read from its distribution over the digits at the answer position, "
+                            "renormalised; no generation).", choices=("yes", "score"))
+    judge_template: str = _f("", "The judge's verdict question, asked after each completion; {reference} is the "
+                             "record's answer. Empty: 'Is the answer above correct? The reference answer is: "
+                             "{reference}. Reply with yes or no.' (yes) or 'How correct is the answer above? The "
+                             "reference answer is: {reference}. Reply with one digit from 0 (wrong) to 9 (fully "
+                             "correct).' (score).")
     length: bool = _f(False, "Length bonus (Video-R1's len_control): correct completions with length_min_tokens..."
                       "length_max_tokens completion tokens earn length_bonus, when more than one completion of the "
                       "group is correct.")
@@ -617,7 +623,7 @@ def validate(config: Config, training: bool = True) -> None:
     need(bool(config.rewards.functions), "rewards.functions", "needs at least one reward function")
     need("judge" not in config.rewards.functions or bool(config.rewards.judge_path), "rewards.judge_path",
          "is required when rewards.functions lists judge (a local checkpoint of the judge model)")
-    need("{reference}" in config.rewards.judge_template, "rewards.judge_template",
+    need(not config.rewards.judge_template or "{reference}" in config.rewards.judge_template, "rewards.judge_template",
          "must contain {reference} (where the record's answer goes)")
 
 

@@ -49,7 +49,8 @@ class GRPOTrainer(Recipe):
     def setup(self) -> None:
         cfg = self.cfg
         self.reference = kl_reference(cfg, self.engine, self.ds_config, self.device, self.dtype, self.vision_cache)
-        self.rewards = RewardSet(cfg.rewards, judge=build_judge(cfg.rewards, cfg.data, cfg.model, self.device))
+        self.rewards = RewardSet(cfg.rewards, judge=build_judge(cfg.rewards, cfg.data, cfg.model, self.device,
+                                                                 self.ds_config))
         self.loss = GRPOLoss(cfg.grpo.to_options(cfg.rollout.max_completion_length, cfg.rollout.engine))
         self.rollout_engine = training_rollout_engine(self)
         for warning in data_warnings(cfg, self.stream.records):

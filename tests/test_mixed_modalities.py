@@ -128,3 +128,19 @@ def test_two_rank_evaluation_on_mixed_data(assets, tmp_path):  # noqa: F811
     run_eval({"model": assets["checkpoint"], "data": data}, out, nproc=2, extra=["data.data_root=/"])
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert len(rows) == len({r["key"] for r in rows}) >= 3  # image, video and text records all answered
+
+
+@pytest.mark.slow
+def test_the_judge_under_zero3_with_an_image_rank_and_a_text_rank(assets, tmp_path):  # noqa: F811
+    """rewards.functions with judge under ZeRO-3, 2 processes: the judge is partitioned like the reference, and a
+    rank judging an image + video question and a rank judging text ones still issue the same collectives (every
+    judge forward makes both tower calls), so the run neither hangs nor dies."""
+    data = mixed_file(assets, tmp_path, "text")
+    out = tmp_path / "judged"
+    run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *overrides(assets, out, **{
+        "data.train_file": data, "data.data_root": "/", "data.shuffle": False, "train.max_steps": 2,
+        "train.prompts_per_rank": 2, "train.groups_per_micro_batch": 2, "train.export_hf": False,
+        "rewards.functions": "[format, judge]", "rewards.judge_path": assets["checkpoint"],
+        "train.deepspeed_config": "deepspeed_configs/zero3.json"})], env={"NPROC_PER_NODE": "2"}, timeout=300)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2] and all(0 < m["reward/judge"] < 1 for m in lines)
