@@ -153,13 +153,23 @@ def encode_prompts(processor, conversations: Sequence[Sequence[dict]], shuffle_f
             raise ValueError("a conversation has images or videos but the checkpoint has no vision processor")
         batch = dict(processor(texts, padding=True, padding_side="left", return_tensors="pt"))
         return (batch, _engine_view(processor, texts, [[] for _ in texts])) if with_media else batch
+    kwargs, media = _media_kwargs(processor, [media_elements(c) for c in conversations], shuffle_frames_seed,
+                                  with_media)
+    batch = dict(processor(text=texts, padding=True, padding_side="left", return_tensors="pt", **kwargs))
+    return (batch, _engine_view(processor, texts, media)) if with_media else batch
+
+
+def _media_kwargs(processor, elements: Sequence[Sequence[dict]], shuffle_frames_seed: int | None = None,
+                  with_media: bool = False) -> tuple[dict, list[list]]:
+    """The processor's media arguments for lists of image / video elements (decoded with decord through
+    qwen-vl-utils), and per list what an engine with its own processor needs (``encode_prompts``' ``with_media``)."""
     from qwen_vl_utils import fetch_image
 
     patch = image_patch_size(processor)
     videos, metadata, images, media = [], [], [], []
-    for conversation in conversations:
+    for items in elements:
         media.append([])
-        for element in media_elements(conversation):
+        for element in items:
             if element["type"] == "video":
                 frames, meta = decode_video(element, image_patch_size=patch)
                 if shuffle_frames_seed is not None:
@@ -179,8 +189,31 @@ def encode_prompts(processor, conversations: Sequence[Sequence[dict]], shuffle_f
         kwargs.update(videos=videos, video_metadata=metadata, do_sample_frames=False, cap_pixels_per_frame=False)
     if images:
         kwargs.update(images=images)
-    batch = dict(processor(text=texts, padding=True, padding_side="left", return_tensors="pt", **kwargs))
-    return (batch, _engine_view(processor, texts, media)) if with_media else batch
+    return kwargs, media
+
+
+# Qwen's chat templates (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) write a media item of a turn as these strings.
+MEDIA_PLACEHOLDERS = {"image": "<|vision_start|><|image_pad|><|vision_end|>",
+                      "video": "<|vision_start|><|video_pad|><|vision_end|>"}
+OBSERVATION_OPEN = "<|im_end|>\n<|im_start|>user\n"
+OBSERVATION_CLOSE = "<|im_end|>\n<|im_start|>assistant\n"
+
+
+def encode_observation(processor, content: Sequence[dict], opening: str = OBSERVATION_OPEN,
+                       closing: str = OBSERVATION_CLOSE) -> dict[str, torch.Tensor]:
+    """A turn inside a response (a tool's result, shown to the model): ``opening`` + the content items (text,
+    images, videos, as in a conversation's user turn) + ``closing`` -> the processor's tensors for it alone
+    (input_ids [1, n] with the placeholders expanded, mm_token_type_ids, and the media's pixel tensors), so a
+    response can hold media as Qwen's template writes a user turn."""
+    text = opening + "".join(MEDIA_PLACEHOLDERS[item["type"]] if item["type"] in MEDIA_PLACEHOLDERS else item["text"]
+                             for item in content) + closing
+    media = [item for item in content if item["type"] in MEDIA_PLACEHOLDERS]
+    if media and not is_multimodal_processor(processor):
+        raise ValueError("an observation holds images or videos but the checkpoint has no vision processor")
+    if not is_multimodal_processor(processor):
+        return dict(processor([text], add_special_tokens=False, return_tensors="pt"))
+    kwargs, _ = _media_kwargs(processor, [media])
+    return dict(processor(text=[text], return_tensors="pt", **kwargs))
 
 
 def _frames_uint8(frames: torch.Tensor):

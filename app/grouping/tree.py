@@ -1,0 +1,328 @@
+"""Prefix trees: one packed row for a group whose rollouts share more than the prompt (earlier turns, branches).
+
+A group is a tree. The prompt P (system, video, question) is the root; every other node is a run of tokens that
+continues its parent: a model turn, a tool's observation (text, images or a video clip, vision placeholders
+included), or both. Each root-to-leaf path is one rollout [P; path]. The packed row is [P; node 0; node 1; ...]
+(parents before children), so every node's tokens, and the vision inputs inside them, are computed once however
+many rollouts share them. Exact against running each path as its own row (``mode="paths"``), because:
+
+- attention: a token sees P causally, all tokens of its node's ancestors, and its own node's earlier tokens; never a
+  sibling's or a cousin's (``tree_mask``; an ancestor precedes its descendants in the row, so the rule is
+  ``key <= query and ancestor_or_self[node(query), node(key)]``);
+- positions: each node's tokens get exactly the ids they have in [P; path] for any path through the node, computed
+  by the model's own ``get_rope_index`` on that path (M-RoPE with media inside a response placed as Qwen's code
+  places them: ``positions.prompt_positions``, which also continues after media as Qwen and vLLM do); paths that
+  share a node agree on its ids (checked);
+- vision: the row's images and videos are P's, then each node's in row order, so the tower runs once per distinct
+  item and its outputs land on the placeholders in the order the model scatters them;
+- log-probs: node n's first token is predicted by its parent's last token (P's last for a first turn), the others
+  by their own predecessor; a path's scores are its nodes' scores in order, so a node shared by k paths is
+  computed once and its gradient is the sum of the k paths' (autograd sums the gathered copies).
+
+``trained`` marks the tokens a loss may use (the model's own); observation tokens are context only, and their
+log-probs are still returned (masked). The grouping of plain groups (``completion_logprobs``) is the tree of depth
+1 whose nodes are nodes 0..G-1 under the root; this module does not replace it (its backends are faster), it
+generalises it. Attention here is one dense-mask call (``masked`` semantics: O(T^2) memory), the exact reference
+every faster tree backend must equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from app.grouping.attention import ATTENTION_NAME, PLAN_KWARG
+from app.grouping.layout import LayoutError
+from app.grouping.logprobs import head_returns_logprobs
+from app.grouping.modules import set_text_attention, unwrap
+from app.grouping.positions import VISION_KEYS, prompt_positions, rope_index_owner
+
+TREE_MODES = ("tree", "paths")
+
+
+@dataclass
+class TreeNode:
+    """A run of tokens continuing node ``parent`` (-1: the prompt). ``vision``: the processor's tensors for the
+    images / videos whose placeholders are in ``input_ids`` (pixel_values, image_grid_thw, pixel_values_videos,
+    video_grid_thw, second_per_grid_ts), in their order; ``mm_token_type_ids`` (0 text, 1 image, 2 video) is
+    needed when there are any."""
+
+    parent: int
+    input_ids: torch.Tensor  # [n] long
+    trained: torch.Tensor  # [n] bool: the model's own tokens (scored for the loss); False: observation tokens
+    mm_token_type_ids: torch.Tensor | None = None  # [n]; None: all text
+    vision: dict = field(default_factory=dict)
+
+
+@dataclass
+class PrefixTree:
+    """One prompt (a processor's output for ONE unpadded prompt: input_ids [1, Lp], attention_mask,
+    mm_token_type_ids and vision tensors for VL models) and its nodes, parents listed before children."""
+
+    prompt: Mapping[str, torch.Tensor]
+    nodes: Sequence[TreeNode]
+
+    def __post_init__(self) -> None:
+        ids = self.prompt.get("input_ids")
+        if ids is None or ids.dim() != 2 or ids.shape[0] != 1:
+            raise LayoutError("a prefix tree's prompt is ONE prompt: input_ids of shape [1, Lp]")
+        mask = self.prompt.get("attention_mask")
+        if mask is not None and not bool(mask.bool().all()):
+            raise LayoutError("a prefix tree's prompt must be unpadded (attention_mask all ones)")
+        if not self.nodes:
+            raise LayoutError("a prefix tree needs at least one node")
+        for n, node in enumerate(self.nodes):
+            if not -1 <= node.parent < n:
+                raise LayoutError(f"node {n}: parent {node.parent} must be -1 (the prompt) or an earlier node")
+            if node.input_ids.dim() != 1 or node.input_ids.numel() == 0:
+                raise LayoutError(f"node {n}: input_ids must be a non-empty 1-D tensor")
+            if node.trained.shape != node.input_ids.shape:
+                raise LayoutError(f"node {n}: trained {tuple(node.trained.shape)} and input_ids "
+                                  f"{tuple(node.input_ids.shape)} differ in shape")
+            if node.mm_token_type_ids is not None and node.mm_token_type_ids.shape != node.input_ids.shape:
+                raise LayoutError(f"node {n}: mm_token_type_ids and input_ids differ in shape")
+
+    # ---- geometry -------------------------------------------------------------------------------------------
+    @property
+    def prompt_len(self) -> int:
+        return int(self.prompt["input_ids"].shape[1])
+
+    @cached_property
+    def lengths(self) -> list[int]:
+        return [int(node.input_ids.numel()) for node in self.nodes]
+
+    @cached_property
+    def starts(self) -> list[int]:
+        """Each node's first position in the packed row."""
+        out, cursor = [], self.prompt_len
+        for length in self.lengths:
+            out.append(cursor)
+            cursor += length
+        return out
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + sum(self.lengths)
+
+    @cached_property
+    def leaves(self) -> list[int]:
+        parents = {node.parent for node in self.nodes}
+        return [n for n in range(len(self.nodes)) if n not in parents]
+
+    @cached_property
+    def paths(self) -> list[list[int]]:
+        """Root-to-leaf node lists, one per leaf (a rollout each), leaves in node order."""
+        out = []
+        for leaf in self.leaves:
+            path, n = [], leaf
+            while n >= 0:
+                path.append(n)
+                n = self.nodes[n].parent
+            out.append(path[::-1])
+        return out
+
+    @cached_property
+    def node_of_token(self) -> torch.Tensor:
+        """[T]: 0 for P's tokens, n + 1 for node n's."""
+        ids = [0] * self.prompt_len
+        for n, length in enumerate(self.lengths):
+            ids += [n + 1] * length
+        return torch.tensor(ids)
+
+    @cached_property
+    def ancestor_or_self(self) -> torch.Tensor:
+        """[N+1, N+1] bool: entry [a, b] says node b (0 = P) is node a itself or one of its ancestors."""
+        count = len(self.nodes) + 1
+        table = torch.zeros(count, count, dtype=torch.bool)
+        table[:, 0] = True
+        for n, node in enumerate(self.nodes):
+            table[n + 1] = table[node.parent + 1]
+            table[n + 1, n + 1] = True
+        return table
+
+    def path_tokens(self, path: Sequence[int], key: str = "input_ids") -> torch.Tensor:
+        if key == "mm_token_type_ids":
+            return torch.cat([self.nodes[n].mm_token_type_ids if self.nodes[n].mm_token_type_ids is not None
+                              else torch.zeros_like(self.nodes[n].input_ids) for n in path])
+        return torch.cat([getattr(self.nodes[n], key) for n in path])
+
+    @cached_property
+    def predict_index(self) -> torch.Tensor:
+        """[K]: the packed position whose output predicts each node token (node order, then token order)."""
+        index = []
+        for n, node in enumerate(self.nodes):
+            parent_last = self.prompt_len - 1 if node.parent < 0 else (self.starts[node.parent]
+                                                                      + self.lengths[node.parent] - 1)
+            index += [parent_last, *range(self.starts[n], self.starts[n] + self.lengths[n] - 1)]
+        return torch.tensor(index)
+
+    def packed(self, key: str) -> torch.Tensor:
+        """[1, T]: the prompt's ``input_ids`` or ``mm_token_type_ids`` followed by every node's."""
+        prompt = self.prompt.get(key)
+        if prompt is None:
+            prompt = torch.zeros_like(self.prompt["input_ids"])
+        nodes = self.path_tokens(range(len(self.nodes)), key).to(prompt.device)
+        return torch.cat([prompt[0], nodes.to(prompt.dtype)])[None]
+
+    def vision(self, path: Sequence[int] | None = None) -> dict:
+        """The vision tensors of P and then of the nodes of ``path`` (all nodes, in row order, when None)."""
+        nodes = range(len(self.nodes)) if path is None else path
+        out = {}
+        for key in VISION_KEYS:
+            parts = [self.prompt[key]] if self.prompt.get(key) is not None else []
+            parts += [self.nodes[n].vision[key] for n in nodes if self.nodes[n].vision.get(key) is not None]
+            if parts:
+                out[key] = torch.cat([p.to(parts[0].device) for p in parts])
+        return out
+
+
+def tree_mask(tree: PrefixTree, device=None) -> torch.Tensor:
+    """[T, T] bool: query i sees key j iff j <= i and j's node is i's node or one of its ancestors (P for all)."""
+    node = tree.node_of_token.to(device)
+    index = torch.arange(tree.total_len, device=device)
+    return (index[None, :] <= index[:, None]) & tree.ancestor_or_self.to(device)[node[:, None], node[None, :]]
+
+
+def tree_positions(model, tree: PrefixTree) -> torch.Tensor:
+    """[axes, T] position ids of the packed row: P's as the model computes them, each node's as they are in
+    [P; path] for a path through it (the model's own ``get_rope_index`` on each path, then ``continue_after_media``);
+    1-D RoPE models: the path offset. Paths that share a node must agree on its ids (a LayoutError otherwise)."""
+    model = unwrap(model)
+    out, placed = None, torch.zeros(tree.total_len, dtype=torch.bool)
+    for path in tree.paths:
+        ids = torch.cat([tree.prompt["input_ids"][0], tree.path_tokens(path).to(tree.prompt["input_ids"].device)])
+        inputs = tree.vision(path)
+        if rope_index_owner(model) is not None:
+            inputs["mm_token_type_ids"] = torch.cat([tree.prompt["mm_token_type_ids"][0],
+                                                     tree.path_tokens(path, "mm_token_type_ids").to(ids.device)])[None]
+        positions = prompt_positions(model, ids[None], torch.ones_like(ids)[None], inputs)[:, 0]  # [axes, Lp + n]
+        if out is None:
+            out = positions.new_zeros(positions.shape[0], tree.total_len)
+            out[:, :tree.prompt_len] = positions[:, :tree.prompt_len]
+        cursor = tree.prompt_len
+        for n in path:
+            span = slice(tree.starts[n], tree.starts[n] + tree.lengths[n])
+            mine = positions[:, cursor:cursor + tree.lengths[n]]
+            if placed[span].any() and not torch.equal(out[:, span], mine):
+                raise LayoutError(f"node {n}: two paths through it give its tokens different positions")
+            out[:, span], placed[span] = mine, True
+            cursor += tree.lengths[n]
+    return out
+
+
+@dataclass
+class TreeAttentionPlan:
+    """The attention-plan protocol (``attend``) for a packed prefix tree: one call under ``tree_mask``."""
+
+    tree: PrefixTree
+    _mask: dict = field(default_factory=dict, repr=False)
+
+    def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
+        if query.shape[2] != self.tree.total_len:
+            raise ValueError(f"packed tree has {query.shape[2]} tokens but the tree describes {self.tree.total_len}")
+        device = str(query.device)
+        if device not in self._mask:
+            self._mask[device] = tree_mask(self.tree, query.device)
+        heads = query.shape[1]
+        key = key.repeat_interleave(heads // key.shape[1], dim=1) if key.shape[1] != heads else key
+        value = value.repeat_interleave(heads // value.shape[1], dim=1) if value.shape[1] != heads else value
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=self._mask[device], dropout_p=dropout,
+                                             scale=scale)
+        return out.transpose(1, 2).contiguous()
+
+
+@dataclass
+class TreeScores:
+    """Per-path log-probs: ``logprobs`` [paths, W] (each path's node tokens in order, observation tokens included,
+    0 past its end), ``trained`` [paths, W] (the model's tokens: what a loss may use), ``paths`` (node lists, one
+    per leaf)."""
+
+    logprobs: torch.Tensor
+    trained: torch.Tensor
+    lengths: list[int]
+    paths: list[list[int]]
+
+
+def _per_path(tree: PrefixTree, node_values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    rows = [torch.cat([node_values[n] for n in path]) for path in tree.paths]
+    flags = [tree.path_tokens(path, "trained").bool() for path in tree.paths]
+    lengths = [len(r) for r in rows]
+    width = max(lengths)
+    values = torch.stack([F.pad(r, (0, width - len(r))) for r in rows])
+    trained = torch.stack([F.pad(f.to(values.device), (0, width - len(f))) for f in flags])
+    return values, trained, lengths
+
+
+def _tree_forward(model, tree: PrefixTree, temperature: float, chunk_size: int) -> list[torch.Tensor]:
+    device = tree.prompt["input_ids"].device
+    set_text_attention(model, ATTENTION_NAME)
+    positions = tree_positions(model, tree).to(device)
+    position_ids = positions[:, None] if positions.shape[0] > 1 else positions
+    kwargs = tree.vision()
+    if tree.prompt.get("mm_token_type_ids") is not None:
+        kwargs["mm_token_type_ids"] = tree.packed("mm_token_type_ids")
+    predict = tree.predict_index.to(device)
+    targets = tree.path_tokens(range(len(tree.nodes))).to(device)
+
+    def forward():
+        return model(input_ids=tree.packed("input_ids"), attention_mask=None, position_ids=position_ids,
+                     use_cache=False, logits_to_keep=predict, **{PLAN_KWARG: TreeAttentionPlan(tree)}, **kwargs)
+
+    with head_returns_logprobs(unwrap(model), targets, None, temperature, chunk_size or 1024, False):
+        chosen = forward().logits[0, :, 0]
+    return list(torch.split(chosen, tree.lengths))
+
+
+def _paths_forward(model, tree: PrefixTree, temperature: float) -> list[list[torch.Tensor]]:
+    """Every path as its own row [P; path] (right-padded), its own copy of P's media: the reference."""
+    set_text_attention(model, "sdpa")
+    prompt_ids = tree.prompt["input_ids"][0]
+    device = prompt_ids.device
+    rows = [torch.cat([prompt_ids, tree.path_tokens(p).to(device)]) for p in tree.paths]
+    width = max(len(r) for r in rows)
+    input_ids = torch.stack([F.pad(r, (0, width - len(r))) for r in rows])
+    mask = torch.stack([F.pad(torch.ones_like(r), (0, width - len(r))) for r in rows])
+    batch = {"input_ids": input_ids, "attention_mask": mask}
+    for key in VISION_KEYS:
+        parts = [tree.vision(p)[key] for p in tree.paths if key in tree.vision(p)]
+        if parts:
+            batch[key] = torch.cat(parts)
+    if tree.prompt.get("mm_token_type_ids") is not None:
+        types = [torch.cat([tree.prompt["mm_token_type_ids"][0], tree.path_tokens(p, "mm_token_type_ids").to(device)])
+                 for p in tree.paths]
+        batch["mm_token_type_ids"] = torch.stack([F.pad(t, (0, width - len(t))) for t in types])
+    batch["position_ids"] = prompt_positions(unwrap(model), input_ids, mask, batch)
+    if batch["position_ids"].shape[0] == 1:
+        batch["position_ids"] = batch["position_ids"][0]
+    logits = model(**batch, use_cache=False).logits.float() / temperature
+    logprobs = logits.log_softmax(-1)[:, tree.prompt_len - 1:-1].gather(-1, input_ids[:, tree.prompt_len:, None])[..., 0]
+    out = []
+    for r, path in enumerate(tree.paths):
+        pieces, cursor = [], 0
+        for n in path:
+            pieces.append(logprobs[r, cursor:cursor + tree.lengths[n]])
+            cursor += tree.lengths[n]
+        out.append(pieces)
+    return out
+
+
+def tree_logprobs(model, tree: PrefixTree, mode: str = "tree", *, temperature: float = 1.0,
+                  chunk_size: int = 1024) -> TreeScores:
+    """Log-probs of every path's node tokens, through the packed tree (``tree``: each node once) or each path as
+    its own row (``paths``: the reference). Differentiable; keep the model's attention setting until the backward
+    has finished."""
+    if mode not in TREE_MODES:
+        raise ValueError(f"unknown tree mode {mode!r}; expected one of {TREE_MODES}")
+    if mode == "tree":
+        values, trained, lengths = _per_path(tree, _tree_forward(model, tree, temperature, chunk_size))
+    else:
+        per_path = _paths_forward(model, tree, temperature)
+        rows = [torch.cat(pieces) for pieces in per_path]
+        width = max(len(r) for r in rows)
+        values = torch.stack([F.pad(r, (0, width - len(r))) for r in rows])
+        _, trained, lengths = _per_path(tree, [torch.zeros(n) for n in tree.lengths])
+    return TreeScores(logprobs=values, trained=trained, lengths=lengths, paths=tree.paths)

@@ -1,0 +1,198 @@
+"""Prefix trees (app.grouping.tree): the packed tree equals every root-to-leaf path run as its own [P; path] row,
+on the real Qwen2.5-VL and Qwen3-VL classes, with observations that hold images and video clips inside the
+responses, uneven branching and leaves of different lengths: log-probs (1e-5) and every gradient, the vision
+tower's included (1e-4), in float32. A node that sees a sibling, or a position off by one at a turn boundary,
+fails the comparison."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from app.data.prompts import encode_observation
+from app.grouping.tree import PrefixTree, TreeNode, tree_logprobs, tree_mask, tree_positions
+from tests.helpers import load, max_rel_diff, patch_size, prompt_batch, tokenizer_of, video_element
+
+LOGPROB_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+
+
+def model_tokens(tok, n: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(10, min(len(tok), tok.vocab_size), (n,), generator=generator)
+
+
+def turn(tok, parent: int, model_len: int, seed: int, observation: dict | None = None) -> TreeNode:
+    """A node: an observation (context, not trained) if given, then ``model_len`` of the model's own tokens."""
+    ids = model_tokens(tok, model_len, seed)
+    if observation is None:
+        return TreeNode(parent, ids, torch.ones(model_len, dtype=torch.bool), torch.zeros_like(ids))
+    seen = observation["input_ids"][0]
+    types = observation.get("mm_token_type_ids", torch.zeros_like(observation["input_ids"]))[0]
+    vision = {k: v for k, v in observation.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    return TreeNode(parent, torch.cat([seen, ids]),
+                    torch.cat([torch.zeros(len(seen), dtype=torch.bool), torch.ones(model_len, dtype=torch.bool)]),
+                    torch.cat([types, torch.zeros_like(ids)]), vision)
+
+
+def build_tree(family, processor, videos) -> PrefixTree:
+    """P (a video question), two first turns, then uneven branches: an image, a video clip, text only, and an
+    image + a clip in one observation; four leaves of different depths and lengths."""
+    factor = 2 * patch_size(family)
+    tok = tokenizer_of(processor)
+    prompt = prompt_batch(family, processor, videos, ["video"])
+
+    def image(seed):
+        pixels = np.random.default_rng(seed).integers(0, 255, (factor * 2, factor * 2, 3), dtype=np.uint8)
+        return {"type": "image", "image": Image.fromarray(pixels), "min_pixels": factor * factor * 2,
+                "max_pixels": factor * factor * 4}
+
+    def clip(i):
+        return video_element(videos[i], fps=2.0, min_pixels=factor * factor * 2, max_pixels=factor * factor * 4)
+
+    def observe(*items):
+        return encode_observation(processor, [*items, {"type": "text", "text": "What next?"}])
+
+    nodes = [
+        turn(tok, -1, 4, seed=1),                                        # 0: first turn A
+        turn(tok, -1, 6, seed=2),                                        # 1: first turn B
+        turn(tok, 0, 3, seed=3, observation=observe(image(0))),          # 2: A -> an image
+        turn(tok, 0, 5, seed=4, observation=observe(clip(1))),           # 3: A -> a video clip
+        turn(tok, 0, 2, seed=5),                                         # 4: A -> text only, no observation
+        turn(tok, 1, 4, seed=6, observation=observe()),                  # 5: B -> a text observation
+        turn(tok, 3, 3, seed=7, observation=observe(image(1), clip(2))),  # 6: clip -> an image and a clip
+    ]
+    return PrefixTree(prompt, nodes)
+
+
+def scores_and_grads(model, tree, mode):
+    model.zero_grad(set_to_none=True)
+    scores = tree_logprobs(model, tree, mode)
+    weights = torch.linspace(0.5, 1.5, scores.logprobs.shape[1])[None, :] * torch.tensor([1.0, -0.7, 1.3, 0.4])[:, None]
+    (scores.logprobs.float() * scores.trained * weights).sum().backward()  # the model's tokens, as a loss uses them
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return scores, grads
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def case(request, tiny_checkpoints, videos):
+    model, processor = load(request.param, tiny_checkpoints)
+    tree = build_tree(request.param, processor, videos)
+    return request.param, model, processor, tree
+
+
+def test_the_tree_is_what_it_says(case):
+    _, _, _, tree = case
+    assert tree.paths == [[0, 2], [0, 4], [1, 5], [0, 3, 6]]  # leaves in node order
+    assert len(set(tree.lengths)) > 3 and len({sum(tree.lengths[n] for n in p) for p in tree.paths}) == 4
+    kinds = {int(t) for node in tree.nodes for t in node.mm_token_type_ids.unique()}
+    assert kinds == {0, 1, 2}  # observations hold images and videos
+    mask = tree_mask(tree)
+    a, b = tree.starts[2], tree.starts[3]  # siblings: neither sees the other
+    assert not mask[b, a] and not mask[b:b + tree.lengths[3], a:a + tree.lengths[2]].any()
+    assert mask[tree.starts[6], tree.starts[3]] and mask[tree.starts[6], tree.starts[0]]  # ancestors seen
+
+
+def test_tree_equals_each_path_on_its_own(case):
+    family, model, _, tree = case
+    tree_scores, tree_grads = scores_and_grads(model, tree, "tree")
+    path_scores, path_grads = scores_and_grads(model, tree, "paths")
+    assert torch.equal(tree_scores.trained, path_scores.trained) and tree_scores.lengths == path_scores.lengths
+    assert max_rel_diff(tree_scores.logprobs, path_scores.logprobs) <= LOGPROB_RTOL  # observation tokens too
+    assert tree_grads.keys() == path_grads.keys()
+    assert any(".visual." in n or n.startswith("model.visual") for n in tree_grads)  # the tower is in the check
+    for name, grad in path_grads.items():
+        assert max_rel_diff(tree_grads[name], grad) <= GRAD_RTOL, (family, name)
+
+
+def test_every_node_is_computed_once(case):
+    """The packed row holds P and each node once; the vision inputs hold P's media and each node's once."""
+    _, _, _, tree = case
+    assert tree.total_len == tree.prompt_len + sum(tree.lengths)
+    row = tree.packed("input_ids")[0]
+    paths_total = sum(tree.prompt_len + sum(tree.lengths[n] for n in p) for p in tree.paths)
+    assert len(row) < paths_total
+    grids = tree.vision()
+    per_path = [tree.vision(p) for p in tree.paths]
+    for key in ("image_grid_thw", "video_grid_thw"):
+        distinct = (tree.prompt.get(key) is not None) + sum(
+            node.vision.get(key) is not None and len(node.vision[key]) for node in tree.nodes)
+        assert len(grids.get(key, [])) == distinct
+    assert sum(len(v["video_grid_thw"]) for v in per_path) == 4 + 1 + 1  # P's video on every path, the clips once
+
+
+@pytest.mark.parametrize("bug", ["sibling_visible", "position_off_by_one"])
+def test_a_broken_tree_fails_the_comparison(bug, case, monkeypatch):
+    """Mutations: a node that also sees its earlier sibling, or a node's positions shifted by one at the turn
+    boundary. Either must break equality with the paths."""
+    import app.grouping.tree as tree_module
+
+    _, model, _, tree = case
+    with torch.no_grad():
+        want = tree_logprobs(model, tree, "paths").logprobs
+    if bug == "sibling_visible":
+        honest = tree_module.tree_mask
+
+        def leaky(t, device=None):
+            mask = honest(t, device).clone()
+            a, b = t.starts[2], t.starts[3]  # node 3's tokens also see node 2's
+            mask[b:b + t.lengths[3], a:a + t.lengths[2]] = True
+            return mask
+
+        monkeypatch.setattr(tree_module, "tree_mask", leaky)
+    else:
+        honest = tree_module.tree_positions
+
+        def shifted(m, t):
+            out = honest(m, t).clone()
+            out[:, t.starts[3]:t.starts[3] + t.lengths[3]] += 1
+            return out
+
+        monkeypatch.setattr(tree_module, "tree_positions", shifted)
+    with torch.no_grad():
+        got = tree_logprobs(model, tree, "tree").logprobs
+    assert max_rel_diff(got, want) > LOGPROB_RTOL
+
+
+def test_positions_follow_each_path_and_bad_trees_are_named(case):
+    from app.grouping import LayoutError
+
+    _, model, _, tree = case
+    positions = tree_positions(model, tree)
+    for sibling in (2, 3, 4):  # children of node 0 all start one past node 0's largest id
+        first = positions[:, tree.starts[sibling]]
+        assert torch.equal(first, positions[:, tree.starts[2]])
+    with pytest.raises(LayoutError, match="node 1: parent 5 must be -1"):
+        PrefixTree(tree.prompt, [tree.nodes[0], TreeNode(5, tree.nodes[1].input_ids, tree.nodes[1].trained)])
+    with pytest.raises(LayoutError, match="ONE prompt"):
+        PrefixTree({"input_ids": torch.zeros(2, 3, dtype=torch.long)}, tree.nodes)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_bf16_tree_no_worse_than_bf16_paths(family, tiny_checkpoints, videos):
+    """The bfloat16 criterion of plain groups (app.grouping.precision): against a float32 run of the same weights,
+    the bf16 tree's log-prob errors (mean, max) and per-parameter gradient errors are within the bounds of the
+    bf16 paths' own."""
+    import dataclasses
+
+    from app.grouping import compare_to_reference
+    from tests.test_bf16 import GRAD_RATIO, bf16_rounded, grad_error
+
+    model32, model16, processor = bf16_rounded(family, tiny_checkpoints)
+    tree = build_tree(family, processor, videos)
+
+    def rounded(vision):  # the bf16 model rounds its pixels; give the float32 reference the same ones
+        return {k: v.to(torch.bfloat16).float() if k.startswith("pixel_values") else v for k, v in vision.items()}
+
+    tree = PrefixTree(rounded(dict(tree.prompt)),
+                      [dataclasses.replace(node, vision=rounded(node.vision)) for node in tree.nodes])
+    (ref, ref_grads), (paths, path_grads), (ours, our_grads) = (
+        scores_and_grads(m, tree, mode) for m, mode in ((model32, "paths"), (model16, "paths"), (model16, "tree")))
+    valid = torch.arange(ref.logprobs.shape[1])[None, :] < torch.tensor(ref.lengths)[:, None]
+    comparison = compare_to_reference(ours.logprobs.detach(), paths.logprobs.detach(), ref.logprobs.detach(), valid)
+    assert comparison.repeated_mean > 1e-4 and comparison.passes(), comparison.describe()
+    mine, theirs = grad_error(our_grads, ref_grads), grad_error(path_grads, ref_grads)
+    worst = max(ref_grads, key=lambda n: mine[n] / max(theirs[n], 1e-12))
+    assert mine[worst] / max(theirs[worst], 1e-12) <= GRAD_RATIO, (worst, mine[worst], theirs[worst])
