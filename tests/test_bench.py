@@ -24,7 +24,7 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
 
 @pytest.mark.slow  # smoke runs of the benchmark scripts: make test-all (CI) runs them
 @pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale", "lora",
-                                  "vision_cache", "long_video", "long_prefill", "judge", "real_width",
+                                  "vision_cache", "long_video", "long_prefill", "judge", "tree", "real_width",
                                   "gpu_real_shape"])
 def test_benchmark_runs_quick(name, tmp_path):
     out = tmp_path / name
@@ -54,6 +54,10 @@ def test_benchmark_runs_quick(name, tmp_path):
     if name == "long_prefill":
         assert [r["setting"] for r in report["rows"]][:3] == ["whole", "prefill", "prefill+tower"]
         assert all(r["logits_diff"] < 1e-4 for r in report["rows"]) and (out / "long_prefill.png").is_file()
+    if name == "tree":
+        rows = {r["layout"]: r for r in report["rows"]}
+        assert rows["tree"]["tokens_computed"] < rows["flat"]["tokens_computed"] < rows["paths"]["tokens_computed"]
+        assert all(r["max_logprob_diff_vs_paths"] < 1e-4 for r in rows.values())
     if name == "lora":
         full, adapters = report["rows"]
         assert full["separate_reference"] and not adapters["separate_reference"]

@@ -199,14 +199,20 @@ OBSERVATION_OPEN = "<|im_end|>\n<|im_start|>user\n"
 OBSERVATION_CLOSE = "<|im_end|>\n<|im_start|>assistant\n"
 
 
+def observation_text(content: Sequence[dict], opening: str = OBSERVATION_OPEN,
+                     closing: str = OBSERVATION_CLOSE) -> str:
+    """The observation turn as text, media as their (unexpanded) placeholders, as Qwen's template writes them."""
+    return opening + "".join(MEDIA_PLACEHOLDERS[item["type"]] if item["type"] in MEDIA_PLACEHOLDERS else item["text"]
+                             for item in content) + closing
+
+
 def encode_observation(processor, content: Sequence[dict], opening: str = OBSERVATION_OPEN,
                        closing: str = OBSERVATION_CLOSE) -> dict[str, torch.Tensor]:
     """A turn inside a response (a tool's result, shown to the model): ``opening`` + the content items (text,
     images, videos, as in a conversation's user turn) + ``closing`` -> the processor's tensors for it alone
     (input_ids [1, n] with the placeholders expanded, mm_token_type_ids, and the media's pixel tensors), so a
     response can hold media as Qwen's template writes a user turn."""
-    text = opening + "".join(MEDIA_PLACEHOLDERS[item["type"]] if item["type"] in MEDIA_PLACEHOLDERS else item["text"]
-                             for item in content) + closing
+    text = observation_text(content, opening, closing)
     media = [item for item in content if item["type"] in MEDIA_PLACEHOLDERS]
     if media and not is_multimodal_processor(processor):
         raise ValueError("an observation holds images or videos but the checkpoint has no vision processor")

@@ -277,7 +277,7 @@ def _tree_forward(model, tree: PrefixTree, temperature: float, chunk_size: int) 
     return list(torch.split(chosen, tree.lengths))
 
 
-def _paths_forward(model, tree: PrefixTree, temperature: float) -> list[list[torch.Tensor]]:
+def _paths_forward(model, tree: PrefixTree, temperature: float, chunk_size: int) -> list[list[torch.Tensor]]:
     """Every path as its own row [P; path] (right-padded), its own copy of P's media: the reference."""
     set_text_attention(model, "sdpa")
     prompt_ids = tree.prompt["input_ids"][0]
@@ -298,8 +298,12 @@ def _paths_forward(model, tree: PrefixTree, temperature: float) -> list[list[tor
     batch["position_ids"] = prompt_positions(unwrap(model), input_ids, mask, batch)
     if batch["position_ids"].shape[0] == 1:
         batch["position_ids"] = batch["position_ids"][0]
-    logits = model(**batch, use_cache=False).logits.float() / temperature
-    logprobs = logits.log_softmax(-1)[:, tree.prompt_len - 1:-1].gather(-1, input_ids[:, tree.prompt_len:, None])[..., 0]
+    keep = width - tree.prompt_len + 1  # position Lp - 1 + j predicts path token j; the last one predicts nothing
+    valid = mask[:, tree.prompt_len:].bool()
+    select = torch.cat([valid, valid.new_zeros(len(rows), 1)], dim=1)
+    targets = input_ids[:, tree.prompt_len:][valid]
+    with head_returns_logprobs(unwrap(model), targets, select, temperature, chunk_size or 1024, False):
+        logprobs = model(**batch, use_cache=False, logits_to_keep=keep).logits[:, :-1, 0]
     out = []
     for r, path in enumerate(tree.paths):
         pieces, cursor = [], 0
@@ -320,7 +324,7 @@ def tree_logprobs(model, tree: PrefixTree, mode: str = "tree", *, temperature: f
     if mode == "tree":
         values, trained, lengths = _per_path(tree, _tree_forward(model, tree, temperature, chunk_size))
     else:
-        per_path = _paths_forward(model, tree, temperature)
+        per_path = _paths_forward(model, tree, temperature, chunk_size)
         rows = [torch.cat(pieces) for pieces in per_path]
         width = max(len(r) for r in rows)
         values = torch.stack([F.pad(r, (0, width - len(r))) for r in rows])
