@@ -115,6 +115,11 @@ def world_of_one(monkeypatch):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        from transformers.integrations import deepspeed as hf_deepspeed
+
+        # A ZeRO-3 recipe's HfDeepSpeedConfig (a weak reference, alive while the recipe is) would make every later
+        # from_pretrained in this process partition its model.
+        hf_deepspeed.unset_hf_deepspeed_config()
         import deepspeed.comm.comm as ds_comm
         import deepspeed.utils.groups as ds_groups
 
