@@ -102,10 +102,18 @@ def tokens_computed(tree, mode: str) -> int:
 
 
 def run(out: Path, quick: bool = False) -> dict:
-    from app.grouping.tree import tree_logprobs
+    import tempfile
 
     frames, clip_frames, side, words, trials = (8, 4, 56, 6, 1) if quick else (64, 8, 224, 48, 3)
-    model, tree, flat = build(out, frames, clip_frames, side, words)
+    with tempfile.TemporaryDirectory() as scratch:  # the checkpoint and the video: not beside the report
+        model, tree, flat = build(Path(scratch), frames, clip_frames, side, words)
+        return measure(out, model, tree, flat, trials, (frames, clip_frames, side))
+
+
+def measure(out: Path, model, tree, flat, trials: int, sizes: tuple[int, int, int]) -> dict:
+    from app.grouping.tree import tree_logprobs
+
+    frames, clip_frames, side = sizes
     ways = {"tree": (tree, "tree"), "flat": (flat, "tree"), "paths": (tree, "paths")}
     timings, results = {}, {}
     for name, (layout, mode) in ways.items():
