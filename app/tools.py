@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 START, STOP = "<tool_call>", "</tool_call>"
+# A tool's result is a user turn wrapping <tool_response>, as Qwen's templates render a "tool" message.
+RESPONSE_OPEN = "<|im_end|>\n<|im_start|>user\n<tool_response>\n"
+RESPONSE_CLOSE = "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "out_of_range", "tool_error")
 _CALL = re.compile(re.escape(START) + r"(.*?)" + re.escape(STOP), re.S)
 

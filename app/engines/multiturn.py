@@ -1,0 +1,168 @@
+"""Multi-turn rollouts with tools, drawn as prefix trees: the model writes, stops at ``</tool_call>``, the tool runs,
+its result (text, images, a video clip) is appended as the next turn, and the model continues, for at most
+``max_turns`` model turns and ``max_total_tokens`` tokens after the prompt.
+
+    rollout = tree_rollout(generate, prompts, contexts, tools, encode, TurnLimits(branching=(4, 2)), tokenizer)
+
+``generate(batch, group_sizes, seeds, max_new_tokens) -> Rollout`` is any engine's sampler over a collated prompt
+batch (``grouped``: ``app.rollout.generate_groups`` with ``STOP`` among its stop strings); each turn is one call
+whose prompts are [P; path so far], media inside included, so an engine with a prefix cache (vLLM) reuses the
+earlier turns and the grouped engine prefills each path once per turn. ``branching[t]`` samples continue each open
+node at turn t (1 past the list): the rollouts split at turn boundaries and siblings share their parent's tokens,
+which the tree keeps once (``app.grouping.tree``). A node is one model turn followed by its tool's observation
+(``trained`` False there); sampled log-probs are kept for the model's tokens only. A call that cannot run becomes an
+error observation (``app.tools``); nothing the model writes stops the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from app.data.prompts import collate_prompts, encode_observation
+from app.grouping.tree import PrefixTree, TreeNode
+from app.rollout import derive_seed
+from app.tools import RESPONSE_CLOSE, RESPONSE_OPEN, ToolContext, ToolResult, ToolStats, run_call
+
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+LEAF_REASONS = ("eos", "length", "answered", "max_turns", "budget")
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    max_turns: int = 3  # model turns per rollout
+    max_total_tokens: int = 4096  # tokens after the prompt: model turns and observations
+    max_new_tokens: int = 512  # per model turn
+    branching: tuple[int, ...] = (1,)  # samples per open node at turn 0, 1, ...; the product is G
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_total_tokens < 1 or self.max_new_tokens < 1:
+            raise ValueError("max_turns, max_total_tokens and max_new_tokens must be >= 1")
+        if not self.branching or any(b < 1 for b in self.branching):
+            raise ValueError(f"branching must list numbers >= 1, got {list(self.branching)}")
+        if len(self.branching) > self.max_turns:
+            raise ValueError(f"branching {list(self.branching)} splits at more turns than max_turns={self.max_turns}")
+
+    @property
+    def group_size(self) -> int:
+        size = 1
+        for b in self.branching:
+            size *= b
+        return size
+
+
+@dataclass
+class TreeRollout:
+    trees: list[PrefixTree]
+    sampled: list[list[torch.Tensor]]  # per tree, per node: the sampled log-prob of each model token, 0 elsewhere
+    leaf_reasons: list[list[str]]  # per tree, per leaf (tree.paths order): why the rollout ended (LEAF_REASONS)
+    calls: list[list[list[ToolResult]]]  # per tree, per leaf: the tool results along its path
+    answers: list[list[str]]  # per tree, per leaf: the text of its last model turn (what the rewards read)
+    stats: ToolStats = field(default_factory=ToolStats)
+
+
+def observation_encoder(processor) -> Callable[[list[dict]], dict]:
+    """A tool result's content items -> its tokens and media, as a <tool_response> user turn."""
+
+    def encode(content: list[dict]) -> dict:
+        return encode_observation(processor, content, RESPONSE_OPEN, RESPONSE_CLOSE)
+
+    return encode
+
+
+def _path_prompt(prompt: dict, nodes: list[TreeNode], path: list[int]) -> dict:
+    """[P; path] as one unpadded prompt: ids, types and the vision inputs of P then of the path's nodes."""
+    if not path:
+        return dict(prompt)
+    ids = torch.cat([prompt["input_ids"][0], *[nodes[n].input_ids.to(prompt["input_ids"].device) for n in path]])
+    out = {"input_ids": ids[None], "attention_mask": torch.ones_like(ids)[None]}
+    if prompt.get("mm_token_type_ids") is not None:
+        types = [prompt["mm_token_type_ids"][0]] + [
+            (nodes[n].mm_token_type_ids if nodes[n].mm_token_type_ids is not None
+             else torch.zeros_like(nodes[n].input_ids)).to(ids.device) for n in path]
+        out["mm_token_type_ids"] = torch.cat(types)[None]
+    for key in VISION_INPUTS:
+        parts = ([prompt[key]] if prompt.get(key) is not None else []) + [
+            nodes[n].vision[key].to(ids.device) for n in path if nodes[n].vision.get(key) is not None]
+        if parts:
+            out[key] = torch.cat(parts)
+    return out
+
+
+def _path_to(nodes: list[TreeNode], n: int) -> list[int]:
+    path = []
+    while n >= 0:
+        path.append(n)
+        n = nodes[n].parent
+    return path[::-1]
+
+
+def tree_rollout(generate: Callable, prompts: Sequence[dict], contexts: Sequence[ToolContext], tools: dict,
+                 encode: Callable[[list[dict]], dict], limits: TurnLimits, tokenizer, *,
+                 seeds: Sequence[int] | None = None, pad_id: int = 0) -> TreeRollout:
+    """Sample a tree of rollouts for each prompt (one unpadded processor output each)."""
+    seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
+    nodes: list[list[TreeNode]] = [[] for _ in prompts]
+    sampled: list[list[torch.Tensor]] = [[] for _ in prompts]
+    ended: list[dict[int, str]] = [{} for _ in prompts]  # node -> why its rollout ended there
+    results: list[dict[int, ToolResult]] = [{} for _ in prompts]
+    answers: list[dict[int, str]] = [{} for _ in prompts]
+    stats = ToolStats()
+    frontier = [(t, -1) for t in range(len(prompts))]
+    for turn in range(limits.max_turns):
+        if not frontier:
+            break
+        width = limits.branching[turn] if turn < len(limits.branching) else 1
+        paths = [_path_to(nodes[t], n) for t, n in frontier]
+        used = [sum(int(nodes[t][m].input_ids.numel()) for m in path) for (t, _), path in zip(frontier, paths)]
+        room = min(limits.max_new_tokens, limits.max_total_tokens - max(used))
+        batch = collate_prompts([_path_prompt(prompts[t], nodes[t], path) for (t, _), path in zip(frontier, paths)],
+                                pad_id)
+        turn_seeds = [derive_seed(seeds[t], "turn", turn, n) for t, n in frontier]
+        rollout = generate(batch, [width] * len(frontier), turn_seeds, max(1, room))
+        opened = []
+        for i, (t, parent) in enumerate(frontier):
+            for j in range(width):
+                k = i * width + j
+                keep = rollout.completion_mask[k].bool()
+                ids = rollout.completion_ids[k][keep].cpu()
+                logprobs = rollout.logprobs[k][keep].float().cpu()
+                text = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+                reason = rollout.stop_reasons[k]
+                last_turn = turn + 1 == limits.max_turns
+                result = run_call(text, tools, contexts[t]) if reason == "stop_string" and not last_turn else None
+                node = TreeNode(parent, ids, torch.ones(len(ids), dtype=torch.bool), torch.zeros_like(ids))
+                index = len(nodes[t])
+                answers[t][index] = text
+                if result is None:
+                    called = reason == "stop_string" and last_turn and "<tool_call>" in text
+                    ended[t][index] = "max_turns" if called else {"eos": "eos", "length": "length"}.get(reason,
+                                                                                                       "answered")
+                else:
+                    stats.add(result)
+                    observation = encode(result.content)
+                    seen = observation["input_ids"][0].cpu()
+                    if used[i] + len(ids) + len(seen) >= limits.max_total_tokens:
+                        ended[t][index] = "budget"  # no room to show the result and answer after it
+                    else:
+                        types = observation.get("mm_token_type_ids", torch.zeros_like(observation["input_ids"]))
+                        node = TreeNode(parent, torch.cat([ids, seen]),
+                                        torch.cat([node.trained, torch.zeros(len(seen), dtype=torch.bool)]),
+                                        torch.cat([node.mm_token_type_ids, types[0].cpu()]),
+                                        {key: observation[key].cpu() for key in VISION_INPUTS
+                                         if observation.get(key) is not None})
+                        logprobs = torch.cat([logprobs, torch.zeros(len(seen))])
+                        results[t][index] = result
+                        opened.append((t, index))
+                nodes[t].append(node)
+                sampled[t].append(logprobs)
+        frontier = opened
+    for t, n in frontier:  # open after the last turn (cannot happen: the last turn's calls end their rollouts)
+        ended[t][n] = "max_turns"
+    trees = [PrefixTree(prompts[t], nodes[t]) for t in range(len(prompts))]
+    leaf_reasons = [[ended[t][leaf] for leaf in tree.leaves] for t, tree in enumerate(trees)]
+    calls = [[[results[t][n] for n in path if n in results[t]] for path in tree.paths] for t, tree in enumerate(trees)]
+    texts = [[answers[t][leaf] for leaf in tree.leaves] for t, tree in enumerate(trees)]
+    return TreeRollout(trees, sampled, leaf_reasons, calls, texts, stats)

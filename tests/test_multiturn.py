@@ -1,0 +1,148 @@
+"""Multi-turn rollouts with tools drawn as prefix trees (app.engines.multiturn): the loop's bookkeeping on a scripted
+sampler, and on the real Qwen2.5-VL class, the sampled log-probs of every model token equal the tree forward's, with
+a video clip inside the path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from app.engines.multiturn import TurnLimits, observation_encoder, tree_rollout
+from app.rollout import Rollout
+from app.tools import ToolContext, ToolLimits, build_tools
+from tests.helpers import load, prompt_batch, tokenizer_of
+
+
+def call(name, **arguments):
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+class Scripted:
+    """A sampler that writes the given texts, turn by turn (one list per call, in batch order)."""
+
+    def __init__(self, tokenizer, turns):
+        self.tokenizer, self.turns, self.calls = tokenizer, list(turns), []
+
+    def __call__(self, batch, group_sizes, seeds, max_new_tokens):
+        texts = self.turns.pop(0)
+        assert len(texts) == sum(group_sizes)
+        self.calls.append((batch["input_ids"].shape, list(group_sizes), max_new_tokens))
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        width = max(len(i) for i in ids)
+        return Rollout(completion_ids=torch.tensor([i + [0] * (width - len(i)) for i in ids]),
+                       completion_mask=torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids]),
+                       logprobs=torch.tensor([[-0.5] * len(i) + [0.0] * (width - len(i)) for i in ids]),
+                       group_sizes=list(group_sizes),
+                       stop_reasons=["stop_string" if t.endswith("</tool_call>") else "eos" for t in texts],
+                       prefill_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def setting(tiny_checkpoints, videos):
+    model, processor = load("qwen2_5_vl", tiny_checkpoints)
+    prompts = [prompt_batch("qwen2_5_vl", processor, videos, ["video"]) for _ in range(2)]
+    context = ToolContext({}, videos[1], 3.0, ToolLimits(max_frames=4, min_pixels=3136, max_pixels=6272))
+    return model, processor, prompts, context
+
+
+def test_the_loop_builds_trees_runs_tools_and_survives_bad_calls(setting):
+    _, processor, prompts, context = setting
+    tok = tokenizer_of(processor)
+    sampler = Scripted(tok, [
+        [call("get_frames", start=0.5, end=2.5), "<tool_call>{oops</tool_call>",  # prompt 0, two first turns
+         "<answer>3</answer>", call("crop", x=1)],                               # prompt 1
+        [call("zoom", frame_time=1.0, box=[0, 0, 0.5, 0.5]), "<answer>7</answer>",  # under prompt 0's node 0
+         "<answer>1</answer>", "<answer>2</answer>",                               # under prompt 0's node 1
+         call("get_frames", start=5.0, end=9.0), "<answer>4</answer>"],          # under prompt 1's node 1
+        [call("get_frames", start=0.0, end=1.0), "<answer>5</answer>"],           # third turns: 1 sample each
+    ])
+    limits = TurnLimits(max_turns=3, branching=(2, 2), max_new_tokens=64)
+    rollout = tree_rollout(sampler, prompts, [context, context], build_tools(["get_frames", "zoom"]),
+                           observation_encoder(processor), limits, tok)
+    first, second = rollout.trees
+    assert [n.parent for n in first.nodes] == [-1, -1, 0, 0, 1, 1, 2]
+    assert [n.parent for n in second.nodes] == [-1, -1, 1, 1, 2]
+    assert first.paths == [[0, 3], [1, 4], [1, 5], [0, 2, 6]] and second.paths == [[0], [1, 3], [1, 2, 4]]
+    assert rollout.leaf_reasons == [["eos", "eos", "eos", "max_turns"], ["eos", "eos", "eos"]]
+    assert rollout.answers[0][:3] == ["<answer>7</answer>", "<answer>1</answer>", "<answer>2</answer>"]
+    video_node = first.nodes[0]  # a model turn, then the clip it asked for: context, not trained
+    assert video_node.trained.any() and not video_node.trained.all()
+    assert int(video_node.mm_token_type_ids.max()) == 2 and "pixel_values_videos" in video_node.vision
+    assert not video_node.trained[video_node.mm_token_type_ids > 0].any()
+    assert int(first.nodes[2].mm_token_type_ids.max()) == 1  # the zoom's image
+    assert first.nodes[1].mm_token_type_ids.max() == 0  # the malformed call's error observation is text
+    for tree, sampled in zip(rollout.trees, rollout.sampled):  # log-probs for the model's tokens only
+        for node, lp in zip(tree.nodes, sampled):
+            assert lp.shape == node.trained.shape and torch.equal(lp != 0, node.trained)
+    kinds = [[r.error for r in path] for path in rollout.calls[1]]
+    assert kinds == [[], ["unknown_tool"], ["unknown_tool", "out_of_range"]]
+    metrics = rollout.stats.metrics()
+    assert (metrics["tools/calls"], metrics["tools/valid"], metrics["tools/malformed"],
+            metrics["tools/unknown_tool"], metrics["tools/out_of_range"]) == (5, 2, 1, 1, 1)
+    assert [c[1] for c in sampler.calls] == [[2, 2], [2, 2, 2], [1, 1]]  # branching, then 1 per open node
+    assert len(sampler.turns) == 0
+
+
+def test_a_rollout_stops_at_its_token_budget(setting):
+    _, processor, prompts, context = setting
+    tok = tokenizer_of(processor)
+    sampler = Scripted(tok, [[call("get_frames", start=0.0, end=2.0)]])
+    rollout = tree_rollout(sampler, prompts[:1], [context], build_tools(["get_frames"]),
+                           observation_encoder(processor), TurnLimits(max_turns=3, max_total_tokens=40), tok)
+    assert rollout.leaf_reasons == [["budget"]] and rollout.trees[0].nodes[0].trained.all()
+    with pytest.raises(ValueError, match="branching"):
+        TurnLimits(max_turns=1, branching=(2, 2))
+
+
+def test_sampled_logprobs_equal_the_tree_forward_with_a_clip_inside(setting):
+    """Turn 1 is a fixed call (its log-probs teacher-forced on the real model); turn 2 is sampled by the grouped
+    engine from [P; turn 1; the clip] prompts. The tree forward of the resulting tree gives every model token the
+    log-prob the sampler reported (1e-5): the engine and the trainer see the same positions, media and attention."""
+    from app.grouping import completion_logprobs
+    from app.grouping.tree import tree_logprobs
+    from app.rollout import SamplingConfig, generate_groups
+
+    model, processor, prompts, context = setting
+    tok = tokenizer_of(processor)
+    scripted = Scripted(tok, [[call("get_frames", start=0.0, end=2.0)] * 2])
+
+    def generate(batch, group_sizes, seeds, max_new_tokens):
+        if scripted.turns:
+            rollout = scripted(batch, group_sizes, seeds, max_new_tokens)
+            with torch.no_grad():
+                rollout.logprobs = completion_logprobs(model, batch, rollout.completion_ids, rollout.completion_mask,
+                                                       group_sizes).logprobs
+            return rollout
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=min(max_new_tokens, 8))
+        return generate_groups(model, batch, group_sizes, sampling, tokenizer=tok, eos_ids=[], prompt_seeds=seeds)
+
+    rollout = tree_rollout(generate, prompts[:1], [context], build_tools(["get_frames"]),
+                           observation_encoder(processor), TurnLimits(max_turns=2, branching=(2, 3)), tok,
+                           seeds=[11])
+    tree = rollout.trees[0]
+    assert len(tree.paths) == 6 and len(tree.nodes[0].vision["video_grid_thw"]) == 1
+    with torch.no_grad():
+        scores = tree_logprobs(model, tree, "tree")
+    sampled = torch.stack([torch.nn.functional.pad(torch.cat([rollout.sampled[0][n] for n in path]),
+                                                   (0, scores.logprobs.shape[1] - scores.lengths[i]))
+                           for i, path in enumerate(tree.paths)])
+    trained = scores.trained
+    assert trained.sum() > 6 * 8
+    torch.testing.assert_close(scores.logprobs[trained], sampled[trained], rtol=0, atol=1e-5)
+    assert len({tuple(tree.nodes[n].input_ids.tolist()) for n in tree.leaves}) > 1  # really sampled
+
+
+def test_rollouts_differ_by_seed_not_by_batch(setting):
+    _, processor, prompts, context = setting
+    tok = tokenizer_of(processor)
+    seen = []
+
+    def generate(batch, group_sizes, seeds, max_new_tokens):
+        seen.append(list(seeds))
+        return Scripted(tok, [["<answer>1</answer>"] * sum(group_sizes)])(batch, group_sizes, seeds, max_new_tokens)
+
+    tree_rollout(generate, prompts, [context] * 2, {}, observation_encoder(processor), TurnLimits(), tok, seeds=[5, 6])
+    tree_rollout(generate, prompts[1:], [context], {}, observation_encoder(processor), TurnLimits(), tok, seeds=[6])
+    assert seen[0][1] == seen[1][0] and seen[0][0] != seen[0][1]
