@@ -59,8 +59,8 @@ def test_the_loop_builds_trees_runs_tools_and_survives_bad_calls(setting):
         [call("get_frames", start=0.0, end=1.0), "<answer>5</answer>"],           # third turns: 1 sample each
     ])
     limits = TurnLimits(max_turns=3, branching=(2, 2), max_new_tokens=64)
-    rollout = tree_rollout(sampler, prompts, [context, context], build_tools(["get_frames", "zoom"]),
-                           observation_encoder(processor), limits, tok)
+    rollout = tree_rollout(sampler, prompts, [context, context], tools=build_tools(["get_frames", "zoom"]),
+                           encode=observation_encoder(processor), limits=limits, tokenizer=tok)
     first, second = rollout.trees
     assert [n.parent for n in first.nodes] == [-1, -1, 0, 0, 1, 1, 2]
     assert [n.parent for n in second.nodes] == [-1, -1, 1, 1, 2]
@@ -89,8 +89,9 @@ def test_a_rollout_stops_at_its_token_budget(setting):
     _, processor, prompts, context = setting
     tok = tokenizer_of(processor)
     sampler = Scripted(tok, [[call("get_frames", start=0.0, end=2.0)]])
-    rollout = tree_rollout(sampler, prompts[:1], [context], build_tools(["get_frames"]),
-                           observation_encoder(processor), TurnLimits(max_turns=3, max_total_tokens=40), tok)
+    rollout = tree_rollout(sampler, prompts[:1], [context], tools=build_tools(["get_frames"]),
+                           encode=observation_encoder(processor),
+                           limits=TurnLimits(max_turns=3, max_total_tokens=40), tokenizer=tok)
     assert rollout.leaf_reasons == [["budget"]] and rollout.trees[0].nodes[0].trained.all()
     with pytest.raises(ValueError, match="branching"):
         TurnLimits(max_turns=1, branching=(2, 2))
@@ -118,9 +119,9 @@ def test_sampled_logprobs_equal_the_tree_forward_with_a_clip_inside(setting):
         sampling = SamplingConfig(temperature=1.0, max_new_tokens=min(max_new_tokens, 8))
         return generate_groups(model, batch, group_sizes, sampling, tokenizer=tok, eos_ids=[], prompt_seeds=seeds)
 
-    rollout = tree_rollout(generate, prompts[:1], [context], build_tools(["get_frames"]),
-                           observation_encoder(processor), TurnLimits(max_turns=2, branching=(2, 3)), tok,
-                           seeds=[11])
+    rollout = tree_rollout(generate, prompts[:1], [context], tools=build_tools(["get_frames"]),
+                           encode=observation_encoder(processor), limits=TurnLimits(max_turns=2, branching=(2, 3)),
+                           tokenizer=tok, seeds=[11])
     tree = rollout.trees[0]
     assert len(tree.paths) == 6 and len(tree.nodes[0].vision["video_grid_thw"]) == 1
     with torch.no_grad():
@@ -143,6 +144,7 @@ def test_rollouts_differ_by_seed_not_by_batch(setting):
         seen.append(list(seeds))
         return Scripted(tok, [["<answer>1</answer>"] * sum(group_sizes)])(batch, group_sizes, seeds, max_new_tokens)
 
-    tree_rollout(generate, prompts, [context] * 2, {}, observation_encoder(processor), TurnLimits(), tok, seeds=[5, 6])
-    tree_rollout(generate, prompts[1:], [context], {}, observation_encoder(processor), TurnLimits(), tok, seeds=[6])
+    settings = dict(tools={}, encode=observation_encoder(processor), limits=TurnLimits(), tokenizer=tok)
+    tree_rollout(generate, prompts, [context] * 2, seeds=[5, 6], **settings)
+    tree_rollout(generate, prompts[1:], [context], seeds=[6], **settings)
     assert seen[0][1] == seen[1][0] and seen[0][0] != seen[0][1]

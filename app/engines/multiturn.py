@@ -2,7 +2,8 @@
 its result (text, images, a video clip) is appended as the next turn, and the model continues, for at most
 ``max_turns`` model turns and ``max_total_tokens`` tokens after the prompt.
 
-    rollout = tree_rollout(generate, prompts, contexts, tools, encode, TurnLimits(branching=(4, 2)), tokenizer)
+    rollout = tree_rollout(generate, prompts, contexts, tools=tools, encode=encode, limits=TurnLimits(branching=(4, 2)),
+                           tokenizer=tokenizer)
 
 ``generate(batch, group_sizes, seeds, max_new_tokens) -> Rollout`` is any engine's sampler over a collated prompt
 batch (``grouped``: ``app.rollout.generate_groups`` with ``STOP`` among its stop strings); each turn is one call
@@ -99,8 +100,8 @@ def _path_to(nodes: list[TreeNode], n: int) -> list[int]:
     return path[::-1]
 
 
-def tree_rollout(generate: Callable, prompts: Sequence[dict], contexts: Sequence[ToolContext], tools: dict,
-                 encode: Callable[[list[dict]], dict], limits: TurnLimits, tokenizer, *,
+def tree_rollout(generate: Callable, prompts: Sequence[dict], contexts: Sequence[ToolContext], *, tools: dict,
+                 encode: Callable[[list[dict]], dict], limits: TurnLimits, tokenizer,
                  seeds: Sequence[int] | None = None, pad_id: int = 0) -> TreeRollout:
     """Sample a tree of rollouts for each prompt (one unpadded processor output each)."""
     seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
