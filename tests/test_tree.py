@@ -196,3 +196,25 @@ def test_bf16_tree_no_worse_than_bf16_paths(family, tiny_checkpoints, videos):
     mine, theirs = grad_error(our_grads, ref_grads), grad_error(path_grads, ref_grads)
     worst = max(ref_grads, key=lambda n: mine[n] / max(theirs[n], 1e-12))
     assert mine[worst] / max(theirs[worst], 1e-12) <= GRAD_RATIO, (worst, mine[worst], theirs[worst])
+
+
+def test_several_trees_in_one_row_equal_their_paths(case, videos):
+    """A micro-batch of trees packs them into ONE row (trees never see each other): log-probs, entropy and every
+    gradient equal the paths run one row each."""
+    from app.grouping.tree import forest_logprobs
+
+    family, model, processor, first = case
+    second = build_tree(family, processor, videos[::-1])  # another prompt (other videos), the same shape of tree
+    second = PrefixTree(second.prompt, second.nodes[:4])  # and a smaller tree
+    runs = {}
+    for mode in ("tree", "paths"):
+        model.zero_grad(set_to_none=True)
+        scores = forest_logprobs(model, [first, second], mode, return_entropy=True)
+        (scores.logprobs * scores.trained).sum().backward()
+        runs[mode] = scores, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    (tree, tree_grads), (paths, path_grads) = runs["tree"], runs["paths"]
+    assert len(tree.paths) == len(first.paths) + len(second.paths) and tree.packed_tokens < tree.repeated_tokens
+    assert max_rel_diff(tree.logprobs, paths.logprobs) <= LOGPROB_RTOL
+    assert max_rel_diff(tree.entropy, paths.entropy) <= LOGPROB_RTOL
+    for name, grad in path_grads.items():
+        assert max_rel_diff(tree_grads[name], grad) <= GRAD_RTOL, name

@@ -40,6 +40,7 @@ from app.grouping.layout import LayoutError
 from app.grouping.logprobs import head_returns_logprobs
 from app.grouping.modules import set_text_attention, unwrap
 from app.grouping.positions import VISION_KEYS, prompt_positions, rope_index_owner
+from app.grouping.vision_calls import aligned_vision_calls
 
 TREE_MODES = ("tree", "paths")
 
@@ -216,69 +217,97 @@ def tree_positions(model, tree: PrefixTree) -> torch.Tensor:
 
 @dataclass
 class TreeAttentionPlan:
-    """The attention-plan protocol (``attend``) for a packed prefix tree: one call under ``tree_mask``."""
+    """The attention-plan protocol (``attend``) for packed prefix trees (one or several, one after another in the
+    row, never seeing each other): one call under their block-diagonal ``tree_mask``."""
 
-    tree: PrefixTree
+    trees: Sequence[PrefixTree]
     _mask: dict = field(default_factory=dict, repr=False)
 
+    @property
+    def total_len(self) -> int:
+        return sum(t.total_len for t in self.trees)
+
+    def mask(self, device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._mask:
+            self._mask[key] = torch.block_diag(*[tree_mask(t, device) for t in self.trees])
+        return self._mask[key]
+
     def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
-        if query.shape[2] != self.tree.total_len:
-            raise ValueError(f"packed tree has {query.shape[2]} tokens but the tree describes {self.tree.total_len}")
-        device = str(query.device)
-        if device not in self._mask:
-            self._mask[device] = tree_mask(self.tree, query.device)
+        if query.shape[2] != self.total_len:
+            raise ValueError(f"packed trees have {query.shape[2]} tokens but the trees describe {self.total_len}")
         heads = query.shape[1]
         key = key.repeat_interleave(heads // key.shape[1], dim=1) if key.shape[1] != heads else key
         value = value.repeat_interleave(heads // value.shape[1], dim=1) if value.shape[1] != heads else value
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=self._mask[device], dropout_p=dropout,
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=self.mask(query.device), dropout_p=dropout,
                                              scale=scale)
         return out.transpose(1, 2).contiguous()
 
 
 @dataclass
 class TreeScores:
-    """Per-path log-probs: ``logprobs`` [paths, W] (each path's node tokens in order, observation tokens included,
-    0 past its end), ``trained`` [paths, W] (the model's tokens: what a loss may use), ``paths`` (node lists, one
-    per leaf)."""
+    """Per-path log-probs of one or several trees (their paths one after another): ``logprobs`` [paths, W] (each
+    path's node tokens in order, observation tokens included, 0 past its end), ``trained`` [paths, W] (the model's
+    tokens: what a loss may use), ``entropy`` (when asked), ``packed_tokens`` (the row's length) and
+    ``repeated_tokens`` (what one row per path would take)."""
 
     logprobs: torch.Tensor
     trained: torch.Tensor
     lengths: list[int]
     paths: list[list[int]]
+    entropy: torch.Tensor | None = None
+    packed_tokens: int = 0
+    repeated_tokens: int = 0
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.trained
+
+    @property
+    def layout(self):  # what the trainer counts (``tokens``): the trees' own numbers
+        return self
 
 
-def _per_path(tree: PrefixTree, node_values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    rows = [torch.cat([node_values[n] for n in path]) for path in tree.paths]
-    flags = [tree.path_tokens(path, "trained").bool() for path in tree.paths]
-    lengths = [len(r) for r in rows]
-    width = max(lengths)
-    values = torch.stack([F.pad(r, (0, width - len(r))) for r in rows])
-    trained = torch.stack([F.pad(f.to(values.device), (0, width - len(f))) for f in flags])
-    return values, trained, lengths
+def _rows(per_path: list[torch.Tensor]) -> torch.Tensor:
+    width = max(len(r) for r in per_path)
+    return torch.stack([F.pad(r, (0, width - len(r))) for r in per_path])
 
 
-def _tree_forward(model, tree: PrefixTree, temperature: float, chunk_size: int) -> list[torch.Tensor]:
-    device = tree.prompt["input_ids"].device
+def _packed_vision(trees: Sequence[PrefixTree]) -> dict:
+    out = {}
+    for key in VISION_KEYS:
+        parts = [t.vision()[key] for t in trees if key in t.vision()]
+        if parts:
+            out[key] = torch.cat([p.to(parts[0].device) for p in parts])
+    return out
+
+
+def _forest_forward(model, trees: Sequence[PrefixTree], temperature: float, chunk_size: int, entropy: bool):
+    """Per tree, per node: (log-probs, entropy) of its tokens, from ONE packed row holding every tree."""
+    device = trees[0].prompt["input_ids"].device
     set_text_attention(model, ATTENTION_NAME)
-    positions = tree_positions(model, tree).to(device)
+    positions = torch.cat([tree_positions(model, t).to(device) for t in trees], dim=1)
     position_ids = positions[:, None] if positions.shape[0] > 1 else positions
-    kwargs = tree.vision()
-    if tree.prompt.get("mm_token_type_ids") is not None:
-        kwargs["mm_token_type_ids"] = tree.packed("mm_token_type_ids")
-    predict = tree.predict_index.to(device)
-    targets = tree.path_tokens(range(len(tree.nodes))).to(device)
+    kwargs = _packed_vision(trees)
+    if trees[0].prompt.get("mm_token_type_ids") is not None:
+        kwargs["mm_token_type_ids"] = torch.cat([t.packed("mm_token_type_ids") for t in trees], dim=1)
+    offsets = [0]
+    for t in trees:
+        offsets.append(offsets[-1] + t.total_len)
+    predict = torch.cat([t.predict_index + off for t, off in zip(trees, offsets)]).to(device)
+    targets = torch.cat([t.path_tokens(range(len(t.nodes))) for t in trees]).to(device)
+    input_ids = torch.cat([t.packed("input_ids") for t in trees], dim=1)
+    with head_returns_logprobs(unwrap(model), targets, None, temperature, chunk_size or 1024, entropy):
+        both = model(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False,
+                     logits_to_keep=predict, **{PLAN_KWARG: TreeAttentionPlan(trees)}, **kwargs).logits[0]
+    counts = [sum(t.lengths) for t in trees]
+    return [(list(torch.split(c, t.lengths)), list(torch.split(e.detach(), t.lengths)))
+            for t, c, e in zip(trees, torch.split(both[:, 0], counts), torch.split(both[:, 1], counts))]
 
-    def forward():
-        return model(input_ids=tree.packed("input_ids"), attention_mask=None, position_ids=position_ids,
-                     use_cache=False, logits_to_keep=predict, **{PLAN_KWARG: TreeAttentionPlan(tree)}, **kwargs)
 
-    with head_returns_logprobs(unwrap(model), targets, None, temperature, chunk_size or 1024, False):
-        chosen = forward().logits[0, :, 0]
-    return list(torch.split(chosen, tree.lengths))
-
-
-def _paths_forward(model, tree: PrefixTree, temperature: float, chunk_size: int) -> list[list[torch.Tensor]]:
-    """Every path as its own row [P; path] (right-padded), its own copy of P's media: the reference."""
+def _paths_forward(model, tree: PrefixTree, temperature: float, chunk_size: int, entropy: bool):
+    """Every path of ``tree`` as its own row [P; path] (right-padded), its own copy of P's media: the reference.
+    Per path, per node on it: (log-probs, entropy)."""
     set_text_attention(model, "sdpa")
     prompt_ids = tree.prompt["input_ids"][0]
     device = prompt_ids.device
@@ -302,31 +331,50 @@ def _paths_forward(model, tree: PrefixTree, temperature: float, chunk_size: int)
     valid = mask[:, tree.prompt_len:].bool()
     select = torch.cat([valid, valid.new_zeros(len(rows), 1)], dim=1)
     targets = input_ids[:, tree.prompt_len:][valid]
-    with head_returns_logprobs(unwrap(model), targets, select, temperature, chunk_size or 1024, False):
-        logprobs = model(**batch, use_cache=False, logits_to_keep=keep).logits[:, :-1, 0]
+    with head_returns_logprobs(unwrap(model), targets, select, temperature, chunk_size or 1024, entropy):
+        both = model(**batch, use_cache=False, logits_to_keep=keep).logits[:, :-1]
     out = []
     for r, path in enumerate(tree.paths):
         pieces, cursor = [], 0
         for n in path:
-            pieces.append(logprobs[r, cursor:cursor + tree.lengths[n]])
+            span = both[r, cursor:cursor + tree.lengths[n]]
+            pieces.append((span[:, 0], span[:, 1].detach()))
             cursor += tree.lengths[n]
         out.append(pieces)
     return out
 
 
-def tree_logprobs(model, tree: PrefixTree, mode: str = "tree", *, temperature: float = 1.0,
-                  chunk_size: int = 1024) -> TreeScores:
-    """Log-probs of every path's node tokens, through the packed tree (``tree``: each node once) or each path as
-    its own row (``paths``: the reference). Differentiable; keep the model's attention setting until the backward
-    has finished."""
+def forest_logprobs(model, trees: Sequence[PrefixTree], mode: str = "tree", *, temperature: float = 1.0,
+                    chunk_size: int = 1024, return_entropy: bool = False, vision_calls=None) -> TreeScores:
+    """Log-probs of every path's node tokens for several trees (their paths one after another): ``tree`` packs
+    them all into ONE row (each node once, trees never seeing each other), ``paths`` runs each path as its own row
+    (the reference). Differentiable; keep the model's attention setting until the backward has finished.
+    ``vision_calls``: the tower calls this forward must make (ZeRO-3, ``app.grouping.aligned_vision_calls``)."""
     if mode not in TREE_MODES:
         raise ValueError(f"unknown tree mode {mode!r}; expected one of {TREE_MODES}")
-    if mode == "tree":
-        values, trained, lengths = _per_path(tree, _tree_forward(model, tree, temperature, chunk_size))
-    else:
-        per_path = _paths_forward(model, tree, temperature, chunk_size)
-        rows = [torch.cat(pieces) for pieces in per_path]
-        width = max(len(r) for r in rows)
-        values = torch.stack([F.pad(r, (0, width - len(r))) for r in rows])
-        _, trained, lengths = _per_path(tree, [torch.zeros(n) for n in tree.lengths])
-    return TreeScores(logprobs=values, trained=trained, lengths=lengths, paths=tree.paths)
+    logprobs, entropies, trained = [], [], []
+    with aligned_vision_calls(model, _packed_vision(trees), vision_calls):
+        if mode == "tree":
+            per_tree = _forest_forward(model, trees, temperature, chunk_size, return_entropy)
+            for tree, (values, ents) in zip(trees, per_tree):
+                logprobs += [torch.cat([values[n] for n in p]) for p in tree.paths]
+                entropies += [torch.cat([ents[n] for n in p]) for p in tree.paths]
+        else:
+            for tree in trees:
+                for pieces in _paths_forward(model, tree, temperature, chunk_size, return_entropy):
+                    logprobs.append(torch.cat([v for v, _ in pieces]))
+                    entropies.append(torch.cat([e for _, e in pieces]))
+    for tree in trees:
+        trained += [tree.path_tokens(p, "trained").bool() for p in tree.paths]
+    values = _rows(logprobs)
+    return TreeScores(
+        logprobs=values, trained=_rows(trained).to(values.device), lengths=[len(r) for r in logprobs],
+        paths=[p for t in trees for p in t.paths], entropy=_rows(entropies) if return_entropy else None,
+        packed_tokens=sum(t.total_len for t in trees),
+        repeated_tokens=sum(t.prompt_len + sum(t.lengths[n] for n in p) for t in trees for p in t.paths))
+
+
+def tree_logprobs(model, tree: PrefixTree, mode: str = "tree", *, temperature: float = 1.0,
+                  chunk_size: int = 1024) -> TreeScores:
+    """``forest_logprobs`` of one tree."""
+    return forest_logprobs(model, [tree], mode, temperature=temperature, chunk_size=chunk_size)
