@@ -162,6 +162,19 @@ class RolloutConfig:
                                  "long video's prefill holds one chunk's activations, not the prompt's; the prompt's "
                                  "K/V is kept whole. Same samples up to float summation order. 0: the whole prompt "
                                  "batch in one call. Pair with forward.vision_chunk_frames for long videos.")
+    tools: list = _f([], "Multi-turn rollouts with tools (app/tools.py): built-ins get_frames (a window of the "
+                     "record's video) and zoom (one frame, cropped), or path/to/file.py:function. Non-empty: the model "
+                     "may write <tool_call>{...}</tool_call>, the tool's result comes back as the next turn, and each "
+                     "group is trained as a prefix tree (app/agent.py). Engines grouped and hf.")
+    max_turns: int = _f(3, "With rollout.tools: model turns per rollout (a call at the last turn ends it).")
+    max_total_tokens: int = _f(4096, "With rollout.tools: tokens of a rollout after its prompt (model turns and "
+                               "observations); each turn samples at most rollout.max_completion_length.")
+    branching: list = _f([], "With rollout.tools: samples per open node at each turn, e.g. [4, 2]: 4 first turns, "
+                         "each continued twice (siblings share their parent's tokens); the product must be "
+                         "rollout.group_size. Empty: [group_size] (plain multi-turn GRPO).")
+    tool_max_frames: int = _f(8, "get_frames: the most frames one call decodes.")
+    tool_max_pixels: int = _f(50176, "get_frames: pixels per frame at most (min: data.min_pixels).")
+    tool_zoom_max_pixels: int = _f(200704, "zoom: pixels of the cropped frame at most.")
     zero3_gather: str = _f("full", "ZeRO-3 only: full gathers the policy's (and reference's) parameters once per "
                            "rollout and decodes with no collectives (fastest, needs the whole model in memory); "
                            "layerwise gathers all but the decoder layers once and each layer (one collective) when it "
@@ -281,6 +294,9 @@ class RewardConfig:
                              "{reference}. Reply with yes or no.' (yes) or 'How correct is the answer above? The "
                              "reference answer is: {reference}. Reply with one digit from 0 (wrong) to 9 (fully "
                              "correct).' (score).")
+    tool_call_cost: float = _f(0.0, "With rollout.tools: subtracted from a rollout's reward per tool call it made.")
+    valid_call_bonus: float = _f(0.0, "With rollout.tools: added to a rollout's reward when at least one of its tool "
+                                 "calls was valid (it ran).")
     length: bool = _f(False, "Length bonus (Video-R1's len_control): correct completions with length_min_tokens..."
                       "length_max_tokens completion tokens earn length_bonus, when more than one completion of the "
                       "group is correct.")
@@ -528,6 +544,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 OPTION_FIELDS = {"max_new_tokens": "max_completion_length"}  # an options field -> its config key, where they differ
 
 
+def _validate_tools(config: Config, need) -> None:
+    """rollout.tools: what the multi-turn recipe supports so far, refused by name otherwise."""
+    r = config.rollout
+    branching = r.branching or [r.group_size]
+    product = 1
+    for b in branching:
+        need(isinstance(b, int) and b >= 1, "rollout.branching", f"must list whole numbers >= 1, got {r.branching}")
+        product *= b
+    need(product == r.group_size, "rollout.branching", f"{branching} makes {product} rollouts per prompt; "
+         f"rollout.group_size is {r.group_size}")
+    need(len(branching) <= r.max_turns, "rollout.branching", f"splits at {len(branching)} turns but "
+         f"rollout.max_turns is {r.max_turns}")
+    need(r.max_turns >= 1, "rollout.max_turns", "must be >= 1")
+    need(r.max_total_tokens >= 1, "rollout.max_total_tokens", "must be >= 1")
+    need(r.engine in ("grouped", "hf"), "rollout.engine", f"{r.engine!r} has no multi-turn rollouts yet (with "
+         "rollout.tools: grouped or hf)")
+    need(config.train.sequence_parallel_size == 1, "train.sequence_parallel_size",
+         "must be 1 with rollout.tools (prefix trees have no sequence-parallel forward yet)")
+    need(not config.rewards.temporal, "rewards.temporal", "is not available with rollout.tools")
+    need(not r.record, "rollout.record", "is not available with rollout.tools (a replay of trees is not built)")
+
+
 def validate(config: Config, training: bool = True) -> None:
     def need(condition: bool, key: str, message: str) -> None:
         if not condition:
@@ -580,6 +618,8 @@ def validate(config: Config, training: bool = True) -> None:
          "is required with rollout.engine=replay (a run recorded with rollout.record=true)")
     need(bool(config.data.train_file), "data.train_file", "is required")
     need(config.rollout.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages compare a group)")
+    if config.rollout.tools:
+        _validate_tools(config, need)
     need(config.rollout.temperature > 0, "rollout.temperature", "must be > 0 for GRPO sampling")
     need(config.grpo.num_iterations >= 1, "grpo.num_iterations", "must be >= 1")
     for section, build in (("rollout", lambda: config.rollout.to_sampling()),

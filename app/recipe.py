@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ from app.config import Config, ConfigError, load_config
 from app.data.records import DataError, load_stream
 from app.data.video import SettingError
 from app.engines import needs_engine_views
-from app.grouping import MODALITIES, completion_logprobs, present_vision_calls, vision_cache
+from app.grouping import MODALITIES, present_vision_calls, vision_cache
 from app.grouping.sequence_parallel import check_heads
 from app.models import (
     CheckpointPathError,
@@ -29,6 +30,7 @@ from app.models import (
     load_model,
     load_processor,
 )
+from app.scoring import GroupScorer
 from app.tracking import Tracker, configure_logging
 
 log = logging.getLogger("app.recipe")
@@ -99,6 +101,7 @@ class Recipe:
                                   skip_log=self.output_dir / "logs" / "skipped_at_load.jsonl",
                                   engine_views=needs_engine_views(cfg.rollout.engine))
         self.start_step = 0
+        self.scorer = GroupScorer(cfg.forward, self.sp)  # a recipe whose groups are trees sets a TreeScorer
         self.setup()
         if cfg.train.resume:
             self._resume()
@@ -218,11 +221,8 @@ class Recipe:
         return scores.logprobs
 
     def scores(self, model, inputs: dict, completion_ids, completion_mask, group_sizes, **kwargs):
-        """Completion log-probs through the configured forward (``forward.*``: grouping, backend, chunk size)."""
-        f = self.cfg.forward
-        return completion_logprobs(model, inputs, completion_ids, completion_mask, group_sizes, mode=f.grouping,
-                                   backend=f.backend, chunk_size=f.logprob_chunk_size, sequence_parallel=self.sp,
-                                   **kwargs)
+        """Completion log-probs from the recipe's scorer (``app.scoring``: the configured forward)."""
+        return self.scorer(model, inputs, completion_ids, completion_mask, group_sizes, **kwargs)
 
     def trainer_state(self, step: int) -> dict:
         return {"step": step, "stream_position": self.stream.position, "skipped": dict(self.stream.skipped),
@@ -255,8 +255,9 @@ class Recipe:
         log.info("resumed from %s at step %d", path, self.start_step)
 
 
-def run(recipe: type[Recipe], doc: str, argv: list[str] | None = None) -> None:
-    """The command line of a recipe: CONFIG [section.key=value ...]."""
+def run(recipe: Callable[[Config], Recipe], doc: str, argv: list[str] | None = None) -> None:
+    """The command line of a recipe: CONFIG [section.key=value ...]; ``recipe``: a Recipe class, or a function of
+    the config that builds one (``app.train`` picks GRPO or GRPO with tools)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(doc)
@@ -277,6 +278,8 @@ def run(recipe: type[Recipe], doc: str, argv: list[str] | None = None) -> None:
     try:
         trainer = recipe(cfg)
         trainer.train()
+    except ConfigError as error:  # what only the recipe can check
+        raise SystemExit(f"config error: {error}") from None
     except checkpoint.CheckpointError as error:
         raise SystemExit(f"resume error: {error}") from None
     except (DataError, SettingError) as error:  # named in one line, like a config error (details in logs/)

@@ -77,6 +77,21 @@ class ToolContext:
     limits: ToolLimits = field(default_factory=ToolLimits)
 
 
+def context_for(record: Mapping, root: Path, limits: ToolLimits) -> ToolContext:
+    """A record's tool context: its video (``root`` / path) and that video's duration (the record's
+    ``duration``, else the file's frame count over its frame rate); no video for image and text records."""
+    if record.get("data_type") != "video" or not record.get("path"):
+        return ToolContext(record, None, None, limits)
+    video = Path(record["path"]) if Path(record["path"]).is_absolute() else Path(root) / record["path"]
+    duration = record.get("duration")
+    if duration is None and video.is_file():
+        import decord
+
+        reader = decord.VideoReader(str(video), num_threads=1)
+        duration = len(reader) / float(reader.get_avg_fps())
+    return ToolContext(record, video, None if duration is None else float(duration), limits)
+
+
 @dataclass
 class ToolResult:
     content: list[dict]  # conversation content items: {"type": "text", ...}, image or video elements

@@ -23,7 +23,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from app import distributed, lora
-from app.config import Config
+from app.config import Config, ConfigError
 from app.data.records import EncodedPrompt
 from app.grouping import text_before_media, verify_grouping
 from app.grouping.vision_cache import attach as attach_vision_cache
@@ -340,6 +340,8 @@ def step_metrics(t: Trajectory, updates: list[dict], seconds: dict, grouped: boo
     saved = sum(p.length * (size - 1) for p, size in zip(t.prompts, t.group_sizes))  # prefix tokens not re-encoded
     m.sum("tokens/prefix_saved_by_grouping", float(saved if grouped else 0))
     m.sum("groups/trained", float(len(t.prompts)))
+    for key, value in t.counts.items():
+        m.sum(key, value)
     for key, value in t.draws.items():
         if key.startswith("groups/") and key != "groups/drawn":
             m.fraction(key, value, t.draws.get("groups/drawn", 0.0))  # of the groups drawn, over all ranks
@@ -390,8 +392,15 @@ def timed(seconds: dict, key: str):
         seconds[key] = time.perf_counter() - start
 
 
+def plain_grpo(cfg: Config) -> GRPOTrainer:
+    if cfg.rollout.tools:  # the multi-turn recipe (app.agent) is what scripts/train.sh runs for these
+        raise ConfigError("rollout.tools is set: run python -m app.train (what scripts/train.sh runs), which picks "
+                          "the multi-turn recipe")
+    return GRPOTrainer(cfg)
+
+
 def main(argv: list[str] | None = None) -> None:
-    run(GRPOTrainer, __doc__, argv)
+    run(plain_grpo, __doc__, argv)
 
 
 if __name__ == "__main__":

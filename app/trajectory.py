@@ -17,6 +17,7 @@ import torch
 
 from app.data.prompts import collate_prompts
 from app.data.records import EncodedPrompt
+from app.grouping.tree import forest_vision
 from app.groups import group_slices
 from app.rollout import Rollout, select_groups
 
@@ -33,6 +34,10 @@ class Trajectory:
     total_reward: torch.Tensor  # [N] weighted sum
     advantages: torch.Tensor | None = None  # [N], set once the step's groups are chosen
     draws: dict[str, float] = field(default_factory=dict)  # counts over every group the step drew (metrics)
+    # Multi-turn rollouts: each group is a prefix tree (app.grouping.tree), its rows the paths to its leaves
+    # (completion_ids: every path token; completion_mask: the model's own tokens, observations 0)
+    trees: list | None = None
+    counts: dict[str, float] = field(default_factory=dict)  # per-step counts summed over ranks (tools/*)
 
     @property
     def group_sizes(self) -> list[int]:
@@ -60,6 +65,7 @@ class Trajectory:
             rewards={name: [trajectories[k].rewards[name][i] for k, i in rows] for name in first.rewards},
             total_reward=(torch.stack([trajectories[k].total_reward[i] for k, i in rows]) if rows
                           else torch.zeros(0)),
+            trees=[trajectories[k].trees[g] for k, g in picks] if first.trees is not None else None,
         )
 
     def micro_batches(self, groups_per_micro_batch: int, loss_weights: torch.Tensor, pad_id: int,
@@ -72,11 +78,12 @@ class Trajectory:
             groups = list(range(first, min(first + groups_per_micro_batch, len(self.prompts))))
             rows = torch.tensor([i for g in groups for i in range(slices[g].start, slices[g].stop)])
             mask = self.rollout.completion_mask[rows]
-            width = max(int(mask.sum(1).max()), 1) if len(rows) else 1
+            width = last_marked(mask)
             out.append(MicroBatch(
                 groups=groups,
                 rows=rows,
-                inputs=collate_prompts([self.prompts[g].inputs for g in groups], pad_id, device),
+                inputs=(collate_prompts([self.prompts[g].inputs for g in groups], pad_id, device)
+                        if self.trees is None else tree_inputs([self.trees[g] for g in groups], device)),
                 completion_ids=self.rollout.completion_ids[rows, :width].to(device),
                 completion_mask=mask[:, :width].to(device),
                 group_sizes=[slices[g].stop - slices[g].start for g in groups],
@@ -85,6 +92,19 @@ class Trajectory:
                 loss_weights=loss_weights[rows, :width].to(device),
             ))
         return out
+
+
+def last_marked(mask: torch.Tensor) -> int:
+    """1 + the last column any row marks (at least 1): the width that keeps every marked token."""
+    columns = mask.bool().any(0).nonzero()
+    return int(columns.max()) + 1 if len(columns) else 1
+
+
+def tree_inputs(trees: list, device) -> dict:
+    """A micro-batch of prefix trees: the trees on the device, and their vision tensors (what the vision-call
+    agreement counts)."""
+    trees = [t.to(device) for t in trees]
+    return {"trees": trees, **forest_vision(trees)}
 
 
 @dataclass

@@ -102,8 +102,11 @@ def _path_to(nodes: list[TreeNode], n: int) -> list[int]:
 
 def tree_rollout(generate: Callable, prompts: Sequence[dict], contexts: Sequence[ToolContext], *, tools: dict,
                  encode: Callable[[list[dict]], dict], limits: TurnLimits, tokenizer,
-                 seeds: Sequence[int] | None = None, pad_id: int = 0) -> TreeRollout:
-    """Sample a tree of rollouts for each prompt (one unpadded processor output each)."""
+                 seeds: Sequence[int] | None = None, pad_id: int = 0,
+                 keep_pace: Callable[[bool], bool] | None = None) -> TreeRollout:
+    """Sample a tree of rollouts for each prompt (one unpadded processor output each). ``keep_pace(busy)``: whether
+    any rank still samples this turn (ranks whose sampling is collective, ZeRO-3): a rank with nothing left joins
+    with a throwaway one-token sample of its first prompt until none has."""
     seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
     nodes: list[list[TreeNode]] = [[] for _ in prompts]
     sampled: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -113,8 +116,12 @@ def tree_rollout(generate: Callable, prompts: Sequence[dict], contexts: Sequence
     stats = ToolStats()
     frontier = [(t, -1) for t in range(len(prompts))]
     for turn in range(limits.max_turns):
-        if not frontier:
+        busy = keep_pace(bool(frontier)) if keep_pace is not None else bool(frontier)
+        if not busy:
             break
+        if not frontier:  # others still sample, collectively: join them and discard what comes back
+            generate(collate_prompts([prompts[0]], pad_id), [1], [derive_seed(seeds[0], "idle", turn)], 1)
+            continue
         width = limits.branching[turn] if turn < len(limits.branching) else 1
         paths = [_path_to(nodes[t], n) for t, n in frontier]
         used = [sum(int(nodes[t][m].input_ids.numel()) for m in path) for (t, _), path in zip(frontier, paths)]

@@ -87,6 +87,14 @@ class PrefixTree:
             if node.mm_token_type_ids is not None and node.mm_token_type_ids.shape != node.input_ids.shape:
                 raise LayoutError(f"node {n}: mm_token_type_ids and input_ids differ in shape")
 
+    def to(self, device) -> PrefixTree:
+        """The same tree with every tensor on ``device``."""
+        prompt = {k: v.to(device) for k, v in self.prompt.items()}
+        nodes = [TreeNode(n.parent, n.input_ids.to(device), n.trained.to(device),
+                          None if n.mm_token_type_ids is None else n.mm_token_type_ids.to(device),
+                          {k: v.to(device) for k, v in n.vision.items()}) for n in self.nodes]
+        return PrefixTree(prompt, nodes)
+
     # ---- geometry -------------------------------------------------------------------------------------------
     @property
     def prompt_len(self) -> int:
@@ -273,7 +281,8 @@ def _rows(per_path: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([F.pad(r, (0, width - len(r))) for r in per_path])
 
 
-def _packed_vision(trees: Sequence[PrefixTree]) -> dict:
+def forest_vision(trees: Sequence[PrefixTree]) -> dict:
+    """The vision tensors of several trees packed in one row, in row order."""
     out = {}
     for key in VISION_KEYS:
         parts = [t.vision()[key] for t in trees if key in t.vision()]
@@ -288,7 +297,7 @@ def _forest_forward(model, trees: Sequence[PrefixTree], temperature: float, chun
     set_text_attention(model, ATTENTION_NAME)
     positions = torch.cat([tree_positions(model, t).to(device) for t in trees], dim=1)
     position_ids = positions[:, None] if positions.shape[0] > 1 else positions
-    kwargs = _packed_vision(trees)
+    kwargs = forest_vision(trees)
     if trees[0].prompt.get("mm_token_type_ids") is not None:
         kwargs["mm_token_type_ids"] = torch.cat([t.packed("mm_token_type_ids") for t in trees], dim=1)
     offsets = [0]
@@ -353,7 +362,7 @@ def forest_logprobs(model, trees: Sequence[PrefixTree], mode: str = "tree", *, t
     if mode not in TREE_MODES:
         raise ValueError(f"unknown tree mode {mode!r}; expected one of {TREE_MODES}")
     logprobs, entropies, trained = [], [], []
-    with aligned_vision_calls(model, _packed_vision(trees), vision_calls):
+    with aligned_vision_calls(model, forest_vision(trees), vision_calls):
         if mode == "tree":
             per_tree = _forest_forward(model, trees, temperature, chunk_size, return_entropy)
             for tree, (values, ents) in zip(trees, per_tree):

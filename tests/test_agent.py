@@ -1,0 +1,100 @@
+"""GRPO with tools (app.agent) as a user runs it: rollout.tools in the config, trees trained through the tree
+scorer, the weights move. The tiny random model never writes a tool call by itself, so one test scripts its first
+turns (a get_frames call and a malformed one, teacher-forced log-probs) and samples the rest for real."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from app.config import ConfigError, load_config
+from tests.helpers import world_of_one
+from tests.test_trainer import assets, overrides, run, trainer  # noqa: F401  (assets: fixture)
+
+pytestmark = pytest.mark.distributed
+
+TOOLS = {"rollout.tools": "[get_frames, zoom]", "rollout.group_size": 4, "rollout.branching": "[2, 2]",
+         "rollout.max_turns": 2, "rollout.max_completion_length": 8, "train.max_steps": 1,
+         "rewards.tool_call_cost": 0.05, "rewards.valid_call_bonus": 0.2}
+
+
+def call(name, **arguments):
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+def scripted_first_turns(trainer_):
+    """The trainer's sampler, with every first turn written for it: even samples ask for frames, odd ones write
+    a malformed call; their log-probs are the policy's own (teacher-forced)."""
+    from app.grouping import completion_logprobs
+    from app.rollout import Rollout
+
+    real = trainer_.sampler
+    tok = trainer_.tokenizer
+
+    def sampler(batch, group_sizes, seeds, max_new_tokens):
+        if not trainer_.first_turn:  # a later turn: the policy samples
+            return real(batch, group_sizes, seeds, max_new_tokens)
+        trainer_.first_turn = False
+        texts = [call("get_frames", start=0.0, end=1.0) if j % 2 == 0 else "<tool_call>{nope</tool_call>"
+                 for size in group_sizes for j in range(size)]
+        ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+        width = max(len(i) for i in ids)
+        completion = torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i in ids])
+        mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
+        with torch.no_grad():
+            logprobs = completion_logprobs(trainer_.engine.module, {k: v for k, v in batch.items()}, completion,
+                                           mask, group_sizes).logprobs
+        return Rollout(completion, mask, logprobs, list(group_sizes), ["stop_string"] * len(texts), 0)
+
+    return sampler
+
+
+@pytest.mark.parametrize("engine", ["grouped", "hf"])
+def test_grpo_with_tools_trains_on_trees_with_observations(engine, assets, tmp_path, monkeypatch):  # noqa: F811
+    from app.train import recipe_for
+
+    cfg = load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "run", **TOOLS,
+                                                         **{"rollout.engine": engine}))
+    with world_of_one(monkeypatch):
+        trainer_ = recipe_for(cfg)
+        assert type(trainer_).__name__ == "AgentGRPOTrainer"
+        next_prompts = trainer_.stream.next_prompts
+
+        def remember(n):
+            trainer_.first_turn = True  # the next sampler call is these prompts' first turn
+            return next_prompts(n)
+
+        trainer_.stream.next_prompts = remember
+        trainer_.sampler = scripted_first_turns(trainer_)
+        before = {n: p.detach().clone() for n, p in trainer_.engine.module.named_parameters()}
+        metrics = trainer_.train_step(0)
+        after = dict(trainer_.engine.module.named_parameters())
+    assert metrics["tools/calls"] == 4 and metrics["tools/valid"] == 2 and metrics["tools/malformed"] == 2
+    assert metrics["reward/tool_bonus"] == pytest.approx(0.1) and metrics["reward/tool_cost"] == pytest.approx(-0.05)
+    assert metrics["reward/std"] > 0 and torch.isfinite(torch.tensor(metrics["loss"]))
+    assert metrics["tokens/policy_forward"] > 0
+    moved = [n for n in before if not torch.equal(before[n], after[n].detach())]
+    assert len(moved) > len(before) // 2
+
+
+def test_plain_grpo_entry_refuses_tools_and_bad_settings_are_named(assets, tmp_path):  # noqa: F811
+    result = run(trainer(assets, tmp_path / "plain", **TOOLS), check=False)
+    assert result.returncode != 0 and "run python -m app.train" in result.stderr
+    for extra, says in ((("rollout.engine", "vllm"),), "has no multi-turn rollouts yet"), \
+                       ((("rollout.branching", "[3, 2]"),), "makes 6 rollouts per prompt"), \
+                       ((("rewards.temporal", True),), "not available with rollout.tools"):
+        with pytest.raises(ConfigError, match=says):
+            load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "x", **{**TOOLS, **dict(extra)}))
+
+
+def test_train_sh_runs_grpo_with_tools_under_zero3_with_two_processes(assets, tmp_path):  # noqa: F811
+    """The launcher as a user runs it: rollout.tools set, ZeRO-3, 2 processes; the ranks' turns stay in step."""
+    out = tmp_path / "zero3"
+    run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *overrides(assets, out, **{
+        **TOOLS, "train.max_steps": 2, "train.deepspeed_config": "deepspeed_configs/zero3.json",
+        "train.export_hf": False})], env={"NPROC_PER_NODE": "2"}, timeout=400)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2] and all("tools/calls" in m for m in lines)
+    assert "self-check passed: packed trees vs their paths" in (out / "logs" / "rank0.log").read_text()
