@@ -98,3 +98,22 @@ def test_train_sh_runs_grpo_with_tools_under_zero3_with_two_processes(assets, tm
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2] and all("tools/calls" in m for m in lines)
     assert "self-check passed: packed trees vs their paths" in (out / "logs" / "rank0.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_killed_run_with_tools_resumes_to_the_uninterrupted_result(assets, tmp_path):  # noqa: F811
+    """rollout.tools through scripts/train.sh: a crash after step 2 and a resume end bitwise equal to a run that was
+    never interrupted (turn seeds derive from the step, the rank and the prompt, so the resumed steps redraw the
+    same trees)."""
+    from tests.test_trainer import assert_trained_and_equal
+
+    settings = {**TOOLS, "train.max_steps": 3, "train.save_every": 1}
+
+    def command(out, **extra):
+        return ["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *overrides(assets, out, **settings, **extra)]
+
+    run(command(tmp_path / "straight"))
+    crashed = run(command(tmp_path / "resumed"), env={"PREFIX_GRPO_CRASH_AFTER_STEP": "2"}, check=False)
+    assert crashed.returncode == 17
+    run(command(tmp_path / "resumed", **{"train.resume": True}))
+    assert_trained_and_equal(tmp_path / "resumed" / "final", tmp_path / "straight" / "final", assets["checkpoint"])
