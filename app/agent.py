@@ -88,18 +88,17 @@ class AgentGRPOTrainer(GRPOTrainer):
             return busy
         return distributed.all_reduce_max([float(busy)])[0] > 0
 
-    def sample_turn(self, batch: dict, group_sizes, seeds, max_new_tokens: int) -> Rollout:
-        """One turn of every open rollout: the configured local engine on [P; path] prompts."""
+    def sample_turn(self, prompts, group_size: int, seeds, max_new_tokens: int) -> Rollout:
+        """One turn of every open rollout: the configured engine on [P; path] prompts."""
         sampling = dataclasses.replace(self.turn_sampling, max_new_tokens=max_new_tokens)
-        return self.rollout_engine.generate_batch(batch, group_sizes, seeds, sampling)
+        return self.rollout_engine.generate(prompts, group_size, seeds, sampling=sampling)
 
     def rollout_and_score(self, step: int, prompts, draw: int = 0) -> Trajectory:
         cfg = self.cfg
         seeds = [derive_seed(cfg.train.seed, step, self.dp_rank, draw, i) for i in range(len(prompts))]
         contexts = [context_for(p.record, self.data_root, self.tool_limits) for p in prompts]
-        drawn = tree_rollout(self.sampler, [p.inputs for p in prompts], contexts, tools=self.tools,
-                             encode=self.encode, limits=self.limits, tokenizer=self.tokenizer, seeds=seeds,
-                             pad_id=self.tokenizer.pad_token_id, keep_pace=self.keep_pace)
+        drawn = tree_rollout(self.sampler, prompts, contexts, tools=self.tools, encode=self.encode,
+                             limits=self.limits, tokenizer=self.tokenizer, seeds=seeds, keep_pace=self.keep_pace)
         rollout = leaf_rollout(drawn.trees, drawn.sampled, drawn.leaf_reasons, self.tokenizer.pad_token_id)
         texts = [answer for per_tree in drawn.answers for answer in per_tree]
         records = [p.record for p, size in zip(prompts, rollout.group_sizes) for _ in range(size)]

@@ -558,8 +558,15 @@ def _validate_tools(config: Config, need) -> None:
          f"rollout.max_turns is {r.max_turns}")
     need(r.max_turns >= 1, "rollout.max_turns", "must be >= 1")
     need(r.max_total_tokens >= 1, "rollout.max_total_tokens", "must be >= 1")
-    need(r.engine in ("grouped", "hf"), "rollout.engine", f"{r.engine!r} has no multi-turn rollouts yet (with "
-         "rollout.tools: grouped or hf)")
+    need(r.engine in ("grouped", "hf", "vllm"), "rollout.engine", f"{r.engine!r} has no multi-turn rollouts (with "
+         "rollout.tools: grouped, hf or vllm)")
+    if r.engine == "vllm":  # every call may add a clip or an image to the prompt vLLM is given
+        calls = r.max_turns - 1
+        need(r.vllm_max_videos >= 1 + calls, "rollout.vllm_max_videos", f"({r.vllm_max_videos}) is below what a "
+             f"rollout with tools may hold: its video and one clip per call, 1 + (rollout.max_turns - 1) = "
+             f"{1 + calls}")
+        need(r.vllm_max_images >= 1 + calls, "rollout.vllm_max_images", f"({r.vllm_max_images}) is below what a "
+             f"rollout with tools may hold: its image and one per call, 1 + (rollout.max_turns - 1) = {1 + calls}")
     need(config.train.sequence_parallel_size == 1, "train.sequence_parallel_size",
          "must be 1 with rollout.tools (prefix trees have no sequence-parallel forward yet)")
     need(not config.rewards.temporal, "rewards.temporal", "is not available with rollout.tools")

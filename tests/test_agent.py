@@ -27,16 +27,19 @@ def call(name, **arguments):
 def scripted_first_turns(trainer_):
     """The trainer's sampler, with every first turn written for it: even samples ask for frames, odd ones write
     a malformed call; their log-probs are the policy's own (teacher-forced)."""
+    from app.data.prompts import collate_prompts
     from app.grouping import completion_logprobs
     from app.rollout import Rollout
 
     real = trainer_.sampler
     tok = trainer_.tokenizer
 
-    def sampler(batch, group_sizes, seeds, max_new_tokens):
+    def sampler(asked, group_size, seeds, max_new_tokens):
         if not trainer_.first_turn:  # a later turn: the policy samples
-            return real(batch, group_sizes, seeds, max_new_tokens)
+            return real(asked, group_size, seeds, max_new_tokens)
         trainer_.first_turn = False
+        batch = collate_prompts([p.inputs for p in asked], tok.pad_token_id)
+        group_sizes = [group_size] * len(asked)
         texts = [call("get_frames", start=0.0, end=1.0) if j % 2 == 0 else "<tool_call>{nope</tool_call>"
                  for size in group_sizes for j in range(size)]
         ids = [tok.encode(t, add_special_tokens=False) for t in texts]
@@ -82,7 +85,7 @@ def test_grpo_with_tools_trains_on_trees_with_observations(engine, assets, tmp_p
 def test_plain_grpo_entry_refuses_tools_and_bad_settings_are_named(assets, tmp_path):  # noqa: F811
     result = run(trainer(assets, tmp_path / "plain", **TOOLS), check=False)
     assert result.returncode != 0 and "run python -m app.train" in result.stderr
-    for extra, says in ((("rollout.engine", "vllm"),), "has no multi-turn rollouts yet"), \
+    for extra, says in ((("rollout.engine", "vllm"),), r"'rollout.vllm_max_videos' \(1\) is below"), \
                        ((("rollout.branching", "[3, 2]"),), "makes 6 rollouts per prompt"), \
                        ((("rewards.temporal", True),), "not available with rollout.tools"):
         with pytest.raises(ConfigError, match=says):

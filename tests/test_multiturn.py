@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from app.data.records import EncodedPrompt
 from app.engines.multiturn import TurnLimits, observation_encoder, tree_rollout
 from app.rollout import Rollout
 from app.tools import ToolContext, ToolLimits, build_tools
@@ -25,10 +26,11 @@ class Scripted:
     def __init__(self, tokenizer, turns):
         self.tokenizer, self.turns, self.calls = tokenizer, list(turns), []
 
-    def __call__(self, batch, group_sizes, seeds, max_new_tokens):
+    def __call__(self, prompts, group_size, seeds, max_new_tokens):
         texts = self.turns.pop(0)
+        group_sizes = [group_size] * len(prompts)
         assert len(texts) == sum(group_sizes)
-        self.calls.append((batch["input_ids"].shape, list(group_sizes), max_new_tokens))
+        self.calls.append((len(prompts), group_sizes, max_new_tokens))
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         width = max(len(i) for i in ids)
         return Rollout(completion_ids=torch.tensor([i + [0] * (width - len(i)) for i in ids]),
@@ -42,7 +44,8 @@ class Scripted:
 @pytest.fixture(scope="module")
 def setting(tiny_checkpoints, videos):
     model, processor = load("qwen2_5_vl", tiny_checkpoints)
-    prompts = [prompt_batch("qwen2_5_vl", processor, videos, ["video"]) for _ in range(2)]
+    prompts = [EncodedPrompt({"problem_id": str(i)}, prompt_batch("qwen2_5_vl", processor, videos, ["video"]))
+               for i in range(2)]
     context = ToolContext({}, videos[1], 3.0, ToolLimits(max_frames=4, min_pixels=3136, max_pixels=6272))
     return model, processor, prompts, context
 
@@ -82,6 +85,9 @@ def test_the_loop_builds_trees_runs_tools_and_survives_bad_calls(setting):
     assert (metrics["tools/calls"], metrics["tools/valid"], metrics["tools/malformed"],
             metrics["tools/unknown_tool"], metrics["tools/out_of_range"]) == (5, 2, 1, 1, 1)
     assert [c[1] for c in sampler.calls] == [[2, 2], [2, 2, 2], [1, 1]]  # branching, then 1 per open node
+    views = [node.view for node in first.nodes]  # what an engine with its own processor is given, per node
+    assert views[0]["media"][0][0] == "video" and views[2]["media"][0][0] == "image" and views[4]["media"] == []
+    assert len(views[0]["prompt_ids"]) < len(first.nodes[0].input_ids)  # the clip's placeholder unexpanded
     assert len(sampler.turns) == 0
 
 
@@ -101,6 +107,7 @@ def test_sampled_logprobs_equal_the_tree_forward_with_a_clip_inside(setting):
     """Turn 1 is a fixed call (its log-probs teacher-forced on the real model); turn 2 is sampled by the grouped
     engine from [P; turn 1; the clip] prompts. The tree forward of the resulting tree gives every model token the
     log-prob the sampler reported (1e-5): the engine and the trainer see the same positions, media and attention."""
+    from app.data.prompts import collate_prompts
     from app.grouping import completion_logprobs
     from app.grouping.tree import tree_logprobs
     from app.rollout import SamplingConfig, generate_groups
@@ -109,15 +116,16 @@ def test_sampled_logprobs_equal_the_tree_forward_with_a_clip_inside(setting):
     tok = tokenizer_of(processor)
     scripted = Scripted(tok, [[call("get_frames", start=0.0, end=2.0)] * 2])
 
-    def generate(batch, group_sizes, seeds, max_new_tokens):
+    def generate(asked, group_size, seeds, max_new_tokens):
+        batch = collate_prompts([p.inputs for p in asked], tok.pad_token_id)
         if scripted.turns:
-            rollout = scripted(batch, group_sizes, seeds, max_new_tokens)
+            rollout = scripted(asked, group_size, seeds, max_new_tokens)
             with torch.no_grad():
                 rollout.logprobs = completion_logprobs(model, batch, rollout.completion_ids, rollout.completion_mask,
-                                                       group_sizes).logprobs
+                                                       group_size).logprobs
             return rollout
         sampling = SamplingConfig(temperature=1.0, max_new_tokens=min(max_new_tokens, 8))
-        return generate_groups(model, batch, group_sizes, sampling, tokenizer=tok, eos_ids=[], prompt_seeds=seeds)
+        return generate_groups(model, batch, group_size, sampling, tokenizer=tok, eos_ids=[], prompt_seeds=seeds)
 
     rollout = tree_rollout(generate, prompts[:1], [context], tools=build_tools(["get_frames"]),
                            encode=observation_encoder(processor), limits=TurnLimits(max_turns=2, branching=(2, 3)),
@@ -140,9 +148,10 @@ def test_rollouts_differ_by_seed_not_by_batch(setting):
     tok = tokenizer_of(processor)
     seen = []
 
-    def generate(batch, group_sizes, seeds, max_new_tokens):
+    def generate(asked, group_size, seeds, max_new_tokens):
         seen.append(list(seeds))
-        return Scripted(tok, [["<answer>1</answer>"] * sum(group_sizes)])(batch, group_sizes, seeds, max_new_tokens)
+        return Scripted(tok, [["<answer>1</answer>"] * group_size * len(asked)])(asked, group_size, seeds,
+                                                                                 max_new_tokens)
 
     settings = dict(tools={}, encode=observation_encoder(processor), limits=TurnLimits(), tokenizer=tok)
     tree_rollout(generate, prompts, [context] * 2, seeds=[5, 6], **settings)

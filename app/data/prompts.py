@@ -207,19 +207,22 @@ def observation_text(content: Sequence[dict], opening: str = OBSERVATION_OPEN,
 
 
 def encode_observation(processor, content: Sequence[dict], opening: str = OBSERVATION_OPEN,
-                       closing: str = OBSERVATION_CLOSE) -> dict[str, torch.Tensor]:
+                       closing: str = OBSERVATION_CLOSE, with_media: bool = False):
     """A turn inside a response (a tool's result, shown to the model): ``opening`` + the content items (text,
     images, videos, as in a conversation's user turn) + ``closing`` -> the processor's tensors for it alone
     (input_ids [1, n] with the placeholders expanded, mm_token_type_ids, and the media's pixel tensors), so a
-    response can hold media as Qwen's template writes a user turn."""
+    response can hold media as Qwen's template writes a user turn. ``with_media``: also its engine view (the
+    unexpanded ids and the very frames and images encoded, as ``encode_prompts`` gives a prompt's)."""
     text = observation_text(content, opening, closing)
     media = [item for item in content if item["type"] in MEDIA_PLACEHOLDERS]
     if media and not is_multimodal_processor(processor):
         raise ValueError("an observation holds images or videos but the checkpoint has no vision processor")
     if not is_multimodal_processor(processor):
-        return dict(processor([text], add_special_tokens=False, return_tensors="pt"))
-    kwargs, _ = _media_kwargs(processor, [media])
-    return dict(processor(text=[text], return_tensors="pt", **kwargs))
+        batch = dict(processor([text], add_special_tokens=False, return_tensors="pt"))
+        return (batch, _engine_view(processor, [text], [[]])[0]) if with_media else batch
+    kwargs, views = _media_kwargs(processor, [media], with_media=with_media)
+    batch = dict(processor(text=[text], return_tensors="pt", **kwargs))
+    return (batch, _engine_view(processor, [text], views)[0]) if with_media else batch
 
 
 def _frames_uint8(frames: torch.Tensor):

@@ -39,13 +39,14 @@ class EngineSetup:
 
 class RolloutEngine:
     """The interface. ``generate``: ``group_size`` completions for each prompt, prompt b drawing from ``seeds[b]``
-    only (so a sample does not depend on the batch or the rank). ``sync_weights``: make the next rollout sample
-    from ``policy``'s current weights; returns how many tensors were sent (0 where the engine samples from the
-    policy itself)."""
+    only (so a sample does not depend on the batch or the rank), under ``sampling`` when given (a multi-turn
+    rollout's turn: its own token budget and the tool-call stop), else the engine's own settings.
+    ``sync_weights``: make the next rollout sample from ``policy``'s current weights; returns how many tensors were
+    sent (0 where the engine samples from the policy itself)."""
 
     name = "engine"
 
-    def generate(self, prompts: Sequence, group_size: int, seeds: Sequence[int]):
+    def generate(self, prompts: Sequence, group_size: int, seeds: Sequence[int], sampling=None):
         raise NotImplementedError
 
     def sync_weights(self, policy) -> int:
@@ -61,10 +62,10 @@ class SharedInGroup(RolloutEngine):
     def __init__(self, inner: RolloutEngine, share: Callable[[list[torch.Tensor]], list[torch.Tensor]]):
         self.inner, self.share, self.name = inner, share, inner.name
 
-    def generate(self, prompts, group_size, seeds):
+    def generate(self, prompts, group_size, seeds, sampling=None):
         from app.rollout import shared_rollout
 
-        return shared_rollout(self.inner.generate(prompts, group_size, seeds), self.share)
+        return shared_rollout(self.inner.generate(prompts, group_size, seeds, sampling), self.share)
 
     def sync_weights(self, policy) -> int:
         return self.inner.sync_weights(policy)
@@ -84,8 +85,8 @@ class Recorded(RolloutEngine):
         self.inner, self.folder, self.name = inner, Path(folder), inner.name
         self.folder.mkdir(parents=True, exist_ok=True)
 
-    def generate(self, prompts, group_size, seeds):
-        rollout = self.inner.generate(prompts, group_size, seeds)
+    def generate(self, prompts, group_size, seeds, sampling=None):
+        rollout = self.inner.generate(prompts, group_size, seeds, sampling)
         path = self.folder / f"{rollout_key(group_size, seeds)}.pt"
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         torch.save({"completion_ids": rollout.completion_ids.cpu(), "completion_mask": rollout.completion_mask.cpu(),

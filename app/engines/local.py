@@ -17,21 +17,15 @@ class LocalEngine(RolloutEngine):
     def __init__(self, name: str, setup: EngineSetup):
         self.name, self.setup = name, setup
 
-    def generate(self, prompts, group_size: int, seeds) -> Rollout:
-        inputs = collate_prompts([p.inputs for p in prompts], self.setup.pad_id, self.setup.device)
-        return self.generate_batch(inputs, [group_size] * len(prompts), seeds)
-
-    def generate_batch(self, inputs: dict, group_sizes, seeds, sampling=None) -> Rollout:
-        """``generate`` on a collated prompt batch (a multi-turn rollout's [P; path] prompts), ``group_sizes[b]``
-        samples of prompt b, under ``sampling`` (default: the engine's)."""
+    def generate(self, prompts, group_size: int, seeds, sampling=None) -> Rollout:
         s = self.setup
-        inputs = {k: v.to(s.device) for k, v in inputs.items()}
+        inputs = collate_prompts([p.inputs for p in prompts], s.pad_id, s.device)
         mode = getattr(s.rollout, "zero3_gather", "full")
         per_step = mode == "per_step"  # DeepSpeed's hooks stay on: the ranks' tower calls must agree
         vision_calls = s.vision_calls(inputs) if per_step and s.vision_calls is not None else None
         s.policy.eval()
         with distributed.gathered_for_inference(s.policy, mode) as (model, collective):
-            return generate_groups(model, inputs, list(group_sizes), sampling or s.sampling, tokenizer=s.tokenizer,
+            return generate_groups(model, inputs, group_size, sampling or s.sampling, tokenizer=s.tokenizer,
                                    eos_ids=s.eos_ids, pad_id=s.pad_id, engine=self.name, synced=collective,
                                    vision_calls=vision_calls, prompt_seeds=list(seeds),
                                    prefill_chunk_size=getattr(s.rollout, "prefill_chunk_size", 0))

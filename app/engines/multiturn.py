@@ -5,10 +5,11 @@ its result (text, images, a video clip) is appended as the next turn, and the mo
     rollout = tree_rollout(generate, prompts, contexts, tools=tools, encode=encode, limits=TurnLimits(branching=(4, 2)),
                            tokenizer=tokenizer)
 
-``generate(batch, group_sizes, seeds, max_new_tokens) -> Rollout`` is any engine's sampler over a collated prompt
-batch (``grouped``: ``app.rollout.generate_groups`` with ``STOP`` among its stop strings); each turn is one call
-whose prompts are [P; path so far], media inside included, so an engine with a prefix cache (vLLM) reuses the
-earlier turns and the grouped engine prefills each path once per turn. ``branching[t]`` samples continue each open
+``generate(prompts, group_size, seeds, max_new_tokens) -> Rollout`` is any engine's sampler (``RolloutEngine.
+generate`` with ``STOP`` among its stop strings); each turn is one call whose prompts are [P; path so far], media
+inside included (``EncodedPrompt``: the expanded inputs, and the unexpanded ids with their media for an engine with
+its own processor), so vLLM gets a request per turn and its prefix cache reuses the earlier turns, and the grouped
+engine prefills each path once per turn. ``branching[t]`` samples continue each open
 node at turn t (1 past the list): the rollouts split at turn boundaries and siblings share their parent's tokens,
 which the tree keeps once (``app.grouping.tree``). A node is one model turn followed by its tool's observation
 (``trained`` False there); sampled log-probs are kept for the model's tokens only. A call that cannot run becomes an
@@ -22,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.data.prompts import collate_prompts, encode_observation
+from app.data.prompts import encode_observation
+from app.data.records import EncodedPrompt
 from app.grouping.tree import PrefixTree, TreeNode
 from app.rollout import derive_seed
 from app.tools import RESPONSE_CLOSE, RESPONSE_OPEN, ToolContext, ToolResult, ToolStats, run_call
@@ -64,13 +66,24 @@ class TreeRollout:
     stats: ToolStats = field(default_factory=ToolStats)
 
 
-def observation_encoder(processor) -> Callable[[list[dict]], dict]:
-    """A tool result's content items -> its tokens and media, as a <tool_response> user turn."""
+def observation_encoder(processor) -> Callable[[list[dict]], tuple[dict, dict]]:
+    """A tool result's content items -> (its tokens and media as a <tool_response> user turn, its engine view)."""
 
-    def encode(content: list[dict]) -> dict:
-        return encode_observation(processor, content, RESPONSE_OPEN, RESPONSE_CLOSE)
+    def encode(content: list[dict]) -> tuple[dict, dict]:
+        return encode_observation(processor, content, RESPONSE_OPEN, RESPONSE_CLOSE, with_media=True)
 
     return encode
+
+
+def _path_view(prompt: EncodedPrompt, nodes: list[TreeNode], path: list[int]) -> dict | None:
+    """[P; path] unexpanded, with its media in order (None when the prompt carries no engine view)."""
+    if prompt.engine_view is None:
+        return None
+    ids, media = list(prompt.engine_view["prompt_ids"]), list(prompt.engine_view["media"])
+    for n in path:
+        ids += nodes[n].view["prompt_ids"]
+        media += nodes[n].view["media"]
+    return {"prompt_ids": ids, "media": media}
 
 
 def _path_prompt(prompt: dict, nodes: list[TreeNode], path: list[int]) -> dict:
@@ -100,11 +113,10 @@ def _path_to(nodes: list[TreeNode], n: int) -> list[int]:
     return path[::-1]
 
 
-def tree_rollout(generate: Callable, prompts: Sequence[dict], contexts: Sequence[ToolContext], *, tools: dict,
-                 encode: Callable[[list[dict]], dict], limits: TurnLimits, tokenizer,
-                 seeds: Sequence[int] | None = None, pad_id: int = 0,
-                 keep_pace: Callable[[bool], bool] | None = None) -> TreeRollout:
-    """Sample a tree of rollouts for each prompt (one unpadded processor output each). ``keep_pace(busy)``: whether
+def tree_rollout(generate: Callable, prompts: Sequence[EncodedPrompt], contexts: Sequence[ToolContext], *,
+                 tools: dict, encode: Callable[[list[dict]], tuple[dict, dict]], limits: TurnLimits, tokenizer,
+                 seeds: Sequence[int] | None = None, keep_pace: Callable[[bool], bool] | None = None) -> TreeRollout:
+    """Sample a tree of rollouts for each prompt (``EncodedPrompt``: one unpadded prompt each). ``keep_pace(busy)``: whether
     any rank still samples this turn (ranks whose sampling is collective, ZeRO-3): a rank with nothing left joins
     with a throwaway one-token sample of its first prompt until none has."""
     seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
@@ -120,16 +132,16 @@ def tree_rollout(generate: Callable, prompts: Sequence[dict], contexts: Sequence
         if not busy:
             break
         if not frontier:  # others still sample, collectively: join them and discard what comes back
-            generate(collate_prompts([prompts[0]], pad_id), [1], [derive_seed(seeds[0], "idle", turn)], 1)
+            generate([prompts[0]], 1, [derive_seed(seeds[0], "idle", turn)], 1)
             continue
         width = limits.branching[turn] if turn < len(limits.branching) else 1
         paths = [_path_to(nodes[t], n) for t, n in frontier]
         used = [sum(int(nodes[t][m].input_ids.numel()) for m in path) for (t, _), path in zip(frontier, paths)]
         room = min(limits.max_new_tokens, limits.max_total_tokens - max(used))
-        batch = collate_prompts([_path_prompt(prompts[t], nodes[t], path) for (t, _), path in zip(frontier, paths)],
-                                pad_id)
+        asked = [EncodedPrompt(prompts[t].record, _path_prompt(prompts[t].inputs, nodes[t], path),
+                               _path_view(prompts[t], nodes[t], path)) for (t, _), path in zip(frontier, paths)]
         turn_seeds = [derive_seed(seeds[t], "turn", turn, n) for t, n in frontier]
-        rollout = generate(batch, [width] * len(frontier), turn_seeds, max(1, room))
+        rollout = generate(asked, width, turn_seeds, max(1, room))
         opened = []
         for i, (t, parent) in enumerate(frontier):
             for j in range(width):
@@ -141,7 +153,8 @@ def tree_rollout(generate: Callable, prompts: Sequence[dict], contexts: Sequence
                 reason = rollout.stop_reasons[k]
                 last_turn = turn + 1 == limits.max_turns
                 result = run_call(text, tools, contexts[t]) if reason == "stop_string" and not last_turn else None
-                node = TreeNode(parent, ids, torch.ones(len(ids), dtype=torch.bool), torch.zeros_like(ids))
+                node = TreeNode(parent, ids, torch.ones(len(ids), dtype=torch.bool), torch.zeros_like(ids),
+                                view={"prompt_ids": ids.tolist(), "media": []})
                 index = len(nodes[t])
                 answers[t][index] = text
                 if result is None:
@@ -150,7 +163,7 @@ def tree_rollout(generate: Callable, prompts: Sequence[dict], contexts: Sequence
                                                                                                        "answered")
                 else:
                     stats.add(result)
-                    observation = encode(result.content)
+                    observation, view = encode(result.content)
                     seen = observation["input_ids"][0].cpu()
                     if used[i] + len(ids) + len(seen) >= limits.max_total_tokens:
                         ended[t][index] = "budget"  # no room to show the result and answer after it
@@ -160,7 +173,9 @@ def tree_rollout(generate: Callable, prompts: Sequence[dict], contexts: Sequence
                                         torch.cat([node.trained, torch.zeros(len(seen), dtype=torch.bool)]),
                                         torch.cat([node.mm_token_type_ids, types[0].cpu()]),
                                         {key: observation[key].cpu() for key in VISION_INPUTS
-                                         if observation.get(key) is not None})
+                                         if observation.get(key) is not None},
+                                        {"prompt_ids": ids.tolist() + list(view["prompt_ids"]),
+                                         "media": list(view["media"])})
                         logprobs = torch.cat([logprobs, torch.zeros(len(seen))])
                         results[t][index] = result
                         opened.append((t, index))
@@ -169,7 +184,7 @@ def tree_rollout(generate: Callable, prompts: Sequence[dict], contexts: Sequence
         frontier = opened
     for t, n in frontier:  # open after the last turn (cannot happen: the last turn's calls end their rollouts)
         ended[t][n] = "max_turns"
-    trees = [PrefixTree(prompts[t], nodes[t]) for t in range(len(prompts))]
+    trees = [PrefixTree(prompts[t].inputs, nodes[t]) for t in range(len(prompts))]
     leaf_reasons = [[ended[t][leaf] for leaf in tree.leaves] for t, tree in enumerate(trees)]
     calls = [[[results[t][n] for n in path if n in results[t]] for path in tree.paths] for t, tree in enumerate(trees)]
     texts = [[answers[t][leaf] for leaf in tree.leaves] for t, tree in enumerate(trees)]

@@ -28,7 +28,7 @@ class ReplayEngine(RolloutEngine):
                               "rollout.record=true writes them to its train.output_dir/rollouts)")
         self.folder = folder
 
-    def generate(self, prompts, group_size: int, seeds) -> Rollout:
+    def generate(self, prompts, group_size: int, seeds, sampling=None) -> Rollout:  # what was drawn, as drawn
         path = self.folder / f"{rollout_key(group_size, seeds)}.pt"
         if not path.is_file():
             raise ReplayError(f"{self.folder} has no rollout for these {len(prompts)} prompt(s) (G={group_size}, "

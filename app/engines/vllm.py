@@ -300,7 +300,7 @@ class VLLMEngine(RolloutEngine):
             self.llm.wake_up(tags=sorted(wanted))
             self.awake |= wanted
 
-    def generate(self, prompts, group_size: int, seeds):
+    def generate(self, prompts, group_size: int, seeds, sampling=None):
         """G completions per ``EncodedPrompt`` (each must carry its ``engine_view``) as a ``Rollout``; vLLM's
         expansion of every prompt is checked against the trainer's ids."""
         requests = []
@@ -309,7 +309,8 @@ class VLLMEngine(RolloutEngine):
                 raise ValueError("rollout.engine=vllm needs prompts encoded with their media (the data stream's "
                                  "engine_views); this prompt has none")
             requests.append(vllm_request(prompt.engine_view))
-        params = [sampling_params(self.sampling, group_size, self.eos_ids, seed, self.banned_words) for seed in seeds]
+        params = [sampling_params(sampling or self.sampling, group_size, self.eos_ids, seed, self.banned_words)
+                  for seed in seeds]
         self._wake()
         try:
             outputs = self.llm.generate(requests, params, use_tqdm=False)

@@ -57,6 +57,9 @@ class TreeNode:
     trained: torch.Tensor  # [n] bool: the model's own tokens (scored for the loss); False: observation tokens
     mm_token_type_ids: torch.Tensor | None = None  # [n]; None: all text
     vision: dict = field(default_factory=dict)
+    # for an engine with its own processor (vLLM): these tokens unexpanded and their media (``encode_prompts``'
+    # engine view); not used by the forward
+    view: dict | None = None
 
 
 @dataclass
@@ -92,7 +95,7 @@ class PrefixTree:
         prompt = {k: v.to(device) for k, v in self.prompt.items()}
         nodes = [TreeNode(n.parent, n.input_ids.to(device), n.trained.to(device),
                           None if n.mm_token_type_ids is None else n.mm_token_type_ids.to(device),
-                          {k: v.to(device) for k, v in n.vision.items()}) for n in self.nodes]
+                          {k: v.to(device) for k, v in n.vision.items()}, n.view) for n in self.nodes]
         return PrefixTree(prompt, nodes)
 
     # ---- geometry -------------------------------------------------------------------------------------------
