@@ -33,6 +33,7 @@ from app.config import ConfigError, load_config
 from app.data.records import check_record, encode_record, read_records, where
 from app.distributed import local_device
 from app.engines import needs_engine_views
+from app.engines.multiturn import answer_sampler
 from app.grouping import vision_cache
 from app.models import DTYPES, CheckpointPathError, check_checkpoint, load_model, load_processor
 from app.rewards import ANSWER_EXTRACTION, GROUNDING_TYPES, grounding_metrics
@@ -380,6 +381,7 @@ def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, worl
     sampling = SamplingConfig(temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens,
                               repetition_penalty=ev.repetition_penalty)
     engine = evaluation_engine(cfg, model_dir, tokenizer, sampling, world)
+    sample = answer_sampler(engine, cfg, processor, sampling)  # one turn, or multi-turn with rollout.tools
     score, answer_of = ANSWER_EXTRACTION[ev.answer_extraction]
     rank_file = out / f"predictions.rank{rank}.jsonl"
     crash_after = int(os.environ.get(CRASH_ENV, "-1"))
@@ -402,11 +404,9 @@ def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, worl
             # batch it falls in, eval.batch_size or the number of ranks.
             seeds = [derive_seed(ev.seed, record_key(r)) for r in batch]
             with torch.no_grad():
-                rollout = engine.generate(prompts, ev.samples, seeds)
+                answers, calls = sample(prompts, ev.samples, seeds)
             for i, record in enumerate(batch):
-                rows = range(i * ev.samples, (i + 1) * ev.samples)
-                texts = [tokenizer.decode(rollout.completion_ids[n][rollout.completion_mask[n].bool()],
-                                          skip_special_tokens=True) for n in rows]
+                texts = answers[i]
                 accuracies = [score(t, record) for t in texts]  # eval.answer_extraction
                 _append(rank_file, {
                     "key": record_key(record), "problem_id": record.get("problem_id"),
@@ -415,6 +415,7 @@ def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, worl
                     "solution": record["solution"], "answers": [answer_of(t) for t in texts],
                     "completions": texts, "accuracies": accuracies,
                     "accuracy": sum(accuracies) / len(accuracies), "pass": float(max(accuracies) >= 0.5),
+                    **({"tool_calls": calls[i]} if cfg.rollout.tools else {}),
                 })
                 scored += 1
                 if scored == crash_after:

@@ -273,3 +273,36 @@ def test_resume_identity_reads_the_whole_weight_file(tmp_path, monkeypatch):
     monkeypatch.setattr(evaluate_module.hashlib, "sha256", lambda *a: calls.append(1) or __import__("hashlib").sha256())
     again = evaluate_module.file_identity(big, cache)
     assert not calls and again == evaluate_module.file_identity(big, cache)  # cached by size, times and inode
+
+
+def test_evaluation_with_tools_answers_in_several_turns(small, tmp_path, monkeypatch):
+    """rollout.tools in the evaluation settings: each question runs as multi-turn rollouts (the same loop as
+    training), the last model turn is what is scored, and each prediction says how many calls its samples made.
+    The tiny model's first turn is scripted to call get_frames (it never writes a call by itself)."""
+    import app.engines.multiturn as multiturn
+
+    honest = multiturn.tree_rollout
+
+    def first_turn_calls(generate, prompts, contexts, **kwargs):
+        state = {"first": True}
+
+        def scripted(asked, group_size, seeds, max_new_tokens):
+            rollout = generate(asked, group_size, seeds, max_new_tokens)
+            if state.pop("first", False):  # the first turn: a call, in the model's own tokens
+                tok = kwargs["tokenizer"]
+                ids = tok.encode('<tool_call>{"name": "get_frames", "arguments": {"start": 0, "end": 1}}'
+                                 '</tool_call>', add_special_tokens=False)
+                rollout.completion_ids = torch.tensor([ids] * len(rollout.stop_reasons))
+                rollout.completion_mask = torch.ones_like(rollout.completion_ids)
+                rollout.logprobs = torch.zeros(rollout.completion_ids.shape)
+                rollout.stop_reasons = ["stop_string"] * len(rollout.stop_reasons)
+            return rollout
+
+        return honest(scripted, prompts, contexts, **kwargs)
+
+    monkeypatch.setattr(multiturn, "tree_rollout", first_turn_calls)
+    summary = in_process(small["a"], small["data"], tmp_path / "tools", "rollout.tools=[get_frames]",
+                         "rollout.max_turns=2")
+    rows = [json.loads(line) for line in (tmp_path / "tools" / "predictions.jsonl").read_text().splitlines()]
+    assert summary["scored_this_run"] == 4 and all(row["tool_calls"] == [1] for row in rows)
+    assert all("<tool_call>" not in text for row in rows for text in row["completions"])  # the answer turn

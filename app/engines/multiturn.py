@@ -189,3 +189,44 @@ def tree_rollout(generate: Callable, prompts: Sequence[EncodedPrompt], contexts:
     calls = [[[results[t][n] for n in path if n in results[t]] for path in tree.paths] for t, tree in enumerate(trees)]
     texts = [[answers[t][leaf] for leaf in tree.leaves] for t, tree in enumerate(trees)]
     return TreeRollout(trees, sampled, leaf_reasons, calls, texts, stats)
+
+
+def answer_sampler(engine, cfg, processor, sampling) -> Callable:
+    """``sample(prompts, samples, seeds) -> (texts, tool calls)``: each prompt's ``samples`` answers as a list, and
+    how many tool calls each made. One turn from ``engine`` when ``rollout.tools`` is empty; otherwise multi-turn
+    rollouts with the configured tools and limits (``rollout.*``), all ``samples`` drawn at the first turn, the
+    answer being the last model turn (what evaluation scores, as training's rewards do)."""
+    import dataclasses
+    from pathlib import Path
+
+    from app.tools import STOP, ToolLimits, build_tools, context_for
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    r = cfg.rollout
+    if not r.tools:
+        def one_turn(prompts, samples, seeds):
+            rollout = engine.generate(prompts, samples, seeds)
+            texts = [tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+                     for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+            return [texts[b * samples:(b + 1) * samples] for b in range(len(prompts))], \
+                [[0] * samples for _ in prompts]
+
+        return one_turn
+    tools = build_tools(r.tools)
+    limits_of_tools = ToolLimits(max_frames=r.tool_max_frames, min_pixels=cfg.data.min_pixels,
+                                 max_pixels=r.tool_max_pixels, zoom_max_pixels=r.tool_zoom_max_pixels)
+    turn = dataclasses.replace(sampling, stop_strings=(*sampling.stop_strings, STOP))
+
+    def generate(asked, group_size, seeds, max_new_tokens):
+        return engine.generate(asked, group_size, seeds, sampling=dataclasses.replace(turn, max_new_tokens=max_new_tokens))
+
+    def with_tools(prompts, samples, seeds):
+        limits = TurnLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
+                            max_new_tokens=sampling.max_new_tokens, branching=(samples,))
+        contexts = [context_for(p.record, Path(p.record.get("_root", ".")), limits_of_tools) for p in prompts]
+        drawn = tree_rollout(generate, prompts, contexts, tools=tools, encode=observation_encoder(processor),
+                             limits=limits, tokenizer=tokenizer, seeds=seeds)
+        texts = [[text.replace("<|im_end|>", "").strip() for text in answers] for answers in drawn.answers]
+        return texts, [[len(path) for path in calls] for calls in drawn.calls]
+
+    return with_tools
