@@ -11,7 +11,7 @@ import torch
 
 from app.config import ConfigError, load_config
 from tests.helpers import world_of_one
-from tests.test_trainer import assets, overrides, run, trainer  # noqa: F401  (assets: fixture)
+from tests.test_trainer import assets, overrides, run  # noqa: F401  (assets: fixture)
 
 pytestmark = pytest.mark.distributed
 
@@ -83,8 +83,10 @@ def test_grpo_with_tools_trains_on_trees_with_observations(engine, assets, tmp_p
 
 
 def test_plain_grpo_entry_refuses_tools_and_bad_settings_are_named(assets, tmp_path):  # noqa: F811
-    result = run(trainer(assets, tmp_path / "plain", **TOOLS), check=False)
-    assert result.returncode != 0 and "run python -m app.train" in result.stderr
+    from app.trainer import plain_grpo
+
+    with pytest.raises(ConfigError, match="run python -m app.train"):  # python -m app.trainer with tools set
+        plain_grpo(load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "plain", **TOOLS)))
     for extra, says in ((("rollout.engine", "vllm"),), r"'rollout.vllm_max_videos' \(1\) is below"), \
                        ((("rollout.branching", "[3, 2]"),), "makes 6 rollouts per prompt"), \
                        ((("rewards.temporal", True),), "not available with rollout.tools"):
@@ -92,6 +94,7 @@ def test_plain_grpo_entry_refuses_tools_and_bad_settings_are_named(assets, tmp_p
             load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "x", **{**TOOLS, **dict(extra)}))
 
 
+@pytest.mark.slow  # 17 s: make test-all and CI run it
 def test_train_sh_runs_grpo_with_tools_under_zero3_with_two_processes(assets, tmp_path):  # noqa: F811
     """The launcher as a user runs it: rollout.tools set, ZeRO-3, 2 processes; the ranks' turns stay in step."""
     out = tmp_path / "zero3"

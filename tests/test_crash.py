@@ -92,7 +92,7 @@ def _workers_of(marker: str) -> list[int]:
                           if line.startswith("State:")), "")
         except OSError:
             continue
-        if marker in cmdline and "app.trainer" in cmdline and "zombie" not in state:
+        if marker in cmdline and "app.train" in cmdline and "zombie" not in state:
             pids.append(int(entry.name))
     return pids
 

@@ -170,6 +170,7 @@ def test_positions_follow_each_path_and_bad_trees_are_named(case):
         PrefixTree({"input_ids": torch.zeros(2, 3, dtype=torch.long)}, tree.nodes)
 
 
+@pytest.mark.slow  # the fp32 exactness above is in make test; make test-all and CI run this
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_bf16_tree_no_worse_than_bf16_paths(family, tiny_checkpoints, videos):
     """The bfloat16 criterion of plain groups (app.grouping.precision): against a float32 run of the same weights,
