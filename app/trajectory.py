@@ -66,6 +66,8 @@ class Trajectory:
             total_reward=(torch.stack([trajectories[k].total_reward[i] for k, i in rows]) if rows
                           else torch.zeros(0)),
             trees=[trajectories[k].trees[g] for k, g in picks] if first.trees is not None else None,
+            counts={key: sum(t.counts.get(key, 0.0) for t in trajectories)  # what every draw counted (tools/*)
+                    for key in {k for t in trajectories for k in t.counts}},
         )
 
     def micro_batches(self, groups_per_micro_batch: int, loss_weights: torch.Tensor, pad_id: int,

@@ -123,3 +123,19 @@ def test_a_killed_run_with_tools_resumes_to_the_uninterrupted_result(assets, tmp
     assert crashed.returncode == 17
     run(command(tmp_path / "resumed", **{"train.resume": True}))
     assert_trained_and_equal(tmp_path / "resumed" / "final", tmp_path / "straight" / "final", assets["checkpoint"])
+
+
+def test_selected_groups_keep_their_trees_and_every_draws_tool_counts():
+    """Dynamic sampling picks groups from several draws: each keeps its tree, and the tool counts are those of
+    every draw made (as the groups/* counts are)."""
+    from app.rollout import Rollout
+    from app.trajectory import Trajectory
+
+    def drawn(calls: int) -> Trajectory:
+        rollout = Rollout(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), torch.zeros(2, 3),
+                          [2], ["eos", "eos"], 0)
+        return Trajectory([None], rollout, ["a", "b"], [0.0, 1.0], {"x": [0.0, 1.0]}, torch.tensor([0.0, 1.0]),
+                          trees=[f"tree of draw {calls}"], counts={"tools/calls": float(calls)})
+
+    picked = Trajectory.select([drawn(2), drawn(3)], [(1, 0)], pad_id=0)
+    assert picked.trees == ["tree of draw 3"] and picked.counts == {"tools/calls": 5.0}
