@@ -54,7 +54,7 @@ def scripted_first_turns(trainer_):
     return sampler
 
 
-@pytest.mark.parametrize("engine", ["grouped", "hf"])
+@pytest.mark.parametrize("engine", ["grouped", pytest.param("hf", marks=pytest.mark.slow)])
 def test_grpo_with_tools_trains_on_trees_with_observations(engine, assets, tmp_path, monkeypatch):  # noqa: F811
     from app.train import recipe_for
 

@@ -161,6 +161,7 @@ def test_crash_then_resume_equals_uninterrupted(assets, tmp_path):
     assert steps == [1, 2, 3, 4]  # step 3 ran twice (before the crash and after resuming), logged once
 
 
+@pytest.mark.slow  # 30 s; the plain crash-and-resume test above stays in make test
 def test_prefetch_resume_equals_plain_uninterrupted_and_counts_a_skip_once(assets, tmp_path):
     """Prefetch on (2 steps ahead), a crash and a resume, against prefetch off straight through: same weights, same
     skip count at every step, although the corrupt record's video was decoded ahead of time, more than once."""
