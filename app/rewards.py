@@ -10,14 +10,13 @@ A reward function takes the decoded completions and their records and returns on
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from app.groups import group_slices
+from app.plugins import load_function
 
 RewardFn = Callable[[list[str], list[dict]], list[float]]
 
@@ -472,19 +471,7 @@ def accuracy_reward(completions: list[str], records: list[dict], regression: str
 
 def load_plugin(spec: str) -> RewardFn:
     """Load ``path/to/file.py:function``."""
-    path, _, name = spec.rpartition(":")
-    if not path or not name:
-        raise RewardError(f"custom reward {spec!r} must look like path/to/file.py:function")
-    file = Path(path)
-    if not file.is_file():
-        raise RewardError(f"custom reward {spec!r}: file {file} not found")
-    module_spec = importlib.util.spec_from_file_location(f"reward_plugin_{file.stem}", file)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise RewardError(f"custom reward {spec!r}: {file} has no function {name!r}")
-    return fn
+    return load_function(spec, "custom reward", RewardError)
 
 
 def build_rewards(names: Sequence[str], weights: Sequence[float] = (), regression: str = "relative_error",

@@ -22,7 +22,6 @@ the frame) and ``tool_error`` (anything the tool raised).
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import re
@@ -30,6 +29,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from app.plugins import load_function
 
 START, STOP = "<tool_call>", "</tool_call>"
 # A tool's result is a user turn wrapping <tool_response>, as Qwen's templates render a "tool" message.
@@ -186,20 +187,8 @@ BUILTIN = {"get_frames": get_frames, "zoom": zoom}
 
 def load_tool(spec: str) -> Callable:
     """``path/to/file.py:function`` -> the function (its name is the tool's name)."""
-    path, _, name = spec.rpartition(":")
-    if not path or not name:
-        raise ToolSetupError(f"rollout.tools entry {spec!r}: a built-in ({', '.join(BUILTIN)}) or "
-                             "path/to/file.py:function")
-    file = Path(path)
-    if not file.is_file():
-        raise ToolSetupError(f"rollout.tools entry {spec!r}: file {file} not found")
-    module_spec = importlib.util.spec_from_file_location(f"tool_plugin_{file.stem}", file)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ToolSetupError(f"rollout.tools entry {spec!r}: {file} has no function {name!r}")
-    return fn
+    return load_function(spec, "rollout.tools entry", ToolSetupError,
+                         f"a built-in ({', '.join(BUILTIN)}) or path/to/file.py:function")
 
 
 def build_tools(names: Sequence[str]) -> dict[str, Callable]:

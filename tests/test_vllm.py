@@ -153,6 +153,16 @@ def test_requests_carry_the_unexpanded_prompt_and_the_encoded_media(tiny_checkpo
     assert collapse_placeholders([1, 7, 7, 7, 2, 7, 3, 8, 8], {7, 8}) == [1, 7, 2, 7, 3, 8]
 
 
+def vllm_checkpoint_and_data(root: Path):
+    """A tiny Qwen2.5-VL vLLM's CPU kernels run (head_dim 64, Qwen's tokenizer) and the demo's data."""
+    from app.data.synthetic import generate
+    from app.models import TinySizes, build_tiny_checkpoint
+
+    checkpoint = build_tiny_checkpoint(root / "tiny", "qwen2_5_vl", seed=0, real_tokenizer=True,
+                                       sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
+    return checkpoint, generate(root / "data", train=8, heldout=2, seed=0)
+
+
 def grpo_args(root: Path, out: Path, checkpoint: Path, train_file: Path, **extra) -> list[str]:
     plugin = root / "varied_reward.py"
     plugin.write_text("def varied(completions, records):\n    return [len(c) % 5 / 4 for c in completions]\n")
@@ -179,12 +189,7 @@ def test_two_process_zero3_grpo_with_vllm_stays_in_sync_and_resumes_after_a_kill
     from safetensors.torch import load_file
 
     from app.checkpoint import CRASH_POINT_ENV
-    from app.data.synthetic import generate
-    from app.models import TinySizes, build_tiny_checkpoint
-
-    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0, real_tokenizer=True,
-                                       sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
-    files = generate(tmp_path / "data", train=8, heldout=2, seed=0)
+    checkpoint, files = vllm_checkpoint_and_data(tmp_path)
     out = tmp_path / "run"
     args = ["bash", "scripts/train.sh", *grpo_args(tmp_path, out, checkpoint, files["train"], **{
         "train.deepspeed_config": "deepspeed_configs/zero3.json", "train.save_every": 1, "train.prompts_per_rank": 1,
@@ -517,12 +522,7 @@ def test_grpo_with_tools_on_vllm_through_the_launcher(tmp_path):
     weights pushed before every step's first turn, and vLLM's log-probs of its sampled tokens equal the trainer's
     tree forward of them (1e-4)."""
     require_vllm()
-    from app.data.synthetic import generate
-    from app.models import TinySizes, build_tiny_checkpoint
-
-    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0, real_tokenizer=True,
-                                       sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
-    files = generate(tmp_path / "data", train=8, heldout=2, seed=0)
+    checkpoint, files = vllm_checkpoint_and_data(tmp_path)
     out = tmp_path / "run"
     args = ["bash", "scripts/train.sh", *grpo_args(tmp_path, out, checkpoint, files["train"], **{
         "train.max_steps": 2, "data.max_frames": 8, "rollout.tools": "[get_frames, zoom]",
