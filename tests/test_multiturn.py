@@ -157,3 +157,14 @@ def test_rollouts_differ_by_seed_not_by_batch(setting):
     tree_rollout(generate, prompts, [context] * 2, seeds=[5, 6], **settings)
     tree_rollout(generate, prompts[1:], [context], seeds=[6], **settings)
     assert seen[0][1] == seen[1][0] and seen[0][0] != seen[0][1]
+
+
+def test_answers_are_read_as_plain_grpo_reads_completions(setting):
+    """The text rewards and evaluation see is the last model turn without special tokens (an <|im_end|> the model
+    ends with would otherwise fail an exact format reward)."""
+    _, processor, prompts, context = setting
+    tok = tokenizer_of(processor)
+    sampler = Scripted(tok, [["<think>a</think><answer>B</answer><|im_end|>"]])
+    rollout = tree_rollout(sampler, prompts[:1], [context], tools={}, encode=observation_encoder(processor),
+                           limits=TurnLimits(max_turns=1), tokenizer=tok)
+    assert rollout.answers == [["<think>a</think><answer>B</answer>"]]

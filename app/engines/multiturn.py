@@ -62,7 +62,7 @@ class TreeRollout:
     sampled: list[list[torch.Tensor]]  # per tree, per node: the sampled log-prob of each model token, 0 elsewhere
     leaf_reasons: list[list[str]]  # per tree, per leaf (tree.paths order): why the rollout ended (LEAF_REASONS)
     calls: list[list[list[ToolResult]]]  # per tree, per leaf: the tool results along its path
-    answers: list[list[str]]  # per tree, per leaf: the text of its last model turn (what the rewards read)
+    answers: list[list[str]]  # per tree, per leaf: its last model turn, special tokens left out (what rewards read)
     stats: ToolStats = field(default_factory=ToolStats)
 
 
@@ -156,7 +156,7 @@ def tree_rollout(generate: Callable, prompts: Sequence[EncodedPrompt], contexts:
                 node = TreeNode(parent, ids, torch.ones(len(ids), dtype=torch.bool), torch.zeros_like(ids),
                                 view={"prompt_ids": ids.tolist(), "media": []})
                 index = len(nodes[t])
-                answers[t][index] = text
+                answers[t][index] = tokenizer.decode(ids.tolist(), skip_special_tokens=True)  # as rewards read
                 if result is None:
                     called = reason == "stop_string" and last_turn and "<tool_call>" in text
                     ended[t][index] = "max_turns" if called else {"eos": "eos", "length": "length"}.get(reason,
@@ -226,7 +226,6 @@ def answer_sampler(engine, cfg, processor, sampling) -> Callable:
         contexts = [context_for(p.record, Path(p.record.get("_root", ".")), limits_of_tools) for p in prompts]
         drawn = tree_rollout(generate, prompts, contexts, tools=tools, encode=observation_encoder(processor),
                              limits=limits, tokenizer=tokenizer, seeds=seeds)
-        texts = [[text.replace("<|im_end|>", "").strip() for text in answers] for answers in drawn.answers]
-        return texts, [[len(path) for path in calls] for calls in drawn.calls]
+        return drawn.answers, [[len(path) for path in calls] for calls in drawn.calls]
 
     return with_tools
