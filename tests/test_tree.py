@@ -67,9 +67,9 @@ def build_tree(family, processor, videos) -> PrefixTree:
     return PrefixTree(prompt, nodes)
 
 
-def scores_and_grads(model, tree, mode):
+def scores_and_grads(model, tree, mode, backend=None):
     model.zero_grad(set_to_none=True)
-    scores = tree_logprobs(model, tree, mode)
+    scores = tree_logprobs(model, tree, mode, backend=backend)
     weights = torch.linspace(0.5, 1.5, scores.logprobs.shape[1])[None, :] * torch.tensor([1.0, -0.7, 1.3, 0.4])[:, None]
     (scores.logprobs.float() * scores.trained * weights).sum().backward()  # the model's tokens, as a loss uses them
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -95,9 +95,10 @@ def test_the_tree_is_what_it_says(case):
     assert mask[tree.starts[6], tree.starts[3]] and mask[tree.starts[6], tree.starts[0]]  # ancestors seen
 
 
-def test_tree_equals_each_path_on_its_own(case):
+@pytest.mark.parametrize("backend", ["split", "masked"])
+def test_tree_equals_each_path_on_its_own(case, backend):
     family, model, _, tree = case
-    tree_scores, tree_grads = scores_and_grads(model, tree, "tree")
+    tree_scores, tree_grads = scores_and_grads(model, tree, "tree", backend)
     path_scores, path_grads = scores_and_grads(model, tree, "paths")
     assert torch.equal(tree_scores.trained, path_scores.trained) and tree_scores.lengths == path_scores.lengths
     assert max_rel_diff(tree_scores.logprobs, path_scores.logprobs) <= LOGPROB_RTOL  # observation tokens too
@@ -123,16 +124,17 @@ def test_every_node_is_computed_once(case):
     assert sum(len(v["video_grid_thw"]) for v in per_path) == 4 + 1 + 1  # P's video on every path, the clips once
 
 
-@pytest.mark.parametrize("bug", ["sibling_visible", "position_off_by_one"])
-def test_a_broken_tree_fails_the_comparison(bug, case, monkeypatch):
-    """Mutations: a node that also sees its earlier sibling, or a node's positions shifted by one at the turn
-    boundary. Either must break equality with the paths."""
+@pytest.mark.parametrize(("bug", "backend"), [("sibling_visible", "masked"), ("sibling_visible", "split"),
+                                              ("position_off_by_one", "split")])
+def test_a_broken_tree_fails_the_comparison(bug, backend, case, monkeypatch):
+    """Mutations: a node that also sees its earlier sibling (in either backend's own bookkeeping), or a node's
+    positions shifted by one at the turn boundary. Either must break equality with the paths."""
     import app.grouping.tree as tree_module
 
     _, model, _, tree = case
     with torch.no_grad():
         want = tree_logprobs(model, tree, "paths").logprobs
-    if bug == "sibling_visible":
+    if bug == "sibling_visible" and backend == "masked":
         honest = tree_module.tree_mask
 
         def leaky(t, device=None):
@@ -142,6 +144,14 @@ def test_a_broken_tree_fails_the_comparison(bug, case, monkeypatch):
             return mask
 
         monkeypatch.setattr(tree_module, "tree_mask", leaky)
+    elif bug == "sibling_visible":
+        honest_sets = tree_module.sibling_sets
+
+        def leaky_sets(t):  # node 0's children (2, 3, 4) all also see node 1, their parent's sibling
+            return [(sorted({*seen, *range(t.starts[1], t.starts[1] + t.lengths[1])}) if 3 in kids else seen, kids)
+                    for seen, kids in honest_sets(t)]
+
+        monkeypatch.setattr(tree_module, "sibling_sets", leaky_sets)
     else:
         honest = tree_module.tree_positions
 
@@ -152,7 +162,7 @@ def test_a_broken_tree_fails_the_comparison(bug, case, monkeypatch):
 
         monkeypatch.setattr(tree_module, "tree_positions", shifted)
     with torch.no_grad():
-        got = tree_logprobs(model, tree, "tree").logprobs
+        got = tree_logprobs(model, tree, "tree", backend=backend).logprobs
     assert max_rel_diff(got, want) > LOGPROB_RTOL
 
 

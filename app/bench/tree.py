@@ -11,8 +11,8 @@ three ways, at a ~2k-token video prompt, 2 turns, branching [4, 2] (G = 8), obse
 
 All three give the same log-probs (checked here; tests/test_tree.py asserts 1e-5 and every gradient). The model is
 a tiny Qwen2.5-VL of the real class (hidden 256, 2 layers, a 2-block tower) with Qwen's tokenizer and vocabulary,
-fp32 on this machine's CPU threads; median of 3 trials after a warm-up. Tree attention here is one dense-mask call
-(O(T^2) memory; the paths layout runs torch's SDPA per row), so the time ratios show the token savings minus that.
+fp32 on this machine's CPU threads; median of 3 trials after a warm-up. Tree attention is the CPU default, ``split``
+(each set of siblings in one exact two-part call; ``masked``, the dense tree mask, is timed beside it).
 """
 
 from __future__ import annotations
@@ -114,12 +114,13 @@ def measure(out: Path, model, tree, flat, trials: int, sizes: tuple[int, int, in
     from app.grouping.tree import tree_logprobs
 
     frames, clip_frames, side = sizes
-    ways = {"tree": (tree, "tree"), "flat": (flat, "tree"), "paths": (tree, "paths")}
+    ways = {"tree": (tree, "tree", "split"), "tree_masked": (tree, "tree", "masked"), "flat": (flat, "tree", "split"),
+            "paths": (tree, "paths", None)}
     timings, results = {}, {}
-    for name, (layout, mode) in ways.items():
-        def once(layout=layout, mode=mode):
+    for name, (layout, mode, backend) in ways.items():
+        def once(layout=layout, mode=mode, backend=backend):
             model.zero_grad(set_to_none=True)
-            scores = tree_logprobs(model, layout, mode)
+            scores = tree_logprobs(model, layout, mode, backend=backend)
             (scores.logprobs * scores.trained).sum().backward()
             return scores.logprobs.detach()
 
@@ -131,7 +132,7 @@ def measure(out: Path, model, tree, flat, trials: int, sizes: tuple[int, int, in
             seconds.append(time.perf_counter() - start)
         timings[name] = statistics.median(seconds)
     rows = []
-    for name, (layout, mode) in ways.items():
+    for name, (layout, mode, _) in ways.items():
         rows.append({"layout": name, "tokens_computed": tokens_computed(layout, mode),
                      "videos_encoded": len(layout.vision()["video_grid_thw"]) if mode == "tree"
                      else sum(len(layout.vision(p)["video_grid_thw"]) for p in layout.paths),

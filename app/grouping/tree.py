@@ -21,9 +21,10 @@ many rollouts share them. Exact against running each path as its own row (``mode
 
 ``trained`` marks the tokens a loss may use (the model's own); observation tokens are context only, and their
 log-probs are still returned (masked). The grouping of plain groups (``completion_logprobs``) is the tree of depth
-1 whose nodes are nodes 0..G-1 under the root; this module does not replace it (its backends are faster), it
-generalises it. Attention here is one dense-mask call (``masked`` semantics: O(T^2) memory), the exact reference
-every faster tree backend must equal.
+1 whose nodes are nodes 0..G-1 under the root; this module does not replace it, it generalises it. Attention
+(``TreeAttentionPlan``): ``split`` on CPU (each set of siblings in one exact two-part call over torch's fused
+kernel: no [T, T] mask or scores), ``masked`` elsewhere (one SDPA call under the dense tree mask: the reference;
+O(T^2) mask memory).
 """
 
 from __future__ import annotations
@@ -226,13 +227,48 @@ def tree_positions(model, tree: PrefixTree) -> torch.Tensor:
     return out
 
 
+TREE_BACKENDS = ("split", "masked")
+
+
+def default_tree_backend(device) -> str:
+    """``split`` on CPU (torch's fused CPU kernel, no [T, T] anything), ``masked`` elsewhere."""
+    return "split" if torch.device(device).type == "cpu" else "masked"
+
+
+def sibling_sets(tree: PrefixTree) -> list[tuple[list[int], list[int]]]:
+    """For the prompt and each node with children: (the positions its children all see in full: P and the tokens
+    of the node and its ancestors, ascending; its children in order)."""
+    children: dict[int, list[int]] = {}
+    for n, node in enumerate(tree.nodes):
+        children.setdefault(node.parent, []).append(n)
+    out = []
+    for parent, kids in children.items():
+        seen = list(range(tree.prompt_len))
+        chain, n = [], parent
+        while n >= 0:
+            chain.append(n)
+            n = tree.nodes[n].parent
+        for m in reversed(chain):
+            seen += range(tree.starts[m], tree.starts[m] + tree.lengths[m])
+        out.append((seen, kids))
+    return out
+
+
 @dataclass
 class TreeAttentionPlan:
     """The attention-plan protocol (``attend``) for packed prefix trees (one or several, one after another in the
-    row, never seeing each other): one call under their block-diagonal ``tree_mask``."""
+    row, never seeing each other). ``masked``: one call under their block-diagonal ``tree_mask`` (the reference);
+    ``split`` (CPU): each prompt causally, then for each set of siblings one exact two-part call, their queries
+    against what they all see (P and their ancestors, unmasked) merged by log-sum-exp with each sibling against its
+    own earlier tokens (``attention._PrefixPlusOwnAttention``, the grouped ``split`` backend's kernel)."""
 
     trees: Sequence[PrefixTree]
+    backend: str = "masked"
     _mask: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.backend not in TREE_BACKENDS:
+            raise ValueError(f"unknown tree attention backend {self.backend!r}; expected one of {TREE_BACKENDS}")
 
     @property
     def total_len(self) -> int:
@@ -250,9 +286,37 @@ class TreeAttentionPlan:
         heads = query.shape[1]
         key = key.repeat_interleave(heads // key.shape[1], dim=1) if key.shape[1] != heads else key
         value = value.repeat_interleave(heads // value.shape[1], dim=1) if value.shape[1] != heads else value
+        if self.backend == "split":
+            if dropout:
+                raise NotImplementedError("the split tree backend has no attention dropout")
+            return self._split(query, key, value, scale).transpose(1, 2).contiguous()
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=self.mask(query.device), dropout_p=dropout,
                                              scale=scale)
         return out.transpose(1, 2).contiguous()
+
+    def _split(self, q, k, v, scale) -> torch.Tensor:
+        from app.grouping.attention import _PrefixPlusOwnAttention
+
+        if q.device.type != "cpu":
+            raise NotImplementedError("the split tree backend uses torch's fused CPU kernel; elsewhere use masked")
+        scale = scale if scale is not None else q.shape[-1] ** -0.5
+        out = torch.empty_like(q)
+        offset = 0
+        for tree in self.trees:
+            p = slice(offset, offset + tree.prompt_len)
+            out[:, :, p] = F.scaled_dot_product_attention(q[:, :, p], k[:, :, p], v[:, :, p], is_causal=True,
+                                                          scale=scale)
+            for seen, kids in sibling_sets(tree):
+                ahead = torch.tensor(seen, device=q.device) + offset
+                own = torch.cat([torch.arange(tree.starts[c], tree.starts[c] + tree.lengths[c]) for c in kids])
+                own = own.to(q.device) + offset
+                merged = _PrefixPlusOwnAttention.apply(
+                    q.index_select(2, own).contiguous(), k.index_select(2, ahead).contiguous(),
+                    v.index_select(2, ahead).contiguous(), k.index_select(2, own).contiguous(),
+                    v.index_select(2, own).contiguous(), ([tree.lengths[c] for c in kids], scale))
+                out = out.index_copy(2, own, merged)
+            offset += tree.total_len
+        return out
 
 
 @dataclass
@@ -294,7 +358,8 @@ def forest_vision(trees: Sequence[PrefixTree]) -> dict:
     return out
 
 
-def _forest_forward(model, trees: Sequence[PrefixTree], temperature: float, chunk_size: int, entropy: bool):
+def _forest_forward(model, trees: Sequence[PrefixTree], temperature: float, chunk_size: int, entropy: bool,
+                    backend: str):
     """Per tree, per node: (log-probs, entropy) of its tokens, from ONE packed row holding every tree."""
     device = trees[0].prompt["input_ids"].device
     set_text_attention(model, ATTENTION_NAME)
@@ -311,7 +376,7 @@ def _forest_forward(model, trees: Sequence[PrefixTree], temperature: float, chun
     input_ids = torch.cat([t.packed("input_ids") for t in trees], dim=1)
     with head_returns_logprobs(unwrap(model), targets, None, temperature, chunk_size or 1024, entropy):
         both = model(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False,
-                     logits_to_keep=predict, **{PLAN_KWARG: TreeAttentionPlan(trees)}, **kwargs).logits[0]
+                     logits_to_keep=predict, **{PLAN_KWARG: TreeAttentionPlan(trees, backend)}, **kwargs).logits[0]
     counts = [sum(t.lengths) for t in trees]
     return [(list(torch.split(c, t.lengths)), list(torch.split(e.detach(), t.lengths)))
             for t, c, e in zip(trees, torch.split(both[:, 0], counts), torch.split(both[:, 1], counts))]
@@ -357,17 +422,20 @@ def _paths_forward(model, tree: PrefixTree, temperature: float, chunk_size: int,
 
 
 def forest_logprobs(model, trees: Sequence[PrefixTree], mode: str = "tree", *, temperature: float = 1.0,
-                    chunk_size: int = 1024, return_entropy: bool = False, vision_calls=None) -> TreeScores:
+                    chunk_size: int = 1024, return_entropy: bool = False, vision_calls=None,
+                    backend: str | None = None) -> TreeScores:
     """Log-probs of every path's node tokens for several trees (their paths one after another): ``tree`` packs
     them all into ONE row (each node once, trees never seeing each other), ``paths`` runs each path as its own row
     (the reference). Differentiable; keep the model's attention setting until the backward has finished.
-    ``vision_calls``: the tower calls this forward must make (ZeRO-3, ``app.grouping.aligned_vision_calls``)."""
+    ``vision_calls``: the tower calls this forward must make (ZeRO-3, ``app.grouping.aligned_vision_calls``);
+    ``backend``: the tree attention (``TREE_BACKENDS``; default ``split`` on CPU, ``masked`` elsewhere)."""
     if mode not in TREE_MODES:
         raise ValueError(f"unknown tree mode {mode!r}; expected one of {TREE_MODES}")
     logprobs, entropies, trained = [], [], []
     with aligned_vision_calls(model, forest_vision(trees), vision_calls):
         if mode == "tree":
-            per_tree = _forest_forward(model, trees, temperature, chunk_size, return_entropy)
+            backend = backend or default_tree_backend(trees[0].prompt["input_ids"].device)
+            per_tree = _forest_forward(model, trees, temperature, chunk_size, return_entropy, backend)
             for tree, (values, ents) in zip(trees, per_tree):
                 logprobs += [torch.cat([values[n] for n in p]) for p in tree.paths]
                 entropies += [torch.cat([ents[n] for n in p]) for p in tree.paths]
@@ -387,6 +455,6 @@ def forest_logprobs(model, trees: Sequence[PrefixTree], mode: str = "tree", *, t
 
 
 def tree_logprobs(model, tree: PrefixTree, mode: str = "tree", *, temperature: float = 1.0,
-                  chunk_size: int = 1024) -> TreeScores:
+                  chunk_size: int = 1024, backend: str | None = None) -> TreeScores:
     """``forest_logprobs`` of one tree."""
-    return forest_logprobs(model, [tree], mode, temperature=temperature, chunk_size=chunk_size)
+    return forest_logprobs(model, [tree], mode, temperature=temperature, chunk_size=chunk_size, backend=backend)
