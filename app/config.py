@@ -194,7 +194,9 @@ class ForwardConfig:
                        "ordinary [P;Ri] batch, for A/B. Used by GRPO (policy, old, reference), SFT and the "
                        "self-check.", choices=MODES)
     attention_backend: str = _f("auto", "Grouped attention backend: auto (split on CPU; flash-attn, else flex on "
-                                f"GPU) or one of {', '.join(BACKENDS)}.", choices=("auto", *BACKENDS))
+                                f"GPU) or one of {', '.join(BACKENDS)}. Prefix trees (rollout.tools) use their own: "
+                                "the dense tree mask, or with split (CPU) sibling sets without a [T, T] mask.",
+                                choices=("auto", *BACKENDS))
     self_check: bool = _f(True, "On the first step, compare grouped and repeated log-probs and stop on a mismatch.")
     logprob_chunk_size: int = _f(DEFAULT_CHUNK_SIZE, "Tokens per chunk when the output head computes the completion "
                                  "log-probs (policy, old, reference; both groupings): [tokens, vocab] logits are never "

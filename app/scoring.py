@@ -8,8 +8,9 @@ the sequence-parallel forward, prefix trees) is the scorer's business.
 - ``GroupScorer``: one prompt per group and G completions (``app.grouping.completion_logprobs``), as
   ``forward.*`` configures it (grouping, backend, log-prob chunk size, sequence parallelism);
 - ``TreeScorer``: groups that are prefix trees (multi-turn rollouts with tools; ``inputs["trees"]``), all of a
-  micro-batch's trees in one packed row (``app.grouping.tree.forest_logprobs``); ``forward.grouping=repeated``
-  runs each root-to-leaf path as its own row instead.
+  micro-batch's trees in one packed row (``app.grouping.tree.forest_logprobs``; tree attention ``masked``, or
+  ``split`` when ``forward.attention_backend=split``); ``forward.grouping=repeated`` runs each root-to-leaf path as
+  its own row instead.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class TreeScorer:
     def __call__(self, model, inputs, completion_ids, completion_mask, group_sizes, *, temperature: float = 1.0,
                  vision_calls=None, return_entropy: bool = False):
         mode = "tree" if self.cfg.grouping == "grouped" else "paths"
+        backend = "split" if self.cfg.attention_backend == "split" else "masked"  # split: no [T, T] mask (CPU)
         return forest_logprobs(model, inputs["trees"], mode, temperature=temperature,
                                chunk_size=self.cfg.logprob_chunk_size, return_entropy=return_entropy,
-                               vision_calls=vision_calls)
+                               vision_calls=vision_calls, backend=backend)

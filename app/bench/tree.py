@@ -11,8 +11,8 @@ three ways, at a ~2k-token video prompt, 2 turns, branching [4, 2] (G = 8), obse
 
 All three give the same log-probs (checked here; tests/test_tree.py asserts 1e-5 and every gradient). The model is
 a tiny Qwen2.5-VL of the real class (hidden 256, 2 layers, a 2-block tower) with Qwen's tokenizer and vocabulary,
-fp32 on this machine's CPU threads; median of 3 trials after a warm-up. Tree attention is the CPU default, ``split``
-(each set of siblings in one exact two-part call; ``masked``, the dense tree mask, is timed beside it).
+fp32 on this machine's CPU threads; median of 3 trials after a warm-up. Tree attention is the default ``masked``
+(one call under the dense tree mask); ``tree_split`` times the ``split`` backend beside it (no [T, T] mask).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def measure(out: Path, model, tree, flat, trials: int, sizes: tuple[int, int, in
     from app.grouping.tree import tree_logprobs
 
     frames, clip_frames, side = sizes
-    ways = {"tree": (tree, "tree", "split"), "tree_masked": (tree, "tree", "masked"), "flat": (flat, "tree", "split"),
+    ways = {"tree": (tree, "tree", "masked"), "tree_split": (tree, "tree", "split"), "flat": (flat, "tree", "masked"),
             "paths": (tree, "paths", None)}
     timings, results = {}, {}
     for name, (layout, mode, backend) in ways.items():

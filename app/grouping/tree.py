@@ -22,9 +22,9 @@ many rollouts share them. Exact against running each path as its own row (``mode
 ``trained`` marks the tokens a loss may use (the model's own); observation tokens are context only, and their
 log-probs are still returned (masked). The grouping of plain groups (``completion_logprobs``) is the tree of depth
 1 whose nodes are nodes 0..G-1 under the root; this module does not replace it, it generalises it. Attention
-(``TreeAttentionPlan``): ``split`` on CPU (each set of siblings in one exact two-part call over torch's fused
-kernel: no [T, T] mask or scores), ``masked`` elsewhere (one SDPA call under the dense tree mask: the reference;
-O(T^2) mask memory).
+(``TreeAttentionPlan``): ``masked``, the default, one SDPA call under the dense tree mask ([T, T] bool); ``split``
+(CPU), each set of siblings in one exact two-part call over torch's fused kernel, no [T, T] mask, for rows whose
+mask would not fit (about the same time at a 4k-token tree here: docs/bench/tree.md).
 """
 
 from __future__ import annotations
@@ -230,11 +230,6 @@ def tree_positions(model, tree: PrefixTree) -> torch.Tensor:
 TREE_BACKENDS = ("split", "masked")
 
 
-def default_tree_backend(device) -> str:
-    """``split`` on CPU (torch's fused CPU kernel, no [T, T] anything), ``masked`` elsewhere."""
-    return "split" if torch.device(device).type == "cpu" else "masked"
-
-
 def sibling_sets(tree: PrefixTree) -> list[tuple[list[int], list[int]]]:
     """For the prompt and each node with children: (the positions its children all see in full: P and the tokens
     of the node and its ancestors, ascending; its children in order)."""
@@ -428,14 +423,13 @@ def forest_logprobs(model, trees: Sequence[PrefixTree], mode: str = "tree", *, t
     them all into ONE row (each node once, trees never seeing each other), ``paths`` runs each path as its own row
     (the reference). Differentiable; keep the model's attention setting until the backward has finished.
     ``vision_calls``: the tower calls this forward must make (ZeRO-3, ``app.grouping.aligned_vision_calls``);
-    ``backend``: the tree attention (``TREE_BACKENDS``; default ``split`` on CPU, ``masked`` elsewhere)."""
+    ``backend``: the tree attention (``TREE_BACKENDS``; default ``masked``)."""
     if mode not in TREE_MODES:
         raise ValueError(f"unknown tree mode {mode!r}; expected one of {TREE_MODES}")
     logprobs, entropies, trained = [], [], []
     with aligned_vision_calls(model, forest_vision(trees), vision_calls):
         if mode == "tree":
-            backend = backend or default_tree_backend(trees[0].prompt["input_ids"].device)
-            per_tree = _forest_forward(model, trees, temperature, chunk_size, return_entropy, backend)
+            per_tree = _forest_forward(model, trees, temperature, chunk_size, return_entropy, backend or "masked")
             for tree, (values, ents) in zip(trees, per_tree):
                 logprobs += [torch.cat([values[n] for n in p]) for p in tree.paths]
                 entropies += [torch.cat([ents[n] for n in p]) for p in tree.paths]
