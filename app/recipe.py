@@ -30,7 +30,7 @@ from app.models import (
     load_model,
     load_processor,
 )
-from app.scoring import GroupScorer
+from app.scoring import GroupScorer, without_grad
 from app.tracking import Tracker, configure_logging
 
 log = logging.getLogger("app.recipe")
@@ -203,22 +203,12 @@ class Recipe:
         return [self.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
                 for ids, m in zip(completion_ids, completion_mask)]
 
-    @torch.no_grad()
     def scores_without_grad(self, model, inputs: dict, completion_ids, completion_mask, group_sizes, *,
                             vision_calls=None, temperature: float = 1.0) -> torch.Tensor:
-        """Log-probs under ``model`` without gradient, gathered for inference as ``rollout.zero3_gather`` says;
-        ``model`` may be ``lora.AdaptersOff`` (the policy with its adapters off). ``vision_calls`` are passed only
-        where DeepSpeed's hooks stay on (per_step), where every rank's calls must agree."""
-        model, adapters_off = lora.resolve(model)
-        hooked = self.cfg.rollout.zero3_gather == "per_step" and distributed.forwards_are_collective(model)
-        with (distributed.gathered_for_inference(model, self.cfg.rollout.zero3_gather) as (module, _),
-              lora.adapters_disabled(module, adapters_off)):
-            was_training = module.training
-            module.eval()
-            scores = self.scores(module, inputs, completion_ids, completion_mask, group_sizes, temperature=temperature,
-                                 vision_calls=vision_calls if hooked else None)
-            module.train(was_training)
-        return scores.logprobs
+        """Log-probs under ``model`` without gradient (``app.scoring.without_grad``: gathered for inference as
+        ``rollout.zero3_gather`` says; ``model`` may be the policy with its adapters off)."""
+        return without_grad(self.scorer, model, inputs, completion_ids, completion_mask, group_sizes,
+                            gather=self.cfg.rollout.zero3_gather, vision_calls=vision_calls, temperature=temperature)
 
     def scores(self, model, inputs: dict, completion_ids, completion_mask, group_sizes, **kwargs):
         """Completion log-probs from the recipe's scorer (``app.scoring``: the configured forward)."""

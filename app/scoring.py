@@ -10,11 +10,16 @@ the sequence-parallel forward, prefix trees) is the scorer's business.
 - ``TreeScorer``: groups that are prefix trees (multi-turn rollouts with tools; ``inputs["trees"]``), all of a
   micro-batch's trees in one packed row (``app.grouping.tree.forest_logprobs``; tree attention ``masked``, or
   ``split`` when ``forward.attention_backend=split``); ``forward.grouping=repeated`` runs each root-to-leaf path as
-  its own row instead.
+  its own row instead;
+- ``without_grad(scorer, model, ...)``: any scorer's log-probs for the reference and the old policy (no gradient,
+  the ZeRO-3 gather, the adapters-off reference).
 """
 
 from __future__ import annotations
 
+import torch
+
+from app import distributed, lora
 from app.grouping import completion_logprobs
 from app.grouping.tree import forest_logprobs
 
@@ -41,3 +46,22 @@ class TreeScorer:
         return forest_logprobs(model, inputs["trees"], mode, temperature=temperature,
                                chunk_size=self.cfg.logprob_chunk_size, return_entropy=return_entropy,
                                vision_calls=vision_calls, backend=backend)
+
+
+@torch.no_grad()
+def without_grad(scorer, model, inputs, completion_ids, completion_mask, group_sizes, *, gather: str = "full",
+                 vision_calls=None, temperature: float = 1.0) -> torch.Tensor:
+    """``scorer``'s log-probs under ``model`` without gradient, in eval mode, its parameters gathered for inference
+    as ``gather`` (``rollout.zero3_gather``) says; ``model`` may be ``lora.AdaptersOff`` (the policy with its
+    adapters off: the reference under LoRA). ``vision_calls`` are passed only where DeepSpeed's hooks stay on
+    (per_step), where every rank's tower calls must agree."""
+    model, adapters_off = lora.resolve(model)
+    hooked = gather == "per_step" and distributed.forwards_are_collective(model)
+    with (distributed.gathered_for_inference(model, gather) as (module, _),
+          lora.adapters_disabled(module, adapters_off)):
+        was_training = module.training
+        module.eval()
+        scores = scorer(module, inputs, completion_ids, completion_mask, group_sizes, temperature=temperature,
+                        vision_calls=vision_calls if hooked else None)
+        module.train(was_training)
+    return scores.logprobs
