@@ -229,3 +229,18 @@ def test_several_trees_in_one_row_equal_their_paths(case, videos):
     assert max_rel_diff(tree.entropy, paths.entropy) <= LOGPROB_RTOL
     for name, grad in path_grads.items():
         assert max_rel_diff(tree_grads[name], grad) <= GRAD_RTOL, name
+
+
+def test_the_tree_scorer_follows_the_forward_settings(case, monkeypatch):
+    """TreeScorer: forward.grouping=repeated runs the paths; forward.attention_backend=split picks the split tree
+    attention, anything else the dense mask."""
+    import app.scoring as scoring
+    from app.config import ForwardConfig
+
+    _, model, _, tree = case
+    seen = []
+    monkeypatch.setattr(scoring, "forest_logprobs", lambda m, trees, mode, **kw: seen.append((mode, kw["backend"])))
+    for grouping, backend in (("grouped", "split"), ("grouped", "auto"), ("repeated", "auto")):
+        scoring.TreeScorer(ForwardConfig(grouping=grouping, attention_backend=backend))(model, {"trees": [tree]},
+                                                                                          None, None, None)
+    assert seen == [("tree", "split"), ("tree", "masked"), ("paths", "masked")]
