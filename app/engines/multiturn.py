@@ -25,11 +25,11 @@ import torch
 
 from app.data.prompts import encode_observation
 from app.data.records import EncodedPrompt
+from app.grouping.positions import VISION_KEYS
 from app.grouping.tree import PrefixTree, TreeNode
 from app.rollout import derive_seed
 from app.tools import RESPONSE_CLOSE, RESPONSE_OPEN, ToolContext, ToolResult, ToolStats, run_call
 
-VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 LEAF_REASONS = ("eos", "length", "answered", "max_turns", "budget")
 
 
@@ -97,7 +97,7 @@ def _path_prompt(prompt: dict, nodes: list[TreeNode], path: list[int]) -> dict:
             (nodes[n].mm_token_type_ids if nodes[n].mm_token_type_ids is not None
              else torch.zeros_like(nodes[n].input_ids)).to(ids.device) for n in path]
         out["mm_token_type_ids"] = torch.cat(types)[None]
-    for key in VISION_INPUTS:
+    for key in VISION_KEYS:
         parts = ([prompt[key]] if prompt.get(key) is not None else []) + [
             nodes[n].vision[key].to(ids.device) for n in path if nodes[n].vision.get(key) is not None]
         if parts:
@@ -172,7 +172,7 @@ def tree_rollout(generate: Callable, prompts: Sequence[EncodedPrompt], contexts:
                         node = TreeNode(parent, torch.cat([ids, seen]),
                                         torch.cat([node.trained, torch.zeros(len(seen), dtype=torch.bool)]),
                                         torch.cat([node.mm_token_type_ids, types[0].cpu()]),
-                                        {key: observation[key].cpu() for key in VISION_INPUTS
+                                        {key: observation[key].cpu() for key in VISION_KEYS
                                          if observation.get(key) is not None},
                                         {"prompt_ids": ids.tolist() + list(view["prompt_ids"]),
                                          "media": list(view["media"])})
