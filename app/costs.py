@@ -240,16 +240,21 @@ def forward_flops(shape: Shape, work: Workload, backend: str) -> dict:
             "total": linear + rect * per_pair + head, "total_causal": linear + causal * per_pair + head}
 
 
-def train_flops(shape: Shape, work: Workload, backend: str, *, checkpointing: bool, chunk: int) -> dict:
+def train_flops(shape: Shape, work: Workload, backend: str, *, checkpointing: bool, chunk: int,
+                deepspeed_linear: bool = False) -> dict:
     """Forward+backward FLOPs of the policy update over one micro-batch: the backward is twice the forward for
-    matmuls and 2.5 times for fused attention; checkpointing runs each layer's forward again but its last matmul; the
-    chunked head (``chunk`` > 0) recomputes its logits in the backward."""
+    matmuls and 2.5 times for fused attention; checkpointing runs each layer's forward again but its last matmul
+    (all of it with ``deepspeed_linear``); the chunked head (``chunk`` > 0) recomputes its logits in the backward.
+
+    ``deepspeed_linear``: ``torch.nn.functional.linear`` is DeepSpeed's ZeRO-3 replacement, which loading a model
+    under ZeRO-3 installs for the rest of the process (``app.zero``)."""
     f = forward_flops(shape, work, backend)
     again = 1 if checkpointing else 0
     # torch's non-reentrant checkpoint stops recomputing once every saved tensor is back: each layer's last matmul
-    # (down_proj, hidden x intermediate of its weights) is not run again (measured with the flop counter)
-    recompute = f["linear"] * (1 - shape.hidden * shape.intermediate / shape.layer_matmul_params) if checkpointing \
-        else 0.0
+    # (down_proj, hidden x intermediate of its weights) is not run again (measured with the flop counter). DeepSpeed's
+    # linear is an autograd function that saves its inputs AFTER its matmul, so under it that matmul runs again too.
+    last = 0.0 if deepspeed_linear else shape.hidden * shape.intermediate / shape.layer_matmul_params
+    recompute = f["linear"] * (1 - last) if checkpointing else 0.0
     linear = 3 * f["linear"] + recompute + (4 if chunk else 3) * f["head"]
     # fused attention backward recomputes the scores: 5 matmuls against the forward's 2 (torch's flop_counter)
     attention = 3.5 + again

@@ -258,7 +258,8 @@ def step_flops(cfg, shape: Shape, work: Workload, layout: str) -> dict:
                                                                            work.group_size)
     forward = costs.forward_flops(shape, one, backend)["total"]
     train = costs.train_flops(shape, one, backend, checkpointing=cfg.model.gradient_checkpointing,
-                              chunk=cfg.forward.logprob_chunk_size)["total"]
+                              chunk=cfg.forward.logprob_chunk_size,
+                              deepspeed_linear=deepspeed_settings(cfg)["stage"] == 3)["total"]
     iterations = cfg.grpo.num_iterations
     tower_calls = 1 if cfg.forward.vision_cache == "step" and not tower_trains(cfg) else (
         1 + (cfg.grpo.beta > 0) + (iterations > 1) + 3 * iterations)

@@ -120,6 +120,10 @@ def world_of_one(monkeypatch):
         # A ZeRO-3 recipe's HfDeepSpeedConfig (a weak reference, alive while the recipe is) would make every later
         # from_pretrained in this process partition its model.
         hf_deepspeed.unset_hf_deepspeed_config()
+        # Loading a model under ZeRO-3 replaces torch.nn.functional.linear with DeepSpeed's for the rest of the
+        # process (its "memory-efficient linear"); later tests must see torch's (it changes what a checkpointed
+        # layer recomputes).
+        torch.nn.functional.linear = torch._C._nn.linear
         import deepspeed.comm.comm as ds_comm
         import deepspeed.utils.groups as ds_groups
 
