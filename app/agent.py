@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from app import distributed
+from app import parallel, zero
 from app.engines.multiturn import TurnLimits, observation_encoder, tree_rollout
-from app.grouping.tree import forest_logprobs
+from app.grouping.tree_forward import forest_logprobs
 from app.rollout import Rollout, derive_seed
 from app.scoring import TreeScorer
 from app.tools import STOP, ToolLimits, build_tools, context_for
@@ -84,9 +84,9 @@ class AgentGRPOTrainer(GRPOTrainer):
 
     def keep_pace(self, busy: bool) -> bool:
         """Whether any rank samples this turn, where sampling gathers parameters collectively (ZeRO-3)."""
-        if not distributed.forwards_are_collective(self.engine):
+        if not zero.forwards_are_collective(self.engine):
             return busy
-        return distributed.all_reduce_max([float(busy)])[0] > 0
+        return parallel.all_reduce_max([float(busy)])[0] > 0
 
     def sample_turn(self, prompts, group_size: int, seeds, max_new_tokens: int) -> Rollout:
         """One turn of every open rollout: the configured engine on [P; path] prompts."""
@@ -95,7 +95,7 @@ class AgentGRPOTrainer(GRPOTrainer):
 
     def rollout_and_score(self, step: int, prompts, draw: int = 0) -> Trajectory:
         cfg = self.cfg
-        seeds = [derive_seed(cfg.train.seed, step, self.dp_rank, draw, i) for i in range(len(prompts))]
+        seeds = [derive_seed(cfg.train.seed, step, self.parallel.dp_rank, draw, i) for i in range(len(prompts))]
         contexts = [context_for(p.record, self.data_root, self.tool_limits) for p in prompts]
         drawn = tree_rollout(self.sampler, prompts, contexts, tools=self.tools, encode=self.encode,
                              limits=self.limits, tokenizer=self.tokenizer, seeds=seeds, keep_pace=self.keep_pace)
@@ -115,7 +115,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         the largest log-prob, as the grouped self-check)."""
         from app.grouping import GroupingMismatchError
 
-        with distributed.gathered_for_inference(self.engine, "full") as (module, _), paused(self.vision_cache):
+        with zero.gathered_for_inference(self.engine, "full") as (module, _), paused(self.vision_cache):
             tree = forest_logprobs(module, mb.inputs["trees"], "tree").logprobs.float()
             paths = forest_logprobs(module, mb.inputs["trees"], "paths").logprobs.float()
         worst = float((tree - paths).abs().max() / paths.abs().max().clamp_min(1e-30))

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app import distributed
+from app import distributed, zero
 
 CRASH_POINT_ENV = "PREFIX_GRPO_CRASH_IN_SAVE"  # tests: "POINT@STEP" exits (code 19) at that point of that save
 CRASH_POINTS = ("written", "moved_aside", "renamed", "pointed")
@@ -208,7 +208,7 @@ def export_hf(engine, processor, out_dir: str | Path, source_path: str | Path, d
     from app.models import load_model
 
     out = Path(out_dir)
-    state = distributed.gathered_state_dict(engine)
+    state = zero.gathered_state_dict(engine)
     if distributed.rank() == 0:
         if lora_cfg is not None:
             from app import lora

@@ -176,8 +176,8 @@ def build_judge(rewards_cfg, data_cfg, model_cfg, device: torch.device, ds_confi
     reference model when ``ds_config`` is ZeRO-3); None when ``rewards.functions`` has no ``judge``."""
     if "judge" not in rewards_cfg.functions:
         return None
-    from app.distributed import build_reference, zero_stage
     from app.models import DTYPES, check_checkpoint, load_model, load_processor
+    from app.zero import build_reference, zero_stage
 
     if not rewards_cfg.judge_path:
         raise JudgeError("rewards.functions lists judge but rewards.judge_path is empty (a local checkpoint)")

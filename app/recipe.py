@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from app import checkpoint, distributed, lora
+from app import checkpoint, distributed, lora, parallel, zero
 from app.config import Config, ConfigError, load_config
 from app.data.records import DataError, load_stream
 from app.data.video import SettingError
@@ -61,16 +61,15 @@ class Recipe:
         self.cfg = cfg
         self.rank, self.world = distributed.init_distributed()
         # train.sequence_parallel_size consecutive ranks share each packed row; data parallelism over world / S
-        self.sp = distributed.init_sequence_parallel(cfg.train.sequence_parallel_size)
-        self.dp_rank, self.dp_world = distributed.data_parallel_rank(), distributed.data_parallel_size()
+        self.parallel = parallel.ParallelContext.start(cfg.train.sequence_parallel_size)
         self.device = distributed.local_device()
         torch.manual_seed(cfg.train.seed)
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.gas = cfg.train.prompts_per_rank // cfg.train.groups_per_micro_batch
-        self.ds_config = distributed.load_deepspeed_config(
+        self.ds_config = zero.load_deepspeed_config(
             cfg.train.deepspeed_config, gradient_accumulation_steps=self.gas,
             max_grad_norm=cfg.train.max_grad_norm, dtype=cfg.model.dtype)
-        self._hf_ds = distributed.hf_deepspeed_config(self.ds_config)  # must outlive from_pretrained (weakref)
+        self._hf_ds = zero.hf_deepspeed_config(self.ds_config)  # must outlive from_pretrained (weakref)
 
         from transformers.utils import logging as hf_logging
 
@@ -80,8 +79,7 @@ class Recipe:
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         policy = load_model(cfg.model.path, dtype=self.dtype, attn_implementation=cfg.model.vision_attention,
                             trust_remote_code=cfg.model.trust_remote_code)
-        if self.sp is not None:
-            check_heads(policy.config, self.sp.size)
+        check_heads(policy.config, self.parallel.sp.size)
         policy = lora.prepare(policy, cfg.lora, cfg.model)  # frozen towers, LoRA adapters (config permitting)
         if cfg.model.gradient_checkpointing:
             enable_activation_checkpointing(policy)
@@ -89,19 +87,19 @@ class Recipe:
                                       weight_decay=cfg.train.weight_decay)
         total_updates = cfg.train.max_steps * self.updates_per_step(cfg)
         scheduler = cosine_with_warmup(optimizer, cfg.train.warmup_steps, total_updates, cfg.train.min_lr_ratio)
-        self.engine = distributed.build_engine(policy, self.ds_config, optimizer, scheduler)
+        self.engine = zero.build_engine(policy, self.ds_config, optimizer, scheduler)
         # the sequence-parallel forward runs the tower frame-sharded, past the cache (config warns)
-        self.vision_cache = vision_cache.install(self.engine, "off" if self.sp else cfg.forward.vision_cache,
+        self.vision_cache = vision_cache.install(self.engine, "off" if self.parallel.sp.size > 1 else cfg.forward.vision_cache,
                                                  cfg.forward.vision_chunk_frames)
         if self.vision_cache is not None and self.rank == 0:
             log.info("vision tower: %s", VISION_PLANS[self.vision_cache.plan])
         self.output_dir = Path(cfg.train.output_dir)
-        self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.dp_rank, self.dp_world,
+        self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.parallel.dp_rank, self.parallel.dp_size,
                                   lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank,
                                   skip_log=self.output_dir / "logs" / "skipped_at_load.jsonl",
                                   engine_views=needs_engine_views(cfg.rollout.engine))
         self.start_step = 0
-        self.scorer = GroupScorer(cfg.forward, self.sp)  # a recipe whose groups are trees sets a TreeScorer
+        self.scorer = GroupScorer(cfg.forward, self.parallel.sp)  # a recipe whose groups are trees sets a TreeScorer
         self.setup()
         if cfg.train.resume:
             self._resume()
@@ -121,7 +119,8 @@ class Recipe:
     def batch_plan(self) -> str:
         """The step's arithmetic, said once at start-up (rank 0)."""
         t = self.cfg.train
-        return (f"{self.dp_world} rank(s) x {t.prompts_per_rank} example(s) per rank = {self.dp_world * t.prompts_per_rank} "
+        dp = self.parallel.dp_size
+        return (f"{dp} rank(s) x {t.prompts_per_rank} example(s) per rank = {dp * t.prompts_per_rank} "
                 f"per step; {t.groups_per_micro_batch} per micro-batch -> {self.gas} micro-batch(es) per rank "
                 f"(gradient accumulation {self.gas}); {t.max_steps} steps")
 
@@ -176,9 +175,9 @@ class Recipe:
         (every module call all-gathers) and, for a training forward, under any data parallelism (a text-only rank
         would otherwise give the vision tower no gradient while the others do, and the gradient all-reduce would
         not match)."""
-        if distributed.world_size() == 1 or not (training or distributed.forwards_are_collective(engine)):
+        if distributed.world_size() == 1 or not (training or zero.forwards_are_collective(engine)):
             return [None] * len(inputs)
-        counts = distributed.all_reduce_max([float(present_vision_calls(one, engine).count(m)) for one in inputs
+        counts = parallel.all_reduce_max([float(present_vision_calls(one, engine).count(m)) for one in inputs
                                              for m in MODALITIES])
         k = len(MODALITIES)
         return [tuple(m for j, m in enumerate(MODALITIES) for _ in range(int(counts[i * k + j])))
@@ -216,7 +215,7 @@ class Recipe:
 
     def trainer_state(self, step: int) -> dict:
         return {"step": step, "stream_position": self.stream.position, "skipped": dict(self.stream.skipped),
-                "world_size": self.world, "zero_stage": distributed.zero_stage(self.ds_config),
+                "world_size": self.world, "zero_stage": zero.zero_stage(self.ds_config),
                 "sequence_parallel_size": self.cfg.train.sequence_parallel_size}
 
     def save(self, step: int) -> None:

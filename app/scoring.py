@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from app import distributed, lora
+from app import lora, zero
 from app.grouping import completion_logprobs
-from app.grouping.tree import forest_logprobs
+from app.grouping.tree_forward import forest_logprobs
 
 
 class GroupScorer:
@@ -56,8 +56,8 @@ def without_grad(scorer, model, inputs, completion_ids, completion_mask, group_s
     adapters off: the reference under LoRA). ``vision_calls`` are passed only where DeepSpeed's hooks stay on
     (per_step), where every rank's tower calls must agree."""
     model, adapters_off = lora.resolve(model)
-    hooked = gather == "per_step" and distributed.forwards_are_collective(model)
-    with (distributed.gathered_for_inference(model, gather) as (module, _),
+    hooked = gather == "per_step" and zero.forwards_are_collective(model)
+    with (zero.gathered_for_inference(model, gather) as (module, _),
           lora.adapters_disabled(module, adapters_off)):
         was_training = module.training
         module.eval()

@@ -20,7 +20,6 @@ import time
 
 import torch
 
-from app import distributed
 from app.data.prompts import collate_prompts
 from app.data.records import EncodedPrompt, where
 from app.recipe import Recipe, run
@@ -106,7 +105,7 @@ class SFTTrainer(Recipe):
         m.local("grad_norm", float(grad_norm) if grad_norm is not None else 0.0)
         m.local("data/skipped", float(sum(self.stream.skipped.values())))
         self.vision_metrics(m)
-        return m.reduce(distributed.data_parallel_gather)
+        return m.reduce(self.parallel.dp_gather)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,7 +22,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from app import distributed, lora
+from app import lora, parallel, zero
 from app.config import Config, ConfigError
 from app.data.records import EncodedPrompt
 from app.grouping import text_before_media, verify_grouping
@@ -57,7 +57,7 @@ class GRPOTrainer(Recipe):
             log.warning("%s", warning)
 
     def batch_plan(self) -> str:
-        return batch_plan(self.cfg, self.dp_world, self.gas)
+        return batch_plan(self.cfg, self.parallel.dp_size, self.gas)
 
     def train_step(self, step: int) -> dict:
         cfg, seconds = self.cfg, {}
@@ -68,7 +68,7 @@ class GRPOTrainer(Recipe):
             trajectory = self.collect(step)
             trajectory.advantages = advantages(trajectory.total_reward, trajectory.group_sizes,
                                                cfg.grpo.scale_rewards, cfg.grpo.loss_type,
-                                               distributed.data_parallel_sum)
+                                               self.parallel.dp_sum)
         seconds["data_wait"] = self.data_wait(step)
         weights = self.loss.weights(trajectory.rollout.completion_mask, trajectory.rollout.stop_reasons)
         micro_batches = trajectory.micro_batches(cfg.train.groups_per_micro_batch, weights,
@@ -91,7 +91,7 @@ class GRPOTrainer(Recipe):
     def rollout_and_score(self, step: int, prompts: list[EncodedPrompt], draw: int = 0) -> Trajectory:
         """G completions per prompt, each prompt its own random stream (independent across steps, draws, ranks
         and batch positions), decoded and scored; with T-GRPO the video prompts again on shuffled frames."""
-        seeds = [derive_seed(self.cfg.train.seed, step, self.dp_rank, draw, i) for i in range(len(prompts))]
+        seeds = [derive_seed(self.cfg.train.seed, step, self.parallel.dp_rank, draw, i) for i in range(len(prompts))]
         rollout = self.generate(prompts, seeds)
         texts = self.decode(rollout.completion_ids, rollout.completion_mask)
         shuffled = self.shuffled_rollouts(step, prompts) if self.cfg.rewards.temporal else None
@@ -112,8 +112,8 @@ class GRPOTrainer(Recipe):
         encoded = {i: self.stream.encode(prompts[i].record, shuffle_frames_seed=derive_seed(self.cfg.train.seed,
                                                                                           step, i)) for i in video}
         video = [i for i in video if encoded[i] is not None]
-        collective = distributed.forwards_are_collective(self.engine)
-        if collective and distributed.all_reduce_max([float(bool(video))])[0] > 0 and not video:
+        collective = zero.forwards_are_collective(self.engine)
+        if collective and parallel.all_reduce_max([float(bool(video))])[0] > 0 and not video:
             # Under ZeRO-3 a rollout gathers parameters collectively: this rank has no video but another has, so
             # it joins with a throwaway rollout of its own prompt (discarded) instead of leaving the others hanging.
             self.generate(prompts[:1], [0])
@@ -121,7 +121,7 @@ class GRPOTrainer(Recipe):
         if not video:
             return {}
         rollout = self.generate([encoded[i] for i in video],
-                                [derive_seed(self.cfg.train.seed, step, self.dp_rank, "shuffled", i) for i in video])
+                                [derive_seed(self.cfg.train.seed, step, self.parallel.dp_rank, "shuffled", i) for i in video])
         texts, g = self.decode(rollout.completion_ids, rollout.completion_mask), self.cfg.rollout.group_size
         return {i: texts[k * g : (k + 1) * g] for k, i in enumerate(video)}
 
@@ -161,17 +161,17 @@ class GRPOTrainer(Recipe):
         tokens (``text_before_media``): layout, positions, backend and dtype, not the tower; the SP forward itself
         is tested against one rank in the suite."""
         batch = (mb.inputs, mb.completion_ids, mb.completion_mask)
-        if self.sp is not None:
+        if self.parallel.sp.size > 1:
             batch = text_before_media(self.engine, *batch)
         # Gathered whole: in low precision the check also runs a float32 forward, upcasting layer by layer.
-        with distributed.gathered_for_inference(self.engine, "full") as (module, _), paused(self.vision_cache):
+        with zero.gathered_for_inference(self.engine, "full") as (module, _), paused(self.vision_cache):
             result = verify_grouping(module, *batch, mb.group_sizes, backend=self.cfg.forward.backend)
-        what = " (sequence parallel: on the text before the media and the first completion tokens)" if self.sp else ""
+        what = " (sequence parallel: on the text before the media and the first completion tokens)" if self.parallel.sp.size > 1 else ""
         log.info("self-check passed%s: %s", what, result.describe())
 
     def update(self, micro_batches: list[MicroBatch], weights: torch.Tensor) -> list[dict]:
         """mu passes of the clipped loss over the micro-batches, one DeepSpeed step (accumulation) each."""
-        self.loss.start_step(weights, len(micro_batches), self.dp_world, distributed.data_parallel_sum)
+        self.loss.start_step(weights, len(micro_batches), self.parallel.dp_size, self.parallel.dp_sum)
         self.engine.train()
         out = []
         for iteration in range(self.cfg.grpo.num_iterations):
@@ -200,7 +200,7 @@ class GRPOTrainer(Recipe):
         m.local("data/skipped", float(sum(self.stream.skipped.values())))
         m.mean("weight_sync/tensors", float(self.pushed_tensors))  # vLLM: all at the first push, then what changes
         self.vision_metrics(m)
-        values = m.reduce(distributed.data_parallel_gather)
+        values = m.reduce(self.parallel.dp_gather)
         values["tokens_per_second"] = values["tokens/policy_forward"] / max(seconds["policy"], 1e-9)
         every = self.cfg.logging.sample_table_every
         if every and (step + 1) % every == 0 and self.rank == 0:
@@ -225,8 +225,7 @@ def training_rollout_engine(t: GRPOTrainer):
         sleep_level=choose_sleep_level(cfg.rollout.vllm_sleep, t.device.type, everything_trains),
         vision_calls=lambda inputs: t.vision_calls(inputs, t.engine), replay_dir=cfg.rollout.replay_dir)
     engine = build_rollout_engine(cfg.rollout.engine, setup)
-    if t.sp is not None:
-        engine = SharedInGroup(engine, distributed.same_in_sequence_parallel_group)
+    engine = SharedInGroup(engine, t.parallel.same_in_group)  # S = 1: each rank keeps its own
     if cfg.rollout.record:
         engine = Recorded(engine, t.output_dir / "rollouts")
     return engine
@@ -245,7 +244,7 @@ def kl_reference(cfg: Config, engine, ds_config: dict, device, dtype, vision_cac
     path = cfg.model.reference_path or cfg.model.path
     reference = load_model(path, dtype=dtype, attn_implementation=cfg.model.vision_attention,
                            trust_remote_code=cfg.model.trust_remote_code)
-    reference = distributed.build_reference(reference, ds_config, device)
+    reference = zero.build_reference(reference, ds_config, device)
     if vision_cache is not None and vision_cache.plan != "count" and path == cfg.model.path:
         attach_vision_cache(reference, vision_cache)
     return reference
@@ -277,7 +276,7 @@ def batch_plan(cfg: Config, world: int, accumulation: int) -> str:
 
 
 def collect_groups(draw: Callable[[int], Trajectory], need: int, grpo_cfg, pad_id: int, step: int = 0,
-                   reduce_max: Callable[[list[float]], list[float]] = distributed.all_reduce_max) -> Trajectory:
+                   reduce_max: Callable[[list[float]], list[float]] = parallel.all_reduce_max) -> Trajectory:
     """A rank's groups for the step from ``draw(k)`` (the k-th batch of ``need`` prompts, rolled out and scored).
     With dynamic sampling, groups without signal are dropped and further batches drawn (every rank draws as often
     as the neediest one, ``reduce_max``, since rollouts may be collective) up to ``dynamic_sampling_max_draws``;

@@ -17,7 +17,7 @@ import torch
 
 from app.data.prompts import collate_prompts
 from app.data.records import EncodedPrompt
-from app.grouping.tree import forest_vision
+from app.grouping.tree_forward import forest_vision
 from app.groups import group_slices
 from app.rollout import Rollout, select_groups
 

@@ -96,7 +96,7 @@ def test_flex_block_mask_equals_create_block_mask():
     """The block mask built block row by block row (no T x T tensor) is torch's own, including T < one block."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from app.grouping.attention import flex_block_mask, flex_mask_mod
+    from app.grouping.flex import flex_block_mask, flex_mask_mod
 
     rng = random.Random(0)
     for case in range(12):
@@ -129,13 +129,13 @@ def test_flex_refuses_the_unfused_fallback(monkeypatch):
     time (torch itself warns only once per process)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    import app.grouping.attention as attention_module
+    import app.grouping.flex as flex_module
 
-    monkeypatch.setattr(attention_module, "compiled_flex_attention", lambda: flex_attention)
+    monkeypatch.setattr(flex_module, "compiled_flex_attention", lambda: flex_attention)
     layout = random_layout(random.Random(2), max_prefix=20, max_response=5)
     q, k, v = (t.detach() for t in qkv(layout, 4, 2, dim=16, dtype=torch.float32))
     for _ in range(2):
-        with pytest.raises(attention_module.FlexCompileError, match="attention_backend=flash"):
+        with pytest.raises(flex_module.FlexCompileError, match="attention_backend=flash"):
             grouped_attention(GroupedAttentionPlan(layout, "flex"), q, k, v)
 
 

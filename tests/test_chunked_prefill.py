@@ -114,7 +114,7 @@ def test_long_prompt_rollout_with_both_chunkings_samples_what_the_whole_one_does
 def test_chunk_attention_is_the_softmax_over_the_keys_each_query_sees(pads, past):
     """``prefill_chunk_attention`` (two fused calls merged by log-sum-exp, GQA, the padding as a key bias) against
     the softmax written out; a query that sees no key gets 0, never NaN."""
-    from app.grouping.decode import PrefillChunk, prefill_chunk_attention
+    from app.grouping.prefill import PrefillChunk, prefill_chunk_attention
 
     generator = torch.Generator().manual_seed(0)
     batch, heads, kv_heads, count, dim = 2, 4, 2, 5, 16

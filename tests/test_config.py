@@ -94,7 +94,7 @@ def test_choices_come_from_the_modules_that_own_them():
     import dataclasses
 
     from app import config, engines, grpo
-    from app.distributed import GATHER_MODES
+    from app.zero import GATHER_MODES
 
     def choices(section, name):
         return next(f for f in dataclasses.fields(section) if f.name == name).metadata["choices"]

@@ -245,7 +245,7 @@ def test_charades_sta_annotations_convert_to_records(tmp_path):
     import json
 
     from app.data.convert import FORMATS, ConvertError, main
-    from app.rewards import check_grounding_record
+    from app.grounding import check_grounding_record
 
     (tmp_path / "videos").mkdir()
     (tmp_path / "videos" / "3MSZA.mp4").write_bytes(b"")

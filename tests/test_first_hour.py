@@ -198,7 +198,7 @@ def test_sft_skips_records_without_a_process_and_logs_the_rate_it_used(assets, t
 
 
 def test_progress_without_a_bar_is_one_line_per_logged_step(tmp_path, caplog):
-    from app.config import LoggingConfig
+    from app.config_sections import LoggingConfig
     from app.tracking import Tracker
 
     tracker = Tracker(LoggingConfig(wandb_mode="disabled", progress_bar=False), tmp_path, {}, True, 10, label="SFT")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.config import DataConfig
+from app.config_sections import DataConfig
 from app.judge import GroupedJudge, JudgeError
 from tests.test_trainer import assets, overrides  # noqa: F401  (assets: fixture)
 

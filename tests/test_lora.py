@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from app import lora
-from app.config import LoRAConfig
+from app.config_sections import LoRAConfig
 from app.grouping import completion_logprobs
 from tests.helpers import load, max_rel_diff, run_and_grad
 from tests.test_equivalence import make_case

@@ -109,7 +109,7 @@ def test_sampled_logprobs_equal_the_tree_forward_with_a_clip_inside(setting):
     log-prob the sampler reported (1e-5): the engine and the trainer see the same positions, media and attention."""
     from app.data.prompts import collate_prompts
     from app.grouping import completion_logprobs
-    from app.grouping.tree import tree_logprobs
+    from app.grouping.tree_forward import tree_logprobs
     from app.rollout import SamplingConfig, generate_groups
 
     model, processor, prompts, context = setting

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from app.answers import word_error_rate
 from app.grpo import LossOptions, group_advantages, grpo_loss, kl_penalty
 from app.rewards import (
     PROBLEM_TYPES,
@@ -16,7 +17,6 @@ from app.rewards import (
     length_bonus,
     score,
     temporal_bonus,
-    word_error_rate,
 )
 
 
@@ -289,7 +289,7 @@ def test_spatial_grounding_scores_the_iou_of_the_box_in_the_records_coordinates(
 
 
 def test_grounding_records_that_cannot_be_scored_are_named():
-    from app.rewards import check_grounding_record
+    from app.grounding import check_grounding_record
 
     assert check_grounding_record(grounding("temporal grounding", "[3, 7]", duration=10)) is None
     assert "not one [start, end]" in check_grounding_record(grounding("temporal grounding", "around 5"))
@@ -302,7 +302,7 @@ def test_grounding_records_that_cannot_be_scored_are_named():
 
 
 def test_grounding_metrics_are_miou_and_recall_at_thresholds():
-    from app.rewards import grounding_metrics
+    from app.grounding import grounding_metrics
 
     assert grounding_metrics([0.2, 0.4, 0.6, 0.8]) == pytest.approx(
         {"mIoU": 0.5, "R@0.3": 0.75, "R@0.5": 0.5, "R@0.7": 0.25})

@@ -183,16 +183,16 @@ def test_a_suppressed_token_far_above_the_rest_leaves_the_draw_intact(temperatur
 def test_top_p_looks_at_the_largest_probabilities_first_and_falls_back_to_a_full_sort(monkeypatch):
     """Looking at the largest 64, then 1024, probabilities first keeps exactly what sorting the whole vocabulary
     keeps, for mass concentrated in a few tokens, spread over hundreds, and flat over all (the full sort)."""
-    import app.rollout as rollout
+    import app.sampling as sampling_module
 
     torch.manual_seed(3)
     vocab = 5000
     rows = [torch.randn(vocab) * 8, torch.randn(vocab) * 1.5, torch.zeros(vocab) + torch.rand(vocab) * 1e-3]
     logits = torch.log_softmax(torch.stack(rows), -1)
     for top_p in (0.5, 0.9, 0.999):
-        got = rollout._top_p(logits, top_p)
-        monkeypatch.setattr(rollout, "TOP_P_CANDIDATES", ())  # every row through the full sort
-        want = rollout._top_p(logits, top_p)
+        got = sampling_module._top_p(logits, top_p)
+        monkeypatch.setattr(sampling_module, "TOP_P_CANDIDATES", ())  # every row through the full sort
+        want = sampling_module._top_p(logits, top_p)
         monkeypatch.undo()
         assert torch.equal(got, want), top_p
         kept = (~torch.isinf(got)).sum(-1)
@@ -227,7 +227,7 @@ def test_two_level_draw_picks_what_one_cumulative_sum_picks(block):
     """``draw_from_weights`` (block sums, then one block's cumulative sum) returns the token a single float64
     cumulative sum over the whole row returns, for uniforms anywhere in [0, 1) including both ends, on rows with
     runs of zero weight at the start, the end and inside, and never a token of zero weight."""
-    from app.rollout import draw_from_weights
+    from app.sampling import draw_from_weights
 
     torch.manual_seed(0)
     vocab = 4000

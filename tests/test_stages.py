@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from app.config import RewardConfig, load_config
+from app.config import load_config
+from app.config_sections import RewardConfig
 from app.data.records import EncodedPrompt
 from app.grpo import choose_groups, groups_with_signal
 from app.rewards import RewardSet

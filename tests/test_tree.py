@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 
 from app.data.prompts import encode_observation
-from app.grouping.tree import PrefixTree, TreeNode, tree_logprobs, tree_mask, tree_positions
+from app.grouping.tree import PrefixTree, TreeNode, tree_mask, tree_positions
+from app.grouping.tree_forward import tree_logprobs
 from tests.helpers import load, max_rel_diff, patch_size, prompt_batch, tokenizer_of, video_element
 
 LOGPROB_RTOL = 1e-5
@@ -130,6 +131,7 @@ def test_a_broken_tree_fails_the_comparison(bug, backend, case, monkeypatch):
     """Mutations: a node that also sees its earlier sibling (in either backend's own bookkeeping), or a node's
     positions shifted by one at the turn boundary. Either must break equality with the paths."""
     import app.grouping.tree as tree_module
+    import app.grouping.tree_forward as forward_module
 
     _, model, _, tree = case
     with torch.no_grad():
@@ -153,14 +155,14 @@ def test_a_broken_tree_fails_the_comparison(bug, backend, case, monkeypatch):
 
         monkeypatch.setattr(tree_module, "sibling_sets", leaky_sets)
     else:
-        honest = tree_module.tree_positions
+        honest = forward_module.tree_positions  # what the tree forward calls
 
         def shifted(m, t):
             out = honest(m, t).clone()
             out[:, t.starts[3]:t.starts[3] + t.lengths[3]] += 1
             return out
 
-        monkeypatch.setattr(tree_module, "tree_positions", shifted)
+        monkeypatch.setattr(forward_module, "tree_positions", shifted)
     with torch.no_grad():
         got = tree_logprobs(model, tree, "tree", backend=backend).logprobs
     assert max_rel_diff(got, want) > LOGPROB_RTOL
@@ -212,7 +214,7 @@ def test_bf16_tree_no_worse_than_bf16_paths(family, tiny_checkpoints, videos):
 def test_several_trees_in_one_row_equal_their_paths(case, videos):
     """A micro-batch of trees packs them into ONE row (trees never see each other): log-probs, entropy and every
     gradient equal the paths run one row each."""
-    from app.grouping.tree import forest_logprobs
+    from app.grouping.tree_forward import forest_logprobs
 
     family, model, processor, first = case
     second = build_tree(family, processor, videos[::-1])  # another prompt (other videos), the same shape of tree
@@ -235,7 +237,7 @@ def test_the_tree_scorer_follows_the_forward_settings(case, monkeypatch):
     """TreeScorer: forward.grouping=repeated runs the paths; forward.attention_backend=split picks the split tree
     attention, anything else the dense mask."""
     import app.scoring as scoring
-    from app.config import ForwardConfig
+    from app.config_sections import ForwardConfig
 
     _, model, _, tree = case
     seen = []

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from app.config import LoRAConfig
+from app.config_sections import LoRAConfig
 from app.data.prompts import collate_prompts
 from app.grouping import completion_logprobs, vision_cache
 from app.grouping.forward import split_vision_inputs

@@ -221,7 +221,7 @@ def test_policy_weights_are_the_checkpoints_names_with_lora_merged(tiny_checkpoi
     LoRA each adapted linear as PEFT's merged weight, the adapters themselves never sent and the model untouched."""
     import copy
 
-    from app.config import LoRAConfig, ModelConfig
+    from app.config_sections import LoRAConfig, ModelConfig
     from app.engines.vllm import policy_weights
     from app.lora import prepare
     from tests.helpers import load
@@ -257,7 +257,7 @@ def test_later_pushes_leave_out_only_layers_that_cannot_change(tiny_checkpoints)
     q_proj and v_proj only, k_proj (frozen) still goes with them, since vLLM loads q, k and v into one fused layer
     and a partial reload would leave the rest of it uninitialized; the unadapted norms and embeddings are left out.
     The placeholders are banned as single tokens of the checkpoint's tokenizer."""
-    from app.config import LoRAConfig, ModelConfig
+    from app.config_sections import LoRAConfig, ModelConfig
     from app.engines.vllm import layer_key, policy_weights, suppressed_words
     from app.lora import prepare
     from tests.helpers import load

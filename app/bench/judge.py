@@ -26,7 +26,7 @@ SIZES = TinySizes(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, interm
 
 
 def setup(out: Path, frames: int, side: int, group: int, words: int):
-    from app.config import DataConfig
+    from app.config_sections import DataConfig
     from app.data.video import write_mp4
     from app.judge import GroupedJudge
     from app.models import build_tiny_checkpoint, load_model, load_processor

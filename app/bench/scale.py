@@ -26,6 +26,7 @@ import torch
 
 from app.bench.common import ROOT, child_env, cli, device, isolated, markdown_table, write_report
 from app.models import TinySizes, build_tiny_checkpoint
+from app.zero import GATHER_MODES
 
 # ~69M parameters: large enough that gathering is the cost it is at scale, small enough for a CPU.
 ROLLOUT_SIZES = TinySizes(hidden=768, layers=8, heads=12, kv_heads=2, head_dim=64, intermediate=3072,
@@ -33,7 +34,6 @@ ROLLOUT_SIZES = TinySizes(hidden=768, layers=8, heads=12, kv_heads=2, head_dim=6
 QUICK_SIZES = TinySizes(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=128, vision_hidden=32,
                         vision_depth=1, vision_heads=1, max_positions=32768)
 PREFETCH_SIZES = TinySizes(hidden=256, layers=2, heads=4, kv_heads=1, head_dim=64, intermediate=704, vision_hidden=64)
-GATHER_MODES = ("full", "layerwise", "per_step")
 QWEN_VOCAB = 151_936
 
 
@@ -57,6 +57,7 @@ def _count_all_gathers() -> dict:
 def rollout_worker(checkpoint: str, video: str, zero: str, new_tokens: int, rounds: int, out: str) -> None:
     """Under torchrun: build the engine with ``zero`` (zero2|zero3), time greedy rollouts in each gather mode."""
     from app import distributed
+    from app import zero as zero_setup
     from app.data.prompts import encode_prompts
     from app.data.video import video_element
     from app.models import load_model, load_processor
@@ -64,11 +65,11 @@ def rollout_worker(checkpoint: str, video: str, zero: str, new_tokens: int, roun
 
     rank, world = distributed.init_distributed()
     dev = device()
-    ds_config = distributed.load_deepspeed_config(f"deepspeed_configs/{zero}.json", gradient_accumulation_steps=1,
+    ds_config = zero_setup.load_deepspeed_config(f"deepspeed_configs/{zero}.json", gradient_accumulation_steps=1,
                                                   max_grad_norm=1.0, dtype="float32")
-    keep = distributed.hf_deepspeed_config(ds_config)  # noqa: F841 (ZeRO-3 partitions at from_pretrained)
+    keep = zero_setup.hf_deepspeed_config(ds_config)  # noqa: F841 (ZeRO-3 partitions at from_pretrained)
     model = load_model(checkpoint)
-    engine = distributed.build_engine(model, ds_config, torch.optim.SGD(model.parameters(), lr=0.0), None)
+    engine = zero_setup.build_engine(model, ds_config, torch.optim.SGD(model.parameters(), lr=0.0), None)
     processor = load_processor(checkpoint)
     questions = [f"Question {rank}-{i}: what happens in the video?" for i in range(2)]
     conversations = [[{"role": "user", "content": [video_element(video, fps=2, min_pixels=3136, max_pixels=3136),
@@ -83,7 +84,7 @@ def rollout_worker(checkpoint: str, video: str, zero: str, new_tokens: int, roun
             distributed.barrier()
             stats["calls"] = stats["bytes"] = 0
             start = time.perf_counter()
-            with torch.no_grad(), distributed.gathered_for_inference(engine, mode) as (module, collective):
+            with torch.no_grad(), zero_setup.gathered_for_inference(engine, mode) as (module, collective):
                 rollout = generate_groups(module, prompts, 4, greedy, tokenizer=processor.tokenizer, eos_ids=[],
                                           synced=collective)
             if dev.type == "cuda":

@@ -33,7 +33,7 @@ BRANCHING = (4, 2)
 
 
 def build(out: Path, frames: int, clip_frames: int, side: int, words: int):
-    from app.config import DataConfig
+    from app.config_sections import DataConfig
     from app.data.prompts import encode_observation, encode_prompts
     from app.data.records import build_conversation
     from app.data.video import video_element, write_mp4
@@ -111,7 +111,7 @@ def run(out: Path, quick: bool = False) -> dict:
 
 
 def measure(out: Path, model, tree, flat, trials: int, sizes: tuple[int, int, int]) -> dict:
-    from app.grouping.tree import tree_logprobs
+    from app.grouping.tree_forward import tree_logprobs
 
     frames, clip_frames, side = sizes
     ways = {"tree": (tree, "tree", "masked"), "tree_split": (tree, "tree", "split"), "flat": (flat, "tree", "masked"),

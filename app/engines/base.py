@@ -57,7 +57,7 @@ class RolloutEngine:
 class SharedInGroup(RolloutEngine):
     """The ranks of a sequence-parallel group sample the same prompts with the same seeds; this makes sure they
     train on the very same tokens: every rank gets the group's first rank's rollout, through ``share`` (a list of
-    tensors -> the first rank's, ``distributed.same_in_sequence_parallel_group``)."""
+    tensors -> the first rank's, ``ParallelContext.same_in_group``)."""
 
     def __init__(self, inner: RolloutEngine, share: Callable[[list[torch.Tensor]], list[torch.Tensor]]):
         self.inner, self.share, self.name = inner, share, inner.name

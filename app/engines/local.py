@@ -1,13 +1,13 @@
 """rollout.engine=grouped / hf: sampling from the policy in this process (``app.rollout.generate_groups``).
 
-Under ZeRO-3 the policy is gathered as ``rollout.zero3_gather`` says (``distributed.gathered_for_inference``); with
+Under ZeRO-3 the policy is gathered as ``rollout.zero3_gather`` says (``zero.gathered_for_inference``); with
 ``per_step`` DeepSpeed's hooks stay on, so every rank's prefill makes the same vision-tower calls (``vision_calls``:
 agreed across ranks) and the ranks decode in lock step (``synced``).
 """
 
 from __future__ import annotations
 
-from app import distributed
+from app import zero
 from app.data.prompts import collate_prompts
 from app.engines.base import EngineSetup, RolloutEngine
 from app.rollout import Rollout, generate_groups
@@ -24,7 +24,7 @@ class LocalEngine(RolloutEngine):
         per_step = mode == "per_step"  # DeepSpeed's hooks stay on: the ranks' tower calls must agree
         vision_calls = s.vision_calls(inputs) if per_step and s.vision_calls is not None else None
         s.policy.eval()
-        with distributed.gathered_for_inference(s.policy, mode) as (model, collective):
+        with zero.gathered_for_inference(s.policy, mode) as (model, collective):
             return generate_groups(model, inputs, group_size, sampling or s.sampling, tokenizer=s.tokenizer,
                                    eos_ids=s.eos_ids, pad_id=s.pad_id, engine=self.name, synced=collective,
                                    vision_calls=vision_calls, prompt_seeds=list(seeds),

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from app.grouping.flex import flex
 from app.grouping.layout import GroupLayout
 
 ATTENTION_NAME = "prefix_grouper"
@@ -200,103 +201,6 @@ def _masked(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
     return _sdpa(q, k, v, mask=mask, scale=scale, dropout=dropout)
 
 
-FLEX_BLOCK = 128  # FlexAttention's default block size
-_compiled_flex = None
-_UNFUSED_WARNING = "flex_attention called without torch.compile"
-
-
-class FlexCompileError(RuntimeError):
-    """FlexAttention could not run compiled; the unfused fallback (O(T^2) memory) is never taken silently."""
-
-
-def flex_mask_mod(segment_ids: torch.Tensor, group_ids: torch.Tensor):
-    """Causal, same group, and either a prefix key or a key of the query's own response."""
-
-    def mask_mod(b, h, qi, ki):
-        return (ki <= qi) & (group_ids[qi] == group_ids[ki]) & ((segment_ids[ki] == 0)
-                                                                  | (segment_ids[ki] == segment_ids[qi]))
-
-    return mask_mod
-
-
-def flex_block_mask(layout: GroupLayout, device, block: int = FLEX_BLOCK, rows_per_chunk: int = 1024):
-    """The layout's BlockMask, built block row by block row: never a T x T tensor, nothing compiled.
-
-    Equals ``create_block_mask(flex_mask_mod(...), None, None, T, T)`` (tested). The blocks are evaluated on index
-    vectors padded to whole blocks, with the padding never allowed.
-    """
-    from torch.nn.attention.flex_attention import BlockMask
-
-    length = layout.total_len
-    blocks = -(-length // block)
-    padded = blocks * block
-    seg = torch.full((padded,), -1, dtype=torch.long, device=device)
-    grp = torch.full((padded,), -1, dtype=torch.long, device=device)
-    seg[:length] = layout.segment_ids.to(device)
-    grp[:length] = layout.group_ids.to(device)
-    padded_mod = flex_mask_mod(seg, grp)
-    keys = torch.arange(padded, device=device)
-    any_parts, all_parts = [], []
-    step = max(1, rows_per_chunk // block) * block
-    for start in range(0, padded, step):
-        rows = torch.arange(start, min(start + step, padded), device=device)
-        allowed = padded_mod(None, None, rows[:, None], keys[None, :])
-        allowed &= (rows[:, None] < length) & (keys[None, :] < length)  # padding: never a full block
-        tiles = allowed.view(-1, block, blocks, block)
-        any_parts.append(tiles.any(dim=3).any(dim=1))
-        all_parts.append(tiles.all(dim=3).all(dim=1))
-    some, full = torch.cat(any_parts), torch.cat(all_parts)
-    partial = some & ~full
-
-    def ordered(dense):
-        count = dense.sum(-1).to(torch.int32)
-        index = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-        return count[None, None], index[None, None]
-
-    kv_num, kv_index = ordered(partial)
-    full_num, full_index = ordered(full)
-    # The kernel's mask_mod captures length-T vectors, as create_block_mask's would (inductor's CPU template fails
-    # to compile when the captured length differs from T under dynamic shapes).
-    mask_mod = flex_mask_mod(seg[:length].clone(), grp[:length].clone())
-    return BlockMask.from_kv_blocks(kv_num, kv_index, full_num, full_index, BLOCK_SIZE=block, mask_mod=mask_mod,
-                                    seq_lengths=(length, length))
-
-
-def compiled_flex_attention():
-    """FlexAttention compiled ONCE for every packed length (dynamic shapes): GRPO packs a new length every step,
-    and a static compile would recompile per step until dynamo's recompile limit, then fall back to the unfused
-    O(T^2) implementation."""
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _compiled_flex = torch.compile(flex_attention, dynamic=True)
-    return _compiled_flex
-
-
-def _flex(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
-    import warnings
-
-    if dropout:
-        raise NotImplementedError("the flex backend has no attention dropout")
-    from torch.nn.attention import flex_attention as flex_module
-
-    block_mask = plan.cached("flex", q.device, lambda: flex_block_mask(plan.layout, q.device))
-    # torch warns about the unfused path once per process; forget that it did, and make the warning an error.
-    getattr(flex_module, "_WARNINGS_SHOWN", set()).discard("flex_attention_performance")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=f".*{_UNFUSED_WARNING}.*")
-        try:
-            out = compiled_flex_attention()(q[None], k[None], v[None], block_mask=block_mask, scale=scale,
-                                            enable_gqa=q.shape[0] != k.shape[0])
-        except UserWarning as warning:
-            raise FlexCompileError(
-                f"FlexAttention would run uncompiled ({warning}); that path materialises the full T x T scores "
-                f"(T={plan.layout.total_len}). Use the flash backend (attention_backend=flash; needs flash-attn) or packed instead."
-            ) from None
-    return out[0]
-
-
 def _flash(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
     fn = plan.varlen_fn
     if fn is None:
@@ -415,7 +319,7 @@ def _split(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
     return out
 
 
-_BACKEND_FNS = {"packed": _packed, "paper": _paper, "masked": _masked, "flex": _flex, "flash": _flash,
+_BACKEND_FNS = {"packed": _packed, "paper": _paper, "masked": _masked, "flex": flex, "flash": _flash,
                 "split": _split}
 
 

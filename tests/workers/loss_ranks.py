@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from app import distributed
+from app import distributed, parallel, zero
 from app.grpo import GRPOLoss, LossOptions
 from tests.test_loss import L_MAX, combinations, step_data
 
@@ -34,15 +34,15 @@ def main(out: str) -> None:
     mine = data[2 * rank : 2 * rank + 2]
     moved = {}
     for policy, loss_type in combinations():
-        ds_config = distributed.load_deepspeed_config("deepspeed_configs/zero2.json", gradient_accumulation_steps=2,
+        ds_config = zero.load_deepspeed_config("deepspeed_configs/zero2.json", gradient_accumulation_steps=2,
                                                       max_grad_norm=0.0, dtype="float32")
         model = Table(torch.stack([mb["logp"].detach().float() for mb in data]))
         before = model.logp.detach().clone()
-        engine = distributed.build_engine(model, ds_config, torch.optim.SGD(model.parameters(), lr=1.0), None)
+        engine = zero.build_engine(model, ds_config, torch.optim.SGD(model.parameters(), lr=1.0), None)
         options = LossOptions(loss_type=loss_type, beta=0.04, epsilon_low=0.2, epsilon_high=0.28,
                               max_completion_length=L_MAX, policy_loss=policy)
         loss_fn = GRPOLoss(options)  # the trainer's loss: the DAPO denominator over the step's ranks
-        loss_fn.start_step(torch.cat([mb["mask"] for mb in mine]), len(mine), world, distributed.all_reduce_sum)
+        loss_fn.start_step(torch.cat([mb["mask"] for mb in mine]), len(mine), world, parallel.all_reduce_sum)
         for k, mb in enumerate(mine):
             logp = engine(2 * rank + k)
             old = mb["old"].float()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import app  # noqa: F401
-from app import distributed
+from app import distributed, zero
 from app.data.prompts import encode_prompts
 from app.data.video import video_element
 from app.models import load_model, load_processor
@@ -25,11 +25,11 @@ CHUNK = 16  # prompt positions per prefill call
 
 def main(checkpoint: str, video: str, out: str) -> None:
     rank, world = distributed.init_distributed()
-    ds_config = distributed.load_deepspeed_config("deepspeed_configs/zero3.json", gradient_accumulation_steps=1,
+    ds_config = zero.load_deepspeed_config("deepspeed_configs/zero3.json", gradient_accumulation_steps=1,
                                                   max_grad_norm=1.0, dtype="float32")
-    keep = distributed.hf_deepspeed_config(ds_config)
+    keep = zero.hf_deepspeed_config(ds_config)
     model = load_model(checkpoint)
-    engine = distributed.build_engine(model, ds_config, torch.optim.AdamW(model.parameters(), lr=1e-3), None)
+    engine = zero.build_engine(model, ds_config, torch.optim.AdamW(model.parameters(), lr=1e-3), None)
     partitioned = all(getattr(p, "ds_numel", None) is not None for p in engine.module.parameters())
     processor = load_processor(checkpoint)
     tokenizer = processor.tokenizer
@@ -49,15 +49,15 @@ def main(checkpoint: str, video: str, out: str) -> None:
     sampled = generate_groups(engine.module, prompts, 2 + rank, SamplingConfig(max_new_tokens=6 + 4 * rank, seed=rank),
                               tokenizer=tokenizer)
     # Gathered once, hooks off (rollout.zero3_gather=full): the same greedy tokens, no collective per step.
-    with distributed.gathered_for_inference(engine, "full") as (module, collective):
+    with zero.gathered_for_inference(engine, "full") as (module, collective):
         whole_inside = all(p.numel() == p.ds_numel for p in module.parameters())
         gathered = generate_groups(module, prompts, 2 + rank, greedy, tokenizer=tokenizer, eos_ids=[],
                                    synced=collective)
     # Layer by layer (rollout.zero3_gather=layerwise): collective forwards, the same greedy tokens, also when one
     # rank stops early and idles while the other decodes on.
     layer_whole = []
-    with distributed.gathered_for_inference(engine, "layerwise") as (module, layer_collective):
-        probe = distributed.decoder_layers(module)[0].register_forward_pre_hook(
+    with zero.gathered_for_inference(engine, "layerwise") as (module, layer_collective):
+        probe = zero.decoder_layers(module)[0].register_forward_pre_hook(
             lambda layer, *_: layer_whole.append(all(p.numel() == p.ds_numel for p in layer.parameters())))
         layered = generate_groups(module, prompts, 2 + rank, greedy, tokenizer=tokenizer, eos_ids=[],
                                   synced=layer_collective)
@@ -66,7 +66,7 @@ def main(checkpoint: str, video: str, out: str) -> None:
         layered_chunked = generate_groups(module, prompts, 2 + rank, greedy, tokenizer=tokenizer, eos_ids=[],
                                           synced=layer_collective, prefill_chunk_size=CHUNK)
         probe.remove()
-        other_layers_partitioned = all(p.numel() == 0 for p in distributed.decoder_layers(module)[1].parameters()
+        other_layers_partitioned = all(p.numel() == 0 for p in zero.decoder_layers(module)[1].parameters()
                                        if not p.ds_persist)
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
