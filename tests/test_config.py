@@ -93,7 +93,8 @@ def test_renamed_forward_keys_say_where_they_went_and_split_is_selectable():
 def test_choices_come_from_the_modules_that_own_them():
     import dataclasses
 
-    from app import config, engines, grpo
+    from app import config_sections as config
+    from app import engines, grpo
     from app.zero import GATHER_MODES
 
     def choices(section, name):

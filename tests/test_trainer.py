@@ -479,6 +479,7 @@ def test_sequence_parallel_sft_trains_like_one_process(assets, tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # 60-76 s; make test keeps the ZeRO-2 two-process sequence-parallel run
 def test_sequence_parallel_under_zero3_trains_like_one_process_and_resumes_bit_for_bit(assets, tmp_path):
     """Under ZeRO-3, 3 steps: S=2 on two processes ends at the one-process weights (as above); the same S=2 run
     killed after step 2 and resumed ends bitwise equal to the uninterrupted one, one metrics row per step; a resume

@@ -246,3 +246,39 @@ def test_the_tree_scorer_follows_the_forward_settings(case, monkeypatch):
         scoring.TreeScorer(ForwardConfig(grouping=grouping, attention_backend=backend))(model, {"trees": [tree]},
                                                                                           None, None, None)
     assert seen == [("tree", "split"), ("tree", "masked"), ("paths", "masked")]
+
+
+def test_an_observation_repeated_across_samples_goes_through_the_tower_once(case, videos):
+    """Two samples that asked for the same window get the same clip: with a frozen tower the step's vision cache
+    encodes it once (a hit for the repeat), and the log-probs are bitwise those of the cache off."""
+    from app.grouping import vision_cache
+
+    family, model, processor, _ = case
+    factor = 2 * patch_size(family)
+    tok = tokenizer_of(processor)
+
+    def same_clip():
+        return encode_observation(processor, [video_element(videos[1], fps=2.0, min_pixels=factor * factor * 2,
+                                                            max_pixels=factor * factor * 4),
+                                              {"type": "text", "text": "What next?"}])
+
+    prompt = prompt_batch(family, processor, videos, ["video"])
+    nodes = [turn(tok, -1, 4, seed=1), turn(tok, 0, 3, seed=2, observation=same_clip()),
+             turn(tok, 0, 5, seed=3, observation=same_clip()), turn(tok, -1, 2, seed=4)]
+    tree = PrefixTree(prompt, nodes)
+    trains = {n: p.requires_grad for n, p in model.named_parameters()}
+    model.model.visual.requires_grad_(False)
+    try:
+        with torch.no_grad():
+            cache = vision_cache.install(model, "off")
+            off = tree_logprobs(model, tree, "tree").logprobs
+            cache = vision_cache.install(model, "step")
+            on = tree_logprobs(model, tree, "tree").logprobs
+            counts = cache.counts()
+    finally:
+        vision_cache.detach(model)
+        for name, p in model.named_parameters():
+            p.requires_grad_(trains[name])
+    assert cache.plan == "outputs"
+    assert counts["tower_items"] == 2 and counts["cache_hits"] == 1  # P's video and the clip; the repeat served
+    assert torch.equal(on, off)
