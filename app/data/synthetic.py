@@ -19,7 +19,8 @@ from app.data.video import write_mp4
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (30, 60, 230), "yellow": (235, 220, 30)}
 DIRECTIONS = ("left", "right", "up", "down")
-TASKS = ("colour", "direction", "count", "motion", "order")
+TASKS = ("colour", "direction", "count", "motion", "order", "glimpse")
+GLIMPSE_QUESTION = "A small square shows for a moment under a white bar. What colour is it?"
 
 
 def render(colours: list[str], direction: str, frames: int, size: int, rng: random.Random,
@@ -74,6 +75,28 @@ def render_order(first: str, second: str, frames: int, size: int, rng: random.Ra
     return video
 
 
+def glimpse_window(frames: int) -> int:
+    """Frames the glimpse task's square shows for: a quarter of the clip (2 s of an 8 s clip at 4 fps), so that an
+    overview at 1 fps catches the bar."""
+    return max(1, frames // 4)
+
+
+def render_glimpse(colour: str, frames: int, size: int, rng: random.Random) -> tuple[np.ndarray, int]:
+    """The task that needs a tool: a dark clip in which, for ``glimpse_window`` frames at a random time, a white bar
+    lines the top (the cue: wide enough to see at an overview's few pixels) and a small square of ``colour`` (a
+    28th of the side: at most a pixel at an overview of a quarter the side, averaged with the dark around it) sits
+    at a random place below it. Returns the clip and the first frame of the window."""
+    video = np.full((frames, size, size, 3), 16, dtype=np.uint8)
+    window = glimpse_window(frames)
+    first = rng.randint(0, frames - window)
+    bar, side = max(2, size // 8), max(2, size // 28)
+    x, y = rng.randint(0, size - side), rng.randint(bar + 2, size - side)
+    for t in range(first, first + window):
+        video[t, :bar] = 235
+        video[t, y : y + side, x : x + side] = COLOURS[colour]
+    return video, first
+
+
 def make_item(index: int, task: str, rng: random.Random, out: Path, *, frames: int, size: int, fps: int,
               shuffle_options: bool = True) -> dict:
     direction = rng.choice(DIRECTIONS)
@@ -90,6 +113,8 @@ def make_item(index: int, task: str, rng: random.Random, out: Path, *, frames: i
         clip = render_motion(direction, frames, size, rng)
     elif task == "order":
         clip = render_order(colours[0], colours[1], frames, size, rng)
+    elif task == "glimpse":
+        clip, first = render_glimpse(colours[0], frames, size, rng)
     else:
         clip = render(colours, direction, frames, size, rng, side)
     write_mp4(out / path, clip, fps=fps)
@@ -97,6 +122,9 @@ def make_item(index: int, task: str, rng: random.Random, out: Path, *, frames: i
     if task == "colour":
         options, answer = list(COLOURS), colours[0]
         question = "What colour is the moving square?"
+    elif task == "glimpse":
+        options, answer = list(COLOURS), colours[0]
+        question = GLIMPSE_QUESTION
     elif task == "order":
         options, answer = list(COLOURS), colours[0]
         question = "Which colour appears first?"
@@ -109,6 +137,9 @@ def make_item(index: int, task: str, rng: random.Random, out: Path, *, frames: i
     if shuffle_options:
         rng.shuffle(options)
     letter = letters[options.index(answer)]
+    extra = {}
+    if task == "glimpse":  # where the square is, in seconds: for checks and plots, never shown to the model
+        extra = {"duration": frames / fps, "glimpse": [first / fps, (first + glimpse_window(frames)) / fps]}
     return {
         "problem_id": index,
         "problem": question,
@@ -118,6 +149,7 @@ def make_item(index: int, task: str, rng: random.Random, out: Path, *, frames: i
         "solution": f"<answer>{letter}</answer>",
         "path": str(path),
         "data_source": f"synthetic/{task}",
+        **extra,
     }
 
 

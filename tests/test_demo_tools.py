@@ -1,0 +1,77 @@
+"""The tool-needing demo's pieces (app.demo_tools, the synthetic ``glimpse`` task): the answer is in the video only
+inside its window, the overview shows the cue but only a faded square, a get_frames call on the window shows it
+whole, and the warm start's targets are well-formed calls that run (or answers), independent of the video."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from qwen_vl_utils import fetch_video
+
+from app.config import load_config
+from app.data.synthetic import COLOURS, generate
+from app.demo_tools import CONFIG, call_syntax_sft_data
+from app.tools import ToolLimits, build_tools, context_for, parse_call, run_call
+
+
+@pytest.fixture(scope="module")
+def glimpse(tmp_path_factory):
+    out = tmp_path_factory.mktemp("glimpse")
+    generate(out, train=8, heldout=2, seed=0, tasks=("glimpse",), frames=32, size=112, fps=4, shuffle_options=False)
+    return out, [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+
+
+def _frames(element: dict):
+    video = fetch_video(element)
+    return (video[0] if isinstance(video, tuple) else video).float()  # [T, 3, H, W]
+
+
+def _saturation(frames) -> float:
+    return float((frames.max(1).values - frames.min(1).values).max())
+
+
+def test_the_overview_shows_the_cue_and_the_window_shows_the_colour(glimpse):
+    import decord
+
+    out, records = glimpse
+    cfg = load_config(CONFIG, [f"data.train_file={out / 'train.jsonl'}"])
+    for record in records:
+        path = out / record["path"]
+        start, end = record["glimpse"]
+        reader = decord.VideoReader(str(path))
+        clip = reader.get_batch(list(range(len(reader)))).asnumpy()  # [T, H, W, 3] at full resolution
+        letter = record["solution"].removeprefix("<answer>").removesuffix("</answer>")
+        colour = np.array(COLOURS[record["options"]["ABCD".index(letter)].split(". ")[1]])
+        shown = [bool((np.abs(frame.astype(int) - colour).sum(-1) < 40).any()) for frame in clip]
+        inside = [start * 4 <= t < end * 4 for t in range(len(clip))]
+        assert shown == inside and record["duration"] == 8.0  # the answer exists only inside the window
+        overview = _frames({"type": "video", "video": str(path), "fps": cfg.data.fps, "max_frames": cfg.data.max_frames,
+                            "min_pixels": cfg.data.min_pixels, "max_pixels": cfg.data.max_pixels})
+        window = _frames({"type": "video", "video": str(path), "video_start": start, "video_end": end, "fps": 4.0,
+                          "max_frames": cfg.rollout.tool_max_frames, "min_pixels": cfg.data.min_pixels,
+                          "max_pixels": cfg.rollout.tool_max_pixels})
+        assert overview[:, :, :2].mean(dim=(1, 2, 3)).max() > 200  # the white bar shows in the overview
+        assert _saturation(overview) < 0.7 * _saturation(window)  # the square's colour fades at its pixels
+
+
+def test_the_warm_start_teaches_calls_that_run_and_answers_at_random(glimpse, tmp_path):
+    out, records = glimpse
+    targets = [json.loads(line) for line in
+               call_syntax_sft_data(out / "train.jsonl", tmp_path / "sft.jsonl", seed=0).read_text().splitlines()]
+    tools = build_tools(["get_frames"])
+    calls = answers = 0
+    for record, target in zip(records, targets):
+        assert {k: v for k, v in target.items() if k not in ("process", "solution")} == {
+            k: v for k, v in record.items() if k != "solution"}
+        call = parse_call(target["solution"])
+        if call is None:
+            assert target["solution"].startswith("<answer>")
+            answers += 1
+            continue
+        calls += 1
+        assert call.name == "get_frames" and call.arguments["end"] - call.arguments["start"] == pytest.approx(2.0)
+        result = run_call(target["solution"], tools, context_for(record, out, ToolLimits(max_frames=4)))
+        assert result.error is None and [item["type"] for item in result.content] == ["text", "video"]
+    assert calls and answers
