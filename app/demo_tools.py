@@ -38,13 +38,15 @@ from app.plots import plot_accuracy_bars
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/demo_tools_cpu.yaml"
-CALL_REASONING = "<think>The square is too small here. I look at the moment of the bar.</think>"
+CALL_REASONING = "<think>Look closer.</think>"  # short: the tiny tokenizer spells a call in about 70 tokens
 
 
-def call_text(start: float, end: float, fps: float = 4.0) -> str:
-    """A ``get_frames`` call as the model writes it (Qwen's function-call form)."""
-    arguments = {"start": round(start, 1), "end": round(end, 1), "fps": fps}
-    return "<tool_call>" + json.dumps({"name": "get_frames", "arguments": arguments}) + "</tool_call>"
+def call_text(start: float, end: float) -> str:
+    """A ``get_frames`` call as the model writes it (Qwen's function-call form; compact JSON, whole seconds, the
+    tool's default 2 fps)."""
+    arguments = {"start": round(start), "end": round(end)}
+    return "<tool_call>" + json.dumps({"name": "get_frames", "arguments": arguments}, separators=(",", ":")) \
+        + "</tool_call>"
 
 
 def call_syntax_sft_data(train: Path, out: Path, seed: int) -> Path:
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fresh", action="store_true", help="delete earlier outputs of this demo first")
     parser.add_argument("--train-size", type=int, default=240)
     parser.add_argument("--heldout-size", type=int, default=60)
-    parser.add_argument("--warm-steps", type=int, default=40)
+    parser.add_argument("--warm-steps", type=int, default=300)
     parser.add_argument("overrides", nargs="*", help="extra section.key=value for the GRPO config")
     args = parser.parse_args(argv)
     out, data = Path(args.out), Path(args.data)
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     settings = [f"data.{k}={getattr(cfg.data, k)}" for k in ("fps", "max_frames", "min_pixels", "max_pixels")]
     settings += [f"data.system_prompt={cfg.data.system_prompt}", f"data.prompt_template={cfg.data.prompt_template}",
-                 "eval.max_new_tokens=48", "eval.batch_size=12"]
+                 f"eval.max_new_tokens={cfg.rollout.max_completion_length}", "eval.batch_size=12"]
     with_tools = ["rollout.tools=[get_frames]", f"rollout.max_turns={cfg.rollout.max_turns}",
                   f"rollout.max_total_tokens={cfg.rollout.max_total_tokens}",
                   f"rollout.tool_max_frames={cfg.rollout.tool_max_frames}",

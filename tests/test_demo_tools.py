@@ -71,7 +71,21 @@ def test_the_warm_start_teaches_calls_that_run_and_answers_at_random(glimpse, tm
             answers += 1
             continue
         calls += 1
-        assert call.name == "get_frames" and call.arguments["end"] - call.arguments["start"] == pytest.approx(2.0)
+        assert call.name == "get_frames" and call.arguments["end"] - call.arguments["start"] in (1, 2, 3)
         result = run_call(target["solution"], tools, context_for(record, out, ToolLimits(max_frames=4)))
         assert result.error is None and [item["type"] for item in result.content] == ["text", "video"]
     assert calls and answers
+
+
+@pytest.mark.slow
+def test_the_demo_runs_end_to_end_and_writes_its_comparison(tmp_path, monkeypatch):
+    """A small run of the whole demo (warm start, evaluations, GRPO with tools through scripts/train.sh)."""
+    from app import demo_tools
+
+    monkeypatch.chdir(demo_tools.ROOT)
+    result = demo_tools.main(["--out", str(tmp_path / "out"), "--data", str(tmp_path / "data"), "--train-size", "16",
+                              "--heldout-size", "6", "--warm-steps", "3", "train.max_steps=2", "train.save_every=0"])
+    assert list(result["accuracy"]) == ["untrained, no tools", "warm start, no tools", "warm start, with tools",
+                                        "after GRPO, with tools"]
+    assert result["heldout_questions"] == 6 and result["tool_calls"]["after GRPO, with tools"] is not None
+    assert (tmp_path / "out" / "demo_summary.md").is_file() and (tmp_path / "out" / "heldout_accuracy.png").is_file()
