@@ -8,8 +8,10 @@ prompt holds (``configs/demo_tools_cpu.yaml``: 8 frames of 28 x 28 pixels) shows
 ``get_frames`` returns up to 4 frames of the asked window at 112 x 112, where the square is whole.
 
 1. build the tiny checkpoint and the data, if missing;
-2. a call-syntax warm start through the SFT recipe (``scripts/sft.sh``): half the targets are a ``get_frames`` call
-   with a random two-second window, half an answer with a random letter (the tags only: accuracy stays at chance);
+2. a format-only warm start through SFT with tools (``scripts/sft.sh`` with ``rollout.tools``, ``app.agent_sft``):
+   each record's written trajectory is a ``get_frames`` call on a random two-second window (the call runs, its
+   frames become the next turn), then an answer with a random letter: the form of a tool-using answer, not where
+   to look nor the colour (accuracy stays at chance);
 3. held-out accuracy of the untrained model and of the warm start, without tools and with them;
 4. GRPO with tools (``scripts/train.sh configs/demo_tools_cpu.yaml``: multi-turn rollouts as prefix trees);
 5. held-out accuracy after GRPO, with tools; a table (``demo_summary.md``), JSON and a bar plot.
@@ -50,18 +52,17 @@ def call_text(start: float, end: float) -> str:
 
 
 def call_syntax_sft_data(train: Path, out: Path, seed: int) -> Path:
-    """The training records with SFT targets that teach the FORM only: half a ``get_frames`` call on a random
-    two-second window (not the record's), half an answer with a random letter; neither depends on the video."""
+    """The training records with written trajectories (``turns``, for SFT with tools) that teach the FORM only: a
+    ``get_frames`` call on a random two-second window (not the record's), then an answer with a random letter;
+    neither depends on the video."""
     rng = random.Random(seed)
     lines = []
     for line in train.read_text().splitlines():
         record = json.loads(line)
-        if rng.random() < 0.5:
-            start = rng.uniform(0.0, float(record.get("duration", 8.0)) - 2.0)
-            target = {"process": CALL_REASONING, "solution": call_text(start, start + 2.0)}
-        else:
-            target = {"process": FORMAT_REASONING, "solution": f"<answer>{'ABCD'[rng.randrange(4)]}</answer>"}
-        lines.append(json.dumps({**record, **target}))
+        start = rng.uniform(0.0, float(record.get("duration", 8.0)) - 2.0)
+        turns = [f"{CALL_REASONING}\n{call_text(start, start + 2.0)}",
+                 f"{FORMAT_REASONING}\n<answer>{'ABCD'[rng.randrange(4)]}</answer>"]
+        lines.append(json.dumps({**record, "turns": turns}))
     out.write_text("\n".join(lines) + "\n")
     return out
 
@@ -95,13 +96,14 @@ def main(argv: list[str] | None = None) -> dict:
                  frames=32, size=112, fps=4, shuffle_options=False)
     heldout = data / "heldout.jsonl"
 
-    say("2. call-syntax warm start: scripts/sft.sh (random windows, random letters)")
+    say("2. format-only warm start: scripts/sft.sh with tools (a call on a random window, then a random letter)")
     t = time.time()
     if not (warm / "config.json").exists():
         targets = call_syntax_sft_data(data / "train.jsonl", out / "sft_call_syntax.jsonl", cfg.train.seed)
         command = ["bash", str(ROOT / "scripts" / "sft.sh"), str(ROOT / CONFIG), f"model.path={init}",
                    f"data.train_file={targets}", f"data.data_root={data}", f"train.output_dir={sft}",
-                   f"train.max_steps={args.warm_steps}", "train.prompts_per_rank=8", "train.groups_per_micro_batch=8",
+                   f"train.max_steps={args.warm_steps}", "train.prompts_per_rank=4", "train.groups_per_micro_batch=4",
+                   "rollout.group_size=2", "grpo.beta=0.0",  # two copies of each written trajectory (G >= 2)
                    "train.learning_rate=2e-3", "train.warmup_steps=0", "train.save_every=0", "train.resume=true",
                    "logging.wandb_mode=disabled", "logging.sample_table_every=0"]
         print(" ".join(command), flush=True)

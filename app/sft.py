@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from app.agent_sft import AgentSFT
 from app.data.prompts import collate_prompts
 from app.data.records import EncodedPrompt, where
 from app.recipe import Recipe, run
@@ -108,8 +109,13 @@ class SFTTrainer(Recipe):
         return m.reduce(self.parallel.dp_gather)
 
 
+def recipe_for(cfg):
+    """SFT, or SFT with tools (written multi-turn trajectories, ``app.agent_sft``) when ``rollout.tools`` lists any."""
+    return AgentSFT(cfg) if cfg.rollout.tools else SFTTrainer(cfg)
+
+
 def main(argv: list[str] | None = None) -> None:
-    run(SFTTrainer, __doc__, argv)
+    run(recipe_for, __doc__, argv)
 
 
 if __name__ == "__main__":

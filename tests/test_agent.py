@@ -139,3 +139,38 @@ def test_selected_groups_keep_their_trees_and_every_draws_tool_counts():
 
     picked = Trajectory.select([drawn(2), drawn(3)], [(1, 0)], pad_id=0)
     assert picked.trees == ["tree of draw 3"] and picked.counts == {"tools/calls": 5.0}
+
+
+def test_sft_with_tools_trains_the_models_turns_of_written_trajectories(assets, tmp_path, monkeypatch):  # noqa: F811
+    """scripts/sft.sh's recipe with rollout.tools (app.agent_sft): each record's written turns go through the tool
+    loop (the call runs; its clip is the next turn's context), the loss covers the model's turns only, the weights
+    move, and a record without turns is skipped by name."""
+    from app.sft import recipe_for
+
+    records = [json.loads(line) for line in assets["train"].read_text().splitlines()]
+    written = [{**r, "turns": [call("get_frames", start=0.0, end=1.0), f"<think>ok</think><answer>{'AB'[i % 2]}"
+                                                                        "</answer>"]} for i, r in enumerate(records)]
+    written[1].pop("turns")
+    data = tmp_path / "turns.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in written))
+    cfg = load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "sft", **{
+        **TOOLS, "data.train_file": data, "data.data_root": assets["train"].parent, "grpo.beta": 0.0,
+        "rollout.branching": "[]", "rollout.group_size": 2}))
+    with world_of_one(monkeypatch):
+        recipe = recipe_for(cfg)
+        assert type(recipe).__name__ == "AgentSFT"
+        before = {n: p.detach().clone() for n, p in recipe.engine.module.named_parameters()}
+        metrics = recipe.train_step(0)
+        moved = sum(not torch.equal(before[n], p) for n, p in recipe.engine.module.named_parameters())
+        drawn = recipe.stream.next_prompts(16)  # one of each record
+        queue = [[p for p in drawn if "turns" not in p.record] + [p for p in drawn if "turns" in p.record][:1],
+                 [p for p in drawn if "turns" in p.record][1:2]]
+        recipe.stream.next_prompts = lambda n: queue.pop(0)[:max(n, 2)]
+        skipped_before = sum(recipe.stream.skipped.values())
+        kept = recipe.examples()
+        skipped = sum(recipe.stream.skipped.values()) - skipped_before
+    assert metrics["tools/calls"] == 4 and metrics["tools/valid"] == 4  # 2 prompts x 2 copies, every call ran
+    assert metrics["loss"] > 0 and torch.isfinite(torch.tensor(metrics["loss"])) and moved > len(before) // 2
+    assert skipped == 1 and len(kept) == 2 and all("turns" in p.record for p in kept)
+    call_tokens = len(recipe.tokenizer(call("get_frames", start=0.0, end=1.0))["input_ids"])
+    assert metrics["tokens/target"] > 4 * call_tokens  # both turns of each copy are trained, not the observation
