@@ -230,7 +230,7 @@ def _modality_embeddings(model, pixels, grid, sp: SequenceParallel, split_time: 
         else:  # no share here (fewer temporal patches or images than ranks): the tower still runs once, on a
             # minimal dummy input whose output enters as exactly 0, so every rank makes the same module calls
             # (ZeRO-3 gathers parameters per call) and the backward reaches the tower on every rank
-            from app.grouping.vision_cache import dummy_vision_input
+            from app.grouping.tower_passes import dummy_vision_input
             from app.grouping.vision_calls import _zero_of
 
             dummy_pixels, dummy_grid = dummy_vision_input(visual)

@@ -22,7 +22,9 @@ windows), so one pass per item computes exactly what the model's own batched cal
 
 Long videos: with ``chunk_frames`` = F an item pass is cut into passes of F temporal patches (the outputs, or the
 recorded blocks, concatenated in order): the tower's activations are one chunk's. Exact for the same reason (no
-temporal patch attends to another); ``passes`` counts the cut passes, so ZeRO-3 ranks still agree.
+temporal patch attends to another); ``passes`` counts the cut passes, so ZeRO-3 ranks still agree. How an item goes
+through the tower (chunked passes, recorded and served blocks, the dummy item) is ``app.grouping.tower_passes``;
+this module decides what is kept, for how long, and counts it.
 
 The cache is installed by replacing the tower module's ``forward`` on the instance (``attach``): it works on
 transformers versions with and without ``mm_encoder_outputs`` and needs no change to the model's own forward.
@@ -40,7 +42,15 @@ from collections.abc import Mapping
 
 import torch
 
-from app.grouping.modules import patch_instance, patched, unpatch_instance, unwrap
+from app.grouping.modules import patch_instance, unpatch_instance, unwrap
+from app.grouping.tower_passes import (
+    blocks_serving,
+    cached_blocks,
+    concat,
+    dummy_vision_input,
+    encode_item,
+    item_passes,
+)
 
 ATTRIBUTE = "_prefix_grpo_vision_cache"  # set on the tower module by ``attach``
 PROJECTORS = ("merger", "deepstack_merger_list")  # the modules after the blocks (Qwen2/2.5/3-VL)
@@ -63,11 +73,6 @@ def plan_for(visual) -> str:
     if all(name.split(".")[0] in PROJECTORS for name in trainable):
         return "blocks"
     return "count"
-
-
-def cached_blocks(visual) -> list[int]:
-    """The blocks whose outputs the projector reads: the last one and any deepstack layer (Qwen3-VL)."""
-    return sorted({len(visual.blocks) - 1, *getattr(visual, "deepstack_visual_indexes", ())})
 
 
 class VisionCache:
@@ -167,7 +172,7 @@ class VisionCache:
 
     def item_passes(self, frames: int) -> int:
         """Tower passes one item of ``frames`` temporal patches takes (``chunk_frames`` at a time)."""
-        return -(-frames // self.chunk_frames) if self.chunk_frames else 1
+        return item_passes(frames, self.chunk_frames)
 
     # ---- the tower's forward, through the cache ------------------------------------------------------------------
     def passes(self, visual, pixels: torch.Tensor, grid: torch.Tensor) -> int:
@@ -222,33 +227,14 @@ class VisionCache:
             self._dummy_passes(visual, pad - made, kwargs)
         stored = [entries[k] for k in keys]
         if self.plan == "outputs":
-            return _concat(stored)
+            return concat(stored)
         served = {b: torch.cat([entry[b] for entry in stored]) for b in cached_blocks(visual)}
-        with _blocks_serving(visual, served):
+        with blocks_serving(visual, served):
             return original(hidden_states, grid_thw=grid_thw, **kwargs)
 
     def _encode(self, visual, rows: torch.Tensor, grid: torch.Tensor, kwargs: dict):
-        """One item through the tower (a module call of its own per ``chunk_frames`` temporal patches), without
-        gradient (nothing before what is kept trains): its output, or the outputs of the blocks the projector
-        reads, the chunks' concatenated in order. Exact: Qwen's vision attention (and its 2-D positions) never
-        cross a temporal patch (``app.grouping.sequence_parallel`` names the blocks; tested there and here)."""
-        t, h, w = grid[0].tolist()
-        step = self.chunk_frames or t
-        parts = []
-        with torch.no_grad(), self.bypass():
-            for start in range(0, t, step):
-                frames = min(step, t - start)
-                piece = rows[start * h * w : (start + frames) * h * w]
-                piece_grid = grid.new_tensor([[frames, h, w]])
-                if self.plan == "outputs":
-                    parts.append(drop_unused(visual(piece, grid_thw=piece_grid, **kwargs)))
-                    continue
-                with _blocks_recording(visual) as recorded:
-                    visual(piece, grid_thw=piece_grid, **kwargs)
-                parts.append(dict(recorded))
-        if self.plan == "outputs":
-            return _concat(parts)
-        return {b: torch.cat([part[b] for part in parts]) if len(parts) > 1 else parts[0][b] for b in parts[0]}
+        with self.bypass():
+            return encode_item(visual, rows, grid, kwargs, plan=self.plan, chunk_frames=self.chunk_frames)
 
     def _dummy_passes(self, visual, count: int, kwargs: dict):
         output = None
@@ -267,19 +253,8 @@ class VisionCache:
         pixels, grid = dummy_vision_input(visual)
         width = getattr(visual.config, "embed_dim", None) or visual.config.hidden_size  # Qwen2-VL: embed_dim
         zeros = torch.zeros(pixels.shape[0], width, device=pixels.device, dtype=_dtype(visual))
-        with _blocks_serving(visual, {b: zeros for b in cached_blocks(visual)}):
+        with blocks_serving(visual, {b: zeros for b in cached_blocks(visual)}):
             return original(pixels, grid_thw=grid, **kwargs)
-
-
-def dummy_vision_input(visual) -> tuple[torch.Tensor, torch.Tensor]:
-    """The smallest input the tower accepts: one frame of spatial_merge_size x spatial_merge_size patches."""
-    config = visual.config
-    channels = getattr(config, "in_channels", None) or getattr(config, "in_chans", 3)
-    merge = getattr(config, "spatial_merge_size", 2)
-    width = channels * getattr(config, "temporal_patch_size", 2) * config.patch_size ** 2
-    device = next(visual.parameters()).device
-    return (torch.zeros(merge * merge, width, device=device),
-            torch.tensor([[1, merge, merge]], device=device))
 
 
 def _dtype(visual) -> torch.dtype:
@@ -314,53 +289,6 @@ def detach(model) -> None:
 def cache_of(model) -> VisionCache | None:
     visual = tower_of(model)
     return getattr(visual, ATTRIBUTE, None) if visual is not None else None
-
-
-# ---- outputs, item by item ---------------------------------------------------------------------------------------
-def drop_unused(output):
-    """The pre-merger hidden states are not what the language model reads; keeping them would double the memory."""
-    if hasattr(output, "pooler_output") and getattr(output, "last_hidden_state", None) is not None:
-        output["last_hidden_state"] = None  # item and attribute (setting the attribute to None keeps the item)
-    return output
-
-
-def _concat(items: list):
-    first = items[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(items) if len(items) > 1 else first
-    if first is None:
-        return None
-    if isinstance(first, (list, tuple)) and not hasattr(first, "keys"):
-        return type(first)(_concat([item[j] for item in items]) for j in range(len(first)))
-    return type(first)(**{k: _concat([item[k] for item in items]) for k in first.keys()})
-
-
-# ---- blocks: record their outputs, or hand them back -------------------------------------------------------------
-@contextlib.contextmanager
-def _blocks_recording(visual):
-    recorded: dict[int, torch.Tensor] = {}
-    hooks = []
-    for b in cached_blocks(visual):
-        def hook(module, args, output, b=b):
-            recorded[b] = (output[0] if isinstance(output, tuple) else output).detach()
-        hooks.append(visual.blocks[b].register_forward_hook(hook))
-    try:
-        yield recorded
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-@contextlib.contextmanager
-def _blocks_serving(visual, served: dict[int, torch.Tensor]):
-    """Within the block, block b returns ``served[b]`` and every other block returns its input unchanged: the
-    values that the projector reads are those the blocks would compute, without computing them."""
-    with contextlib.ExitStack() as stack:
-        for b, block in enumerate(visual.blocks):
-            value = served.get(b)
-            stack.enter_context(patched(block, "forward", (lambda hidden_states, *a, _v=value, **k: _v)
-                                        if value is not None else (lambda hidden_states, *a, **k: hidden_states)))
-        yield
 
 
 def install(model, setting: str, chunk_frames: int = 0) -> VisionCache | None:

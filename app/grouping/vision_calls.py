@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from app.grouping.modules import unwrap
-from app.grouping.vision_cache import cache_of, drop_unused, dummy_vision_input, tower_of
+from app.grouping.tower_passes import drop_unused, dummy_vision_input
+from app.grouping.vision_cache import cache_of, tower_of
 
 MODALITIES = ("image", "video")  # the order in which Qwen-VL forwards call the vision tower
 _PIXEL_KEYS = {"image": "pixel_values", "video": "pixel_values_videos"}
