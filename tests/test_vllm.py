@@ -445,7 +445,7 @@ sys.path.insert(0, os.getcwd())
 import app  # noqa: F401
 import numpy as np
 import torch
-from app.config import RolloutConfig
+from app.config_sections import RolloutConfig
 from app.data.prompts import collate_prompts, encode_prompts
 from app.data.records import EncodedPrompt
 from app.data.video import write_mp4
