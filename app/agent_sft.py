@@ -18,7 +18,6 @@ import torch
 
 from app.agent import AgentGRPOTrainer
 from app.rollout import Rollout
-from app.tracking import StepMetrics
 
 TURNS = "turns"  # the record field holding the model's turns
 
@@ -90,16 +89,5 @@ class AgentSFT(AgentGRPOTrainer):
             self.engine.step()
             losses.append(float(loss.detach()))
             tokens += int(trained.sum())
-        grad_norm = self.engine.get_global_grad_norm()
-        m = StepMetrics()
-        m.mean("loss", sum(losses) / len(losses))
-        m.mean("tokens/target", float(tokens))
-        m.mean("time/step", time.perf_counter() - start)
-        m.mean("time/data_wait", waited)
-        for name, value in trajectory.counts.items():
-            m.mean(name, value)
-        m.local("learning_rate", learning_rate)
-        m.local("grad_norm", float(grad_norm) if grad_norm is not None else 0.0)
-        m.local("data/skipped", float(sum(self.stream.skipped.values())))
-        self.vision_metrics(m)
-        return m.reduce(self.parallel.dp_gather)
+        return self.likelihood_metrics(losses, tokens, started=start, waited=waited, learning_rate=learning_rate,
+                                       extra=trajectory.counts)

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from app.models import (
     load_processor,
 )
 from app.scoring import GroupScorer, without_grad
-from app.tracking import Tracker, configure_logging
+from app.tracking import StepMetrics, Tracker, configure_logging
 
 log = logging.getLogger("app.recipe")
 CRASH_ENV = "PREFIX_GRPO_CRASH_AFTER_STEP"  # tests: die right after this step, as a crash would
@@ -185,6 +186,24 @@ class Recipe:
 
     def vision_calls(self, inputs: dict, engine, training: bool = False) -> tuple[str, ...] | None:
         return self.vision_calls_for([inputs], engine, training)[0]
+
+    def likelihood_metrics(self, losses: list[float], tokens: int, *, started: float, waited: float,
+                           learning_rate: float, extra: dict | None = None) -> dict:
+        """A supervised step's metrics (SFT, SFT with tools), reduced across the replicas: the mean loss, target
+        tokens, time, the optimizer's rate and gradient norm, skipped records, the vision tower's work, ``extra``."""
+        grad_norm = self.engine.get_global_grad_norm()
+        m = StepMetrics()
+        m.mean("loss", sum(losses) / len(losses))
+        m.mean("tokens/target", float(tokens))
+        m.mean("time/step", time.perf_counter() - started)
+        m.mean("time/data_wait", waited)
+        for name, value in (extra or {}).items():
+            m.mean(name, value)
+        m.local("learning_rate", learning_rate)
+        m.local("grad_norm", float(grad_norm) if grad_norm is not None else 0.0)
+        m.local("data/skipped", float(sum(self.stream.skipped.values())))
+        self.vision_metrics(m)
+        return m.reduce(self.parallel.dp_gather)
 
     def vision_metrics(self, metrics) -> None:
         """The step's vision-tower work: items encoded, the tower passes they took (more with

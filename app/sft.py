@@ -24,7 +24,6 @@ from app.agent_sft import AgentSFT
 from app.data.prompts import collate_prompts
 from app.data.records import EncodedPrompt, where
 from app.recipe import Recipe, run
-from app.tracking import StepMetrics
 
 log = logging.getLogger("app.sft")
 END_OF_TURN = "<|im_end|>"
@@ -96,17 +95,7 @@ class SFTTrainer(Recipe):
             tokens += int(mask.sum())
         if step == self.start_step:
             log.info("SFT target of %s: %r", where(examples[0][0].record), target_text(examples[0][0].record)[:200])
-        grad_norm = self.engine.get_global_grad_norm()
-        m = StepMetrics()
-        m.mean("loss", sum(losses) / len(losses))
-        m.mean("tokens/target", float(tokens))
-        m.mean("time/step", time.perf_counter() - start)
-        m.mean("time/data_wait", waited)
-        m.local("learning_rate", learning_rate)
-        m.local("grad_norm", float(grad_norm) if grad_norm is not None else 0.0)
-        m.local("data/skipped", float(sum(self.stream.skipped.values())))
-        self.vision_metrics(m)
-        return m.reduce(self.parallel.dp_gather)
+        return self.likelihood_metrics(losses, tokens, started=start, waited=waited, learning_rate=learning_rate)
 
 
 def recipe_for(cfg):
