@@ -63,6 +63,32 @@ def say(text: str) -> None:
     print(f"\n== {text}", flush=True)
 
 
+# The warm start's settings (a few hundred small steps, no checkpoints but the export; resumable), shared by the demos.
+WARM_START = ["train.learning_rate=2e-3", "train.warmup_steps=0", "train.save_every=0", "train.resume=true",
+              "logging.wandb_mode=disabled", "logging.sample_table_every=0"]
+
+
+def launch(script: str, config: str, overrides: list[str], nproc: int = 1) -> None:
+    """``scripts/<script> CONFIG overrides`` as a user runs it, on ``nproc`` processes; stops the demo if it fails."""
+    command = ["bash", str(ROOT / "scripts" / script), str(ROOT / config), *overrides]
+    print(" ".join(command), flush=True)
+    subprocess.run(command, check=True, env={**os.environ, "NPROC_PER_NODE": str(nproc)})
+
+
+def demo_paths(out: Path, data: Path) -> tuple[Path, Path, Path, list[str]]:
+    """The demo's folders (tiny checkpoint, warm start, GRPO run) and the overrides that point a config at them."""
+    init, sft, run = out / "tiny-qwen2_5_vl", out / "sft", out / "run"
+    base = [f"model.path={sft / 'final'}", f"data.train_file={data / 'train.jsonl'}", f"train.output_dir={run}"]
+    return init, sft, run, base
+
+
+def eval_settings(cfg, *, max_new_tokens: int, batch_size: int) -> list[str]:
+    """Evaluation overrides that see the prompts as training did: frames, pixels, prompt template, system prompt."""
+    out = [f"data.{k}={getattr(cfg.data, k)}" for k in ("fps", "max_frames", "min_pixels", "max_pixels")]
+    return out + [f"data.system_prompt={cfg.data.system_prompt}", f"data.prompt_template={cfg.data.prompt_template}",
+                  f"eval.max_new_tokens={max_new_tokens}", f"eval.batch_size={batch_size}"]
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="outputs/demo")
@@ -86,9 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.time()
     timings = {}
 
-    init, sft, run = out / "tiny-qwen2_5_vl", out / "sft", out / "run"
+    init, sft, run, base = demo_paths(out, data)
     warm = sft / "final"
-    base = [f"model.path={warm}", f"data.train_file={data / 'train.jsonl'}", f"train.output_dir={run}"]
     cfg = load_config(ROOT / CONFIG, base + args.overrides)
     say("1. tiny checkpoint and synthetic video QA data")
     if not (init / "config.json").exists():
@@ -104,19 +129,12 @@ def main(argv: list[str] | None = None) -> dict:
     t = time.time()
     if not (warm / "config.json").exists():
         targets = format_only_sft_data(data / "train.jsonl", out / "sft_format_only.jsonl", cfg.train.seed)
-        command = ["bash", str(ROOT / "scripts" / "sft.sh"), str(ROOT / CONFIG), f"model.path={init}",
-                   f"data.train_file={targets}", f"data.data_root={data}", f"train.output_dir={sft}",
-                   f"train.max_steps={args.warm_steps}", "train.prompts_per_rank=8", "train.groups_per_micro_batch=8",
-                   "train.learning_rate=2e-3", "train.warmup_steps=0", "train.save_every=0", "train.resume=true",
-                   "logging.wandb_mode=disabled", "logging.sample_table_every=0"]
-        print(" ".join(command), flush=True)
-        subprocess.run(command, check=True, env={**os.environ, "NPROC_PER_NODE": "1"})
+        launch("sft.sh", CONFIG, [f"model.path={init}", f"data.train_file={targets}", f"data.data_root={data}",
+                                  f"train.output_dir={sft}", f"train.max_steps={args.warm_steps}",
+                                  "train.prompts_per_rank=8", "train.groups_per_micro_batch=8", *WARM_START])
     timings["warm_start_s"] = time.time() - t
 
-    eval_overrides = [f"data.{k}={getattr(cfg.data, k)}" for k in ("fps", "max_frames", "min_pixels", "max_pixels")]
-    eval_overrides += [f"data.system_prompt={cfg.data.system_prompt}", f"data.prompt_template={cfg.data.prompt_template}",
-                       "eval.max_new_tokens=32",
-                       "eval.batch_size=24"]
+    eval_overrides = eval_settings(cfg, max_new_tokens=32, batch_size=24)
 
     def held_out(model_dir: Path, name: str) -> dict:
         return evaluate(model_dir, heldout, [f"eval.output_dir={out / ('eval-' + name)}", *eval_overrides])
@@ -129,10 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
     say(f"4. GRPO: scripts/train.sh {CONFIG} (NPROC_PER_NODE={args.nproc})")
     t = time.time()
     if not (run / "final" / "config.json").exists():
-        command = ["bash", str(ROOT / "scripts" / "train.sh"), str(ROOT / CONFIG), *base, "train.resume=true",
-                   "rollout.record=true", *args.overrides]  # its rollouts, for the A/B's replay
-        print(" ".join(command), flush=True)
-        subprocess.run(command, check=True, env={**os.environ, "NPROC_PER_NODE": str(args.nproc)})
+        launch("train.sh", CONFIG, [*base, "train.resume=true", "rollout.record=true", *args.overrides],  # its
+               args.nproc)  # rollouts, for the A/B's replay
     timings["grpo_s"] = time.time() - t
 
     say("5. held-out accuracy after GRPO")
@@ -148,11 +164,9 @@ def main(argv: list[str] | None = None) -> dict:
                                  (HF, "run-repeated-hf", ["rollout.engine=hf"])):
         ab = out / folder
         if not (ab / "final" / "config.json").exists():
-            command = ["bash", str(ROOT / "scripts" / "train.sh"), str(ROOT / CONFIG), *base, *args.overrides,
-                       f"train.output_dir={ab}", "forward.grouping=repeated", "rollout.record=false", *engine,
-                       f"train.stop_at_step={args.ab_steps}", "train.resume=true"]
-            print(" ".join(command), flush=True)
-            subprocess.run(command, check=True, env={**os.environ, "NPROC_PER_NODE": str(args.nproc)})
+            launch("train.sh", CONFIG, [*base, *args.overrides, f"train.output_dir={ab}", "forward.grouping=repeated",
+                                        "rollout.record=false", *engine, f"train.stop_at_step={args.ab_steps}",
+                                        "train.resume=true"], args.nproc)
         ab_runs[name] = ab
     timings["ab_repeated_s"] = time.time() - t
     comparison = plot_ab({name: folder / "metrics.jsonl" for name, folder in ab_runs.items()}, args.ab_steps,

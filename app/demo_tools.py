@@ -23,22 +23,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from app.config import load_config
 from app.data.synthetic import generate
-from app.demo import DEMO_SIZES, FORMAT_REASONING, say
+from app.demo import DEMO_SIZES, FORMAT_REASONING, ROOT, WARM_START, demo_paths, eval_settings, launch, say
 from app.evaluate import evaluate
 from app.models import build_tiny_checkpoint
 from app.plots import plot_accuracy_bars
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/demo_tools_cpu.yaml"
 CALL_REASONING = "<think>Look closer.</think>"  # short: the tiny tokenizer spells a call in about 70 tokens
 
@@ -83,9 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
         shutil.rmtree(data, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     started, timings = time.time(), {}
-    init, sft, run = out / "tiny-qwen2_5_vl", out / "sft", out / "run"
+    init, sft, run, base = demo_paths(out, data)
     warm = sft / "final"
-    base = [f"model.path={warm}", f"data.train_file={data / 'train.jsonl'}", f"train.output_dir={run}"]
     cfg = load_config(ROOT / CONFIG, base + args.overrides)
 
     say("1. tiny checkpoint and the glimpse task (the answer shows only through get_frames)")
@@ -100,19 +96,14 @@ def main(argv: list[str] | None = None) -> dict:
     t = time.time()
     if not (warm / "config.json").exists():
         targets = call_syntax_sft_data(data / "train.jsonl", out / "sft_call_syntax.jsonl", cfg.train.seed)
-        command = ["bash", str(ROOT / "scripts" / "sft.sh"), str(ROOT / CONFIG), f"model.path={init}",
-                   f"data.train_file={targets}", f"data.data_root={data}", f"train.output_dir={sft}",
-                   f"train.max_steps={args.warm_steps}", "train.prompts_per_rank=4", "train.groups_per_micro_batch=4",
-                   "rollout.group_size=2", "grpo.beta=0.0",  # two copies of each written trajectory (G >= 2)
-                   "train.learning_rate=2e-3", "train.warmup_steps=0", "train.save_every=0", "train.resume=true",
-                   "logging.wandb_mode=disabled", "logging.sample_table_every=0"]
-        print(" ".join(command), flush=True)
-        subprocess.run(command, check=True, env={**os.environ, "NPROC_PER_NODE": "1"})
+        launch("sft.sh", CONFIG, [f"model.path={init}", f"data.train_file={targets}", f"data.data_root={data}",
+                                  f"train.output_dir={sft}", f"train.max_steps={args.warm_steps}",
+                                  "train.prompts_per_rank=4", "train.groups_per_micro_batch=4",
+                                  "rollout.group_size=2", "grpo.beta=0.0",  # two copies of each trajectory (G >= 2)
+                                  *WARM_START])
     timings["warm_start_s"] = time.time() - t
 
-    settings = [f"data.{k}={getattr(cfg.data, k)}" for k in ("fps", "max_frames", "min_pixels", "max_pixels")]
-    settings += [f"data.system_prompt={cfg.data.system_prompt}", f"data.prompt_template={cfg.data.prompt_template}",
-                 f"eval.max_new_tokens={cfg.rollout.max_completion_length}", "eval.batch_size=12"]
+    settings = eval_settings(cfg, max_new_tokens=cfg.rollout.max_completion_length, batch_size=12)
     with_tools = ["rollout.tools=[get_frames]", f"rollout.max_turns={cfg.rollout.max_turns}",
                   f"rollout.max_total_tokens={cfg.rollout.max_total_tokens}",
                   f"rollout.tool_max_frames={cfg.rollout.tool_max_frames}",
@@ -133,10 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     say(f"4. GRPO with tools: scripts/train.sh {CONFIG}")
     t = time.time()
     if not (run / "final" / "config.json").exists():
-        command = ["bash", str(ROOT / "scripts" / "train.sh"), str(ROOT / CONFIG), *base, "train.resume=true",
-                   "logging.wandb_mode=disabled", *args.overrides]
-        print(" ".join(command), flush=True)
-        subprocess.run(command, check=True, env={**os.environ, "NPROC_PER_NODE": "1"})
+        launch("train.sh", CONFIG, [*base, "train.resume=true", "logging.wandb_mode=disabled", *args.overrides])
     timings["grpo_s"] = time.time() - t
 
     say("5. held-out accuracy after GRPO, with tools")
