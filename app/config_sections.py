@@ -166,7 +166,8 @@ class ForwardConfig:
                        "self-check.", choices=MODES)
     attention_backend: str = _f("auto", "Grouped attention backend: auto (split on CPU; flash-attn, else flex on "
                                 f"GPU) or one of {', '.join(BACKENDS)}. Prefix trees (rollout.tools) use their own: "
-                                "the dense tree mask, or with split (CPU) sibling sets without a [T, T] mask.",
+                                "the dense tree mask, or with split (CPU) sibling sets, with flex a block mask from "
+                                "the trees' node intervals (neither builds a [T, T] mask; flex's backward needs CUDA).",
                                 choices=("auto", *BACKENDS))
     self_check: bool = _f(True, "On the first step, compare grouped and repeated log-probs and stop on a mismatch.")
     logprob_chunk_size: int = _f(DEFAULT_CHUNK_SIZE, "Tokens per chunk when the output head computes the completion "

@@ -35,6 +35,12 @@ class GroupScorer:
                                    **kwargs)
 
 
+def tree_backend(attention_backend: str) -> str:
+    """The prefix-tree attention for ``forward.attention_backend``: split (CPU) and flex build no [T, T] mask;
+    anything else (auto included) is the dense tree mask, ``masked``."""
+    return attention_backend if attention_backend in ("split", "flex") else "masked"
+
+
 class TreeScorer:
     def __init__(self, forward_cfg):
         self.cfg = forward_cfg
@@ -42,7 +48,7 @@ class TreeScorer:
     def __call__(self, model, inputs, completion_ids, completion_mask, group_sizes, *, temperature: float = 1.0,
                  vision_calls=None, return_entropy: bool = False):
         mode = "tree" if self.cfg.grouping == "grouped" else "paths"
-        backend = "split" if self.cfg.attention_backend == "split" else "masked"  # split: no [T, T] mask (CPU)
+        backend = tree_backend(self.cfg.attention_backend)
         return forest_logprobs(model, inputs["trees"], mode, temperature=temperature,
                                chunk_size=self.cfg.logprob_chunk_size, return_entropy=return_entropy,
                                vision_calls=vision_calls, backend=backend)

@@ -2,7 +2,8 @@
 
 FlexAttention forward + backward (fp32 and bf16) on many packed lengths against the masked reference, flash-attn
 varlen when it imports, the full model in bf16 on CUDA against a float32 forward (the low-precision criterion),
-grouped decoding against HF generate, and one GRPO step in bf16 through the real trainer.
+grouped decoding against HF generate, one GRPO step in bf16 through the real trainer, and the flex prefix-tree
+attention (no [T, T] mask) against the dense tree mask, forward and backward.
 """
 
 from __future__ import annotations
@@ -113,3 +114,43 @@ def test_one_grpo_step_in_bf16_on_cuda(tmp_path):
     result = run(trainer(assets, out, **{"model.dtype": "bfloat16", "train.max_steps": 2}))
     assert "self-check passed: torch.bfloat16" in result.stderr
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def _random_trees(rng, count):
+    """Prefix trees of random shape and lengths (parents before children), tokens irrelevant: attention only."""
+    from app.grouping.tree import PrefixTree, TreeNode
+
+    trees = []
+    for _ in range(count):
+        nodes = []
+        for n in range(rng.randint(1, 9)):
+            length = rng.randint(1, 200)
+            nodes.append(TreeNode(rng.randint(-1, n - 1), torch.zeros(length, dtype=torch.long),
+                                  torch.ones(length, dtype=torch.bool)))
+        trees.append(PrefixTree({"input_ids": torch.zeros(1, rng.randint(1, 900), dtype=torch.long)}, nodes))
+    return trees
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flex_tree_attention_forward_backward_matches_the_dense_tree_mask(dtype):
+    """The flex prefix-tree backend (no [T, T] mask) against the dense tree mask, forward and backward, on random
+    forests (1-3 trees of 1-9 nodes in a row)."""
+    from app.grouping.tree import TreeAttentionPlan
+
+    rng = random.Random(3)
+    for _ in range(8):
+        trees = _random_trees(rng, rng.randint(1, 3))
+        length = sum(t.total_len for t in trees)
+        shape = (1, 8, length, 64)
+        q = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(1, 2, length, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        weight = torch.randn(1, length, 8, 64, device="cuda", dtype=dtype)
+        results = {}
+        for backend in ("flex", "masked"):
+            out = TreeAttentionPlan(trees, backend).attend(None, q, k, v)
+            grads = torch.autograd.grad((out.float() * weight.float()).sum(), (q, k, v))
+            results[backend] = (out.float(), [g.float() for g in grads])
+        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(results["flex"][0], results["masked"][0], rtol=tolerance, atol=tolerance)
+        for got, want in zip(results["flex"][1], results["masked"][1]):
+            torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)

@@ -126,7 +126,7 @@ def test_every_node_is_computed_once(case):
 
 
 @pytest.mark.parametrize(("bug", "backend"), [("sibling_visible", "masked"), ("sibling_visible", "split"),
-                                              ("position_off_by_one", "split")])
+                                              ("sibling_visible", "flex"), ("position_off_by_one", "split")])
 def test_a_broken_tree_fails_the_comparison(bug, backend, case, monkeypatch):
     """Mutations: a node that also sees its earlier sibling (in either backend's own bookkeeping), or a node's
     positions shifted by one at the turn boundary. Either must break equality with the paths."""
@@ -146,6 +146,17 @@ def test_a_broken_tree_fails_the_comparison(bug, backend, case, monkeypatch):
             return mask
 
         monkeypatch.setattr(tree_module, "tree_mask", leaky)
+    elif bug == "sibling_visible" and backend == "flex":
+        honest_intervals = tree_module.TreeAttentionPlan.node_intervals
+
+        def leaky_intervals(plan):  # node 2's interval stretched over its next sibling, node 3: node 3 sees node 2
+            first, last = honest_intervals(plan)
+            two, three = plan.trees[0].starts[2], plan.trees[0].starts[3]
+            last = last.clone()
+            last[two:two + plan.trees[0].lengths[2]] = first[three]
+            return first, last
+
+        monkeypatch.setattr(tree_module.TreeAttentionPlan, "node_intervals", leaky_intervals)
     elif bug == "sibling_visible":
         honest_sets = tree_module.sibling_sets
 
@@ -233,8 +244,29 @@ def test_several_trees_in_one_row_equal_their_paths(case, videos):
         assert max_rel_diff(tree_grads[name], grad) <= GRAD_RTOL, name
 
 
+def test_flex_tree_attention_equals_the_paths_and_the_dense_mask(case, videos):
+    """The flex tree backend (compiled FlexAttention, a block mask from the trees' node intervals, no [T, T] tensor):
+    its block mask allows exactly the dense tree mask, and two trees in one row score as their paths do. Forward
+    only: FlexAttention's backward needs CUDA (tests/test_gpu.py runs it there)."""
+    from app.grouping.flex import tree_mask_mod
+    from app.grouping.tree import TreeAttentionPlan
+    from app.grouping.tree_forward import forest_logprobs
+
+    family, model, processor, first = case
+    second = build_tree(family, processor, videos[::-1])
+    second = PrefixTree(second.prompt, second.nodes[:4])
+    plan = TreeAttentionPlan([first, second], "flex")
+    index = torch.arange(plan.total_len)
+    allowed = tree_mask_mod(*plan.node_intervals())(None, None, index[:, None], index[None, :])
+    assert torch.equal(allowed, plan.mask("cpu"))  # the dense block-diagonal tree mask, element by element
+    with torch.no_grad():
+        flex = forest_logprobs(model, [first, second], "tree", backend="flex")
+        paths = forest_logprobs(model, [first, second], "paths")
+    assert max_rel_diff(flex.logprobs, paths.logprobs) <= LOGPROB_RTOL
+
+
 def test_the_tree_scorer_follows_the_forward_settings(case, monkeypatch):
-    """TreeScorer: forward.grouping=repeated runs the paths; forward.attention_backend=split picks the split tree
+    """TreeScorer: forward.grouping=repeated runs the paths; forward.attention_backend=split or flex picks that tree
     attention, anything else the dense mask."""
     import app.scoring as scoring
     from app.config_sections import ForwardConfig
@@ -242,10 +274,10 @@ def test_the_tree_scorer_follows_the_forward_settings(case, monkeypatch):
     _, model, _, tree = case
     seen = []
     monkeypatch.setattr(scoring, "forest_logprobs", lambda m, trees, mode, **kw: seen.append((mode, kw["backend"])))
-    for grouping, backend in (("grouped", "split"), ("grouped", "auto"), ("repeated", "auto")):
+    for grouping, backend in (("grouped", "split"), ("grouped", "flex"), ("grouped", "auto"), ("repeated", "auto")):
         scoring.TreeScorer(ForwardConfig(grouping=grouping, attention_backend=backend))(model, {"trees": [tree]},
                                                                                           None, None, None)
-    assert seen == [("tree", "split"), ("tree", "masked"), ("paths", "masked")]
+    assert seen == [("tree", "split"), ("tree", "flex"), ("tree", "masked"), ("paths", "masked")]
 
 
 def test_an_observation_repeated_across_samples_goes_through_the_tower_once(case, videos):

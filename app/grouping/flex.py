@@ -1,6 +1,7 @@
-"""The ``flex`` backend of the grouped attention: torch's FlexAttention with a block mask built straight from the
-layout (``flex_block_mask``: no T x T mask is ever materialised), compiled once for every packed length. It refuses
-to run uncompiled (that path materialises the T x T scores) with ``FlexCompileError``.
+"""The ``flex`` backend of the grouped attention, and of the prefix-tree attention: torch's FlexAttention with a
+block mask built straight from the layout or the trees (``flex_block_mask``, ``tree_mask_mod``: no T x T mask is
+ever materialised), compiled once for every packed length. It refuses to run uncompiled (that path materialises the
+T x T scores) with ``FlexCompileError``.
 """
 
 from __future__ import annotations
@@ -31,19 +32,34 @@ def flex_mask_mod(segment_ids: torch.Tensor, group_ids: torch.Tensor):
 def flex_block_mask(layout: GroupLayout, device, block: int = FLEX_BLOCK, rows_per_chunk: int = 1024):
     """The layout's BlockMask, built block row by block row: never a T x T tensor, nothing compiled.
 
-    Equals ``create_block_mask(flex_mask_mod(...), None, None, T, T)`` (tested). The blocks are evaluated on index
-    vectors padded to whole blocks, with the padding never allowed.
+    Equals ``create_block_mask(flex_mask_mod(...), None, None, T, T)`` (tested).
     """
+    return block_mask_from(flex_mask_mod, [layout.segment_ids, layout.group_ids], layout.total_len, device,
+                           block=block, rows_per_chunk=rows_per_chunk)
+
+
+def tree_mask_mod(first: torch.Tensor, last: torch.Tensor):
+    """Prefix trees (``app.grouping.tree``): causal, and the key's node is the query's node or one of its ancestors.
+    Each token carries its node's interval in a depth-first numbering of all the trees' nodes (``first``: the
+    node's own number, ``last``: the largest number in its subtree), so "ancestor or self" is
+    ``first[k] <= first[q] <= last[k]``: per-token vectors only (a captured node table would add a dimension
+    that inductor's CPU template fails to compile)."""
+
+    def mask_mod(b, h, qi, ki):
+        return (ki <= qi) & (first[ki] <= first[qi]) & (first[qi] <= last[ki])
+
+    return mask_mod
+
+
+def block_mask_from(make_mask_mod, vectors: list[torch.Tensor], length: int, device, *, block: int = FLEX_BLOCK,
+                    rows_per_chunk: int = 1024):
+    """A BlockMask for ``make_mask_mod(*vectors)`` (each vector one value per token), built block row by block row
+    on the index vectors padded to whole blocks (the padding never allowed): no T x T tensor, nothing compiled."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    length = layout.total_len
     blocks = -(-length // block)
     padded = blocks * block
-    seg = torch.full((padded,), -1, dtype=torch.long, device=device)
-    grp = torch.full((padded,), -1, dtype=torch.long, device=device)
-    seg[:length] = layout.segment_ids.to(device)
-    grp[:length] = layout.group_ids.to(device)
-    padded_mod = flex_mask_mod(seg, grp)
+    padded_mod = make_mask_mod(*[torch.nn.functional.pad(v.to(device), (0, padded - length)) for v in vectors])
     keys = torch.arange(padded, device=device)
     any_parts, all_parts = [], []
     step = max(1, rows_per_chunk // block) * block
@@ -66,7 +82,7 @@ def flex_block_mask(layout: GroupLayout, device, block: int = FLEX_BLOCK, rows_p
     full_num, full_index = ordered(full)
     # The kernel's mask_mod captures length-T vectors, as create_block_mask's would (inductor's CPU template fails
     # to compile when the captured length differs from T under dynamic shapes).
-    mask_mod = flex_mask_mod(seg[:length].clone(), grp[:length].clone())
+    mask_mod = make_mask_mod(*[v.to(device).clone() for v in vectors])
     return BlockMask.from_kv_blocks(kv_num, kv_index, full_num, full_index, BLOCK_SIZE=block, mask_mod=mask_mod,
                                     seq_lengths=(length, length))
 
@@ -84,23 +100,29 @@ def compiled_flex_attention():
 
 
 def flex(plan, q, k, v, scale, dropout):
-    import warnings
-
+    """The grouped ``flex`` backend: q [H, T, D], k/v [Hkv, T, D] -> [H, T, D]."""
     if dropout:
         raise NotImplementedError("the flex backend has no attention dropout")
+    block_mask = plan.cached("flex", q.device, lambda: flex_block_mask(plan.layout, q.device))
+    return run_flex(q[None], k[None], v[None], block_mask, scale, alternative="the flash backend "
+                    "(attention_backend=flash; needs flash-attn) or packed")[0]
+
+
+def run_flex(q, k, v, block_mask, scale, *, alternative: str) -> torch.Tensor:
+    """Compiled FlexAttention on q [B, H, T, D], k/v [B, Hkv, T, D]; stops with ``FlexCompileError`` (naming
+    ``alternative``) rather than run uncompiled."""
+    import warnings
+
     from torch.nn.attention import flex_attention as flex_module
 
-    block_mask = plan.cached("flex", q.device, lambda: flex_block_mask(plan.layout, q.device))
     # torch warns about the unfused path once per process; forget that it did, and make the warning an error.
     getattr(flex_module, "_WARNINGS_SHOWN", set()).discard("flex_attention_performance")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=f".*{_UNFUSED_WARNING}.*")
         try:
-            out = compiled_flex_attention()(q[None], k[None], v[None], block_mask=block_mask, scale=scale,
-                                            enable_gqa=q.shape[0] != k.shape[0])
+            return compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
         except UserWarning as warning:
             raise FlexCompileError(
                 f"FlexAttention would run uncompiled ({warning}); that path materialises the full T x T scores "
-                f"(T={plan.layout.total_len}). Use the flash backend (attention_backend=flash; needs flash-attn) or packed instead."
-            ) from None
-    return out[0]
+                f"(T={q.shape[2]}). Use {alternative} instead.") from None

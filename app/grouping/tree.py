@@ -222,7 +222,7 @@ def tree_positions(model, tree: PrefixTree) -> torch.Tensor:
     return out
 
 
-TREE_BACKENDS = ("split", "masked")
+TREE_BACKENDS = ("split", "masked", "flex")
 
 
 def sibling_sets(tree: PrefixTree) -> list[tuple[list[int], list[int]]]:
@@ -244,13 +244,33 @@ def sibling_sets(tree: PrefixTree) -> list[tuple[list[int], list[int]]]:
     return out
 
 
+def depth_first_intervals(tree: PrefixTree) -> tuple[dict[int, int], dict[int, int]]:
+    """Each node's number in a depth-first (pre-order) numbering of the tree, P (-1) first, children in node order,
+    and the largest number in its subtree."""
+    children: dict[int, list[int]] = {}
+    for n, node in enumerate(tree.nodes):
+        children.setdefault(node.parent, []).append(n)
+    number, end, stack = {}, {}, [(-1, False)]
+    while stack:
+        n, done = stack.pop()
+        if done:
+            end[n] = len(number) - 1
+            continue
+        number[n] = len(number)
+        stack.append((n, True))
+        stack.extend((child, False) for child in reversed(children.get(n, [])))
+    return number, end
+
+
 @dataclass
 class TreeAttentionPlan:
     """The attention-plan protocol (``attend``) for packed prefix trees (one or several, one after another in the
     row, never seeing each other). ``masked``: one call under their block-diagonal ``tree_mask`` (the reference);
     ``split`` (CPU): each prompt causally, then for each set of siblings one exact two-part call, their queries
     against what they all see (P and their ancestors, unmasked) merged by log-sum-exp with each sibling against its
-    own earlier tokens (``attention._PrefixPlusOwnAttention``, the grouped ``split`` backend's kernel)."""
+    own earlier tokens (``attention._PrefixPlusOwnAttention``, the grouped ``split`` backend's kernel); ``flex``:
+    compiled FlexAttention under a block mask built from the trees' node intervals (``flex.tree_mask_mod``), no
+    [T, T] tensor (forward runs on CPU; its backward needs CUDA, as the grouped flex backend's)."""
 
     trees: Sequence[PrefixTree]
     backend: str = "masked"
@@ -273,6 +293,10 @@ class TreeAttentionPlan:
     def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
         if query.shape[2] != self.total_len:
             raise ValueError(f"packed trees have {query.shape[2]} tokens but the trees describe {self.total_len}")
+        if self.backend == "flex":
+            if dropout:
+                raise NotImplementedError("the flex tree backend has no attention dropout")
+            return self._flex(query, key, value, scale).transpose(1, 2).contiguous()
         heads = query.shape[1]
         key = key.repeat_interleave(heads // key.shape[1], dim=1) if key.shape[1] != heads else key
         value = value.repeat_interleave(heads // value.shape[1], dim=1) if value.shape[1] != heads else value
@@ -283,6 +307,28 @@ class TreeAttentionPlan:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=self.mask(query.device), dropout_p=dropout,
                                              scale=scale)
         return out.transpose(1, 2).contiguous()
+
+    def node_intervals(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token of the row: its node's number in a depth-first numbering of every tree (P is each tree's root;
+        trees numbered one after another) and the largest number in that node's subtree. Node b is node a or an
+        ancestor of a exactly when first[b] <= first[a] <= last[b]."""
+        firsts, lasts, offset = [], [], 0
+        for tree in self.trees:
+            number, end = depth_first_intervals(tree)
+            node = tree.node_of_token - 1  # -1 for P's tokens
+            firsts.append(torch.tensor([offset + number[int(n)] for n in node]))
+            lasts.append(torch.tensor([offset + end[int(n)] for n in node]))
+            offset += len(tree.nodes) + 1
+        return torch.cat(firsts), torch.cat(lasts)
+
+    def _flex(self, q, k, v, scale) -> torch.Tensor:
+        from app.grouping.flex import block_mask_from, run_flex, tree_mask_mod
+
+        key = ("flex", str(q.device))
+        if key not in self._mask:
+            self._mask[key] = block_mask_from(tree_mask_mod, list(self.node_intervals()), self.total_len, q.device)
+        return run_flex(q, k, v, self._mask[key], scale, alternative="forward.attention_backend=masked (a dense "
+                        "[T, T] tree mask) or split (CPU)")
 
     def _split(self, q, k, v, scale) -> torch.Tensor:
         from app.grouping.attention import _PrefixPlusOwnAttention
