@@ -89,6 +89,27 @@ def eval_settings(cfg, *, max_new_tokens: int, batch_size: int) -> list[str]:
                   f"eval.max_new_tokens={max_new_tokens}", f"eval.batch_size={batch_size}"]
 
 
+def prepare(cfg, out: Path, data: Path, *, train_size: int, heldout_size: int, tasks: tuple[str, ...],
+            heldout_tasks: tuple[str, ...], warm_steps: int) -> None:
+    """Steps 1 and 2, each skipped when its output exists: the tiny checkpoint, the synthetic data (training mixes
+    ``tasks``, a curriculum; held-out questions are ``heldout_tasks`` on videos never seen in training) and the
+    format-only warm start (``scripts/sft.sh``)."""
+    init, sft, _, _ = demo_paths(out, data)
+    say("1. tiny checkpoint and synthetic video QA data")
+    if not (init / "config.json").exists():
+        build_tiny_checkpoint(init, "qwen2_5_vl", seed=cfg.train.seed, sizes=DEMO_SIZES)
+    if not (data / "meta.json").exists():
+        generate(data, train=train_size, heldout=heldout_size, seed=cfg.train.seed, tasks=tasks,
+                 heldout_tasks=heldout_tasks, shuffle_options=False)
+    print(f"checkpoint {init}; data {data} (held-out questions use videos never seen in training)")
+    say("2. format-only warm start: scripts/sft.sh (answer letters drawn at random)")
+    if not (sft / "final" / "config.json").exists():
+        targets = format_only_sft_data(data / "train.jsonl", out / "sft_format_only.jsonl", cfg.train.seed)
+        launch("sft.sh", CONFIG, [f"model.path={init}", f"data.train_file={targets}", f"data.data_root={data}",
+                                  f"train.output_dir={sft}", f"train.max_steps={warm_steps}",
+                                  "train.prompts_per_rank=8", "train.groups_per_micro_batch=8", *WARM_START])
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="outputs/demo")
@@ -115,24 +136,11 @@ def main(argv: list[str] | None = None) -> dict:
     init, sft, run, base = demo_paths(out, data)
     warm = sft / "final"
     cfg = load_config(ROOT / CONFIG, base + args.overrides)
-    say("1. tiny checkpoint and synthetic video QA data")
-    if not (init / "config.json").exists():
-        build_tiny_checkpoint(init, "qwen2_5_vl", seed=cfg.train.seed, sizes=DEMO_SIZES)
-    if not (data / "meta.json").exists():
-        # The curriculum: colour questions (one frame suffices) teach the colour words, mixed with the task's own.
-        generate(data, train=args.train_size, heldout=args.heldout_size, seed=cfg.train.seed,
-                 tasks=tuple(args.mix) + (args.task,), heldout_tasks=(args.task,), shuffle_options=False)
-    heldout = data / "heldout.jsonl"
-    print(f"checkpoint {init}; data {data} (held-out questions use videos never seen in training)")
-
-    say("2. format-only warm start: scripts/sft.sh (answer letters drawn at random)")
     t = time.time()
-    if not (warm / "config.json").exists():
-        targets = format_only_sft_data(data / "train.jsonl", out / "sft_format_only.jsonl", cfg.train.seed)
-        launch("sft.sh", CONFIG, [f"model.path={init}", f"data.train_file={targets}", f"data.data_root={data}",
-                                  f"train.output_dir={sft}", f"train.max_steps={args.warm_steps}",
-                                  "train.prompts_per_rank=8", "train.groups_per_micro_batch=8", *WARM_START])
+    prepare(cfg, out, data, train_size=args.train_size, heldout_size=args.heldout_size,
+            tasks=tuple(args.mix) + (args.task,), heldout_tasks=(args.task,), warm_steps=args.warm_steps)
     timings["warm_start_s"] = time.time() - t
+    heldout = data / "heldout.jsonl"
 
     eval_overrides = eval_settings(cfg, max_new_tokens=32, batch_size=24)
 

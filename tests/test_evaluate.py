@@ -306,3 +306,20 @@ def test_evaluation_with_tools_answers_in_several_turns(small, tmp_path, monkeyp
     rows = [json.loads(line) for line in (tmp_path / "tools" / "predictions.jsonl").read_text().splitlines()]
     assert summary["scored_this_run"] == 4 and all(row["tool_calls"] == [1] for row in rows)
     assert all("<tool_call>" not in text for row in rows for text in row["completions"])  # the answer turn
+
+
+@pytest.mark.slow
+def test_each_objective_runs_on_the_demo_and_logs_its_ratios(tmp_path):
+    """app.demo_objectives on a handful of records and steps: every policy objective trains from the demo's warm
+    start through scripts/train.sh and its ratio statistics reach the summary."""
+    from app import demo_objectives
+
+    summary = demo_objectives.main(["--out", str(tmp_path / "demo"), "--data", str(tmp_path / "data"),
+                                    "--train-size", "8", "--heldout-size", "4", "--warm-steps", "2", "--steps", "2",
+                                    "train.prompts_per_rank=2", "train.groups_per_micro_batch=2",
+                                    "logging.progress_bar=false"])
+    assert list(summary["objectives"]) == list(demo_objectives.OBJECTIVES)
+    for name, r in summary["objectives"].items():
+        assert r["steps"] == 2 and r["ratio_min"] <= r["ratio_mean"] <= r["ratio_max"], name
+        assert 0.0 <= r["heldout_accuracy"] <= 1.0
+    assert (tmp_path / "demo" / "objectives" / "objectives_reward.png").stat().st_size > 10_000
