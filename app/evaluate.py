@@ -305,7 +305,8 @@ def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, worl
                     "solution": record["solution"], "answers": [answer_of(t) for t in texts],
                     "completions": texts, "accuracies": accuracies,
                     "accuracy": sum(accuracies) / len(accuracies), "pass": float(max(accuracies) >= 0.5),
-                    **({"tool_calls": calls[i]} if cfg.rollout.tools else {}),
+                    **({"tool_calls": [len(c) for c in calls[i]], "tool_results": calls[i]} if cfg.rollout.tools
+                       else {}),
                 })
                 scored += 1
                 if scored == crash_after:

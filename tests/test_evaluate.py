@@ -277,7 +277,8 @@ def test_resume_identity_reads_the_whole_weight_file(tmp_path, monkeypatch):
 
 def test_evaluation_with_tools_answers_in_several_turns(small, tmp_path, monkeypatch):
     """rollout.tools in the evaluation settings: each question runs as multi-turn rollouts (the same loop as
-    training), the last model turn is what is scored, and each prediction says how many calls its samples made.
+    training), the last model turn is what is scored, and each prediction says how many calls its samples made and
+    what each returned.
     The tiny model's first turn is scripted to call get_frames (it never writes a call by itself)."""
     import app.engines.multiturn as multiturn
 
@@ -305,6 +306,7 @@ def test_evaluation_with_tools_answers_in_several_turns(small, tmp_path, monkeyp
                          "rollout.max_turns=2")
     rows = [json.loads(line) for line in (tmp_path / "tools" / "predictions.jsonl").read_text().splitlines()]
     assert summary["scored_this_run"] == 4 and all(row["tool_calls"] == [1] for row in rows)
+    assert all(row["tool_results"] == [[{"error": None, "observation": "Frames from 0.0 s to 1.0 s:"}]] for row in rows)
     assert all("<tool_call>" not in text for row in rows for text in row["completions"])  # the answer turn
 
 

@@ -193,7 +193,7 @@ def tree_rollout(generate: Callable, prompts: Sequence[EncodedPrompt], contexts:
 
 def answer_sampler(engine, cfg, processor, sampling) -> Callable:
     """``sample(prompts, samples, seeds) -> (texts, tool calls)``: each prompt's ``samples`` answers as a list, and
-    how many tool calls each made. One turn from ``engine`` when ``rollout.tools`` is empty; otherwise multi-turn
+    each answer's tool calls in order (``call_summary``: error kind, what the observation says). One turn from ``engine`` when ``rollout.tools`` is empty; otherwise multi-turn
     rollouts with the configured tools and limits (``rollout.*``), all ``samples`` drawn at the first turn, the
     answer being the last model turn (what evaluation scores, as training's rewards do)."""
     import dataclasses
@@ -209,7 +209,7 @@ def answer_sampler(engine, cfg, processor, sampling) -> Callable:
             texts = [tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
                      for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
             return [texts[b * samples:(b + 1) * samples] for b in range(len(prompts))], \
-                [[0] * samples for _ in prompts]
+                [[[] for _ in range(samples)] for _ in prompts]
 
         return one_turn
     tools = build_tools(r.tools)
@@ -226,6 +226,13 @@ def answer_sampler(engine, cfg, processor, sampling) -> Callable:
         contexts = [context_for(p.record, Path(p.record.get("_root", ".")), limits_of_tools) for p in prompts]
         drawn = tree_rollout(generate, prompts, contexts, tools=tools, encode=observation_encoder(processor),
                              limits=limits, tokenizer=tokenizer, seeds=seeds)
-        return drawn.answers, [[len(path) for path in calls] for calls in drawn.calls]
+        return drawn.answers, [[[call_summary(r) for r in path] for path in calls] for calls in drawn.calls]
 
     return with_tools
+
+
+def call_summary(result) -> dict:
+    """A tool call as evaluation records it: its error kind (None when it ran) and the observation's text (the
+    tool's own line, e.g. the window it returned, or the error message)."""
+    text = " ".join(item["text"] for item in result.content if item.get("type") == "text")
+    return {"error": result.error, "observation": text}
