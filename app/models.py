@@ -41,8 +41,18 @@ _CORPUS_WORDS = (
 ).split()
 
 
-def build_tokenizer(vocab_size: int = 640):
-    """A small byte-level BPE tokenizer with Qwen's special tokens and the <think>/<answer> tags."""
+# With ``tool_tokens``: Qwen's call tags as single tokens, as its own tokenizer has them, and calls in the corpus.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
+_TOOL_CORPUS = [json.dumps({"name": name, "arguments": arguments}, separators=separators)
+                for name, arguments in (("get_frames", {"start": 1, "end": 3}), ("get_frames", {"start": 2.5, "end": 4,
+                                        "fps": 2}), ("zoom", {"frame_time": 3, "box": [0.1, 0.2, 0.5, 0.6]}))
+                for separators in ((",", ":"), (", ", ": "))]
+
+
+def build_tokenizer(vocab_size: int = 640, tool_tokens: bool = False):
+    """A small byte-level BPE tokenizer with Qwen's special tokens and the <think>/<answer> tags. ``tool_tokens``:
+    also Qwen's ``<tool_call>``/``</tool_call>`` as single added tokens and tool calls in the BPE corpus, so that a
+    call takes about as few tokens as with Qwen's own tokenizer (about 20, not 70)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -57,6 +67,7 @@ def build_tokenizer(vocab_size: int = 640):
     )
     words = _CORPUS_WORDS
     corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))] + [str(n) for n in range(1000)]
+    corpus += _TOOL_CORPUS * 20 if tool_tokens else []
     tok.train_from_iterator(corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -66,7 +77,7 @@ def build_tokenizer(vocab_size: int = 640):
         chat_template=CHAT_TEMPLATE,
         model_max_length=32768,
     )
-    fast.add_tokens(TAG_TOKENS)
+    fast.add_tokens(TAG_TOKENS + (TOOL_TOKENS if tool_tokens else []))
     return fast
 
 
@@ -256,14 +267,15 @@ def model_class(config):
 
 def build_tiny_checkpoint(out_dir: str | Path, family: str = "qwen2_5_vl", seed: int = 0,
                           sizes: TinySizes = TinySizes(), max_pixels: int = 28 * 28 * 16,
-                          real_tokenizer: bool = False) -> Path:
+                          real_tokenizer: bool = False, *, tool_tokens: bool = False) -> Path:
     """Write a randomly initialised tiny checkpoint (model + processor/tokenizer) with save_pretrained.
 
     ``real_tokenizer``: Qwen's own tokenizer and token ids (``build_qwen_tokenizer``) and the real vocabulary size
-    (151,936 rows), so that what runs on it sees a real checkpoint's ids; otherwise a 640-token toy tokenizer."""
+    (151,936 rows), so that what runs on it sees a real checkpoint's ids; otherwise a 640-token toy tokenizer
+    (``tool_tokens``: with Qwen's call tags as single tokens, ``build_tokenizer``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_qwen_tokenizer(family) if real_tokenizer else build_tokenizer()
+    tokenizer = build_qwen_tokenizer(family) if real_tokenizer else build_tokenizer(tool_tokens=tool_tokens)
     config = tiny_config(family, tokenizer, sizes, vocab_size=QWEN_VOCAB_SIZE if real_tokenizer else None)
     torch.manual_seed(seed)
     model = model_class(config).from_config(config, dtype=torch.float32)
@@ -272,7 +284,8 @@ def build_tiny_checkpoint(out_dir: str | Path, family: str = "qwen2_5_vl", seed:
     model.save_pretrained(out)
     build_processor(family, tokenizer, max_pixels=max_pixels, template=tokenizer.chat_template).save_pretrained(out)
     (out / "tiny_checkpoint.json").write_text(json.dumps({"family": family, "seed": seed, **sizes.__dict__,
-                                                          "real_tokenizer": real_tokenizer}))
+                                                          "real_tokenizer": real_tokenizer,
+                                                          "tool_tokens": tool_tokens}))
     return out
 
 

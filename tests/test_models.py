@@ -147,3 +147,21 @@ def test_first_release_qwen2_5_vl_processor_config_loads(tmp_path, videos):
                                                                 max_pixels=3136), {"type": "text", "text": "Hi"}]}]]
     a, b = encode_prompts(current, conversation), encode_prompts(old, conversation)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tool_tokens_make_qwens_call_tags_single_tokens_through_save_and_load(tmp_path):
+    """``tool_tokens`` (the tool demo's checkpoint): <tool_call> and </tool_call> are one token each, as in Qwen's
+    own tokenizer, and survive save_pretrained / from_pretrained; without it the toy tokenizer is unchanged."""
+    from app.models import TOOL_TOKENS, build_tiny_checkpoint
+    from app.tools import parse_call
+
+    call = '<tool_call>{"name":"get_frames","arguments":{"start":3,"end":5}}</tool_call>'
+    plain = build_tokenizer()
+    assert len(plain(call)["input_ids"]) > 50 and not set(TOOL_TOKENS) & set(plain.get_vocab())
+    build_tiny_checkpoint(tmp_path, "qwen2_5_vl", tool_tokens=True)
+    tok = load_processor(tmp_path).tokenizer
+    ids = tok(call)["input_ids"]
+    assert len(ids) < 25 and ids[0] == tok.convert_tokens_to_ids("<tool_call>") != tok.unk_token_id
+    assert ids[-1] == tok.convert_tokens_to_ids("</tool_call>")
+    assert tok.decode(ids) == call and parse_call(tok.decode(ids)).arguments == {"start": 3, "end": 5}
+    assert load_model(tmp_path).config.text_config.vocab_size == len(tok) == len(plain) + 2
