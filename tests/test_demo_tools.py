@@ -1,6 +1,7 @@
 """The tool-needing demo's pieces (app.demo_tools, the synthetic ``glimpse`` task): the answer is in the video only
-inside its window, the overview shows the cue but only a faded square, a get_frames call on the window shows it
-whole, and the warm start's targets are well-formed calls that run (or answers), independent of the video."""
+on frames of its window the overview does not take, the overview shows the cue and never the colour, a get_frames
+call on the window shows it, and the warm start's targets are well-formed calls on random windows that run, then
+answers that are what the returned frames show."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 from qwen_vl_utils import fetch_video
 
 from app.config import load_config
-from app.data.synthetic import COLOURS, generate
-from app.demo_tools import CONFIG, call_syntax_sft_data
+from app.data.synthetic import COLOURS, GLIMPSE_OVERVIEW_FRAMES, generate, overview_indices
+from app.demo_tools import CONFIG, call_text, calls_showing_answer, frames_show_colour, warm_start_data
 from app.tools import ToolLimits, build_tools, context_for, parse_call, run_call
 
 
@@ -45,33 +46,68 @@ def test_the_overview_shows_the_cue_and_the_window_shows_the_colour(glimpse):
         letter = record["solution"].removeprefix("<answer>").removesuffix("</answer>")
         colour = np.array(COLOURS[record["options"]["ABCD".index(letter)].split(". ")[1]])
         shown = [bool((np.abs(frame.astype(int) - colour).sum(-1) < 40).any()) for frame in clip]
-        inside = [start * 4 <= t < end * 4 for t in range(len(clip))]
-        assert shown == inside and record["duration"] == 8.0  # the answer exists only inside the window
+        hidden = overview_indices(len(clip), GLIMPSE_OVERVIEW_FRAMES)
+        inside = [start * 4 <= t < end * 4 and t not in hidden for t in range(len(clip))]
+        assert shown == inside and any(shown) and record["duration"] == 8.0  # the answer: inside the window only
         overview = _frames({"type": "video", "video": str(path), "fps": cfg.data.fps, "max_frames": cfg.data.max_frames,
                             "min_pixels": cfg.data.min_pixels, "max_pixels": cfg.data.max_pixels})
         window = _frames({"type": "video", "video": str(path), "video_start": start, "video_end": end, "fps": 4.0,
                           "max_frames": cfg.rollout.tool_max_frames, "min_pixels": cfg.data.min_pixels,
                           "max_pixels": cfg.rollout.tool_max_pixels})
+        assert len(overview) == GLIMPSE_OVERVIEW_FRAMES == cfg.data.max_frames
         assert overview[:, :, :2].mean(dim=(1, 2, 3)).max() > 200  # the white bar shows in the overview
-        assert _saturation(overview) < 0.7 * _saturation(window)  # the square's colour fades at its pixels
+        assert _saturation(overview) < 40 < 150 < _saturation(window)  # the colour: never there, clear here
 
 
-def test_the_warm_start_writes_a_call_that_runs_then_a_random_answer(glimpse, tmp_path):
+def test_the_warm_start_calls_a_random_window_then_answers_what_its_frames_show(glimpse, tmp_path):
     out, records = glimpse
-    targets = [json.loads(line) for line in
-               call_syntax_sft_data(out / "train.jsonl", tmp_path / "sft.jsonl", seed=0).read_text().splitlines()]
+    limits = ToolLimits(max_frames=4, min_pixels=784, max_pixels=3136)
+    targets = [json.loads(line) for line in warm_start_data(out / "train.jsonl", tmp_path / "sft.jsonl", 0, out,
+                                                            limits).read_text().splitlines()]
     tools = build_tools(["get_frames"])
-    letters = set()
+    seen = []
     for record, target in zip(records, targets):
-        assert {k: v for k, v in target.items() if k != "turns"} == record
+        assert {k: v for k, v in target.items() if k not in ("turns", "window_shows_answer")} == record
         first, second = target["turns"]
         call = parse_call(first)
         assert call.name == "get_frames" and call.arguments["end"] - call.arguments["start"] == 2
-        result = run_call(first, tools, context_for(record, out, ToolLimits(max_frames=4)))
+        result = run_call(first, tools, context_for(record, out, limits))
         assert result.error is None and [item["type"] for item in result.content] == ["text", "video"]
         assert parse_call(second) is None and second.endswith("</answer>")
-        letters.add(second[-10])
-    assert len(letters) > 1  # random letters, not the solutions
+        if target["window_shows_answer"]:
+            assert second.endswith(record["solution"])  # it reads what the frames show
+        seen.append(target["window_shows_answer"])
+        start, end = record["glimpse"]
+        exact = {"name": "get_frames", "arguments": {"start": start, "end": end}}
+        own = run_call(f"<tool_call>{json.dumps(exact)}</tool_call>", tools, context_for(record, out, limits))
+        assert frames_show_colour(own.content[-1])  # the record's own window shows the colour
+        away = (0.0, 1.0) if start >= 2 else (7.0, 8.0)
+        miss = run_call(call_text(*away), tools, context_for(record, out, limits))
+        assert not frames_show_colour(miss.content[-1])
+    assert any(seen) and not all(seen)  # random windows: some catch the colour, some miss it
+
+
+def test_the_demo_counts_the_calls_whose_frames_show_the_answer(glimpse, tmp_path):
+    """calls_showing_answer reads each call's window back from the evaluation's predictions (the tool's own
+    observation text) and decodes it again: the record's own window shows the answer, a window away from it does
+    not, and a call that failed is not counted."""
+    from app.engines.multiturn import call_summary
+    from app.tools import ToolResult, get_frames
+
+    out, records = glimpse
+    limits = ToolLimits(max_frames=4, min_pixels=784, max_pixels=3136)
+    heldout = out / "train.jsonl"  # any file of the records the predictions name
+    rows = []
+    for record in records:
+        start, end = record["glimpse"]
+        away = (0.0, 1.0) if start >= 2 else (7.0, 8.0)
+        samples = [[call_summary(ToolResult(get_frames(context_for(record, out, limits), *window)))]
+                   for window in ((start, end), away)]
+        samples.append([call_summary(ToolResult([{"type": "text", "text": "error: out_of_range"}], "out_of_range"))])
+        rows.append({"problem_id": record["problem_id"], "tool_results": samples})
+    (tmp_path / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert calls_showing_answer(tmp_path, heldout, out, limits) == 0.5  # own windows all, away windows none
+    assert calls_showing_answer(tmp_path / "missing", heldout, out, limits) is None
 
 
 @pytest.mark.slow

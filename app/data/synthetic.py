@@ -20,7 +20,8 @@ from app.data.video import write_mp4
 COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (30, 60, 230), "yellow": (235, 220, 30)}
 DIRECTIONS = ("left", "right", "up", "down")
 TASKS = ("colour", "direction", "count", "motion", "order", "glimpse")
-GLIMPSE_QUESTION = "A small square shows for a moment under a white bar. What colour is it?"
+GLIMPSE_QUESTION = "A colour shows for a moment under a white bar. Which colour is it?"
+GLIMPSE_OVERVIEW_FRAMES = 8  # the overview the glimpse task hides its colour from (configs/demo_tools_cpu.yaml's)
 
 
 def render(colours: list[str], direction: str, frames: int, size: int, rng: random.Random,
@@ -76,24 +77,35 @@ def render_order(first: str, second: str, frames: int, size: int, rng: random.Ra
 
 
 def glimpse_window(frames: int) -> int:
-    """Frames the glimpse task's square shows for: a quarter of the clip (2 s of an 8 s clip at 4 fps), so that an
+    """Frames the glimpse task's white bar shows for: a quarter of the clip (2 s of an 8 s clip at 4 fps), so that an
     overview at 1 fps catches the bar."""
     return max(1, frames // 4)
 
 
-def render_glimpse(colour: str, frames: int, size: int, rng: random.Random) -> tuple[np.ndarray, int]:
+def overview_indices(frames: int, sampled: int) -> set[int]:
+    """The frames an overview of ``sampled`` frames takes from a clip of ``frames``: qwen-vl-utils' evenly spaced
+    indices, computed as it computes them."""
+    import torch
+
+    return set(torch.linspace(0, frames - 1, sampled).round().long().tolist())
+
+
+def render_glimpse(colour: str, frames: int, size: int, rng: random.Random,
+                   overview: int = GLIMPSE_OVERVIEW_FRAMES) -> tuple[np.ndarray, int]:
     """The task that needs a tool: a dark clip in which, for ``glimpse_window`` frames at a random time, a white bar
-    lines the top (the cue: wide enough to see at an overview's few pixels) and a small square of ``colour`` (a
-    28th of the side: at most a pixel at an overview of a quarter the side, averaged with the dark around it) sits
-    at a random place below it. Returns the clip and the first frame of the window."""
+    lines the top (the cue: wide enough to see in an overview's few pixels) and, on those frames of the window an
+    overview of ``overview`` frames does not take, the frame below the bar is ``colour``. The overview shows when
+    to look and never the colour; frames of the window at a higher rate show it plainly. Returns the clip and the
+    first frame of the window. (``rng`` draws the window's place.)"""
     video = np.full((frames, size, size, 3), 16, dtype=np.uint8)
     window = glimpse_window(frames)
     first = rng.randint(0, frames - window)
-    bar, side = max(2, size // 8), max(2, size // 28)
-    x, y = rng.randint(0, size - side), rng.randint(bar + 2, size - side)
+    bar = max(2, size // 8)
+    hidden = overview_indices(frames, overview)
     for t in range(first, first + window):
         video[t, :bar] = 235
-        video[t, y : y + side, x : x + side] = COLOURS[colour]
+        if t not in hidden:
+            video[t, bar + 2 :] = COLOURS[colour]
     return video, first
 
 
@@ -138,7 +150,7 @@ def make_item(index: int, task: str, rng: random.Random, out: Path, *, frames: i
         rng.shuffle(options)
     letter = letters[options.index(answer)]
     extra = {}
-    if task == "glimpse":  # where the square is, in seconds: for checks and plots, never shown to the model
+    if task == "glimpse":  # where the bar is, in seconds: for checks and plots, never shown to the model
         extra = {"duration": frames / fps, "glimpse": [first / fps, (first + glimpse_window(frames)) / fps]}
     return {
         "problem_id": index,
