@@ -25,6 +25,23 @@ def _layouts(count, seed=0):
     return [random_layout(rng, max_prefix=900, max_response=300) for _ in range(count)]
 
 
+def _flex_equals_masked(attend, length: int, dtype) -> None:
+    """``attend(backend, q, k, v)``: the flex backend's output and q/k/v gradients equal the masked backend's (fp32
+    1e-4, bf16 3e-2) on random q [1, 8, T, 64] and k, v [1, 2, T, 64]."""
+    q = torch.randn(1, 8, length, 64, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, 2, length, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    results = {}
+    for backend in ("flex", "masked"):
+        out = attend(backend, q, k, v)
+        weight = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0)).float()
+        grads = torch.autograd.grad((out.float() * weight).sum(), (q, k, v))
+        results[backend] = (out.float(), [g.float() for g in grads])
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(results["flex"][0], results["masked"][0], rtol=tolerance, atol=tolerance)
+    for got, want in zip(results["flex"][1], results["masked"][1]):
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_flex_forward_backward_matches_masked_on_many_lengths(dtype):
     from torch._dynamo.utils import counters
@@ -33,20 +50,9 @@ def test_flex_forward_backward_matches_masked_on_many_lengths(dtype):
 
     before = counters["stats"]["unique_graphs"]
     for layout in _layouts(16):
-        shape = (1, 8, layout.total_len, 64)
-        q = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(1, 2, layout.total_len, 64, device="cuda", dtype=dtype, requires_grad=True)
-                for _ in range(2))
-        weight = torch.randn(shape, device="cuda", dtype=dtype)
-        results = {}
-        for backend in ("flex", "masked"):
-            out = grouped_attention(GroupedAttentionPlan(layout, backend), q, k, v)
-            grads = torch.autograd.grad((out.float() * weight.float()).sum(), (q, k, v))
-            results[backend] = (out.float(), [g.float() for g in grads])
-        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
-        torch.testing.assert_close(results["flex"][0], results["masked"][0], rtol=tolerance, atol=tolerance)
-        for got, want in zip(results["flex"][1], results["masked"][1]):
-            torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+        _flex_equals_masked(lambda backend, q, k, v, layout=layout: grouped_attention(GroupedAttentionPlan(layout, backend),
+                                                                                       q, k, v),
+                            layout.total_len, dtype)
     assert counters["stats"]["unique_graphs"] - before <= 4  # forward and backward graphs, not one per length
 
 
@@ -140,17 +146,5 @@ def test_flex_tree_attention_forward_backward_matches_the_dense_tree_mask(dtype)
     rng = random.Random(3)
     for _ in range(8):
         trees = _random_trees(rng, rng.randint(1, 3))
-        length = sum(t.total_len for t in trees)
-        shape = (1, 8, length, 64)
-        q = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(1, 2, length, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
-        weight = torch.randn(1, length, 8, 64, device="cuda", dtype=dtype)
-        results = {}
-        for backend in ("flex", "masked"):
-            out = TreeAttentionPlan(trees, backend).attend(None, q, k, v)
-            grads = torch.autograd.grad((out.float() * weight.float()).sum(), (q, k, v))
-            results[backend] = (out.float(), [g.float() for g in grads])
-        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
-        torch.testing.assert_close(results["flex"][0], results["masked"][0], rtol=tolerance, atol=tolerance)
-        for got, want in zip(results["flex"][1], results["masked"][1]):
-            torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+        _flex_equals_masked(lambda backend, q, k, v, trees=trees: TreeAttentionPlan(trees, backend).attend(None, q, k, v),
+                            sum(t.total_len for t in trees), dtype)
