@@ -75,9 +75,10 @@ def launch(script: str, config: str, overrides: list[str], nproc: int = 1) -> No
     subprocess.run(command, check=True, env={**os.environ, "NPROC_PER_NODE": str(nproc)})
 
 
-def demo_paths(out: Path, data: Path) -> tuple[Path, Path, Path, list[str]]:
-    """The demo's folders (tiny checkpoint, warm start, GRPO run) and the overrides that point a config at them."""
-    init, sft, run = out / "tiny-qwen2_5_vl", out / "sft", out / "run"
+def demo_paths(out: Path, data: Path, family: str = "qwen2_5_vl") -> tuple[Path, Path, Path, list[str]]:
+    """The demo's folders (tiny checkpoint of ``family``, warm start, GRPO run) and the overrides that point a config
+    at them."""
+    init, sft, run = out / f"tiny-{family}", out / "sft", out / "run"
     base = [f"model.path={sft / 'final'}", f"data.train_file={data / 'train.jsonl'}", f"train.output_dir={run}"]
     return init, sft, run, base
 

@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         shutil.rmtree(data, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     started, timings = time.time(), {}
-    _, sft, run, base = demo_paths(out, data)
-    init = out / f"tiny-{args.family}"
+    init, sft, run, base = demo_paths(out, data, args.family)
     warm = sft / "final"
     cfg = load_config(ROOT / CONFIG, base + args.overrides)
 
