@@ -83,6 +83,7 @@ def test_sampled_evaluation_reports_pass_at_k(assets, tmp_path):
     assert summary["overall"]["pass@4"] >= summary["overall"]["accuracy"] - 1e-9
 
 
+@pytest.mark.slow  # about a minute (five launcher runs): make test-all and CI run it
 def test_demo_smoke(tmp_path):
     """The `make demo` pipeline end to end on a handful of records and steps (the real run: README)."""
     result = subprocess.run(
