@@ -25,7 +25,7 @@ from pathlib import Path
 from app.config import load_config
 from app.demo import CONFIG, ROOT, demo_paths, eval_settings, launch, prepare, say
 from app.evaluate import evaluate
-from app.plots import read_metrics, smooth
+from app.plots import plot_reward_curves, read_metrics
 
 # Each objective's settings beside the demo's: the papers' own where they fix them (docs/grpo.md has the sources).
 OBJECTIVES = {
@@ -57,26 +57,6 @@ def summarise(rows: list[dict]) -> dict:
             "ratio_mean": mean("ratio/mean"), "clip_fraction_low": mean("clip_fraction_low"),
             "clip_fraction_high": mean("clip_fraction_high"),
             "seconds_per_step": sum(r["time/step"] for r in rows[1:]) / max(1, len(rows) - 1)}
-
-
-def plot_rewards(runs: dict[str, list[dict]], out_png: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), constrained_layout=True)
-    for name, rows in runs.items():
-        steps = [r["step"] for r in rows]
-        ax.plot(steps, smooth([r["reward/mean"] for r in rows], max(1, len(rows) // 15)), label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward (mean, smoothed)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(title)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -124,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
                      f"{r['clip_fraction_low']:.3f} / {r['clip_fraction_high']:.3f} | {r['heldout_accuracy']:.3f} | "
                      f"{r['seconds_per_step']:.2f} |")
     table = "\n".join(lines)
-    plot_rewards(curves, runs_dir / "objectives_reward.png",
+    plot_reward_curves(curves, runs_dir / "objectives_reward.png",
                  title=f"Each policy objective on the demo ({args.steps} steps, mu = {args.iterations})")
     summary = {"steps": args.steps, "num_iterations": args.iterations, "objectives": results,
                "total_s": round(time.time() - started, 1)}

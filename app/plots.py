@@ -123,6 +123,22 @@ def plot_ab(runs_metrics: dict[str, str | Path], steps: int, out_png: str | Path
     return out
 
 
+def plot_reward_curves(runs: dict[str, list[dict]], out_png: str | Path, title: str) -> Path:
+    """The mean reward of several runs (their metrics rows) over their steps, smoothed, on one axis."""
+    fig, ax = plt.subplots(figsize=(8, 4.5), constrained_layout=True)
+    for name, rows in runs.items():
+        steps = [r["step"] for r in rows]
+        ax.plot(steps, smooth([r["reward/mean"] for r in rows], max(1, len(rows) // 15)), label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward (mean, smoothed)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
