@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 # Every choice list comes from the module that defines the choice (one source of truth).
 from app.data.prompts import PROMPT_TEMPLATES
+from app.data.video import FRAME_FOLDER_SAMPLING
 from app.engines import ENGINE_NAMES
 from app.grouping import BACKENDS, DEFAULT_CHUNK_SIZE, MODES
 from app.grpo import (
@@ -73,6 +74,10 @@ class DataConfig:
     max_frames: int = _f(16, "Upper bound on sampled frames per video.")
     frame_folder_fps: float = _f(3.0, "Frame rate of frame-folder videos (a directory of images, as MVBench and TVQA "
                                  "ship) whose record has no `fps` field; frames are sampled from it at data.fps.")
+    frame_folder_sampling: str = _f("fps", "Which frames of a frame-folder video are used: fps samples at data.fps "
+                                    "(data.frame_folder_fps, data.max_frames); videochat_r1_track takes VideoChat-R1's "
+                                    "tracking frames (first, 5 spaced, last, the last twice: 8; each sized as an image, read as 2 fps), "
+                                    "as its GOT-10k evaluation does.", choices=tuple(FRAME_FOLDER_SAMPLING))
     min_pixels: int = _f(3136, "Lower bound on pixels per video frame (always passed with max_pixels).")
     max_pixels: int = _f(100352, "Upper bound on pixels per video frame.")
     video_total_pixels: int = _f(0, "A pixel budget for a whole video instead of data.max_pixels per frame: "
@@ -85,7 +90,8 @@ class DataConfig:
     prompt_template: str = _f("video_r1", "Question template: video_r1 reproduces Video-R1's prompt exactly (what its "
                               "checkpoints were trained on); video_r1_eval its evaluation script's; timezero_grounding "
                               "TimeZero's temporal-grounding evaluation prompt (text before the video, no per-type "
-                              "instruction); prefix_grpo is this project's first template.",
+                              "instruction); videochat_r1_track VideoChat-R1's GOT-10k tracking prompt (reads the "
+                              "record's object and initial_box); prefix_grpo is this project's first template.",
                               choices=tuple(PROMPT_TEMPLATES))
     system_prompt: str = _f("template", "System message: 'template' uses the template's own (video_r1: none, so the "
                             "chat template's default 'You are a helpful assistant.'; prefix_grpo: its "

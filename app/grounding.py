@@ -1,6 +1,7 @@
-"""Grounding answers: a time interval in seconds (temporal grounding) or a box (spatial grounding), parsed in the
-forms models write, scored by IoU against the reference; the metrics grounding papers report (mIoU, R@0.3/0.5/0.7),
-and the check that a grounding record can be scored at all. Pure Python.
+"""Grounding answers: a time interval in seconds (temporal grounding), a box (spatial grounding) or one box per
+sampled frame (object tracking), parsed in the forms models write, scored by IoU against the reference; the metrics
+grounding papers report (mIoU, R@0.3/0.5/0.7), and the check that a grounding record can be scored at all. Pure
+Python.
 """
 
 from __future__ import annotations
@@ -72,6 +73,24 @@ def box_iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:
     return inter / union if union > 0 else float(a == b)
 
 
+_BOX_GROUP = re.compile(r"[\[(]([^\[\]()]*)[\])]")  # an innermost bracketed or parenthesised group
+
+
+def parse_boxes(text: str, limit: float | None = None) -> list[tuple[float, float, float, float]] | None:
+    """One box per frame from what a model writes: "[[x1, y1, x2, y2], [..], ...]", "(x1, y1, x2, y2), (..)", or
+    one box per line. Each box as ``parse_box`` reads it (corners put in order, in the ``limit``'s range). None
+    when any group is not exactly one box, or there is none: a flat run of numbers is not split into boxes by
+    guessing."""
+    text = text.translate(_MINUS)
+    groups = _BOX_GROUP.findall(text)
+    if not groups:
+        groups = [line for line in text.splitlines() if line.strip()]
+        if len(groups) < 2:  # one line of numbers: a single box is spatial grounding's answer, not a track
+            return None
+    boxes = [parse_box(group, limit) for group in groups]
+    return boxes if all(box is not None for box in boxes) else None
+
+
 def _temporal_grounding(pred: str, truth: str, record: dict | None = None) -> float:
     p, t = parse_interval(pred), parse_interval(truth)
     if p is None or t is None:
@@ -88,7 +107,17 @@ def _spatial_grounding(pred: str, truth: str, record: dict | None = None) -> flo
     return box_iou(p, t) if p is not None and t is not None else 0.0
 
 
-GROUNDING_TYPES = ("temporal grounding", "spatial grounding")
+def _object_tracking(pred: str, truth: str, record: dict | None = None) -> float:
+    """The mean IoU over the frames of the answer's boxes with the reference boxes, frame by frame (VideoChat-R1's
+    average overlap); 0 unless the answer has exactly one box per reference frame."""
+    limit = BOX_FORMATS[(record or {}).get("box_format", "pixel")]
+    p, t = parse_boxes(pred, limit), parse_boxes(truth, limit)
+    if p is None or t is None or len(p) != len(t):
+        return 0.0
+    return sum(box_iou(a, b) for a, b in zip(p, t)) / len(t)
+
+
+GROUNDING_TYPES = ("temporal grounding", "spatial grounding", "object tracking")
 RECALL_THRESHOLDS = (0.3, 0.5, 0.7)  # R@IoU the grounding papers report, beside mIoU
 
 
@@ -111,10 +140,13 @@ def check_grounding_record(record: dict) -> str | None:
         duration = record.get("duration")
         if duration is not None and (not isinstance(duration, (int, float)) or span[1] > float(duration) + 1e-6):
             return f"temporal grounding solution {truth!r} ends past the record's duration {duration!r}"
-    elif kind == "spatial grounding":
+    elif kind in ("spatial grounding", "object tracking"):
         box_format = record.get("box_format", "pixel")
         if box_format not in BOX_FORMATS:
             return f"unknown box_format {box_format!r} (known: {', '.join(BOX_FORMATS)})"
-        if parse_box(truth, BOX_FORMATS[box_format]) is None:
+        if kind == "spatial grounding" and parse_box(truth, BOX_FORMATS[box_format]) is None:
             return f"spatial grounding solution {truth!r} is not one [x1, y1, x2, y2] box in {box_format} coordinates"
+        if kind == "object tracking" and parse_boxes(truth, BOX_FORMATS[box_format]) is None:
+            return (f"object tracking solution {truth[:80]!r} is not a list of [x1, y1, x2, y2] boxes (one per frame) "
+                    f"in {box_format} coordinates")
     return None

@@ -9,6 +9,7 @@ A reward function takes the decoded completions and their records and returns on
 
 from __future__ import annotations
 
+import ast
 import functools
 import math
 import re
@@ -28,7 +29,7 @@ from app.answers import (
     extract_answer,
     solution_answer,
 )
-from app.grounding import GROUNDING_TYPES, _spatial_grounding, _temporal_grounding, parse_interval
+from app.grounding import GROUNDING_TYPES, _object_tracking, _spatial_grounding, _temporal_grounding, parse_interval
 from app.groups import group_slices
 from app.plugins import load_function
 
@@ -42,6 +43,7 @@ ACCURACY_BY_PROBLEM_TYPE: dict[str, Callable[[str, str], float]] = {
     "regression": _regression,
     "temporal grounding": _temporal_grounding,
     "spatial grounding": _spatial_grounding,
+    "object tracking": _object_tracking,
 }
 NEEDS_RECORD = GROUNDING_TYPES  # metrics that read the record (duration, box_format) besides the two answers
 PROBLEM_TYPES = tuple(ACCURACY_BY_PROBLEM_TYPE)
@@ -143,12 +145,63 @@ def timezero_accuracy(completion: str, record: dict) -> float:
     return max((min(e, ep) - max(s, sp)) / union, 0.0) if union > 0 else 0.0
 
 
+_FIRST_ANSWER_RAW = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def videochat_r1_track_answer(text: str) -> str:
+    """What VideoChat-R1's tracking evaluation reads: the first ``<answer>`` content, as written ("" without one)."""
+    found = _FIRST_ANSWER_RAW.search(text)
+    return found.group(1) if found else ""
+
+
+def _literal_boxes(text: str, count: int | None = None) -> list[list[float]] | None:
+    """A Python list literal of ``count`` (None: any number, at least one) lists of 4 numbers (newlines removed
+    first), as VideoChat-R1's ``is_valid_list_of_lists`` accepts it; ``ast.literal_eval`` reads literals only,
+    never code."""
+    try:
+        boxes = ast.literal_eval(text.replace("\n", ""))
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
+    if not (isinstance(boxes, list) and boxes and len(boxes) == (count or len(boxes)) and all(isinstance(b, list) and len(b) == 4
+                                                                      for b in boxes)):
+        return None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for b in boxes for v in b):
+        return None  # (VideoChat-R1's script would stop on a string inside a box; here it scores 0)
+    return [[float(v) for v in b] for b in boxes]
+
+
+def _videochat_iou(a: list[float], b: list[float]) -> float:
+    """VideoChat-R1's calculate_iou: corners as written (not reordered), 0 when the union is 0."""
+    inter = max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union != 0 else 0.0
+
+
+def videochat_r1_track_accuracy(completion: str, record: dict) -> float:
+    """VideoChat-R1's tracking score of one output (src_eval/evaluate_track.py): the first ``<answer>`` must hold
+    a list of as many ``[x0, y0, x1, y1]`` lists as the reference (8 in its GOT-10k file); the score is the mean
+    over frames of its IoU; anything else 0."""
+    kind = record["problem_type"]
+    if kind != "object tracking":
+        raise RewardError(f"eval.answer_extraction=videochat_r1_track scores 'object tracking' records only "
+                          f"(VideoChat-R1's evaluate_track.py); this record's problem_type is {kind!r}")
+    reference = solution_answer(str(record.get("solution", "")))
+    truth = _literal_boxes(reference)
+    if truth is None:
+        raise RewardError(f"object tracking solution {reference[:80]!r} is not a list of [x0, y0, x1, y1] boxes")
+    boxes = _literal_boxes(videochat_r1_track_answer(completion), len(truth))
+    if boxes is None:
+        return 0.0
+    return sum(_videochat_iou(p, t) for p, t in zip(boxes, truth)) / len(truth)
+
+
 ANSWER_EXTRACTION = {  # name -> (score of an output, the answer it read)
     # this project's scoring (the trainer's reward code; regression by MRA, as evaluations report it)
     "project": (lambda completion, record: accuracy_of(completion, record, regression="mra"),
                 lambda completion: extract_answer(completion) or ""),
     "video_r1": (video_r1_eval_accuracy, video_r1_eval_answer),  # Video-R1's evaluation script, to reproduce it
     "timezero": (timezero_accuracy, timezero_answer),  # TimeZero's temporal-grounding evaluation
+    "videochat_r1_track": (videochat_r1_track_accuracy, videochat_r1_track_answer),  # VideoChat-R1's GOT-10k
 }
 
 

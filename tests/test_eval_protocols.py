@@ -6,6 +6,7 @@ imported: the comparison is with an independent reading of that code."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -264,3 +265,216 @@ def test_charades_sta_annotations_convert_to_records(tmp_path):
     annotation.write_text(json.dumps({"3MSZA": {"duration": 30.96, "timestamps": [[1, 2]], "sentences": []}}))
     with pytest.raises(ConvertError, match="video '3MSZA' has 1 timestamps but 0 sentences"):
         charades_sta(annotation, tmp_path / "videos")
+
+
+# ---- VideoChat-R1's evaluations (OpenGVLab/VideoChat-R1 src_eval/), transcribed ---------------------------------
+# evaluate_grounding.py's GROUND_TEMPLATE_THINK (eval_prompts.py)
+VC_GROUND = """To accurately pinpoint the event "[EVENT]" in the video, determine the precise time period of the event.
+
+Output your thought process within the <think> </think> tags, including analysis with either specific timestamps (xx.xx) or time ranges (xx.xx to xx.xx) in <timestep> </timestep> tags.
+
+Then, provide the start and end times (in seconds, precise to two decimal places) in the format "start time to end time" within the <answer> </answer> tags. For example: "12.54 to 17.83"."""
+# evaluate_track.py's TRACK_THINK (eval_prompts.py)
+VC_TRACK = """Track the "[OBJECT]" in the video based on its initial coordinates "[START]". The output should be a list containing eight sublists. Each sublist includes four normalized coordinates [x0, y0, x1, y1] representing the bounding box of the object at specific time intervals.
+
+Output your thought process within the <think> </think> tags.
+
+Provide your answer within the <answer> </answer> tags as a list of eight sublists, where each sublist contains the normalized coordinates [x0, y0, x1, y1]. For example: <answer>[[0.1, 0.5, 0.3, 0.55], [0.72, 0.25, 0.84, 0.43], ...]</answer>.
+"""
+
+
+def vc_track_frames(path: str) -> list[str]:
+    """evaluate_track.py inference(): the .jpg files, sorted; the first, 5 at int(i * (n - 1) / 6), the last: 7
+    paths (qwen-vl-utils then repeats the last to make an even count, 8)."""
+    import os
+
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".jpg"))
+    step = (len(files) - 1) / 6
+    return [files[0]] + [files[int(i * step)] for i in range(1, 6)] + [files[-1]]
+
+
+def vc_frame_size(height: int, width: int) -> tuple[int, int]:
+    """qwen-vl-utils 0.0.10 fetch_image() on each frame of a list: smart_resize, factor 28, min_pixels from the
+    element (16*28*28), max_pixels its default MAX_PIXELS (16384*28*28); total_pixels is not read for a list."""
+    min_pixels, max_pixels = 16 * 28 * 28, 16384 * 28 * 28
+    h, w = max(28, round(height / 28) * 28), max(28, round(width / 28) * 28)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h, w = math.floor(height / beta / 28) * 28, math.floor(width / beta / 28) * 28
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / 28) * 28, math.ceil(width * beta / 28) * 28
+    return h, w
+
+
+def vc_track_iou(output: str, gt: list) -> float:
+    """process_work_items(): the first <answer> (DOTALL), is_valid_list_of_lists, average_overlap of calculate_iou."""
+    import ast
+    import re
+
+    found = re.search(r"<answer>(.*?)</answer>", output, re.DOTALL)
+    if not found:
+        return 0.0
+    glue = found.group(1)
+    try:
+        data = ast.literal_eval(glue.replace("\n", ""))
+        valid = isinstance(data, list) and len(data) == 8 and all(isinstance(e, list) and len(e) == 4 for e in data)
+    except Exception:
+        valid = False
+    if not valid:
+        return 0.0
+    ious = []
+    for (x0, y0, x1, y1), (a0, b0, a1, b1) in zip(data, gt):
+        inter = max(0, min(x1, a1) - max(x0, a0)) * max(0, min(y1, b1) - max(y0, b0))
+        union = (x1 - x0) * (y1 - y0) + (a1 - a0) * (b1 - b0) - inter
+        ious.append(0.0 if union == 0 else inter / union)
+    return float(np.mean(ious))
+
+
+GOT_ENTRY = {  # the first entry of its Annotations/Got/got_val.json (path shortened)
+    "path": "/mnt/GOT-10k/val/GOT-10k_Val_000010", "object": "sloth",
+    "gt": [[0.093, 0.0, 0.8, 0.797], [0.095, 0.0, 0.8, 0.79], [0.111, 0.093, 0.751, 0.963],
+           [0.078, 0.008, 0.642, 0.875], [0.007, 0.003, 0.601, 0.857], [0.051, 0.003, 0.64, 0.831],
+           [0.095, 0.093, 0.756, 0.883], [0.127, 0.0, 0.713, 0.799]]}
+
+
+def got_folder(root, name: str, frames: int, height: int, width: int):
+    """A GOT-10k-like folder: 00000001.jpg ... with frame k filled with grey level 2k + 10 (so a decoded frame says
+    which file it came from), and the files GOT-10k keeps beside them."""
+    from PIL import Image
+
+    folder = root / name
+    folder.mkdir(parents=True)
+    for k in range(frames):
+        Image.new("RGB", (width, height), (2 * k + 10,) * 3).save(folder / f"{k + 1:08d}.jpg", quality=100)
+    (folder / "groundtruth.txt").write_text("0,0,1,1\n")
+    (folder / "absence.label").write_text("0\n")
+    return folder
+
+
+@pytest.mark.parametrize(("frames", "height", "width"), [(100, 90, 160), (23, 40, 60), (9, 720, 1280)])
+def test_the_got10k_preset_takes_videochat_r1s_tracking_frames_at_their_size(tmp_path, frames, height, width):
+    from app.data.convert import FORMATS
+    from app.data.records import build_conversation, check_record
+    from app.data.video import decode_video, frame_folder_element
+
+    folder = got_folder(tmp_path / "val", "GOT-10k_Val_000010", frames, height, width)
+    annotation = tmp_path / "got_val.json"
+    annotation.write_text(__import__("json").dumps([GOT_ENTRY]))
+    (record,), missing = FORMATS["videochat_r1_got10k"](annotation, tmp_path / "val")
+    assert missing == [] and check_record(record, tmp_path / "val") is None
+    cfg = preset("videochat_r1_got10k")
+    conversation = build_conversation(record, tmp_path / "val", cfg.data)
+    assert [m["role"] for m in conversation] == ["user"]
+    text, video = conversation[0]["content"]
+    assert text["text"] == VC_TRACK.replace("[OBJECT]", "sloth").replace("[START]", str(GOT_ENTRY["gt"][0]))
+    picked = vc_track_frames(str(folder))
+    assert frame_folder_element(video)["video"] == picked
+    decoded, _ = decode_video(video)
+    assert tuple(decoded.shape) == (8, 3, *vc_frame_size(height, width))
+    assert len(picked) == 7  # 7 frames, the last one twice, for 8 boxes
+    greys = [int(Path(p).stem) - 1 for p in picked + picked[-1:]]  # frame k's grey level is 2k + 10
+    assert decoded.mean(dim=(1, 2, 3)).tolist() == pytest.approx([2 * k + 10 for k in greys], abs=1.5)
+    # the records say which frames their boxes belong to: a config with the default sampling still takes these
+    assert record["frame_sampling"] == "videochat_r1_track"
+    plain = build_conversation(record, tmp_path / "val", load_config(None, ["model.path=m"], training=False).data)
+    assert frame_folder_element(plain[-1]["content"][0])["video"] == picked
+    assert (cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.eval.answer_extraction) == \
+        (0.0, 2048, "videochat_r1_track")
+
+
+GT = GOT_ENTRY["gt"]
+
+
+@pytest.mark.parametrize("output", [
+    f"<think>it walks left</think><answer>{GT}</answer>",
+    "<answer>" + str(GT).replace("], ", "],\n") + "</answer>",  # newlines inside the list
+    f"<answer>{[[b[0] + 0.05, b[1], b[2], b[3] - 0.1] for b in GT]}</answer>",  # close
+    f"<answer>{[[b[2], b[3], b[0], b[1]] for b in GT]}</answer>",  # corners swapped: negative areas, as written
+    f"<answer>{GT[:7]}</answer>",  # 7 boxes
+    f"<answer>{[tuple(b) for b in GT]}</answer>",  # tuples, not lists
+    f"<answer>{[b + [0.5] for b in GT]}</answer>",  # 5 numbers a box
+    f"<answer>{[[0, 0, 1, 1]] * 8}</answer>",  # the whole frame every time
+    f"<answer>{[[0.5, 0.5, 0.5, 0.5]] * 8}</answer>",  # empty boxes
+    f"<answer>{GT}</answer><answer>{[[0, 0, 1, 1]] * 8}</answer>",  # the first answer counts
+    f"{GT}", "<answer>the sloth stays</answer>", "",
+])
+def test_the_got10k_preset_scores_as_videochat_r1_does(output):
+    from app.rewards import videochat_r1_track_accuracy
+
+    record = {"problem_type": "object tracking", "solution": f"<answer>{GT}</answer>", "box_format": "normalized"}
+    assert videochat_r1_track_accuracy(output, record) == pytest.approx(vc_track_iou(output, GT), abs=1e-12)
+
+
+def test_the_got10k_scoring_names_what_it_cannot_score():
+    from app.answers import RewardError
+    from app.rewards import videochat_r1_track_accuracy
+
+    with pytest.raises(RewardError, match="scores 'object tracking' records only.*'multiple choice'"):
+        videochat_r1_track_accuracy("<answer>A</answer>", {"problem_type": "multiple choice",
+                                                          "solution": "<answer>A</answer>"})
+    # a string inside a box stops VideoChat-R1's script; here it scores 0
+    assert videochat_r1_track_accuracy(f"<answer>{[['a', 0, 1, 1]] * 8}</answer>",
+                                       {"problem_type": "object tracking", "solution": f"<answer>{GT}</answer>"}) == 0
+
+
+def test_got10k_annotations_convert_to_records_and_bad_entries_are_named(tmp_path):
+    import json
+
+    from app.data.convert import FORMATS, ConvertError, main
+    from app.rewards import accuracy_of
+
+    got_folder(tmp_path / "val", "GOT-10k_Val_000010", 12, 40, 60)
+    annotation = tmp_path / "got_val.json"
+    annotation.write_text(json.dumps([GOT_ENTRY, {**GOT_ENTRY, "path": "/x/GOT-10k_Val_000111"}]))
+    records, missing = FORMATS["videochat_r1_got10k"](annotation, tmp_path / "val")
+    assert missing == ["GOT-10k_Val_000111"] and records[0]["path"] == "GOT-10k_Val_000010"
+    assert records[0]["initial_box"] == GT[0] and records[0]["box_format"] == "normalized"
+    # this project's own reward reads the same solution: the reference scores 1 with it
+    assert accuracy_of(f"<think>x</think><answer>{GT}</answer>", records[0]) == 1.0
+    main(["videochat_r1_got10k", str(annotation), "--videos", str(tmp_path / "val"), "--out", str(tmp_path / "r")])
+    assert len((tmp_path / "r").read_text().splitlines()) == 1
+    annotation.write_text(json.dumps([GOT_ENTRY, {**GOT_ENTRY, "gt": [[0.1, 0.2, 0.3]]}]))
+    with pytest.raises(ConvertError, match=r"got_val.json\[1\] \(GOT-10k_Val_000010\): gt is not a list of normalised"):
+        FORMATS["videochat_r1_got10k"](annotation, tmp_path / "val")
+    annotation.write_text(json.dumps({"a": 1}))
+    with pytest.raises(ConvertError, match="expected a list"):
+        FORMATS["videochat_r1_got10k"](annotation, tmp_path / "val")
+
+
+def test_videochat_r1s_charades_protocol_is_timezeros(tmp_path):
+    """Its evaluate_grounding.py and my_qwen_utils.py, read beside TimeZero's evaluate.py: the same prompt (checked
+    here character for character), video settings, parse and IoU; so its preset extends TimeZero's."""
+    from app.data.prompts import question_text
+
+    assert preset("videochat_r1_charades_sta").to_dict() == preset("timezero_charades_sta").to_dict()
+    record = {"problem": "person turn a light on.", "problem_type": "temporal grounding",
+              "solution": "<answer>[24.3, 30.4]</answer>"}
+    assert question_text(record, preset("videochat_r1_charades_sta").data.prompt_template) == \
+        VC_GROUND.replace("[EVENT]", record["problem"])
+
+
+def test_an_evaluation_with_the_got10k_preset_runs_and_reports_tracking_metrics(tmp_path):
+    """scripts/eval.sh MODEL got10k.jsonl --protocol videochat_r1_got10k, in process: converted records, frame
+    folders, the preset's prompt and scoring; summary.json reports mIoU and R@k for object tracking."""
+    import json
+
+    from app.data.convert import main
+    from app.evaluate import evaluate
+    from app.models import build_tiny_checkpoint
+
+    for name in ("GOT-10k_Val_000010", "GOT-10k_Val_000111"):
+        got_folder(tmp_path / "val", name, 15, 40, 60)
+    (tmp_path / "got_val.json").write_text(json.dumps([GOT_ENTRY, {**GOT_ENTRY, "path": "/x/GOT-10k_Val_000111",
+                                                                   "object": "hand truck"}]))
+    main(["videochat_r1_got10k", str(tmp_path / "got_val.json"), "--videos", str(tmp_path / "val"), "--out",
+          str(tmp_path / "got10k.jsonl")])
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0)
+    out = tmp_path / "eval"
+    summary = evaluate(checkpoint, [tmp_path / "got10k.jsonl"], [f"eval.output_dir={out}", "eval.max_new_tokens=4",
+                                                                   f"data.data_root={tmp_path / 'val'}"],
+                       protocol="videochat_r1_got10k")
+    assert summary["scored_this_run"] == 2
+    saved = json.loads((out / "summary.json").read_text())
+    assert set(saved["grounding"]["object tracking"]) == {"mIoU", "R@0.3", "R@0.5", "R@0.7"}
+    assert "answer_extraction: videochat_r1_track" in (out / "eval_config.yaml").read_text()

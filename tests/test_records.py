@@ -16,7 +16,7 @@ from app.models import build_tiny_checkpoint, load_processor
 
 DATA = SimpleNamespace(fps=2.0, max_frames=4, min_pixels=3136, max_pixels=3136, image_min_pixels=3136,
                        image_max_pixels=3136, prompt_template="video_r1", system_prompt="template",
-                       max_prompt_length=4096, frame_folder_fps=3.0)
+                       max_prompt_length=4096, frame_folder_fps=3.0, frame_folder_sampling="fps")
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +170,13 @@ def test_options_are_labelled_and_many_options_work():
     rec = record(options=twelve, solution="<answer>L</answer>")
     assert accuracy_of("<think>x</think><answer>L</answer>", rec) == 1.0
     assert accuracy_of("<think>x</think><answer>(l)</answer>", rec) == 1.0
+
+
+def test_a_records_frame_sampling_and_a_templates_fields_are_checked_by_name(root):
+    from app.data.prompts import question_text
+
+    assert "unknown frame_sampling 'every_other' (known: fps, videochat_r1_track)" in check_record(
+        record(data_type="video", path="frames", frame_sampling="every_other"), root)
+    with pytest.raises(ValueError, match="prompt template 'videochat_r1_track' needs the record field 'object'"):
+        question_text(record(problem_type="object tracking", solution="<answer>[[0, 0, 1, 1]]</answer>"),
+                      "videochat_r1_track")

@@ -145,7 +145,7 @@ def test_regression_reports_mra_in_evaluation(truth, answer, expected):
 
 def test_every_problem_type_has_a_case():
     assert set(PROBLEM_TYPES) == {"multiple choice", "numerical", "OCR", "free-form", "regression",
-                                  "temporal grounding", "spatial grounding"}
+                                  "temporal grounding", "spatial grounding", "object tracking"}
 
 
 def test_free_form_partial_credit_is_mean_rouge():
@@ -288,6 +288,29 @@ def test_spatial_grounding_scores_the_iou_of_the_box_in_the_records_coordinates(
     assert accuracy_of(said(answer), grounding("spatial grounding", truth, box_format=box_format)) == expected
 
 
+TRACK = [[0.1, 0.2, 0.5, 0.6], [0.2, 0.2, 0.6, 0.6], [0.3, 0.2, 0.7, 0.6]]  # one box per sampled frame
+TRACKING = [
+    # right, in the forms models write: nested brackets, parentheses, one box per line, corners swapped
+    (str(TRACK), 1.0), ("(0.1, 0.2, 0.5, 0.6), (0.2, 0.2, 0.6, 0.6), (0.3, 0.2, 0.7, 0.6)", 1.0),
+    ("0.1 0.2 0.5 0.6\n0.2 0.2 0.6 0.6\n0.3 0.2 0.7 0.6", 1.0),
+    ("[[0.5, 0.6, 0.1, 0.2], [0.2, 0.2, 0.6, 0.6], [0.3, 0.2, 0.7, 0.6]]", 1.0),
+    # half right: the mean IoU over the frames
+    ("[[0.1, 0.2, 0.5, 0.6], [0.2, 0.2, 0.6, 0.6], [0.8, 0.8, 0.9, 0.9]]", pytest.approx(2 / 3)),
+    # gamed: the whole frame every time earns only the boxes' share of it
+    (str([[0, 0, 1, 1]] * 3), pytest.approx(0.16)),
+    # malformed or ambiguous: a box short, a box too many, a flat run of numbers, one box, pixel values, 5 numbers
+    (str(TRACK[:2]), 0.0), (str(TRACK + TRACK[:1]), 0.0), ("0.1 0.2 0.5 0.6 0.2 0.2 0.6 0.6 0.3 0.2 0.7 0.6", 0.0),
+    ("[0.1, 0.2, 0.5, 0.6]", 0.0), (str([[10, 20, 50, 60]] * 3), 0.0), (str([b + [1] for b in TRACK]), 0.0),
+    ("it moves right", 0.0),
+]
+
+
+@pytest.mark.parametrize(("answer", "expected"), TRACKING)
+def test_object_tracking_scores_the_mean_iou_of_the_boxes_frame_by_frame(answer, expected):
+    record = grounding("object tracking", str(TRACK), box_format="normalized")
+    assert accuracy_of(said(answer), record) == expected
+
+
 def test_grounding_records_that_cannot_be_scored_are_named():
     from app.grounding import check_grounding_record
 
@@ -299,6 +322,9 @@ def test_grounding_records_that_cannot_be_scored_are_named():
                                                                               box_format="percent"))
     assert "not one [x1, y1, x2, y2] box in normalized" in check_grounding_record(
         grounding("spatial grounding", "[10, 20, 30, 40]", box_format="normalized"))
+    assert "object tracking solution '[0.1, 0.2, 0.3]' is not a list of [x1, y1, x2, y2] boxes" in \
+        check_grounding_record(grounding("object tracking", "[0.1, 0.2, 0.3]", box_format="normalized"))
+    assert check_grounding_record(grounding("object tracking", str(TRACK), box_format="normalized")) is None
 
 
 def test_grounding_metrics_are_miou_and_recall_at_thresholds():

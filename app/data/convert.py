@@ -1,7 +1,8 @@
 """Benchmark annotation files -> this project's records (JSONL), so evaluation and training read them as they read
 Video-R1's.
 
-    python -m app.data.convert {charades_sta,activitynet_captions} ANNOTATION.json --videos DIR --out records.jsonl
+    python -m app.data.convert {charades_sta,activitynet_captions,videochat_r1_got10k} ANNOTATION.json \
+        --videos DIR --out records.jsonl
 
 ``charades_sta`` / ``activitynet_captions``: the temporal-grounding test annotations as TimeZero (www-Ye/TimeZero,
 dataset/charades-sta/*.json, dataset/activitynet/test.json) and its successors ship them,
@@ -9,6 +10,12 @@ dataset/charades-sta/*.json, dataset/activitynet/test.json) and its successors s
 (kept verbatim, leading space included, as TimeZero puts it into its prompt), ``problem_type: "temporal
 grounding"``, the span as its solution, the video's duration (the reward reads it), the video found as
 ``DIR/<video_id>.mp4`` (or .mkv, .webm, as TimeZero looks for it).
+
+``videochat_r1_got10k``: GOT-10k tracking as VideoChat-R1 (OpenGVLab/VideoChat-R1, Annotations/Got/got_val.json)
+ships it, ``[{"path": ".../GOT-10k_Val_000010", "object": "sloth", "gt": [[x0, y0, x1, y1] x 8]}]`` with
+normalised boxes; one record per entry, ``problem_type: "object tracking"``, the boxes as its solution, the first
+one as its ``initial_box``, the frame folder found as ``DIR/<last part of path>``, and ``frame_sampling:
+"videochat_r1_track"``: its 8 boxes belong to the 8 frames VideoChat-R1's script picks from the folder.
 """
 
 from __future__ import annotations
@@ -61,7 +68,42 @@ def temporal_grounding(annotation: Path, videos: Path, source: str) -> tuple[lis
     return records, missing
 
 
+def videochat_r1_tracking(annotation: Path, videos: Path, source: str = "got10k") -> tuple[list[dict], list[str]]:
+    """(records, the frame folders not found under ``videos``: their entries are left out)."""
+    try:
+        data = json.loads(annotation.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConvertError(f"{annotation}: cannot be read as JSON ({error})") from None
+    if not isinstance(data, list):
+        raise ConvertError(f"{annotation}: expected a list of {{path, object, gt}} entries")
+    records, missing = [], []
+    for i, entry in enumerate(data):
+        where = f"{annotation}[{i}]"
+        try:
+            folder, name, boxes = Path(str(entry["path"])).name, entry["object"], entry["gt"]
+        except (KeyError, TypeError):
+            raise ConvertError(f"{where} lacks path, object or gt") from None
+        if not isinstance(name, str) or not name.strip():
+            raise ConvertError(f"{where} ({folder}): object {name!r} is not a name")
+        if not (isinstance(boxes, list) and boxes and all(
+                isinstance(b, list) and len(b) == 4 and all(isinstance(v, (int, float)) and 0 <= v <= 1 for v in b)
+                for b in boxes)):
+            raise ConvertError(f"{where} ({folder}): gt is not a list of normalised [x0, y0, x1, y1] boxes")
+        if not (videos / folder).is_dir():
+            missing.append(folder)
+            continue
+        records.append({"problem_id": folder,
+                        "problem": f'Track the "{name}" in the video, starting from its box {boxes[0]} in the first '
+                                   "frame (normalised coordinates).",
+                        "problem_type": "object tracking", "data_type": "video", "path": folder,
+                        "solution": f"<answer>{json.dumps(boxes)}</answer>", "box_format": "normalized",
+                        "object": name, "initial_box": boxes[0], "frame_sampling": "videochat_r1_track",
+                        "data_source": source})
+    return records, missing
+
+
 FORMATS = {name: partial(temporal_grounding, source=name) for name in ("charades_sta", "activitynet_captions")}
+FORMATS["videochat_r1_got10k"] = videochat_r1_tracking
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
     print(f"{len(records)} records written to {args.out}" + (f"; {len(missing)} videos not found in {args.videos} "
-                                                            f"(their sentences left out): {', '.join(missing[:5])}"
+                                                            f"(their entries left out): {', '.join(missing[:5])}"
                                                             f"{' ...' if len(missing) > 5 else ''}" if missing else ""))
 
 

@@ -5,6 +5,7 @@ messages -> model inputs (the processor's chat template, media decoded through q
 from __future__ import annotations
 
 import re
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ TYPE_TEMPLATES = {
     "temporal grounding": " Please provide the start and end time of the moment in seconds, as [start, end], within "
                           "the <answer> </answer> tags.",
     "spatial grounding": " Please provide the bounding box as [x1, y1, x2, y2] within the <answer> </answer> tags.",
+    "object tracking": " Please provide the object's bounding box in each frame, in order, as a list of boxes "
+                       "[[x1, y1, x2, y2], ...] within the <answer> </answer> tags.",
 }
 # Video-R1's QUESTION_TEMPLATE, verbatim (its missing period after "thought expressions" included): the prompt
 # Video-R1's checkpoints were trained on.
@@ -60,10 +63,21 @@ TIMEZERO_GROUNDING = ('To accurately pinpoint the event "{question}" in the vide
                       'places) in the format "start time to end time" within the <answer> </answer> tags. For '
                       'example: "12.54 to 17.83".')
 
+# VideoChat-R1's evaluation prompt for object tracking on GOT-10k (OpenGVLab/VideoChat-R1, src_eval/eval_prompts.py
+# TRACK_THINK, its trailing newline included), verbatim: the record's ``object`` in place of [OBJECT] and its
+# ``initial_box`` written as Python writes a list in place of [START] (``str(gt[0])`` in its evaluate_track.py).
+VIDEOCHAT_R1_TRACK = ('Track the "{object}" in the video based on its initial coordinates "{initial_box}". The output '
+                      "should be a list containing eight sublists. Each sublist includes four normalized coordinates "
+                      "[x0, y0, x1, y1] representing the bounding box of the object at specific time intervals.\n\n"
+                      "Output your thought process within the <think> </think> tags.\n\nProvide your answer within "
+                      "the <answer> </answer> tags as a list of eight sublists, where each sublist contains the "
+                      "normalized coordinates [x0, y0, x1, y1]. For example: <answer>[[0.1, 0.5, 0.3, 0.55], [0.72, "
+                      "0.25, 0.84, 0.43], ...]</answer>.\n")
+
 
 @dataclass(frozen=True)
 class PromptTemplate:
-    question: str  # format string with {question}
+    question: str  # format string with {question} and, where a benchmark's prompt needs them, {record_field}s
     options: str  # "video_r1": problem + "Options:\n" + each option + "\n"; "lines": "\nOptions:\n" + joined by "\n"
     system: str | None  # None: no system message (the chat template's default applies)
     type_instruction: bool = True  # append the problem type's answer instruction (TYPE_TEMPLATES)
@@ -75,6 +89,7 @@ PROMPT_TEMPLATES = {
     "video_r1_eval": PromptTemplate(VIDEO_R1_EVAL_QUESTION, "video_r1", None),
     "prefix_grpo": PromptTemplate(PREFIX_GRPO_QUESTION, "lines", PREFIX_GRPO_SYSTEM),
     "timezero_grounding": PromptTemplate(TIMEZERO_GROUNDING, "lines", None, type_instruction=False, text_first=True),
+    "videochat_r1_track": PromptTemplate(VIDEOCHAT_R1_TRACK, "lines", None, type_instruction=False, text_first=True),
 }
 
 
@@ -104,7 +119,14 @@ def question_text(record: dict, template: str = "video_r1") -> str:
         else:
             question = question + "\nOptions:\n" + "\n".join(str(o) for o in options)
     instruction = TYPE_TEMPLATES[record["problem_type"]] if chosen.type_instruction else ""
-    return chosen.question.format(question=question) + instruction
+    values = {"question": question}
+    for _, name, _, _ in string.Formatter().parse(chosen.question):
+        if name and name != "question":
+            if name not in record:
+                raise ValueError(f"prompt template {template!r} needs the record field {name!r}, which this record "
+                                 "lacks")
+            values[name] = str(record[name])  # a list as Python writes it, as the benchmark's script does
+    return chosen.question.format(**values) + instruction
 
 
 def system_message(data_cfg) -> str | None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.data.prompts import PROMPT_TEMPLATES, encode_prompts, question_text, system_message
-from app.data.video import SettingError, VideoDecodeError, frame_files, video_element
+from app.data.video import FRAME_FOLDER_SAMPLING, SettingError, VideoDecodeError, frame_files, video_element
 from app.rewards import PROBLEM_TYPES
 from app.grounding import check_grounding_record
 
@@ -147,6 +147,9 @@ def check_record(record: dict, data_root: Path, confine_to_root: bool = True) ->
                 continue
             if not path.is_file():
                 return f"{data_type} file not found: {path}"
+    sampling = record.get("frame_sampling")
+    if sampling is not None and sampling not in FRAME_FOLDER_SAMPLING:
+        return f"unknown frame_sampling {sampling!r} (known: {', '.join(FRAME_FOLDER_SAMPLING)})"
     options = record.get("options")
     if options is not None and not isinstance(options, list):
         return "field 'options' must be a list"
@@ -167,6 +170,8 @@ def build_conversation(record: dict, data_root: Path, data_cfg) -> list[dict]:
                                     total_pixels=getattr(data_cfg, "video_total_pixels", 0))
             if path.is_dir():  # a frame folder: its frame rate from the record, else the config
                 element["folder_fps"] = float(record.get("fps") or data_cfg.frame_folder_fps)
+                # the record's own frame_sampling first: its answers may belong to particular frames
+                element["folder_sampling"] = record.get("frame_sampling") or data_cfg.frame_folder_sampling
             content.append(element)
     elif record.get("data_type") == "image":
         for path in media_paths(record, data_root):

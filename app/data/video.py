@@ -75,20 +75,67 @@ def frame_files(folder: str | Path) -> list[Path]:
     return sorted((p for p in Path(folder).iterdir() if p.suffix.lower() in FRAME_SUFFIXES), key=key)
 
 
-def frame_folder_element(element: dict) -> dict:
-    """The element for a folder of frames recorded at ``folder_fps``: the frames sampled at ``fps`` (at most
-    ``max_frames``, evenly spaced, an even count as qwen-vl-utils samples videos) as a list of image paths, with
-    the sampling and source rates qwen-vl-utils passes on to the processor as the video's metadata."""
-    frames = frame_files(element["video"])
-    if len(frames) < 2:
-        raise VideoDecodeError(f"{element['video']}: frame folder with {len(frames)} image file(s); need at least 2")
+def _sample_at_fps(folder: str | Path, element: dict) -> dict:
+    """The frames of a folder recorded at ``folder_fps``, sampled at ``fps`` (at most ``max_frames``, evenly
+    spaced, an even count as qwen-vl-utils samples videos), with the sampling and source rates qwen-vl-utils passes
+    on to the processor as the video's metadata."""
+    frames = frame_files(folder)
     native = float(element.get("folder_fps", 3.0))
     wanted = len(frames) / native * float(element.get("fps", 2.0))
     count = min(int(element.get("max_frames", len(frames))), len(frames), max(2, round(wanted)))
     count = max(2, count - count % 2)
     index = np.linspace(0, len(frames) - 1, count).round().astype(int)
-    out = {k: v for k, v in element.items() if k not in ("video", "fps", "max_frames", "folder_fps")}
-    out.update(video=[str(frames[i]) for i in index], sample_fps=count / (len(frames) / native), raw_fps=native)
+    return {"video": [str(frames[i]) for i in index], "sample_fps": count / (len(frames) / native), "raw_fps": native}
+
+
+def _sample_videochat_r1_track(folder: str | Path, element: dict, image_patch_size: int = 14) -> dict:
+    """VideoChat-R1's GOT-10k tracking evaluation (src_eval/evaluate_track.py): of the folder's ``.jpg`` files in
+    name order, the first, ``int(i * (n - 1) / 6)`` for i = 1..5 and the last: 7 frames, which qwen-vl-utils makes
+    8 (an even count) by repeating the last, for the 8 boxes its prompt asks for. Each is sized as the
+    qwen-vl-utils 0.0.10 it pins sizes a list of frames, as images (its ``min_pixels``, at most 16384 x 28 x 28
+    pixels, no whole-video budget), and it reads as 2 fps (0.0.10's default for a list)."""
+    from PIL import Image
+    from qwen_vl_utils.vision_process import smart_resize
+
+    files = sorted(str(p) for p in Path(folder).iterdir() if p.name.endswith(".jpg"))
+    if not files:
+        raise VideoDecodeError(f"{folder}: no .jpg frames (data.frame_folder_sampling=videochat_r1_track reads .jpg "
+                               "files only, as VideoChat-R1's script does)")
+    step = (len(files) - 1) / 6
+    chosen = [files[0]] + [files[int(i * step)] for i in range(1, 6)] + [files[-1]]
+    with Image.open(chosen[0]) as first:
+        width, height = first.size
+    factor = image_patch_size * 2
+    resized_height, resized_width = smart_resize(height, width, factor=factor,
+                                                 min_pixels=element.get("min_pixels", 4 * 28 * 28),
+                                                 max_pixels=16384 * 28 * 28)
+    return {"video": chosen, "sample_fps": 2.0, "raw_fps": 2.0, "resized_height": resized_height,
+            "resized_width": resized_width}
+
+
+FRAME_FOLDER_SAMPLING = {  # data.frame_folder_sampling -> (folder, element, image_patch_size) -> element updates
+    "fps": lambda folder, element, image_patch_size=14: _sample_at_fps(folder, element),
+    "videochat_r1_track": _sample_videochat_r1_track,
+}
+
+
+def frame_folder_element(element: dict, image_patch_size: int = 14) -> dict:
+    """The element for a folder of frames: the frames its ``folder_sampling`` picks (``FRAME_FOLDER_SAMPLING``;
+    default ``fps``: sampled at ``fps`` from a folder recorded at ``folder_fps``) as a list of image paths, with the
+    sampling and source rates qwen-vl-utils passes on to the processor as the video's metadata."""
+    frames = frame_files(element["video"])
+    if len(frames) < 2:
+        raise VideoDecodeError(f"{element['video']}: frame folder with {len(frames)} image file(s); need at least 2")
+    sampling = element.get("folder_sampling", "fps")
+    if sampling not in FRAME_FOLDER_SAMPLING:
+        raise SettingError(f"unknown data.frame_folder_sampling {sampling!r} (known: "
+                           f"{', '.join(FRAME_FOLDER_SAMPLING)})")
+    picked = FRAME_FOLDER_SAMPLING[sampling](element["video"], element, image_patch_size)
+    out = {k: v for k, v in element.items()
+           if k not in ("video", "fps", "max_frames", "folder_fps", "folder_sampling")}
+    if "resized_height" in picked:  # the frames' size is fixed: no pixel budget applies
+        out = {k: v for k, v in out.items() if k not in ("total_pixels", "max_pixels")}
+    out.update(picked)
     return out
 
 
@@ -105,9 +152,10 @@ def decode_video(element: dict, image_patch_size: int = 14) -> tuple[torch.Tenso
     path = element["video"]
     if Path(path).is_dir():
         try:
-            (frames, metadata), _ = fetch_video(frame_folder_element(element), image_patch_size=image_patch_size,
-                                                return_video_sample_fps=True, return_video_metadata=True)
-        except VideoDecodeError:
+            (frames, metadata), _ = fetch_video(frame_folder_element(element, image_patch_size),
+                                                image_patch_size=image_patch_size, return_video_sample_fps=True,
+                                                return_video_metadata=True)
+        except (VideoDecodeError, SettingError):
             raise
         except Exception as error:  # PIL on a corrupt frame, ...
             raise VideoDecodeError(f"{path}: frame folder could not be read ({type(error).__name__}: {error})") \
