@@ -90,8 +90,9 @@ class DataConfig:
     prompt_template: str = _f("video_r1", "Question template: video_r1 reproduces Video-R1's prompt exactly (what its "
                               "checkpoints were trained on); video_r1_eval its evaluation script's; timezero_grounding "
                               "TimeZero's temporal-grounding evaluation prompt (text before the video, no per-type "
-                              "instruction); videochat_r1_track VideoChat-R1's GOT-10k tracking prompt (reads the "
-                              "record's object and initial_box); prefix_grpo is this project's first template.",
+                              "instruction); videochat_r1_track and videochat_r1_gqa VideoChat-R1's GOT-10k and "
+                              "NExT-GQA prompts (they read record fields: object and initial_box; problem and "
+                              "options); prefix_grpo is this project's first template.",
                               choices=tuple(PROMPT_TEMPLATES))
     system_prompt: str = _f("template", "System message: 'template' uses the template's own (video_r1: none, so the "
                             "chat template's default 'You are a helpful assistant.'; prefix_grpo: its "
@@ -363,7 +364,9 @@ class EvalConfig:
                                 "closed <answer>, option letters in the forms models write, regression by MRA) or "
                                 "video_r1 (Video-R1's evaluation script: the first <answer> or the whole output, "
                                 "exact string match for options, OCR and free-form scored 0), to reproduce its "
-                                "published numbers.", choices=tuple(ANSWER_EXTRACTION))
+                                "published numbers; timezero, videochat_r1_track and videochat_r1_gqa: those "
+                                "scripts' grounding scores (videochat_r1_gqa also the IoU of the evidence spans).",
+                                choices=tuple(ANSWER_EXTRACTION))
     max_new_tokens: int = _f(256, "Maximum new tokens per completion.")
     batch_size: int = _f(4, "Questions per generate call on each rank.")
     seed: int = _f(0, "Sampling seed.")

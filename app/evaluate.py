@@ -37,7 +37,7 @@ from app.eval_runs import RUN_FILE, EvaluationMismatch, choose_output_dir, run_i
 from app.grounding import grounding_metrics
 from app.grouping import vision_cache
 from app.models import DTYPES, CheckpointPathError, check_checkpoint, load_model, load_processor
-from app.rewards import ANSWER_EXTRACTION, GROUNDING_TYPES
+from app.rewards import ANSWER_EXTRACTION, EVIDENCE_SCORING, GROUNDING_TYPES
 from app.rollout import SamplingConfig, derive_seed, eos_token_ids
 from app.tracking import configure_logging
 
@@ -116,6 +116,9 @@ def summarize(predictions: list[dict], skipped: list[dict], samples: int) -> dic
         summary["regression_mean_relative_accuracy"] = block(by_type["regression"])["accuracy"]
     grounding = {kind: grounding_metrics([iou for row in by_type[kind] for iou in row["accuracies"]])
                  for kind in GROUNDING_TYPES if kind in by_type}  # accuracy is the IoU: mIoU, R@0.3/0.5/0.7
+    evidence = [iou for row in predictions for iou in row.get("evidence_ious", ())]
+    if evidence:  # grounded QA: the answers' accuracy above, the evidence spans' IoU here
+        grounding["evidence"] = grounding_metrics(evidence)
     if grounding:
         summary["grounding"] = grounding
     return summary
@@ -273,6 +276,7 @@ def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, worl
     engine = evaluation_engine(cfg, model_dir, tokenizer, sampling, world)
     sample = answer_sampler(engine, cfg, processor, sampling)  # one turn, or multi-turn with rollout.tools
     score, answer_of = ANSWER_EXTRACTION[ev.answer_extraction]
+    evidence_of = EVIDENCE_SCORING.get(ev.answer_extraction)  # grounded QA: the evidence spans' IoU as well
     rank_file = out / f"predictions.rank{rank}.jsonl"
     crash_after = int(os.environ.get(CRASH_ENV, "-1"))
     scored = 0
@@ -307,6 +311,8 @@ def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, worl
                     "accuracy": sum(accuracies) / len(accuracies), "pass": float(max(accuracies) >= 0.5),
                     **({"tool_calls": [len(c) for c in calls[i]], "tool_results": calls[i]} if cfg.rollout.tools
                        else {}),
+                    **({"evidence_ious": [evidence_of(t, record) for t in texts]}
+                       if evidence_of is not None and record.get("evidence") is not None else {}),
                 })
                 scored += 1
                 if scored == crash_after:

@@ -133,6 +133,12 @@ def check_grounding_record(record: dict) -> str | None:
     """Why a grounding record cannot be scored (its solution does not parse, an unknown box_format), or None."""
     kind = record.get("problem_type")
     truth = solution_answer(str(record.get("solution", "")))
+    evidence = record.get("evidence")  # grounded QA: the time spans that support the answer
+    if evidence is not None and not (isinstance(evidence, list) and all(
+            isinstance(span, list) and len(span) == 2 and all(isinstance(v, (int, float)) and math.isfinite(v)
+                                                              and v >= 0 for v in span) and span[0] <= span[1]
+            for span in evidence)):
+        return f"evidence {str(evidence)[:80]} is not a list of [start, end] spans in seconds"
     if kind == "temporal grounding":
         span = parse_interval(truth)
         if span is None:

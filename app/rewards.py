@@ -195,6 +195,76 @@ def videochat_r1_track_accuracy(completion: str, record: dict) -> float:
     return sum(_videochat_iou(p, t) for p, t in zip(boxes, truth)) / len(truth)
 
 
+_VIDEOCHAT_PREFIXES = ("The best answer is", "The correct answer is", "The answer is", "The answer",
+                       "The best option is", "The correct option is", "Best answer:" "Best option:")  # its list
+_GLUE = re.compile(r"<glue>(.*?)</glue>", re.DOTALL)
+_GLUE_FORMAT = re.compile(r"^\[(\(\d+(\.\d+)?,\s*\d+(\.\d+)?\)(,\s*\(\d+(\.\d+)?,\s*\d+(\.\d+)?\))*(,)?|)\]$")
+
+
+def videochat_r1_letter(text: str) -> str:
+    """VideoChat-R1's extract_characters_regex (evaluate_gqa.py): answer phrases removed, "" for more than 10 words
+    without a letter A-G, else the first capital A-G anywhere."""
+    text = text.strip()
+    for prefix in _VIDEOCHAT_PREFIXES:
+        text = text.replace(prefix, "")
+    if len(text.split()) > 10 and not re.search("[ABCDEFG]", text):
+        return ""
+    found = re.search(r"[ABCDEFG]", text)
+    return found[0] if found else ""
+
+
+def videochat_r1_gqa_accuracy(completion: str, record: dict) -> float:
+    """VideoChat-R1's NExT-GQA answer score: the letter of its first ``<answer>`` equals the reference's."""
+    kind = record["problem_type"]
+    if kind != "multiple choice":
+        raise RewardError(f"eval.answer_extraction=videochat_r1_gqa scores 'multiple choice' records only "
+                          f"(VideoChat-R1's evaluate_gqa.py); this record's problem_type is {kind!r}")
+    found = _FIRST_ANSWER_RAW.search(completion)
+    truth = videochat_r1_letter(solution_answer(str(record.get("solution", ""))))
+    return float(found is not None and videochat_r1_letter(found.group(1)) == truth)
+
+
+def merged_spans(spans) -> list[list[float]]:
+    """Spans sorted by start, overlapping or touching ones merged."""
+    merged: list[list[float]] = []
+    for start, end in sorted(([float(a), float(b)] for a, b in spans), key=lambda span: span[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def spans_iou(prediction, truth) -> float:
+    """The IoU of two sets of time spans, each merged first (VideoChat-R1's compute_iou; 1 when both are empty)."""
+    a, b = merged_spans(prediction), merged_spans(truth)
+    inter, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        inter += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    union = sum(e - s for s, e in a) + sum(e - s for s, e in b) - inter
+    return inter / union if union != 0 else 1.0
+
+
+def videochat_r1_gqa_evidence(completion: str, record: dict) -> float:
+    """VideoChat-R1's NExT-GQA grounding score: the first ``<glue>`` must be a list of (start, end) tuples written as
+    its format check wants them ("[(5.2, 10.4), (12, 14)]", starts not after ends); the IoU of its merged spans with
+    the record's ``evidence`` spans; else 0."""
+    found = _GLUE.search(completion)
+    if not found or not _GLUE_FORMAT.match(found.group(1)):
+        return 0.0
+    try:
+        spans = ast.literal_eval(found.group(1))
+    except (ValueError, SyntaxError):
+        return 0.0
+    if not all(isinstance(span, tuple) and len(span) == 2 and span[0] <= span[1] for span in spans):
+        return 0.0
+    return spans_iou(spans, record["evidence"])
+
+
 ANSWER_EXTRACTION = {  # name -> (score of an output, the answer it read)
     # this project's scoring (the trainer's reward code; regression by MRA, as evaluations report it)
     "project": (lambda completion, record: accuracy_of(completion, record, regression="mra"),
@@ -202,7 +272,11 @@ ANSWER_EXTRACTION = {  # name -> (score of an output, the answer it read)
     "video_r1": (video_r1_eval_accuracy, video_r1_eval_answer),  # Video-R1's evaluation script, to reproduce it
     "timezero": (timezero_accuracy, timezero_answer),  # TimeZero's temporal-grounding evaluation
     "videochat_r1_track": (videochat_r1_track_accuracy, videochat_r1_track_answer),  # VideoChat-R1's GOT-10k
+    "videochat_r1_gqa": (videochat_r1_gqa_accuracy, videochat_r1_track_answer),  # VideoChat-R1's NExT-GQA
 }
+# eval.answer_extraction -> the IoU of the time spans an output names as its evidence with a record's ``evidence``
+# (grounded QA); evaluation reports it beside the accuracy for records that have evidence spans.
+EVIDENCE_SCORING = {"videochat_r1_gqa": videochat_r1_gqa_evidence}
 
 
 def format_reward(completions: list[str], records: list[dict]) -> list[float]:

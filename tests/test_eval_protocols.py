@@ -478,3 +478,164 @@ def test_an_evaluation_with_the_got10k_preset_runs_and_reports_tracking_metrics(
     saved = json.loads((out / "summary.json").read_text())
     assert set(saved["grounding"]["object tracking"]) == {"mIoU", "R@0.3", "R@0.5", "R@0.7"}
     assert "answer_extraction: videochat_r1_track" in (out / "eval_config.yaml").read_text()
+
+
+# evaluate_gqa.py's GQA_THINK_ANSWER_GLUE (eval_prompts.py), extract_characters_regex, merge_intervals, compute_iou
+# and is_valid_two_d_list_format
+VC_GQA = """Answer the question: "[QUESTION]" according to the content of the video. Select the answer from :[OPTION].
+
+Output your thought process within the <think> </think> tags, including analysis with either specific timestamps (xx.xx) or time ranges (xx.xx to xx.xx) in <timestep> </timestep> tags.
+
+Then, provide your answer within the <answer> </answer> tags, output the corresponding letter of the option. At the same time, in the <glue> </glue> tags, present the precise time period in seconds of the video clips on which you base your answer to this question in the format of [(s1, e1), (s2, e2), ...]. For example: <answer>A</answer><glue>[(5.2, 10.4)]</glue>.
+"""
+
+
+def vc_letter(s: str) -> str:
+    import re
+
+    s = s.strip()
+    for prefix in ["The best answer is", "The correct answer is", "The answer is", "The answer",
+                   "The best option is", "The correct option is", "Best answer:" "Best option:"]:
+        s = s.replace(prefix, "")
+    if len(s.split()) > 10 and not re.search("[ABCDEFG]", s):
+        return ""
+    matches = re.search(r"[ABCDEFG]", s)
+    return "" if matches is None else matches[0]
+
+
+def vc_gqa(output: str, answer: str, glue: list) -> tuple[float, float]:
+    """(acc, iou) as process_work_items() computes them; a <glue> that fails the format check scores 0 here (there
+    it keeps the previous question's value)."""
+    import ast
+    import re
+
+    acc = 0.0
+    found = re.search(r"<answer>(.*?)</answer>", output, re.DOTALL)
+    if found and vc_letter(found.group(1)) == vc_letter(answer):
+        acc = 1.0
+    iou = 0.0
+    found = re.search(r"<glue>(.*?)</glue>", output, re.DOTALL)
+    pattern = r'^\[(\(\d+(\.\d+)?,\s*\d+(\.\d+)?\)(,\s*\(\d+(\.\d+)?,\s*\d+(\.\d+)?\))*(,)?|)\]$'
+    if found and re.match(pattern, found.group(1)):
+        spans = ast.literal_eval(found.group(1))
+        if all(isinstance(t, tuple) and len(t) == 2 and t[0] <= t[1] for t in spans):
+            def merge(intervals):
+                if not intervals:
+                    return []
+                ordered = sorted([list(i) for i in intervals], key=lambda x: x[0])
+                merged = [ordered[0][:]]
+                for current in ordered[1:]:
+                    if current[0] <= merged[-1][1]:
+                        merged[-1][1] = max(merged[-1][1], current[1])
+                    else:
+                        merged.append(current[:])
+                return merged
+
+            a, b = merge(spans), merge(glue)
+            inter, i, j = 0, 0, 0
+            while i < len(a) and j < len(b):
+                start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+                if start < end:
+                    inter += end - start
+                if a[i][1] < b[j][1]:
+                    i += 1
+                else:
+                    j += 1
+            union = sum(e - s for s, e in a) + sum(e - s for s, e in b) - inter
+            iou = 1.0 if union == 0 else inter / union
+    return acc, iou
+
+
+GQA_ENTRIES = [  # the first two entries of its Annotations/NextGQA/nextgqa_test.json, and one with two spans
+    {"id": "2574374895_8", "video": "1101/2574374895.mp4", "question": "what did the baby do after throwing the "
+     "green cup away while on the floor near the end", "options": ["(A) clap proudly", "(B) the lady sitting down",
+     "(C) lay on floor", "(D) just picked it up", "(E) crawl"], "duration": 30, "glue": [[23.0, 27.7]],
+     "type": "TN", "answer": "(C)"},
+    {"id": "3083302557_3", "video": "0067/3083302557.mp4", "question": "what did the lady do while turning back",
+     "options": ["(A) walk away", "(B) thumbs up", "(C) put down her club", "(D) applying cream on face",
+                 "(E) caressing for the dog"], "duration": 47, "glue": [[10.8, 12.3]], "type": "TC", "answer": "(B)"},
+    {"id": "x_1", "video": "0067/3083302557.mp4", "question": "why did the boy's dog bark", "options": [
+        "(A) it's hungry", "(B) a cat", "(C) play", "(D) the door", "(E) nothing"], "duration": 47,
+     "glue": [[3.0, 6.0], [5.0, 9.0], [20.0, 22.0]], "type": "CW", "answer": "(D)"},
+]
+
+
+@pytest.mark.parametrize("output", [
+    "<think>at 23 s</think><answer>C</answer><glue>[(23.0, 27.7)]</glue>",
+    "<answer>(C) lay on floor</answer><glue>[(22, 26), (26.5, 30)]</glue>",
+    "<answer>The best answer is C</answer><glue>[(20.5, 25.0),]</glue>",
+    "<answer>D</answer><glue>[(3, 7), (19, 21)]</glue>", "<answer>c</answer><glue>[]</glue>",
+    "<answer>C</answer><glue>[(27.7, 23.0)]</glue>",  # start after end: refused
+    "<answer>C</answer><glue>[[23.0, 27.7]]</glue>",  # brackets, not its tuples: refused
+    "<answer>C</answer><glue>[(23.0,27.7), (1,2)] </glue>",  # a trailing space: refused
+    "<answer>C</answer><glue>[(-1, 3)]</glue>", "<answer>C</answer>", "C 23.0 to 27.7", "",
+    "<answer>I think the answer may be the option where the baby lies down on the floor here</answer>",
+])
+@pytest.mark.parametrize("entry", GQA_ENTRIES[::2])
+def test_the_nextgqa_preset_scores_as_videochat_r1_does(output, entry):
+    from app.rewards import videochat_r1_gqa_accuracy, videochat_r1_gqa_evidence
+
+    record = {"problem_type": "multiple choice", "solution": f"<answer>{entry['answer'][1]}</answer>",
+              "evidence": entry["glue"]}
+    acc, iou = vc_gqa(output, entry["answer"], entry["glue"])
+    assert videochat_r1_gqa_accuracy(output, record) == acc
+    assert videochat_r1_gqa_evidence(output, record) == pytest.approx(iou, abs=1e-12)
+
+
+def test_the_nextgqa_preset_writes_videochat_r1s_prompt_and_converts_its_file(tmp_path):
+    import json
+
+    from app.data.convert import FORMATS, ConvertError
+    from app.data.records import build_conversation, check_record
+    from app.data.video import write_mp4
+
+    rng = np.random.default_rng(0)
+    write_mp4(tmp_path / "videos" / "0067" / "3083302557.mp4", rng.integers(0, 255, (20, 64, 96, 3), np.uint8), 4)
+    annotation = tmp_path / "nextgqa_test.json"
+    annotation.write_text(json.dumps(GQA_ENTRIES))
+    records, missing = FORMATS["videochat_r1_nextgqa"](annotation, tmp_path / "videos")
+    assert missing == ["1101/2574374895.mp4"] and [r["problem_id"] for r in records] == ["3083302557_3", "x_1"]
+    assert records[0]["solution"] == "<answer>B</answer>" and records[0]["evidence"] == [[10.8, 12.3]]
+    assert records[1]["original_question_type"] == "CW"
+    cfg = preset("videochat_r1_nextgqa")
+    for record, entry in zip(records, GQA_ENTRIES[1:]):
+        assert check_record(record, tmp_path / "videos") is None
+        text, video = build_conversation(record, tmp_path / "videos", cfg.data)[0]["content"]
+        assert text["text"] == VC_GQA.replace("[QUESTION]", entry["question"]).replace("[OPTION]",
+                                                                                      str(entry["options"]))
+        assert video["total_pixels"] == 3584 * 28 * 28 and video["min_pixels"] == 16 * 28 * 28
+    assert cfg.eval.answer_extraction == "videochat_r1_gqa" and cfg.eval.max_new_tokens == 2048
+    assert "evidence [[3, 1]] is not a list of [start, end] spans" in check_record(
+        {**records[0], "evidence": [[3, 1]]}, tmp_path / "videos")
+    annotation.write_text(json.dumps([{**GQA_ENTRIES[1], "answer": "B or C"}]))
+    with pytest.raises(ConvertError, match=r"\[0\] \(0067/3083302557.mp4\): answer 'B or C' is not an option letter"):
+        FORMATS["videochat_r1_nextgqa"](annotation, tmp_path / "videos")
+    annotation.write_text(json.dumps([{**GQA_ENTRIES[1], "glue": [[5, 2]]}]))
+    with pytest.raises(ConvertError, match="glue .* is not a list of \\[start, end\\] spans"):
+        FORMATS["videochat_r1_nextgqa"](annotation, tmp_path / "videos")
+
+
+def test_an_evaluation_with_the_nextgqa_preset_reports_accuracy_and_evidence_iou(tmp_path):
+    import json
+
+    from app.data.convert import main
+    from app.data.video import write_mp4
+    from app.evaluate import evaluate
+    from app.models import build_tiny_checkpoint
+
+    rng = np.random.default_rng(1)
+    write_mp4(tmp_path / "videos" / "0067" / "3083302557.mp4", rng.integers(0, 255, (12, 56, 56, 3), np.uint8), 4)
+    (tmp_path / "a.json").write_text(json.dumps(GQA_ENTRIES[1:]))
+    main(["videochat_r1_nextgqa", str(tmp_path / "a.json"), "--videos", str(tmp_path / "videos"), "--out",
+          str(tmp_path / "nextgqa.jsonl")])
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0)
+    out = tmp_path / "eval"
+    summary = evaluate(checkpoint, [tmp_path / "nextgqa.jsonl"], [f"eval.output_dir={out}", "eval.max_new_tokens=4",
+                                                                   f"data.data_root={tmp_path / 'videos'}"],
+                       protocol="videochat_r1_nextgqa")
+    assert summary["scored_this_run"] == 2
+    saved = json.loads((out / "summary.json").read_text())
+    assert set(saved["grounding"]["evidence"]) == {"mIoU", "R@0.3", "R@0.5", "R@0.7"}
+    assert set(saved["by_original_question_type"]) == {"TC", "CW"}
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert all(len(row["evidence_ious"]) == 1 for row in rows)

@@ -1,8 +1,7 @@
 """Benchmark annotation files -> this project's records (JSONL), so evaluation and training read them as they read
 Video-R1's.
 
-    python -m app.data.convert {charades_sta,activitynet_captions,videochat_r1_got10k} ANNOTATION.json \
-        --videos DIR --out records.jsonl
+    python -m app.data.convert FORMAT ANNOTATION.json --videos DIR --out records.jsonl
 
 ``charades_sta`` / ``activitynet_captions``: the temporal-grounding test annotations as TimeZero (www-Ye/TimeZero,
 dataset/charades-sta/*.json, dataset/activitynet/test.json) and its successors ship them,
@@ -16,6 +15,11 @@ ships it, ``[{"path": ".../GOT-10k_Val_000010", "object": "sloth", "gt": [[x0, y
 normalised boxes; one record per entry, ``problem_type: "object tracking"``, the boxes as its solution, the first
 one as its ``initial_box``, the frame folder found as ``DIR/<last part of path>``, and ``frame_sampling:
 "videochat_r1_track"``: its 8 boxes belong to the 8 frames VideoChat-R1's script picks from the folder.
+
+``videochat_r1_nextgqa``: NExT-GQA grounded QA as VideoChat-R1 ships it (Annotations/NextGQA/nextgqa_test.json),
+``[{"id", "video": "1101/2574374895.mp4", "question", "options": ["(A) ...", ...], "duration", "glue": [[s, e],
+...], "type", "answer": "(C)"}]``; one ``multiple choice`` record per entry, the answer's letter as its solution, the
+glue spans (seconds) as its ``evidence``, the question type (TN, CW, ...) as ``original_question_type``.
 """
 
 from __future__ import annotations
@@ -102,8 +106,47 @@ def videochat_r1_tracking(annotation: Path, videos: Path, source: str = "got10k"
     return records, missing
 
 
+def videochat_r1_grounded_qa(annotation: Path, videos: Path, source: str = "nextgqa") -> tuple[list[dict], list[str]]:
+    """(records, the videos not found under ``videos``: their questions are left out)."""
+    import re
+
+    try:
+        data = json.loads(annotation.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConvertError(f"{annotation}: cannot be read as JSON ({error})") from None
+    if not isinstance(data, list):
+        raise ConvertError(f"{annotation}: expected a list of NExT-GQA entries")
+    records, missing = [], []
+    for i, entry in enumerate(data):
+        where = f"{annotation}[{i}]"
+        try:
+            video, question, options, spans, answer = (entry[k] for k in ("video", "question", "options", "glue",
+                                                                          "answer"))
+        except (KeyError, TypeError):
+            raise ConvertError(f"{where} lacks video, question, options, glue or answer") from None
+        letter = re.fullmatch(r"\(?([A-Z])\)?", str(answer).strip())
+        if letter is None:
+            raise ConvertError(f"{where} ({video}): answer {answer!r} is not an option letter like (C)")
+        if not (isinstance(options, list) and len(options) > ord(letter[1]) - 65):
+            raise ConvertError(f"{where} ({video}): options {options!r} do not reach the answer {answer!r}")
+        if not (isinstance(spans, list) and spans and all(
+                isinstance(s, list) and len(s) == 2 and all(isinstance(v, (int, float)) for v in s) and 0 <= s[0] <= s[1]
+                for s in spans)):
+            raise ConvertError(f"{where} ({video}): glue {spans!r} is not a list of [start, end] spans in seconds")
+        if not (videos / video).is_file():
+            missing.append(video)
+            continue
+        records.append({"problem_id": entry.get("id", i), "problem": question, "problem_type": "multiple choice",
+                        "options": options, "data_type": "video", "path": video,
+                        "solution": f"<answer>{letter[1]}</answer>", "evidence": spans,
+                        "duration": entry.get("duration"), "original_question_type": entry.get("type"),
+                        "data_source": source})
+    return records, missing
+
+
 FORMATS = {name: partial(temporal_grounding, source=name) for name in ("charades_sta", "activitynet_captions")}
 FORMATS["videochat_r1_got10k"] = videochat_r1_tracking
+FORMATS["videochat_r1_nextgqa"] = videochat_r1_grounded_qa
 
 
 def main(argv: list[str] | None = None) -> None:

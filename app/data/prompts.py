@@ -73,6 +73,16 @@ VIDEOCHAT_R1_TRACK = ('Track the "{object}" in the video based on its initial co
                       "the <answer> </answer> tags as a list of eight sublists, where each sublist contains the "
                       "normalized coordinates [x0, y0, x1, y1]. For example: <answer>[[0.1, 0.5, 0.3, 0.55], [0.72, "
                       "0.25, 0.84, 0.43], ...]</answer>.\n")
+# VideoChat-R1's evaluation prompt for grounded QA on NExT-GQA (src_eval/eval_prompts.py GQA_THINK_ANSWER_GLUE,
+# its trailing newline included), verbatim: the record's ``problem`` in place of [QUESTION] and its ``options`` list
+# as Python writes it in place of [OPTION] (``str(options)`` in its evaluate_gqa.py).
+VIDEOCHAT_R1_GQA = ('Answer the question: "{problem}" according to the content of the video. Select the answer from '
+                    ":{options}.\n\nOutput your thought process within the <think> </think> tags, including analysis "
+                    "with either specific timestamps (xx.xx) or time ranges (xx.xx to xx.xx) in <timestep> </timestep> "
+                    "tags.\n\nThen, provide your answer within the <answer> </answer> tags, output the corresponding "
+                    "letter of the option. At the same time, in the <glue> </glue> tags, present the precise time "
+                    "period in seconds of the video clips on which you base your answer to this question in the format "
+                    "of [(s1, e1), (s2, e2), ...]. For example: <answer>A</answer><glue>[(5.2, 10.4)]</glue>.\n")
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,7 @@ PROMPT_TEMPLATES = {
     "prefix_grpo": PromptTemplate(PREFIX_GRPO_QUESTION, "lines", PREFIX_GRPO_SYSTEM),
     "timezero_grounding": PromptTemplate(TIMEZERO_GROUNDING, "lines", None, type_instruction=False, text_first=True),
     "videochat_r1_track": PromptTemplate(VIDEOCHAT_R1_TRACK, "lines", None, type_instruction=False, text_first=True),
+    "videochat_r1_gqa": PromptTemplate(VIDEOCHAT_R1_GQA, "lines", None, type_instruction=False, text_first=True),
 }
 
 
