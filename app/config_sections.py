@@ -21,7 +21,8 @@ from app.grpo import (
     SCALE_REWARDS_SETTINGS,
     LossOptions,
 )
-from app.rewards import ANSWER_EXTRACTION, BONUS_RULES, REGRESSION_METRICS
+from app.protocol_scoring import ANSWER_EXTRACTION
+from app.rewards import BONUS_RULES, REGRESSION_METRICS
 from app.rollout import SamplingConfig
 from app.zero import GATHER_MODES
 

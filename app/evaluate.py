@@ -37,7 +37,8 @@ from app.eval_runs import RUN_FILE, EvaluationMismatch, choose_output_dir, run_i
 from app.grounding import grounding_metrics
 from app.grouping import vision_cache
 from app.models import DTYPES, CheckpointPathError, check_checkpoint, load_model, load_processor
-from app.rewards import ANSWER_EXTRACTION, EVIDENCE_SCORING, GROUNDING_TYPES
+from app.protocol_scoring import ANSWER_EXTRACTION, EVIDENCE_SCORING
+from app.rewards import GROUNDING_TYPES
 from app.rollout import SamplingConfig, derive_seed, eos_token_ids
 from app.tracking import configure_logging
 

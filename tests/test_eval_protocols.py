@@ -95,7 +95,7 @@ def test_the_video_r1_preset_samples_video_r1s_frames_at_its_pixels(tmp_path, fr
 def test_the_video_r1_preset_writes_video_r1s_prompt_and_scores_as_it_does(tmp_path):
     from app.data.prompts import question_text
     from app.data.records import build_conversation
-    from app.rewards import video_r1_eval_accuracy
+    from app.protocol_scoring import video_r1_eval_accuracy
 
     record = {"problem": "Which colour appears first?", "problem_type": "multiple choice", "data_type": "video",
               "options": ["A. red", "B. green", "C. blue", "D. yellow"], "path": "v.mp4",
@@ -181,7 +181,7 @@ def tz_iou(output: str, span) -> float:
     "<answer>[24.3, 30.4]</answer>", "<answer>30.4 to 24.3</answer>", "no answer", "<answer>0 to 5</answer> 26 to 29",
 ])
 def test_the_timezero_preset_scores_as_timezero_does(output):
-    from app.rewards import timezero_accuracy
+    from app.protocol_scoring import timezero_accuracy
 
     record = {"problem_type": "temporal grounding", "solution": "<answer>[24.3, 30.4]</answer>", "duration": 30.96}
     assert timezero_accuracy(output, record) == pytest.approx(tz_iou(output, (24.3, 30.4)), abs=1e-12)
@@ -400,7 +400,7 @@ GT = GOT_ENTRY["gt"]
     f"{GT}", "<answer>the sloth stays</answer>", "",
 ])
 def test_the_got10k_preset_scores_as_videochat_r1_does(output):
-    from app.rewards import videochat_r1_track_accuracy
+    from app.protocol_scoring import videochat_r1_track_accuracy
 
     record = {"problem_type": "object tracking", "solution": f"<answer>{GT}</answer>", "box_format": "normalized"}
     assert videochat_r1_track_accuracy(output, record) == pytest.approx(vc_track_iou(output, GT), abs=1e-12)
@@ -408,7 +408,7 @@ def test_the_got10k_preset_scores_as_videochat_r1_does(output):
 
 def test_the_got10k_scoring_names_what_it_cannot_score():
     from app.answers import RewardError
-    from app.rewards import videochat_r1_track_accuracy
+    from app.protocol_scoring import videochat_r1_track_accuracy
 
     with pytest.raises(RewardError, match="scores 'object tracking' records only.*'multiple choice'"):
         videochat_r1_track_accuracy("<answer>A</answer>", {"problem_type": "multiple choice",
@@ -573,7 +573,7 @@ GQA_ENTRIES = [  # the first two entries of its Annotations/NextGQA/nextgqa_test
 ])
 @pytest.mark.parametrize("entry", GQA_ENTRIES[::2])
 def test_the_nextgqa_preset_scores_as_videochat_r1_does(output, entry):
-    from app.rewards import videochat_r1_gqa_accuracy, videochat_r1_gqa_evidence
+    from app.protocol_scoring import videochat_r1_gqa_accuracy, videochat_r1_gqa_evidence
 
     record = {"problem_type": "multiple choice", "solution": f"<answer>{entry['answer'][1]}</answer>",
               "evidence": entry["glue"]}
