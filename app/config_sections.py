@@ -93,7 +93,8 @@ class DataConfig:
                               "TimeZero's temporal-grounding evaluation prompt (text before the video, no per-type "
                               "instruction); videochat_r1_track and videochat_r1_gqa VideoChat-R1's GOT-10k and "
                               "NExT-GQA prompts (they read record fields: object and initial_box; problem and "
-                              "options); prefix_grpo is this project's first template.",
+                              "options); vlm_r1_rec VLM-R1's referring-expression prompt; prefix_grpo is this "
+                              "project's first template.",
                               choices=tuple(PROMPT_TEMPLATES))
     system_prompt: str = _f("template", "System message: 'template' uses the template's own (video_r1: none, so the "
                             "chat template's default 'You are a helpful assistant.'; prefix_grpo: its "
@@ -365,8 +366,9 @@ class EvalConfig:
                                 "closed <answer>, option letters in the forms models write, regression by MRA) or "
                                 "video_r1 (Video-R1's evaluation script: the first <answer> or the whole output, "
                                 "exact string match for options, OCR and free-form scored 0), to reproduce its "
-                                "published numbers; timezero, videochat_r1_track and videochat_r1_gqa: those "
-                                "scripts' grounding scores (videochat_r1_gqa also the IoU of the evidence spans).",
+                                "published numbers; timezero, videochat_r1_track, videochat_r1_gqa and vlm_r1_rec: "
+                                "those scripts' grounding scores (videochat_r1_gqa and vlm_r1_rec also report IoUs "
+                                "beside their accuracy).",
                                 choices=tuple(ANSWER_EXTRACTION))
     max_new_tokens: int = _f(256, "Maximum new tokens per completion.")
     batch_size: int = _f(4, "Questions per generate call on each rank.")

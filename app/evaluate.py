@@ -29,7 +29,8 @@ import torch
 from tqdm import tqdm
 
 from app.config import ConfigError, load_config
-from app.data.records import check_record, encode_record, read_records, where
+from app.data.prompts import image_patch_size
+from app.data.records import check_record, encode_record, media_paths, read_records, where
 from app.distributed import local_device
 from app.engines import needs_engine_views
 from app.engines.multiturn import answer_sampler
@@ -37,7 +38,7 @@ from app.eval_runs import RUN_FILE, EvaluationMismatch, choose_output_dir, run_i
 from app.grounding import grounding_metrics
 from app.grouping import vision_cache
 from app.models import DTYPES, CheckpointPathError, check_checkpoint, load_model, load_processor
-from app.protocol_scoring import ANSWER_EXTRACTION, EVIDENCE_SCORING
+from app.protocol_scoring import ANSWER_EXTRACTION, IOU_SCORING
 from app.rewards import GROUNDING_TYPES
 from app.rollout import SamplingConfig, derive_seed, eos_token_ids
 from app.tracking import configure_logging
@@ -115,10 +116,12 @@ def summarize(predictions: list[dict], skipped: list[dict], samples: int) -> dic
                "skipped": dict(Counter(s["reason_kind"] for s in skipped)), "skipped_total": len(skipped)}
     if "regression" in by_type:
         summary["regression_mean_relative_accuracy"] = block(by_type["regression"])["accuracy"]
-    grounding = {kind: grounding_metrics([iou for row in by_type[kind] for iou in row["accuracies"]])
-                 for kind in GROUNDING_TYPES if kind in by_type}  # accuracy is the IoU: mIoU, R@0.3/0.5/0.7
-    evidence = [iou for row in predictions for iou in row.get("evidence_ious", ())]
-    if evidence:  # grounded QA: the answers' accuracy above, the evidence spans' IoU here
+    # mIoU, R@0.3/0.5/0.7 of a grounding type's accuracy (its IoU), or of the IoU a protocol gives beside it
+    grounding = {kind: grounding_metrics([iou for row in by_type[kind] for iou in row.get("ious", row["accuracies"])])
+                 for kind in GROUNDING_TYPES if kind in by_type}
+    evidence = [iou for row in predictions if row["problem_type"] not in GROUNDING_TYPES
+                for iou in row.get("ious", ())]
+    if evidence:  # grounded QA: the answers' accuracy above, the IoU of the spans they cite here
         grounding["evidence"] = grounding_metrics(evidence)
     if grounding:
         summary["grounding"] = grounding
@@ -277,7 +280,8 @@ def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, worl
     engine = evaluation_engine(cfg, model_dir, tokenizer, sampling, world)
     sample = answer_sampler(engine, cfg, processor, sampling)  # one turn, or multi-turn with rollout.tools
     score, answer_of = ANSWER_EXTRACTION[ev.answer_extraction]
-    evidence_of = EVIDENCE_SCORING.get(ev.answer_extraction)  # grounded QA: the evidence spans' IoU as well
+    iou_of = IOU_SCORING.get(ev.answer_extraction)  # the IoU beside an accuracy that is not one
+    patch = image_patch_size(processor)
     rank_file = out / f"predictions.rank{rank}.jsonl"
     crash_after = int(os.environ.get(CRASH_ENV, "-1"))
     scored = 0
@@ -292,6 +296,8 @@ def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, worl
                                                              "reason_kind": reason.split(":")[0]})
                 log.warning("skipping %s: %s", where(record), reason)
                 continue
+            if getattr(score, "needs_image_sizes", False):  # boxes in the model's input pixels (vlm_r1_rec)
+                record = {**record, "_image_sizes": image_sizes(record, prompt, patch)}
             batch.append(record)
             prompts.append(prompt)
         if batch:
@@ -312,8 +318,9 @@ def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, worl
                     "accuracy": sum(accuracies) / len(accuracies), "pass": float(max(accuracies) >= 0.5),
                     **({"tool_calls": [len(c) for c in calls[i]], "tool_results": calls[i]} if cfg.rollout.tools
                        else {}),
-                    **({"evidence_ious": [evidence_of(t, record) for t in texts]}
-                       if evidence_of is not None and record.get("evidence") is not None else {}),
+                    **({"ious": [iou_of(t, record) for t in texts]}
+                       if iou_of is not None and (record["problem_type"] in GROUNDING_TYPES
+                                                  or record.get("evidence") is not None) else {}),
                 })
                 scored += 1
                 if scored == crash_after:
@@ -322,6 +329,20 @@ def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, worl
         bar.update(len(mine[start : start + ev.batch_size]))
     bar.close()
     return scored
+
+
+def image_sizes(record: dict, prompt, patch: int) -> list[tuple[int, int, int, int]]:
+    """Per image of the record: (height, width) of the file and of the model's input (the processor's grid x the
+    patch size), for protocols whose boxes are in the model's input pixels."""
+    from PIL import Image
+
+    grid = prompt.inputs.get("image_grid_thw")
+    out = []
+    for i, path in enumerate(media_paths(record, record["_root"]) if record.get("data_type") == "image" else []):
+        with Image.open(path) as image:
+            width, height = image.size
+        out.append((height, width, int(grid[i][1]) * patch, int(grid[i][2]) * patch))
+    return out
 
 
 def merge_and_summarize(out: Path, usable: list[dict], skipped: list[dict], samples: int) -> dict:

@@ -1,8 +1,9 @@
 """Evaluation protocols' scoring: how each published evaluation script reads and scores an output (Video-R1's
-eval_bench.py, TimeZero's evaluate.py, VideoChat-R1's evaluate_track.py and evaluate_gqa.py), written from a reading
-of that code so that a preset of configs/eval/ reproduces its numbers, quirks included where they change a score.
-``eval.answer_extraction`` picks one (``ANSWER_EXTRACTION``); "project" is this project's own reward code. Pure
-Python.
+eval_bench.py, TimeZero's evaluate.py, VideoChat-R1's evaluate_track.py and evaluate_gqa.py, VLM-R1's
+test_rec_r1.py), written from a reading of that code so that a preset of configs/eval/ reproduces its numbers,
+quirks included where they change a score. ``eval.answer_extraction`` picks one (``ANSWER_EXTRACTION``); "project"
+is this project's own reward code. ``IOU_SCORING``: the IoU a protocol reports beside its accuracy. A scorer marked
+``needs_image_sizes`` reads ``record["_image_sizes"]``, which evaluation attaches. Pure Python.
 """
 
 from __future__ import annotations
@@ -207,6 +208,54 @@ def videochat_r1_gqa_evidence(completion: str, record: dict) -> float:
     return spans_iou(spans, record["evidence"])
 
 
+# ---- VLM-R1's referring-expression evaluation (src/eval/test_rec_r1.py): a box in the model's input pixels -------
+_VLM_R1_BOX = re.compile(r"\{.*\[(\d+),\s*(\d+),\s*(\d+),\s*(\d+)]\s*.*\}", re.DOTALL)
+
+
+def vlm_r1_rec_box(text: str) -> list[int]:
+    """The box VLM-R1's extract_bbox_answer reads: in the first <answer>, a JSON-like {...} holding [x1, y1, x2, y2]
+    in whole numbers (the last such box: its pattern is greedy); [0, 0, 0, 0] when there is none."""
+    found = _FIRST_ANSWER_RAW.search(text)
+    box = _VLM_R1_BOX.search(found.group(1).strip()) if found else None
+    return [int(box.group(i)) for i in range(1, 5)] if box else [0, 0, 0, 0]
+
+
+def vlm_r1_rec_iou(completion: str, record: dict) -> float:
+    """VLM-R1's IoU of the output's box, rescaled from the model's input size (the processor's resized image) to the
+    image's own size, with the record's box in the image's pixels; its convention: the intersection counts
+    whole pixels inclusive (x2 - 1 ... ), the union does not."""
+    sizes = record.get("_image_sizes")
+    if not sizes:
+        raise RewardError("eval.answer_extraction=vlm_r1_rec rescales boxes from the model's input size: the record "
+                          "needs one image (data_type image)")
+    image_height, image_width, input_height, input_width = sizes[0]
+    b = vlm_r1_rec_box(completion)
+    b = [b[0] / input_width * image_width, b[1] / input_height * image_height, b[2] / input_width * image_width,
+         b[3] / input_height * image_height]
+    reference = solution_answer(str(record.get("solution", "")))
+    truth = _literal_boxes(reference, 1) or _literal_boxes(f"[{reference}]", 1)
+    if truth is None:
+        raise RewardError(f"spatial grounding solution {reference[:80]!r} is not one [x1, y1, x2, y2] box")
+    t = truth[0]
+    x1, y1, x2, y2 = max(b[0], t[0]), max(b[1], t[1]), min(b[2] - 1, t[2] - 1), min(b[3] - 1, t[3] - 1)
+    inter = (x2 - x1 + 1) * (y2 - y1 + 1) if x1 < x2 and y1 < y2 else 0
+    union = (b[2] - b[0]) * (b[3] - b[1]) + (t[2] - t[0]) * (t[3] - t[1]) - inter
+    return inter / union if union != 0 else 0.0
+
+
+def vlm_r1_rec_accuracy(completion: str, record: dict) -> float:
+    """VLM-R1's accuracy of one output: its IoU above 0.5 (strictly)."""
+    kind = record["problem_type"]
+    if kind != "spatial grounding":
+        raise RewardError(f"eval.answer_extraction=vlm_r1_rec scores 'spatial grounding' records only (VLM-R1's "
+                          f"test_rec_r1.py); this record's problem_type is {kind!r}")
+    return float(vlm_r1_rec_iou(completion, record) > 0.5)
+
+
+vlm_r1_rec_accuracy.needs_image_sizes = True
+vlm_r1_rec_iou.needs_image_sizes = True
+
+
 ANSWER_EXTRACTION = {  # name -> (score of an output, the answer it read)
     # this project's scoring (the trainer's reward code; regression by MRA, as evaluations report it)
     "project": (lambda completion, record: accuracy_of(completion, record, regression="mra"),
@@ -215,7 +264,8 @@ ANSWER_EXTRACTION = {  # name -> (score of an output, the answer it read)
     "timezero": (timezero_accuracy, timezero_answer),  # TimeZero's temporal-grounding evaluation
     "videochat_r1_track": (videochat_r1_track_accuracy, videochat_r1_track_answer),  # VideoChat-R1's GOT-10k
     "videochat_r1_gqa": (videochat_r1_gqa_accuracy, videochat_r1_track_answer),  # VideoChat-R1's NExT-GQA
+    "vlm_r1_rec": (vlm_r1_rec_accuracy, lambda completion: str(vlm_r1_rec_box(completion))),  # VLM-R1's RefCOCO
 }
-# eval.answer_extraction -> the IoU of the time spans an output names as its evidence with a record's ``evidence``
-# (grounded QA); evaluation reports it beside the accuracy for records that have evidence spans.
-EVIDENCE_SCORING = {"videochat_r1_gqa": videochat_r1_gqa_evidence}
+# eval.answer_extraction -> the IoU evaluation reports beside an accuracy that is not one: NExT-GQA's evidence spans
+# (for records with ``evidence``), VLM-R1's boxes (its accuracy is IoU > 0.5). Other grounding scores are the IoU.
+IOU_SCORING = {"videochat_r1_gqa": videochat_r1_gqa_evidence, "vlm_r1_rec": vlm_r1_rec_iou}

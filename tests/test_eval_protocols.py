@@ -638,4 +638,124 @@ def test_an_evaluation_with_the_nextgqa_preset_reports_accuracy_and_evidence_iou
     assert set(saved["grounding"]["evidence"]) == {"mIoU", "R@0.3", "R@0.5", "R@0.7"}
     assert set(saved["by_original_question_type"]) == {"TC", "CW"}
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    assert all(len(row["evidence_ious"]) == 1 for row in rows)
+    assert all(len(row["ious"]) == 1 for row in rows)
+
+
+# ---- VLM-R1's referring-expression evaluation (om-ai-lab/VLM-R1 src/eval/test_rec_r1.py), transcribed -------------
+VLM_TEMPLATE = ("{Question} First output the thinking process in <think> </think> tags and then output the final "
+                "answer in <answer> </answer> tags. Output the final answer in JSON format.")
+
+
+def vlm_extract(content: str) -> list[int]:
+    import re
+
+    found = re.search(r"<answer>(.*?)</answer>", content, re.DOTALL)
+    if found:
+        box = re.search(r"\{.*\[(\d+),\s*(\d+),\s*(\d+),\s*(\d+)]\s*.*\}", found.group(1).strip(), re.DOTALL)
+        if box:
+            return [int(box.group(i)) for i in range(1, 5)]
+    return [0, 0, 0, 0]
+
+
+def vlm_iou(box1, box2) -> float:
+    inter_x1, inter_y1 = max(box1[0], box2[0]), max(box1[1], box2[1])
+    inter_x2, inter_y2 = min(box1[2] - 1, box2[2] - 1), min(box1[3] - 1, box2[3] - 1)
+    if inter_x1 < inter_x2 and inter_y1 < inter_y2:
+        inter = (inter_x2 - inter_x1 + 1) * (inter_y2 - inter_y1 + 1)
+    else:
+        inter = 0
+    union = (box1[2] - box1[0]) * (box1[3] - box1[1]) + (box2[2] - box2[0]) * (box2[3] - box2[1]) - inter
+    return float(inter) / union
+
+
+def vlm_correct(output: str, truth, input_hw, image_hw) -> tuple[int, float]:
+    box = vlm_extract(output)
+    box = [box[0] / input_hw[1] * image_hw[1], box[1] / input_hw[0] * image_hw[0],
+           box[2] / input_hw[1] * image_hw[1], box[3] / input_hw[0] * image_hw[0]]
+    iou = vlm_iou(box, truth)
+    return int(iou > 0.5), iou
+
+
+REC_TRUTH = [103.93, 299.99, 342.53, 480.0]
+
+
+@pytest.mark.parametrize("output", [
+    '<think>the man</think><answer>{"bbox_2d": [104, 300, 343, 480], "label": "man"}</answer>',
+    '<answer>```json\n[{"bbox_2d": [90, 280, 330, 470]}]\n```</answer>',  # the last box inside braces
+    '<answer>{"bbox_2d": [10, 20, 30, 40]}, {"bbox_2d": [104, 300, 343, 480]}</answer>',  # two boxes: the last
+    "<answer>[104, 300, 343, 480]</answer>",  # no braces: [0, 0, 0, 0]
+    '<answer>{"bbox_2d": [104.5, 300, 343, 480]}</answer>',  # a decimal: not read
+    '<answer>{"bbox_2d": [200, 300, 343, 480]}</answer>', '{"bbox_2d": [104, 300, 343, 480]}', "",
+])
+@pytest.mark.parametrize(("input_hw", "image_hw"), [((476, 644), (480, 640)), ((336, 448), (480, 640))])
+def test_the_refcoco_preset_scores_as_vlm_r1_does(output, input_hw, image_hw):
+    from app.protocol_scoring import vlm_r1_rec_accuracy, vlm_r1_rec_iou
+
+    record = {"problem_type": "spatial grounding", "solution": f"<answer>{REC_TRUTH}</answer>",
+              "_image_sizes": [(*image_hw, *input_hw)]}
+    correct, iou = vlm_correct(output, REC_TRUTH, input_hw, image_hw)
+    assert vlm_r1_rec_accuracy(output, record) == correct
+    assert vlm_r1_rec_iou(output, record) == pytest.approx(iou, abs=1e-12)
+
+
+def test_refcoco_files_convert_to_vlm_r1s_subset_and_evaluate_with_its_input_sizes(tmp_path):
+    """The converter keeps the 2,000 questions its random.seed(42) shuffle keeps, in that order; an evaluation reads
+    each image's input size from the processor's grid (x 14) and the file, as its script does; summary.json has the
+    accuracy and the IoUs' mIoU and R@k."""
+    import json
+    import random
+
+    from PIL import Image
+
+    from app.data.convert import FORMATS, ConvertError, main
+    from app.data.records import build_conversation
+    from app.evaluate import evaluate
+    from app.models import build_tiny_checkpoint
+
+    entries = [{"image": f"train2014/img_{i % 3}.jpg", "problem": f"Please provide the bounding box coordinate of the "
+                f"region this sentence describes: person {i}.", "solution": [10 + i % 7, 5, 60, 40.5]}
+               for i in range(2500)]
+    (tmp_path / "coco" / "train2014").mkdir(parents=True)
+    for k, (w, h) in enumerate([(150, 100), (97, 61), (80, 120)]):
+        Image.new("RGB", (w, h), (40 * k, 90, 200)).save(tmp_path / "coco" / "train2014" / f"img_{k}.jpg")
+    (tmp_path / "refcoco_val.json").write_text(json.dumps(entries))
+    records, missing = FORMATS["vlm_r1_rec"](tmp_path / "refcoco_val.json", tmp_path / "coco")
+    theirs = list(entries)
+    random.seed(42)
+    random.shuffle(theirs)
+    assert missing == [] and [r["problem"] for r in records] == [e["problem"] for e in theirs[:2000]]
+    cfg = preset("vlm_r1_refcoco")
+    image, text = build_conversation(records[0], tmp_path / "coco", cfg.data)[0]["content"]
+    assert image["type"] == "image" and text["text"] == VLM_TEMPLATE.format(Question=theirs[0]["problem"])
+    with pytest.raises(ConvertError, match=r"bad.json\[0\] \(x.jpg\): solution \[1, 2\] is not one"):
+        (tmp_path / "bad.json").write_text(json.dumps([{"image": "x.jpg", "problem": "p", "solution": [1, 2]}]))
+        FORMATS["vlm_r1_rec"](tmp_path / "bad.json", tmp_path / "coco")
+    main(["vlm_r1_rec", str(tmp_path / "refcoco_val.json"), "--images", str(tmp_path / "coco"), "--sample", "3",
+          "--out", str(tmp_path / "refcoco.jsonl")])
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0)
+    out = tmp_path / "eval"
+    summary = evaluate(checkpoint, [tmp_path / "refcoco.jsonl"], [f"eval.output_dir={out}", "eval.max_new_tokens=4",
+                                                                   f"data.data_root={tmp_path / 'coco'}"],
+                       protocol="vlm_r1_refcoco")
+    assert summary["scored_this_run"] == 3
+    saved = json.loads((out / "summary.json").read_text())
+    assert set(saved["grounding"]["spatial grounding"]) == {"mIoU", "R@0.3", "R@0.5", "R@0.7"}
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert all(len(row["ious"]) == 1 and row["accuracies"][0] == float(row["ious"][0] > 0.5) for row in rows)
+    # the input size as its script reads it: process_vision_info on its message, the processor, grid x 14
+    from qwen_vl_utils import process_vision_info
+
+    from app.data.records import encode_record
+    from app.evaluate import image_sizes
+    from app.models import load_processor
+
+    processor = load_processor(checkpoint)
+    for k, (w, h) in enumerate([(150, 100), (97, 61), (80, 120)]):
+        record = {**records[0], "path": f"train2014/img_{k}.jpg", "_root": tmp_path / "coco"}
+        prompt, _ = encode_record(processor, record, tmp_path / "coco", cfg.data)
+        message = [{"role": "user", "content": [{"type": "image", "image": f"file://{tmp_path / 'coco' / record['path']}"},
+                                                 {"type": "text", "text": "x"}]}]
+        images, _ = process_vision_info(message)
+        grid = processor(text=[processor.apply_chat_template(message, tokenize=False, add_generation_prompt=True)],
+                         images=images, return_tensors="pt")["image_grid_thw"][0]
+        assert image_sizes(record, prompt, 14) == [(h, w, int(grid[1] * 14), int(grid[2] * 14))]

@@ -20,6 +20,12 @@ one as its ``initial_box``, the frame folder found as ``DIR/<last part of path>`
 ``[{"id", "video": "1101/2574374895.mp4", "question", "options": ["(A) ...", ...], "duration", "glue": [[s, e],
 ...], "type", "answer": "(C)"}]``; one ``multiple choice`` record per entry, the answer's letter as its solution, the
 glue spans (seconds) as its ``evidence``, the question type (TN, CW, ...) as ``original_question_type``.
+
+``vlm_r1_rec``: a referring-expression file as VLM-R1 ships them (rec_jsons_processed/refcoco_val.json, ...),
+``[{"image": "train2014/COCO_....jpg", "problem": "...", "solution": [x1, y1, x2, y2], ...}]`` with the box in the
+image's pixels; one ``spatial grounding`` image record per entry. Its evaluation shuffles the list with
+``random.seed(42)`` and keeps the first 2,000 (``--sample``, 0 keeps all): the records are that subset, in that
+order.
 """
 
 from __future__ import annotations
@@ -144,7 +150,40 @@ def videochat_r1_grounded_qa(annotation: Path, videos: Path, source: str = "next
     return records, missing
 
 
+def vlm_r1_rec(annotation: Path, images: Path, source: str = "", sample: int = 2000) -> tuple[list[dict], list[str]]:
+    """(records, the images not found under ``images``: left out after the subset is drawn, as they would fail
+    there)."""
+    import random
+
+    try:
+        data = json.loads(annotation.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConvertError(f"{annotation}: cannot be read as JSON ({error})") from None
+    if not isinstance(data, list):
+        raise ConvertError(f"{annotation}: expected a list of {{image, problem, solution}} entries")
+    rng = random.Random(42)  # its random.seed(42); random.shuffle(data); data[:2000]
+    order = list(range(len(data)))
+    rng.shuffle(order)
+    records, missing = [], []
+    for i in order[:sample] if sample else order:
+        entry, where = data[i], f"{annotation}[{i}]"
+        try:
+            image, problem, box = entry["image"], entry["problem"], entry["solution"]
+        except (KeyError, TypeError):
+            raise ConvertError(f"{where} lacks image, problem or solution") from None
+        if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) and v >= 0 for v in box)):
+            raise ConvertError(f"{where} ({image}): solution {box!r} is not one [x1, y1, x2, y2] box in pixels")
+        if not (images / image).is_file():
+            missing.append(image)
+            continue
+        records.append({"problem_id": i, "problem": problem, "problem_type": "spatial grounding",
+                        "data_type": "image", "path": image, "solution": f"<answer>{box}</answer>",
+                        "box_format": "pixel", "data_source": source or annotation.stem})
+    return records, missing
+
+
 FORMATS = {name: partial(temporal_grounding, source=name) for name in ("charades_sta", "activitynet_captions")}
+FORMATS["vlm_r1_rec"] = vlm_r1_rec
 FORMATS["videochat_r1_got10k"] = videochat_r1_tracking
 FORMATS["videochat_r1_nextgqa"] = videochat_r1_grounded_qa
 
@@ -153,11 +192,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m app.data.convert", description=__doc__.split("\n\n")[0])
     parser.add_argument("format", choices=sorted(FORMATS))
     parser.add_argument("annotation", type=Path)
-    parser.add_argument("--videos", type=Path, required=True, help="the folder of the benchmark's videos")
+    parser.add_argument("--videos", "--images", type=Path, required=True,
+                        help="the folder of the benchmark's videos (or images)")
+    parser.add_argument("--sample", type=int, default=None,
+                        help="vlm_r1_rec: how many of the shuffled entries to keep (default 2000, as VLM-R1's "
+                             "evaluation; 0 keeps all)")
     parser.add_argument("--out", type=Path, required=True, help="the records file to write (JSONL)")
     args = parser.parse_args(argv)
     try:
-        records, missing = FORMATS[args.format](args.annotation, args.videos)
+        extra = {"sample": args.sample} if args.sample is not None else {}
+        if extra and args.format != "vlm_r1_rec":
+            raise ConvertError("--sample applies to vlm_r1_rec only")
+        records, missing = FORMATS[args.format](args.annotation, args.videos, **extra)
     except ConvertError as error:
         print(f"convert error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -84,6 +84,12 @@ VIDEOCHAT_R1_GQA = ('Answer the question: "{problem}" according to the content o
                     "period in seconds of the video clips on which you base your answer to this question in the format "
                     "of [(s1, e1), (s2, e2), ...]. For example: <answer>A</answer><glue>[(5.2, 10.4)]</glue>.\n")
 
+# VLM-R1's referring-expression evaluation prompt (om-ai-lab/VLM-R1, src/eval/test_rec_r1.py QUESTION_TEMPLATE),
+# verbatim: the record's problem (its files write "Please provide the bounding box coordinate of the region this
+# sentence describes: ...") as {question}; the image before the text, no system message.
+VLM_R1_REC = ("{question} First output the thinking process in <think> </think> tags and then output the final answer "
+              "in <answer> </answer> tags. Output the final answer in JSON format.")
+
 
 @dataclass(frozen=True)
 class PromptTemplate:
@@ -101,6 +107,7 @@ PROMPT_TEMPLATES = {
     "timezero_grounding": PromptTemplate(TIMEZERO_GROUNDING, "lines", None, type_instruction=False, text_first=True),
     "videochat_r1_track": PromptTemplate(VIDEOCHAT_R1_TRACK, "lines", None, type_instruction=False, text_first=True),
     "videochat_r1_gqa": PromptTemplate(VIDEOCHAT_R1_GQA, "lines", None, type_instruction=False, text_first=True),
+    "vlm_r1_rec": PromptTemplate(VLM_R1_REC, "lines", None, type_instruction=False),
 }
 
 
