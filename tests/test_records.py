@@ -177,6 +177,8 @@ def test_a_records_frame_sampling_and_a_templates_fields_are_checked_by_name(roo
 
     assert "unknown frame_sampling 'every_other' (known: fps, videochat_r1_track)" in check_record(
         record(data_type="video", path="frames", frame_sampling="every_other"), root)
+    assert "frame_sampling 'videochat_r1_track' applies to frame folders only" in check_record(
+        record(data_type="video", path="MMVU/videos/a.mp4", frame_sampling="videochat_r1_track"), root)
     with pytest.raises(ValueError, match="prompt template 'videochat_r1_track' needs the record field 'object'"):
         question_text(record(problem_type="object tracking", solution="<answer>[[0, 0, 1, 1]]</answer>"),
                       "videochat_r1_track")

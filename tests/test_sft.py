@@ -70,6 +70,7 @@ def test_loss_is_the_nll_of_the_target_tokens_only(assets, tmp_path, monkeypatch
     assert metrics["tokens/target"] == int(mask.sum())
 
 
+@pytest.mark.slow  # about 40-55 s on 2 cores: two scripts/sft.sh runs, a kill and a GRPO start
 def test_sft_sh_resumes_exactly_and_grpo_starts_from_its_export(assets, tmp_path):  # noqa: F811
     data = Path(assets["train"]).parent
     settings = {"data.train_file": cot_file(assets, tmp_path), "data.data_root": data, "train.max_steps": 4,

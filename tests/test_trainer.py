@@ -106,6 +106,7 @@ def test_train_sh_two_processes_zero3(assets, tmp_path):
     assert load_model(out / "final") is not None
 
 
+@pytest.mark.slow  # two launchers of two processes each, about 20 s on 2 cores
 def test_multinode_script_two_nodes_on_localhost(assets, tmp_path):
     out = tmp_path / "run"
     env = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NPROC_PER_NODE": "1"}

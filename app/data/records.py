@@ -150,6 +150,8 @@ def check_record(record: dict, data_root: Path, confine_to_root: bool = True) ->
     sampling = record.get("frame_sampling")
     if sampling is not None and sampling not in FRAME_FOLDER_SAMPLING:
         return f"unknown frame_sampling {sampling!r} (known: {', '.join(FRAME_FOLDER_SAMPLING)})"
+    if sampling is not None and not (data_type == "video" and paths and all(p.is_dir() for p in paths)):
+        return f"frame_sampling {sampling!r} applies to frame folders only; this record's path is {raw!r}"
     options = record.get("options")
     if options is not None and not isinstance(options, list):
         return "field 'options' must be a list"
