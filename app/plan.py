@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from app import shapes
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--frames", type=int, default=0, help="plan this many frames (default data.max_frames)")
     parser.add_argument("--out", default="outputs/plan", help="where plan.json goes")
     args = parser.parse_intermixed_args(argv)
+    start = time.perf_counter()
     try:
         cfg = load_config(args.config, args.overrides)
         world = World(args.nodes, args.gpus_per_node, args.gpu_memory_gib, args.peak_tflops, args.efficiency,
@@ -124,10 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     payload = {**result, "largest_frames": frames_by_size, "remedies": fixes, "config": args.config,
-               "overrides": args.overrides}
+               "overrides": args.overrides, "planned_in_seconds": round(time.perf_counter() - start, 3)}
     (out / "plan.json").write_text(json.dumps(payload, indent=1, default=str))
     (out / "plan.txt").write_text(text + "\n")
-    print(f"\nwritten: {out / 'plan.json'}, {out / 'plan.txt'}")
+    print(f"\nplanned in {payload['planned_in_seconds']:.1f} s; written: {out / 'plan.json'}, {out / 'plan.txt'}")
 
 
 if __name__ == "__main__":
