@@ -267,6 +267,26 @@ def test_charades_sta_annotations_convert_to_records(tmp_path):
         charades_sta(annotation, tmp_path / "videos")
 
 
+def evaluate_converted(tmp_path, fmt: str, annotation, media, protocol: str, *extra: str) -> tuple[dict, list]:
+    """python -m app.data.convert FMT ANNOTATION --videos MEDIA, then scripts/eval.sh on a tiny Qwen2.5-VL with
+    --protocol PROTOCOL, in process: (summary.json, the prediction rows)."""
+    import json
+
+    from app.data.convert import main
+    from app.evaluate import evaluate
+    from app.models import build_tiny_checkpoint
+
+    main([fmt, str(annotation), "--videos", str(media), "--out", str(tmp_path / "records.jsonl"), *extra])
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0)
+    out = tmp_path / "eval"
+    summary = evaluate(checkpoint, [tmp_path / "records.jsonl"], [f"eval.output_dir={out}", "eval.max_new_tokens=4",
+                                                                    f"data.data_root={media}"], protocol=protocol)
+    assert "answer_extraction:" in (out / "eval_config.yaml").read_text()
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert summary["scored_this_run"] == len(rows)
+    return json.loads((out / "summary.json").read_text()), rows
+
+
 # ---- VideoChat-R1's evaluations (OpenGVLab/VideoChat-R1 src_eval/), transcribed ---------------------------------
 # evaluate_grounding.py's GROUND_TEMPLATE_THINK (eval_prompts.py)
 VC_GROUND = """To accurately pinpoint the event "[EVENT]" in the video, determine the precise time period of the event.
@@ -459,25 +479,13 @@ def test_an_evaluation_with_the_got10k_preset_runs_and_reports_tracking_metrics(
     folders, the preset's prompt and scoring; summary.json reports mIoU and R@k for object tracking."""
     import json
 
-    from app.data.convert import main
-    from app.evaluate import evaluate
-    from app.models import build_tiny_checkpoint
-
     for name in ("GOT-10k_Val_000010", "GOT-10k_Val_000111"):
         got_folder(tmp_path / "val", name, 15, 40, 60)
     (tmp_path / "got_val.json").write_text(json.dumps([GOT_ENTRY, {**GOT_ENTRY, "path": "/x/GOT-10k_Val_000111",
                                                                    "object": "hand truck"}]))
-    main(["videochat_r1_got10k", str(tmp_path / "got_val.json"), "--videos", str(tmp_path / "val"), "--out",
-          str(tmp_path / "got10k.jsonl")])
-    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0)
-    out = tmp_path / "eval"
-    summary = evaluate(checkpoint, [tmp_path / "got10k.jsonl"], [f"eval.output_dir={out}", "eval.max_new_tokens=4",
-                                                                   f"data.data_root={tmp_path / 'val'}"],
-                       protocol="videochat_r1_got10k")
-    assert summary["scored_this_run"] == 2
-    saved = json.loads((out / "summary.json").read_text())
-    assert set(saved["grounding"]["object tracking"]) == {"mIoU", "R@0.3", "R@0.5", "R@0.7"}
-    assert "answer_extraction: videochat_r1_track" in (out / "eval_config.yaml").read_text()
+    saved, rows = evaluate_converted(tmp_path, "videochat_r1_got10k", tmp_path / "got_val.json", tmp_path / "val",
+                                     "videochat_r1_got10k")
+    assert len(rows) == 2 and set(saved["grounding"]["object tracking"]) == {"mIoU", "R@0.3", "R@0.5", "R@0.7"}
 
 
 # evaluate_gqa.py's GQA_THINK_ANSWER_GLUE (eval_prompts.py), extract_characters_regex, merge_intervals, compute_iou
@@ -618,26 +626,15 @@ def test_the_nextgqa_preset_writes_videochat_r1s_prompt_and_converts_its_file(tm
 def test_an_evaluation_with_the_nextgqa_preset_reports_accuracy_and_evidence_iou(tmp_path):
     import json
 
-    from app.data.convert import main
     from app.data.video import write_mp4
-    from app.evaluate import evaluate
-    from app.models import build_tiny_checkpoint
 
     rng = np.random.default_rng(1)
     write_mp4(tmp_path / "videos" / "0067" / "3083302557.mp4", rng.integers(0, 255, (12, 56, 56, 3), np.uint8), 4)
     (tmp_path / "a.json").write_text(json.dumps(GQA_ENTRIES[1:]))
-    main(["videochat_r1_nextgqa", str(tmp_path / "a.json"), "--videos", str(tmp_path / "videos"), "--out",
-          str(tmp_path / "nextgqa.jsonl")])
-    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0)
-    out = tmp_path / "eval"
-    summary = evaluate(checkpoint, [tmp_path / "nextgqa.jsonl"], [f"eval.output_dir={out}", "eval.max_new_tokens=4",
-                                                                   f"data.data_root={tmp_path / 'videos'}"],
-                       protocol="videochat_r1_nextgqa")
-    assert summary["scored_this_run"] == 2
-    saved = json.loads((out / "summary.json").read_text())
-    assert set(saved["grounding"]["evidence"]) == {"mIoU", "R@0.3", "R@0.5", "R@0.7"}
+    saved, rows = evaluate_converted(tmp_path, "videochat_r1_nextgqa", tmp_path / "a.json", tmp_path / "videos",
+                                     "videochat_r1_nextgqa")
+    assert len(rows) == 2 and set(saved["grounding"]["evidence"]) == {"mIoU", "R@0.3", "R@0.5", "R@0.7"}
     assert set(saved["by_original_question_type"]) == {"TC", "CW"}
-    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert all(len(row["ious"]) == 1 for row in rows)
 
 
@@ -707,10 +704,8 @@ def test_refcoco_files_convert_to_vlm_r1s_subset_and_evaluate_with_its_input_siz
 
     from PIL import Image
 
-    from app.data.convert import FORMATS, ConvertError, main
+    from app.data.convert import FORMATS, ConvertError
     from app.data.records import build_conversation
-    from app.evaluate import evaluate
-    from app.models import build_tiny_checkpoint
 
     entries = [{"image": f"train2014/img_{i % 3}.jpg", "problem": f"Please provide the bounding box coordinate of the "
                 f"region this sentence describes: person {i}.", "solution": [10 + i % 7, 5, 60, 40.5]}
@@ -730,17 +725,9 @@ def test_refcoco_files_convert_to_vlm_r1s_subset_and_evaluate_with_its_input_siz
     with pytest.raises(ConvertError, match=r"bad.json\[0\] \(x.jpg\): solution \[1, 2\] is not one"):
         (tmp_path / "bad.json").write_text(json.dumps([{"image": "x.jpg", "problem": "p", "solution": [1, 2]}]))
         FORMATS["vlm_r1_rec"](tmp_path / "bad.json", tmp_path / "coco")
-    main(["vlm_r1_rec", str(tmp_path / "refcoco_val.json"), "--images", str(tmp_path / "coco"), "--sample", "3",
-          "--out", str(tmp_path / "refcoco.jsonl")])
-    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0)
-    out = tmp_path / "eval"
-    summary = evaluate(checkpoint, [tmp_path / "refcoco.jsonl"], [f"eval.output_dir={out}", "eval.max_new_tokens=4",
-                                                                   f"data.data_root={tmp_path / 'coco'}"],
-                       protocol="vlm_r1_refcoco")
-    assert summary["scored_this_run"] == 3
-    saved = json.loads((out / "summary.json").read_text())
-    assert set(saved["grounding"]["spatial grounding"]) == {"mIoU", "R@0.3", "R@0.5", "R@0.7"}
-    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    saved, rows = evaluate_converted(tmp_path, "vlm_r1_rec", tmp_path / "refcoco_val.json", tmp_path / "coco",
+                                     "vlm_r1_refcoco", "--sample", "3")
+    assert len(rows) == 3 and set(saved["grounding"]["spatial grounding"]) == {"mIoU", "R@0.3", "R@0.5", "R@0.7"}
     assert all(len(row["ious"]) == 1 and row["accuracies"][0] == float(row["ious"][0] > 0.5) for row in rows)
     # the input size as its script reads it: process_vision_info on its message, the processor, grid x 14
     from qwen_vl_utils import process_vision_info
@@ -749,7 +736,7 @@ def test_refcoco_files_convert_to_vlm_r1s_subset_and_evaluate_with_its_input_siz
     from app.evaluate import image_sizes
     from app.models import load_processor
 
-    processor = load_processor(checkpoint)
+    processor = load_processor(tmp_path / "tiny")
     for k, (w, h) in enumerate([(150, 100), (97, 61), (80, 120)]):
         record = {**records[0], "path": f"train2014/img_{k}.jpg", "_root": tmp_path / "coco"}
         prompt, _ = encode_record(processor, record, tmp_path / "coco", cfg.data)

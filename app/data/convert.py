@@ -43,14 +43,20 @@ class ConvertError(ValueError):
     """An annotation file that cannot be converted (the message names the file and the entry)."""
 
 
-def temporal_grounding(annotation: Path, videos: Path, source: str) -> tuple[list[dict], list[str]]:
-    """(records, the video ids whose file is missing: their sentences are left out, as TimeZero leaves them)."""
+def read_annotation(annotation: Path, kind: type, what: str):
+    """The annotation file's JSON, which must be a ``kind`` (dict or list); else an error naming the file."""
     try:
         data = json.loads(annotation.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ConvertError(f"{annotation}: cannot be read as JSON ({error})") from None
-    if not isinstance(data, dict):
-        raise ConvertError(f"{annotation}: expected an object of video id -> annotation")
+    if not isinstance(data, kind):
+        raise ConvertError(f"{annotation}: expected {what}")
+    return data
+
+
+def temporal_grounding(annotation: Path, videos: Path, source: str) -> tuple[list[dict], list[str]]:
+    """(records, the video ids whose file is missing: their sentences are left out, as TimeZero leaves them)."""
+    data = read_annotation(annotation, dict, "an object of video id -> annotation")
     records, missing = [], []
     for vid, entry in data.items():
         where = f"{annotation}: video {vid!r}"
@@ -80,12 +86,7 @@ def temporal_grounding(annotation: Path, videos: Path, source: str) -> tuple[lis
 
 def videochat_r1_tracking(annotation: Path, videos: Path, source: str = "got10k") -> tuple[list[dict], list[str]]:
     """(records, the frame folders not found under ``videos``: their entries are left out)."""
-    try:
-        data = json.loads(annotation.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ConvertError(f"{annotation}: cannot be read as JSON ({error})") from None
-    if not isinstance(data, list):
-        raise ConvertError(f"{annotation}: expected a list of {{path, object, gt}} entries")
+    data = read_annotation(annotation, list, "a list of {path, object, gt} entries")
     records, missing = [], []
     for i, entry in enumerate(data):
         where = f"{annotation}[{i}]"
@@ -116,12 +117,7 @@ def videochat_r1_grounded_qa(annotation: Path, videos: Path, source: str = "next
     """(records, the videos not found under ``videos``: their questions are left out)."""
     import re
 
-    try:
-        data = json.loads(annotation.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ConvertError(f"{annotation}: cannot be read as JSON ({error})") from None
-    if not isinstance(data, list):
-        raise ConvertError(f"{annotation}: expected a list of NExT-GQA entries")
+    data = read_annotation(annotation, list, "a list of NExT-GQA entries")
     records, missing = [], []
     for i, entry in enumerate(data):
         where = f"{annotation}[{i}]"
@@ -155,12 +151,7 @@ def vlm_r1_rec(annotation: Path, images: Path, source: str = "", sample: int = 2
     there)."""
     import random
 
-    try:
-        data = json.loads(annotation.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ConvertError(f"{annotation}: cannot be read as JSON ({error})") from None
-    if not isinstance(data, list):
-        raise ConvertError(f"{annotation}: expected a list of {{image, problem, solution}} entries")
+    data = read_annotation(annotation, list, "a list of {image, problem, solution} entries")
     rng = random.Random(42)  # its random.seed(42); random.shuffle(data); data[:2000]
     order = list(range(len(data)))
     rng.shuffle(order)
