@@ -13,7 +13,7 @@ import math
 import re
 
 from app.answers import MRA_THRESHOLDS, RewardError, extract_answer, solution_answer
-from app.grounding import parse_interval
+from app.grounding import parse_box, parse_interval
 from app.rewards import accuracy_of, check_problem_type
 
 # ---- Video-R1's evaluation scoring (src/eval_bench.py), for reproducing its published numbers ----------------------
@@ -91,8 +91,9 @@ def timezero_accuracy(completion: str, record: dict) -> float:
 _FIRST_ANSWER_RAW = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
-def videochat_r1_track_answer(text: str) -> str:
-    """What VideoChat-R1's tracking evaluation reads: the first ``<answer>`` content, as written ("" without one)."""
+def videochat_r1_answer(text: str) -> str:
+    """What VideoChat-R1's tracking and NExT-GQA evaluations read: the first ``<answer>`` content, as written ("" without
+    one)."""
     found = _FIRST_ANSWER_RAW.search(text)
     return found.group(1) if found else ""
 
@@ -132,7 +133,7 @@ def videochat_r1_track_accuracy(completion: str, record: dict) -> float:
     truth = _literal_boxes(reference)
     if truth is None:
         raise RewardError(f"object tracking solution {reference[:80]!r} is not a list of [x0, y0, x1, y1] boxes")
-    boxes = _literal_boxes(videochat_r1_track_answer(completion), len(truth))
+    boxes = _literal_boxes(videochat_r1_answer(completion), len(truth))
     if boxes is None:
         return 0.0
     return sum(_videochat_iou(p, t) for p, t in zip(boxes, truth)) / len(truth)
@@ -233,10 +234,9 @@ def vlm_r1_rec_iou(completion: str, record: dict) -> float:
     b = [b[0] / input_width * image_width, b[1] / input_height * image_height, b[2] / input_width * image_width,
          b[3] / input_height * image_height]
     reference = solution_answer(str(record.get("solution", "")))
-    truth = _literal_boxes(reference, 1) or _literal_boxes(f"[{reference}]", 1)
-    if truth is None:
+    t = parse_box(reference)
+    if t is None:
         raise RewardError(f"spatial grounding solution {reference[:80]!r} is not one [x1, y1, x2, y2] box")
-    t = truth[0]
     x1, y1, x2, y2 = max(b[0], t[0]), max(b[1], t[1]), min(b[2] - 1, t[2] - 1), min(b[3] - 1, t[3] - 1)
     inter = (x2 - x1 + 1) * (y2 - y1 + 1) if x1 < x2 and y1 < y2 else 0
     union = (b[2] - b[0]) * (b[3] - b[1]) + (t[2] - t[0]) * (t[3] - t[1]) - inter
@@ -262,8 +262,8 @@ ANSWER_EXTRACTION = {  # name -> (score of an output, the answer it read)
                 lambda completion: extract_answer(completion) or ""),
     "video_r1": (video_r1_eval_accuracy, video_r1_eval_answer),  # Video-R1's evaluation script, to reproduce it
     "timezero": (timezero_accuracy, timezero_answer),  # TimeZero's temporal-grounding evaluation
-    "videochat_r1_track": (videochat_r1_track_accuracy, videochat_r1_track_answer),  # VideoChat-R1's GOT-10k
-    "videochat_r1_gqa": (videochat_r1_gqa_accuracy, videochat_r1_track_answer),  # VideoChat-R1's NExT-GQA
+    "videochat_r1_track": (videochat_r1_track_accuracy, videochat_r1_answer),  # VideoChat-R1's GOT-10k
+    "videochat_r1_gqa": (videochat_r1_gqa_accuracy, videochat_r1_answer),  # VideoChat-R1's NExT-GQA
     "vlm_r1_rec": (vlm_r1_rec_accuracy, lambda completion: str(vlm_r1_rec_box(completion))),  # VLM-R1's RefCOCO
 }
 # eval.answer_extraction -> the IoU evaluation reports beside an accuracy that is not one: NExT-GQA's evidence spans

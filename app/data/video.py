@@ -75,7 +75,7 @@ def frame_files(folder: str | Path) -> list[Path]:
     return sorted((p for p in Path(folder).iterdir() if p.suffix.lower() in FRAME_SUFFIXES), key=key)
 
 
-def _sample_at_fps(folder: str | Path, element: dict) -> dict:
+def _sample_at_fps(folder: str | Path, element: dict, image_patch_size: int = 14) -> dict:
     """The frames of a folder recorded at ``folder_fps``, sampled at ``fps`` (at most ``max_frames``, evenly
     spaced, an even count as qwen-vl-utils samples videos), with the sampling and source rates qwen-vl-utils passes
     on to the processor as the video's metadata."""
@@ -114,7 +114,7 @@ def _sample_videochat_r1_track(folder: str | Path, element: dict, image_patch_si
 
 
 FRAME_FOLDER_SAMPLING = {  # data.frame_folder_sampling -> (folder, element, image_patch_size) -> element updates
-    "fps": lambda folder, element, image_patch_size=14: _sample_at_fps(folder, element),
+    "fps": _sample_at_fps,
     "videochat_r1_track": _sample_videochat_r1_track,
 }
 
