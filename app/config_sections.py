@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from app.data.prompts import PROMPT_TEMPLATES
 from app.data.video import FRAME_FOLDER_SAMPLING
 from app.engines import ENGINE_NAMES
-from app.grouping import BACKENDS, DEFAULT_CHUNK_SIZE, MODES
+from app.grouping import BACKENDS, DECODE_MODES, DEFAULT_CHUNK_SIZE, MODES
 from app.grpo import (
     DYNAMIC_SAMPLING_METRICS,
     KL_ESTIMATORS,
@@ -155,6 +155,13 @@ class RolloutConfig:
     tool_max_frames: int = _f(8, "get_frames: the most frames one call decodes.")
     tool_max_pixels: int = _f(50176, "get_frames: pixels per frame at most (min: data.min_pixels).")
     tool_zoom_max_pixels: int = _f(200704, "zoom: pixels of the cropped frame at most.")
+    decode: str = _f("auto", "rollout.engine=grouped: the decode step. auto: on CUDA a static-shape step (own K/V "
+                     "in fixed buffers, finished samples stepping on masked) captured once per rollout as a CUDA "
+                     "graph and replayed (one launch per token instead of several per layer), eager steps on CPU and "
+                     "wherever DeepSpeed's hooks gather parameters during the rollout (ZeRO-3 with zero3_gather "
+                     "layerwise or per_step); graph: that, or an error where it cannot run; static: the static step "
+                     "without the graph; eager: steps whose batch shrinks as samples finish. Same samples in every "
+                     "mode, log-probs to float rounding.", choices=DECODE_MODES)
     zero3_gather: str = _f("full", "ZeRO-3 only: full gathers the policy's (and reference's) parameters once per "
                            "rollout and decodes with no collectives (fastest, needs the whole model in memory); "
                            "layerwise gathers all but the decoder layers once and each layer (one collective) when it "

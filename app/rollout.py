@@ -115,6 +115,7 @@ def generate_groups(
     vision_calls: Sequence[str] | None = None,
     prompt_seeds: Sequence[int] | None = None,
     prefill_chunk_size: int = 0,
+    decode: str = "auto",
 ) -> Rollout:
     """Sample ``group_sizes[b]`` completions for each prompt b of a processor batch (left-padded).
 
@@ -125,6 +126,8 @@ def generate_groups(
     samples finish; default ``derive_seed(sampling.seed, b)`` when ``sampling.seed`` is set, else torch's global
     generator. ``prefill_chunk_size`` > 0: the grouped engine's prefill runs its decoder that many prompt positions
     at a time (``app.grouping.decode.chunked_prefill``: activations bounded by the chunk, not the prompt).
+    ``decode``: the grouped engine's decode step (``app.grouping.decode.decode_mode``): ``auto`` replays a CUDA
+    graph of a static-shape step on CUDA (unless ranks step in lock step under ZeRO-3), eager steps elsewhere.
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown generation engine {engine!r}; expected one of {ENGINES}")
@@ -146,7 +149,8 @@ def generate_groups(
             return _hf_generate(model, prompts, sizes, sampling, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id,
                                 generators=generators)
         return _grouped_generate(model, prompts, sizes, sampling, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id,
-                                 synced=synced, generators=generators, prefill_chunk_size=prefill_chunk_size)
+                                 synced=synced, generators=generators, prefill_chunk_size=prefill_chunk_size,
+                                 decode=decode)
 
 
 class _Finish:
@@ -177,7 +181,7 @@ class _Finish:
             self.by_stop[rows] |= stopped
             hit |= stopped
         self.finished[rows] |= hit
-        self.end[rows[hit]] = step + 1
+        self.end[rows] = torch.where(hit, step + 1, self.end[rows])  # no host sync (rows are distinct)
 
     def mask(self) -> torch.Tensor:
         width = int(self.end.max()) if self.end.numel() else 0
@@ -189,13 +193,14 @@ class _Finish:
 
 
 def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id, synced, generators,
-                      prefill_chunk_size=0) -> Rollout:
+                      prefill_chunk_size=0, decode="auto") -> Rollout:
     """Decode all samples together, each prompt prefilled once. The host looks at which samples finished only
     every ``CHECK_EVERY`` steps: finished samples then leave the batch (``GroupedDecoder.keep``) and, under ZeRO-3,
     the ranks agree whether all are done (every rank steps, idly once done, until all are).
     Between looks a finished sample steps on with pad tokens that are masked out, and each sample draws from its
     own generator, so every output equals a step-by-step run. Stop strings need the decoded text: with them the
-    host looks at every step."""
+    host looks at every step. A static-shape decoder (``decoder.compacts`` False) keeps finished samples stepping
+    on pad tokens to the end."""
     device = prompts["input_ids"].device
     count, limit = sum(sizes), sampling.max_new_tokens
     suppress_ids = vision_token_ids(model) if sampling.suppress_token_ids is None else list(sampling.suppress_token_ids)
@@ -205,7 +210,7 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
     logprobs_out = torch.zeros(count, limit, device=device)
     rows = torch.arange(count, device=device)  # the decoder's batch -> sample index
     decoder = GroupedDecoder(model, prompts, sizes, limit, prefill_chunk_size=prefill_chunk_size,
-                             synced=synced)  # each prompt (and its video) once
+                             synced=synced, decode=decode)  # each prompt (and its video) once
     logits, step, tick, done_here = decoder.logits, 0, 0, False
     seen = None  # the tokens of each sample's prompt and completion so far, for the repetition penalty
     if sampling.repetition_penalty != 1.0:
@@ -233,7 +238,7 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
                 alive = ~finish.finished[rows]
                 if not bool(alive.any()):
                     done_here = True
-                elif not bool(alive.all()):  # finished samples cost nothing from here on
+                elif decoder.compacts and not bool(alive.all()):  # finished samples cost nothing from here on
                     keep = alive.nonzero().flatten()
                     rows, tokens = rows[keep], tokens[keep]
                     generators = [generators[i] for i in keep.tolist()] if generators is not None else None

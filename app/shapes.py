@@ -125,17 +125,20 @@ def count_parameters(config) -> Counts:
 
 def build_real_width_checkpoint(out_dir: str | Path, preset: str, *, layers: int = 1, vision_layers: int = 1,
                                 seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                                max_pixels: int = 28 * 28 * 64) -> Path:
+                                max_pixels: int = 28 * 28 * 64, device: str | torch.device = "cpu") -> Path:
     """Random weights at ``preset``'s full width and the given depth, with Qwen's real tokenizer and the family's
     processor, written with ``save_pretrained``: ``load_model`` / ``load_processor`` read it as a real checkpoint.
-    The weights are small random numbers (std 0.02, transformers' initialiser), not trained ones."""
+    The weights are small random numbers (std 0.02, transformers' initialiser), not trained ones, drawn on
+    ``device`` (a GPU draws billions of them in a second)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = hf_config(preset, layers, vision_layers)
     family = config.model_type
     torch.manual_seed(seed)
-    model = model_class(config).from_config(config, dtype=dtype)
+    with torch.device(device):
+        model = model_class(config).from_config(config, dtype=dtype)
     model.save_pretrained(out)
+    del model
     tokenizer = build_qwen_tokenizer(family)
     build_processor(family, tokenizer, max_pixels=max_pixels, template=tokenizer.chat_template).save_pretrained(out)
     (out / "real_width_checkpoint.json").write_text(json.dumps({"preset": preset, "layers": layers,

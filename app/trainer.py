@@ -335,6 +335,9 @@ def step_metrics(t: Trajectory, updates: list[dict], seconds: dict, grouped: boo
         if key in seconds:
             m.mean(f"time/{key}", seconds[key])
     m.mean("time/step", seconds["rollout"] + seconds["reference"] + seconds["policy"] + seconds.get("weight_sync", 0.0))
+    for key, value in seconds.items():  # CUDA: the allocator's peak per stage, the largest over ranks
+        if key.startswith("peak_gib/"):
+            m.max(f"memory/{key.removeprefix('peak_gib/')}_peak_gib", value)
     m.sum("tokens/policy_forward", float(sum(u["tokens"] for u in updates)))
     saved = sum(p.length * (size - 1) for p, size in zip(t.prompts, t.group_sizes))  # prefix tokens not re-encoded
     m.sum("tokens/prefix_saved_by_grouping", float(saved if grouped else 0))
@@ -384,11 +387,18 @@ def paused(cache):
 
 @contextmanager
 def timed(seconds: dict, key: str):
+    """``seconds[key]``: the block's wall time; on CUDA also ``seconds["peak_gib/" + key]``, the allocator's peak
+    during the block (``torch.cuda.max_memory_allocated``, everything this process holds)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
         yield
     finally:
         seconds[key] = time.perf_counter() - start
+        if cuda:
+            seconds[f"peak_gib/{key}"] = torch.cuda.max_memory_allocated() / 2**30
 
 
 def plain_grpo(cfg: Config) -> GRPOTrainer:

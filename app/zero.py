@@ -26,6 +26,13 @@ def forwards_are_collective(engine) -> bool:
     return _partitioned(engine) and world_size() > 1
 
 
+def parameters_stay_put(engine, mode: str = "full") -> bool:
+    """Whether forwards inside ``gathered_for_inference(engine, mode)`` run on parameters that stay where they are
+    (not ZeRO-3, or ZeRO-3 gathered once with ``full``): what a captured CUDA graph of a decode step needs. With
+    ``layerwise`` or ``per_step`` DeepSpeed's gathering re-materialises parameters during every forward."""
+    return not _partitioned(engine) or mode == "full"
+
+
 def load_deepspeed_config(path: str | Path, *, gradient_accumulation_steps: int, max_grad_norm: float,
                           dtype: str) -> dict:
     path = Path(path)

@@ -148,3 +148,70 @@ def test_flex_tree_attention_forward_backward_matches_the_dense_tree_mask(dtype)
         trees = _random_trees(rng, rng.randint(1, 3))
         _flex_equals_masked(lambda backend, q, k, v, trees=trees: TreeAttentionPlan(trees, backend).attend(None, q, k, v),
                             sum(t.total_len for t in trees), dtype)
+
+
+# ---- real width: the default backend on the VL classes ------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["qwen2_5_vl_7b", "qwen3_vl_8b"])
+def test_the_default_backend_trains_at_real_width(preset):
+    """The CUDA default grouped backend (flash-attn, else FlexAttention, compiled) runs forward and backward on the
+    real VL class at full width (2 decoder layers, random weights, bf16) for an 8k prefix, G = 8 completions of 64;
+    its log-probs are no worse than the repeated layout's against a float32 forward, and the gradients are finite."""
+    from app.bench.gpu_real_shape import build, inputs
+    from app.grouping import compare_to_reference, completion_logprobs, default_backend
+
+    model, _ = build(preset, 2, torch.bfloat16, torch.device("cuda"))
+    prompts, completions, mask = inputs(8192, 8, 64, "cuda")
+    backend = default_backend("cuda")
+    scores = completion_logprobs(model, prompts, completions, mask, 8, backend=backend, return_entropy=True)
+    scores.logprobs.sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(bool(torch.isfinite(g).all()) for g in grads)
+    with torch.no_grad():
+        repeated = completion_logprobs(model, prompts, completions, mask, 8, mode="repeated").logprobs
+        reference = completion_logprobs(model.float(), prompts, completions, mask, 8, mode="repeated").logprobs
+    comparison = compare_to_reference(scores.logprobs.detach(), repeated, reference, mask)
+    print(f"\n{preset} {backend}: {comparison.describe()}")
+    assert comparison.passes(), comparison.describe()
+
+
+# ---- decoding: the captured step and the batched-product attention ------------------------------------------------
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_decode_attention_on_cuda_equals_a_dense_softmax(static):
+    from tests.test_static_decode import check_decode_attention
+
+    check_decode_attention(static, "cuda")
+
+
+def test_a_captured_decode_step_draws_what_eager_steps_draw(tiny_checkpoints, videos):
+    """decode="graph" (the CUDA default: the static step captured as a CUDA graph and replayed) against eager steps:
+    the same tokens, masks and stop reasons, log-probs to float rounding, with groups of unequal sizes, prompts of
+    unequal lengths and samples that stop; and the graph was really captured and replayed."""
+    from app.grouping import GroupedDecoder
+    from app.rollout import SamplingConfig, generate_groups
+    from tests.helpers import load, prompt_batch, tokenizer_of
+
+    model, processor = load("qwen2_5_vl", tiny_checkpoints)
+    model = model.cuda()
+    prompts = {k: v.cuda() if isinstance(v, torch.Tensor) else v
+               for k, v in prompt_batch("qwen2_5_vl", processor, videos, ["video", "text"]).items()}
+    tok = tokenizer_of(processor)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=40, seed=3)
+    free = generate_groups(model, prompts, [3, 2], sampling, tokenizer=tok, eos_ids=[], decode="eager")
+    eos = sorted({int(free.completion_ids[0, 5]), int(free.completion_ids[4, 9])})
+    runs = {mode: generate_groups(model, prompts, [3, 2], sampling, tokenizer=tok, eos_ids=eos, decode=mode)
+            for mode in ("eager", "static", "graph")}
+    assert "eos" in runs["eager"].stop_reasons
+    for mode in ("static", "graph"):
+        assert torch.equal(runs[mode].completion_ids, runs["eager"].completion_ids), mode
+        assert torch.equal(runs[mode].completion_mask, runs["eager"].completion_mask), mode
+        assert runs[mode].stop_reasons == runs["eager"].stop_reasons
+        torch.testing.assert_close(runs[mode].logprobs, runs["eager"].logprobs, rtol=0, atol=1e-5)
+    assert torch.equal(runs["graph"].logprobs, runs["static"].logprobs)  # the replay runs the same kernels
+    with torch.no_grad():
+        decoder = GroupedDecoder(model, prompts, [3, 2], 8, decode="graph")
+        tokens = torch.zeros(5, dtype=torch.long, device="cuda")
+        first = decoder.step(tokens).clone()
+        second = decoder.step(tokens)
+        assert decoder.graph is not None, decoder.graph_error
+        assert not torch.equal(first, second)  # a new position, new logits: the replay advanced
+        decoder.close()

@@ -104,11 +104,14 @@ def markdown_table(rows: list[dict], columns: list[str], formats: dict | None = 
     return "\n".join(lines)
 
 
-def write_report(out: Path, name: str, payload: dict, table: str) -> Path:
+def write_report(out: Path, name: str, payload: dict, table: str, *, quiet: bool = False) -> Path:
+    """``name``.json (the environment and ``payload``) and ``name``.md (``table``) under ``out``; the table printed
+    unless ``quiet`` (a part that rewrites its report after every point, so a run cut short still has one)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"environment": environment(), **payload}, indent=2))
     (out / f"{name}.md").write_text(table + "\n")
-    print(table, flush=True)
+    if not quiet:
+        print(table, flush=True)
     return out / f"{name}.json"
 
 

@@ -1,13 +1,16 @@
-"""The GPU acceptance's real-shape part: Qwen2.5-VL-7B's layer shape at a depth that fits one GPU, bfloat16.
+"""The GPU acceptance's real-shape training part: the Qwen2.5-VL-7B and Qwen3-VL-8B classes at full width, a few
+decoder layers, bfloat16, one policy forward+backward as the trainer runs it.
 
     python -m app.bench.gpu_real_shape --out outputs/gpu/gpu_real_shape [--quick]
 
-On CUDA: 4 of the 28 decoder layers at full width, bfloat16, the CUDA default grouped backend (flash-attn when
-installed, else FlexAttention); video-length prefixes of 8k and 16k tokens, G = 8 completions of 256. For each:
-grouped vs repeated policy forward+backward time and ``torch.cuda.max_memory_allocated`` above the weights and
-gradients, with the planner's prediction beside them (a layout that runs out of memory is reported as such, with
-the planner's figure); then grouped decoding vs HF ``generate`` of 64 new tokens per sample at that width.
-``--quick`` runs the same code on this CPU at toy lengths (so the suite keeps it working).
+For each family and video-length prefix (8k and 16k tokens), G = 8 completions of 256: the CUDA default grouped
+backend (``default_backend``: flash-attn when installed, else FlexAttention), the ``packed`` backend, and the
+TRL-style repeated layout. Every point is called once at its own shape before it is timed (compilation, cuBLAS and
+the allocator's first use), with gradient buffers allocated beforehand as ZeRO's are. Memory is the allocator's own
+peak (``torch.cuda.max_memory_allocated`` above the weights and gradients), beside the planner's prediction
+(``costs.training_activations``); no Python dispatch mode is active (torch.compile does not run under one). A point
+that runs out of memory is a row saying so, with the planner's figure. ``--quick`` runs the same code on this CPU at
+toy lengths (so the suite keeps it working).
 """
 
 from __future__ import annotations
@@ -19,123 +22,134 @@ import torch
 
 from app.bench.common import cli, device, markdown_table, write_report
 
-PRESET, LAYERS = "qwen2_5_vl_7b", 4
-PREFIXES, GROUP, COMPLETION, NEW_TOKENS = (8192, 16384), 8, 256, 64
+# (preset, decoder layers, [(prefix, variants)]): the default backend, packed, and repeated per prefix
+POINTS = (("qwen2_5_vl_7b", 4, ((8192, ("default", "packed", "repeated")), (16384, ("default", "packed", "repeated")))),
+          ("qwen3_vl_8b", 4, ((8192, ("default", "repeated")), (16384, ("default",)))))
+QUICK_POINTS = (("qwen2_5_vl_3b", 1, ((96, ("default", "packed", "repeated")),)),
+                ("qwen3_vl_2b", 1, ((96, ("default", "repeated")),)))
+GROUP, COMPLETION = 8, 256
 
 
-def _inputs(prefix: int, group: int, completion: int, dev):
-    generator = torch.Generator().manual_seed(0)
+def inputs(prefix: int, group: int, completion: int, dev, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(1000, 100000, (1, prefix), generator=generator)
     completions = torch.randint(1000, 100000, (group, completion), generator=generator)
     prompts = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": torch.zeros_like(ids)}
     return {k: v.to(dev) for k, v in prompts.items()}, completions.to(dev), torch.ones_like(completions).to(dev)
 
 
-def _sync(dev) -> None:
+def sync(dev) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize()
 
 
-def train_point(model, shape, prefix: int, group: int, completion: int, mode: str, *, dtype_bytes: int) -> dict:
+def build(preset: str, layers: int, dtype: torch.dtype, dev):
+    """The real class at full width and ``layers`` decoder layers, random weights made on ``dev`` directly."""
+    from app import shapes
+    from app.models import model_class
+
+    config = shapes.hf_config(preset, layers=layers, vision_layers=1)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = model_class(config).from_config(config, dtype=dtype)
+    return model.train(), config
+
+
+def pass_once(model, prompts, completions, mask, group: int, *, mode: str, backend: str | None) -> None:
+    """One policy forward+backward as the trainer runs it (entropy asked for on the first pass)."""
+    from app.grouping import completion_logprobs
+
+    scores = completion_logprobs(model, prompts, completions, mask, group, mode=mode, backend=backend,
+                                 return_entropy=True)
+    scores.logprobs.sum().backward()
+
+
+def train_point(model, shape, prefix: int, variant: str, *, group: int, completion: int, dtype_bytes: int) -> dict:
     from app import costs
-    from app.bench.measure import forward_backward
     from app.grouping.attention import default_backend
 
     dev = next(model.parameters()).device
-    backend = None if mode == "repeated" else default_backend(dev)
-    prompts, completions, mask = _inputs(prefix, group, completion, dev)
-    work = costs.Workload(prefix=prefix, completion=completion, group_size=group)
+    mode = "repeated" if variant == "repeated" else "grouped"
+    backend = None if mode == "repeated" else (default_backend(dev) if variant == "default" else variant)
     kind = "repeated" if mode == "repeated" else backend
+    work = costs.Workload(prefix=prefix, completion=completion, group_size=group)
     planned = costs.training_activations(shape, work, backend=kind, dtype_bytes=dtype_bytes, checkpointing=False,
                                          chunk=1024)["peak"]
-    row = {"mode": mode, "prefix": prefix, "backend": kind, "planned_peak_gib": planned / 2**30}
+    row = {"mode": mode, "variant": variant, "prefix": prefix, "backend": kind, "planned_peak_gib": planned / 2**30}
+    batch = inputs(prefix, group, completion, dev)
     try:
+        pass_once(model, *batch, group, mode=mode, backend=backend)  # warm-up at this very shape
+        sync(dev)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        _sync(dev)
         start = time.perf_counter()
-        measured = forward_backward(model, prompts, completions, mask, group, mode=mode, backend=backend,
-                                    flops=False)
-        _sync(dev)
+        pass_once(model, *batch, group, mode=mode, backend=backend)
+        sync(dev)
         row["seconds"] = time.perf_counter() - start
-        row["live_peak_gib"] = measured["peak"] / 2**30
         if dev.type == "cuda":
             row["cuda_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            row["planner_vs_cuda"] = row["planned_peak_gib"] / row["cuda_peak_gib"]
     except torch.OutOfMemoryError:
         row["seconds"], row["error"] = float("nan"), "out of memory"
-        model.zero_grad(set_to_none=False)
-    return row
-
-
-def decode_point(model, prefix: int, group: int, new_tokens: int) -> dict:
-    from app.rollout import SamplingConfig, generate_groups
-
-    dev = next(model.parameters()).device
-    prompts, _, _ = _inputs(prefix, 1, 1, dev)
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens, seed=0)
-    row = {"prefix": prefix, "new_tokens": new_tokens}
-    for name, fn in (
-        ("grouped", lambda: generate_groups(model, prompts, group, sampling, eos_ids=[])),
-        ("hf", lambda: model.generate(**prompts, do_sample=True, num_return_sequences=group,
-                                      max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=1.0,
-                                      top_p=None, top_k=None)),
-    ):
-        try:
-            with torch.no_grad():
-                _sync(dev)
-                start = time.perf_counter()
-                fn()
-                _sync(dev)
-            row[f"{name}_seconds"] = time.perf_counter() - start
-        except torch.OutOfMemoryError:
-            row[f"{name}_seconds"] = float("nan")
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-    row["ratio"] = row["grouped_seconds"] / row["hf_seconds"]
+    finally:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     return row
 
 
 def run(out: Path, quick: bool = False) -> dict:
-    from app import costs, shapes
-    from app.models import model_class
+    from app import costs
 
     dev = device()
-    if quick:
-        preset, layers, prefixes, group, completion, new, dtype = "qwen2_5_vl_3b", 1, (96,), 2, 8, 4, torch.float32
-    else:
-        preset, layers, prefixes, group, completion, new, dtype = (PRESET, LAYERS, PREFIXES, GROUP, COMPLETION,
-                                                                    NEW_TOKENS, torch.bfloat16)
-    config = shapes.hf_config(preset, layers=layers, vision_layers=1)
-    torch.manual_seed(0)
-    model = model_class(config).from_config(config, dtype=dtype).to(dev)
-    model.train()
-    shape = costs.shape_of(config)
+    points, group, completion = (QUICK_POINTS, 2, 8) if quick else (POINTS, GROUP, COMPLETION)
+    dtype = torch.float32 if quick else torch.bfloat16
     size = 2 if dtype == torch.bfloat16 else 4
-    training = []
-    for prefix in prefixes:
-        rows = {mode: train_point(model, shape, prefix, group, completion, mode, dtype_bytes=size) for mode in ("grouped", "repeated")}
-        for mode, row in rows.items():
-            training.append(row)
-            print(f"P={prefix} {mode}: {row}", flush=True)
-    model.eval()
-    for p in model.parameters():
-        p.grad = None
-    decoding = [decode_point(model, prefix, group, new) for prefix in prefixes]
-    for row in decoding:
-        print(f"decode P={row['prefix']}: {row}", flush=True)
-    table = (f"## {preset} layer shape, {layers} layers, {str(dtype).split('.')[-1]}, {dev.type}\n\n"
-             + markdown_table(training, ["mode", "prefix", "backend", "seconds", "cuda_peak_gib", "live_peak_gib",
-                                         "planned_peak_gib", "error"],
-                              {k: ".2f" for k in ("seconds", "cuda_peak_gib", "live_peak_gib", "planned_peak_gib")})
-             + "\n\n### decoding: grouped vs HF generate\n\n"
-             + markdown_table(decoding, ["prefix", "new_tokens", "grouped_seconds", "hf_seconds", "ratio"],
-                              {k: ".3f" for k in ("grouped_seconds", "hf_seconds", "ratio")}))
-    payload = {"preset": preset, "layers": layers, "dtype": str(dtype), "group": group, "completion": completion,
-               "training": training, "decoding": decoding}
-    write_report(out, "gpu_real_shape", payload, table)
+    rows: list[dict] = []
+    payload = {"dtype": str(dtype), "group": group, "completion": completion, "rows": rows}
+    for preset, layers, prefixes in points:
+        start = time.perf_counter()
+        model, config = build(preset, layers, dtype, dev)
+        for p in model.parameters():  # gradient buffers first, as ZeRO allocates them
+            p.grad = torch.zeros_like(p)
+        shape = costs.shape_of(config)
+        print(f"{preset} x{layers} layers built in {time.perf_counter() - start:.1f} s", flush=True)
+        for prefix, variants in prefixes:
+            for variant in variants:
+                row = {"preset": preset, "layers": layers, **train_point(model, shape, prefix, variant, group=group,
+                                                                         completion=completion, dtype_bytes=size)}
+                rows.append(row)
+                print(f"{preset} P={prefix} {variant}: " + ", ".join(
+                    f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                    if k not in ("preset", "layers", "prefix", "variant")), flush=True)
+                write_report(out, "gpu_real_shape", payload, table(rows, dev, dtype, group, completion), quiet=True)
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    for row in rows:  # grouped vs repeated at the same shape
+        same = [r for r in rows if r["preset"] == row["preset"] and r["prefix"] == row["prefix"]
+                and r["mode"] == "repeated" and r.get("seconds") == r.get("seconds")]
+        if row["mode"] == "grouped" and same and row.get("seconds") == row.get("seconds"):
+            row["time_vs_repeated"] = row["seconds"] / same[0]["seconds"]
+            if "cuda_peak_gib" in row:
+                row["memory_vs_repeated"] = row["cuda_peak_gib"] / same[0]["cuda_peak_gib"]
+    write_report(out, "gpu_real_shape", payload, table(rows, dev, dtype, group, completion))
     return payload
+
+
+def table(rows: list[dict], dev, dtype, group: int, completion: int) -> str:
+    columns = ["preset", "layers", "prefix", "variant", "backend", "seconds", "time_vs_repeated", "cuda_peak_gib",
+               "memory_vs_repeated", "planned_peak_gib", "planner_vs_cuda", "error"]
+    formats = {k: ".3f" for k in ("seconds", "time_vs_repeated", "memory_vs_repeated", "planner_vs_cuda")}
+    formats |= {k: ".2f" for k in ("cuda_peak_gib", "planned_peak_gib")}
+    return (f"## Policy forward+backward at full width, {str(dtype).split('.')[-1]}, {dev.type} (G={group}, "
+            f"completions {completion}; second call at each shape timed)\n\n" + markdown_table(rows, columns, formats)
+            + "\n\ncuda_peak_gib: torch.cuda.max_memory_allocated above weights and gradient buffers; "
+              "planned_peak_gib: costs.training_activations for the same shape and backend.")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,9 @@
-"""Merge what scripts/gpu_check.sh produced into one report: report.json + report.md.
+"""Merge what the GPU acceptance (``app.bench.gpu_check``) produced into one report: report.json + report.md.
 
     python -m app.bench.gpu_report RAW_DIR REPORT_DIR
+
+The parts' status (ok, failed, timed out, skipped) with their last error line, the GPU tests' outcomes, and each
+part's own table, as far as it got.
 """
 
 from __future__ import annotations
@@ -12,14 +15,21 @@ from pathlib import Path
 
 import torch
 
-from app.bench.common import environment
+from app.bench.common import environment, markdown_table
+
+RESULTS = (("train", "gpu_real_shape"), ("decode", "gpu_decode"), ("rehearsal", "rehearsal"),
+           ("hf_compiled", "gpu_decode_hf_compiled"))
 
 
 def test_results(junit: Path) -> list[dict]:
     if not junit.is_file():
         return []
     rows = []
-    for case in ET.parse(junit).getroot().iter("testcase"):
+    try:
+        cases = list(ET.parse(junit).getroot().iter("testcase"))
+    except ET.ParseError:  # a run killed while writing it
+        return []
+    for case in cases:
         outcome = "passed"
         for tag in ("failure", "error", "skipped"):
             node = case.find(tag)
@@ -34,15 +44,14 @@ def test_results(junit: Path) -> list[dict]:
     return rows
 
 
-def main(raw: str, report: str) -> None:
-    raw_dir, out = Path(raw), Path(report)
+def write(raw: Path, out: Path, parts: list[dict], quiet: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    tests = test_results(raw_dir / "tests.xml")
-    benches = {}
-    for name in ("flex_shapes", "attention", "rollout", "gpu_real_shape"):
-        path = raw_dir / name / f"{name}.json"
+    tests = test_results(raw / "tests.xml")
+    results = {}
+    for part, name in RESULTS:
+        path = raw / name / f"{name}.json"
         if path.is_file():
-            benches[name] = json.loads(path.read_text())
+            results[part] = json.loads(path.read_text())
     env = environment()
     if torch.cuda.is_available():
         env["cuda"] = torch.version.cuda
@@ -53,22 +62,32 @@ def main(raw: str, report: str) -> None:
         env["flash_attn"] = flash_attn.__version__
     except ImportError:
         env["flash_attn"] = None
-    payload = {"environment": env, "tests": tests, "benchmarks": benches}
+    payload = {"environment": env, "parts": parts, "tests": tests, "results": results}
     (out / "report.json").write_text(json.dumps(payload, indent=2))
     counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
     lines = [f"# GPU acceptance report: {env['device']}", "",
              f"torch {env['torch']}, transformers {env['transformers']}, CUDA {env.get('cuda')}, "
              f"flash-attn {env['flash_attn']}, commit {env['commit']}, {env['date']}", "",
-             "## Tests (tests/test_gpu.py)", "",
-             ", ".join(f"{v} {k}" for k, v in counts.items()), "", "| test | outcome | s | detail |", "|---|---|---|---|"]
-    lines += [f"| {t['test']} | {t['outcome']} | {t['seconds']:.1f} | {t['detail'].splitlines()[0] if t['detail'] else ''} |"
-              for t in tests]
-    for name, bench in benches.items():
-        lines += ["", f"## Benchmark: {name}", ""]
-        md = Path(raw) / name / f"{name}.md"
-        lines.append(md.read_text() if md.is_file() else json.dumps(bench.get("summary", {})))
+             "## Parts (scripts/gpu_check.sh)", "",
+             markdown_table(parts, ["part", "status", "seconds", "limit", "last_line"], {"seconds": ".0f"}), "",
+             "## Tests (tests/test_gpu.py)", "", ", ".join(f"{v} {k}" for k, v in counts.items()), "",
+             "| test | outcome | s | detail |", "|---|---|---|---|"]
+    lines += [f"| {t['test']} | {t['outcome']} | {t['seconds']:.1f} | "
+              f"{t['detail'].splitlines()[0] if t['detail'] else ''} |" for t in tests]
+    for part, name in RESULTS:
+        md = raw / name / f"{name}.md"
+        if md.is_file():
+            lines += ["", f"## {part} ({name})", "", md.read_text()]
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if not quiet:
+        print("\n".join(lines))
+    return payload
+
+
+def main(raw: str, report: str) -> None:
+    parts_file = Path(raw) / "parts.json"
+    parts = json.loads(parts_file.read_text()) if parts_file.is_file() else []
+    write(Path(raw), Path(report), parts)
 
 
 if __name__ == "__main__":

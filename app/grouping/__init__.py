@@ -18,7 +18,7 @@ from app.grouping.attention import (
     register,
     usable_backends,
 )
-from app.grouping.decode import GroupedDecoder, idle_forward
+from app.grouping.decode import DECODE_MODES, GroupedDecoder, decode_mode, idle_forward
 from app.grouping.forward import (
     DEFAULT_CHUNK_SIZE,
     MODES,
@@ -37,10 +37,10 @@ from app.grouping.precision import PrecisionComparison, compare_to_reference, fl
 from app.grouping.vision_calls import MODALITIES, aligned_vision_calls, present_vision_calls
 
 __all__ = [
-    "ATTENTION_NAME", "BACKENDS", "DEFAULT_CHUNK_SIZE", "MODALITIES", "MODES", "CompletionScores", "GroupLayout",
+    "ATTENTION_NAME", "BACKENDS", "DECODE_MODES", "DEFAULT_CHUNK_SIZE", "MODALITIES", "MODES", "CompletionScores", "GroupLayout",
     "GroupedAttentionPlan", "GroupedDecoder", "GroupingMismatchError", "LayoutError", "PrecisionComparison",
     "SelfCheck", "aligned_vision_calls", "compare_to_reference", "completion_logprobs", "continue_after_media",
-    "default_backend",
+    "decode_mode", "default_backend",
     "float32_forward", "grouped_attention", "idle_forward", "normalize_group_sizes", "present_vision_calls",
     "register", "repeated_inputs", "set_text_attention", "text_config", "unwrap", "usable_backends",
     "text_before_media", "use_qwen_positions", "verify_grouping",

@@ -12,23 +12,52 @@ copied) and to the keys it generated itself, as two attention calls merged exact
 
 Memory for the prefix does not grow with G. Finished samples leave the batch (``GroupedKVCache.keep``), and a
 group whose samples have all finished drops its prefix from the step.
+
+Static shapes (``decode="static"``/``"graph"``): the own K/V live in buffers of a fixed capacity (max_new_tokens
+rounded up to ``STATIC_BUCKET``), written at the step held in a device tensor, and attended under a key bias that
+hides the slots not written yet; no sample leaves the batch (a finished one steps on with pad tokens, masked out).
+Every tensor of a step then keeps its shape and address, so on CUDA the step is captured once as a CUDA graph and
+replayed (``decode="graph"``): one launch per step instead of a few per layer, the eager path's numbers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from app.grouping.prefill import attention_with_lse, chunked_prefill
 
+log = logging.getLogger("app.grouping.decode")
+DECODE_MODES = ("auto", "eager", "static", "graph")
+STATIC_BUCKET = 64  # own-K/V capacity is max_new_tokens rounded up to this (fewer distinct shapes)
+
+
+def decode_mode(requested: str, device, synced: bool) -> str:
+    """The decode step's form: ``auto`` is ``graph`` on CUDA unless the ranks step in lock step under ZeRO-3
+    (``synced``: DeepSpeed's hooks gather parameters in every forward, which a graph cannot replay), else
+    ``eager``. ``static`` is the graph's static-shape step run eagerly (any device; what tests compare)."""
+    if requested not in DECODE_MODES:
+        raise ValueError(f"unknown decode mode {requested!r}; expected one of {DECODE_MODES}")
+    on_cuda = torch.device(device).type == "cuda"
+    if requested == "auto":
+        return "graph" if on_cuda and not synced else "eager"
+    if requested in ("static", "graph") and synced:
+        raise ValueError(f"decode mode {requested!r} cannot run with ranks in lock step under ZeRO-3 hooks "
+                         "(rollout.zero3_gather=per_step); use rollout.decode=eager or zero3_gather=full")
+    if requested == "graph" and not on_cuda:
+        raise ValueError("decode mode 'graph' captures CUDA graphs and needs a CUDA device; use static or eager")
+    return requested
+
 
 class GroupedKVCache:
     """Stands in for a transformers Cache during grouped decoding (``update`` and ``get_seq_length``).
 
     Rows are the samples still decoding, in order; ``keep`` drops the others (and the prefix of a group none of
-    whose samples is left)."""
+    whose samples is left). ``static``: fixed-capacity own K/V written at a device-held step (``begin_step`` /
+    ``end_step`` around each step), every sample kept."""
 
     is_compileable = False
 
@@ -36,19 +65,30 @@ class GroupedKVCache:
         """The attention-plan protocol (``attention.GroupedAttentionPlan.attend``): one decode step's attention."""
         return decode_attention(self, module.layer_idx, query, key, value, scale)
 
-    def __init__(self, prefix_cache, prompt_mask: torch.Tensor, group_sizes: Sequence[int], max_new_tokens: int):
+    def __init__(self, prefix_cache, prompt_mask: torch.Tensor, group_sizes: Sequence[int], max_new_tokens: int, *,
+                 static: bool = False):
         layers = getattr(prefix_cache, "layers", None)
         if layers is None:
             raise TypeError("the prefill cache must be a transformers DynamicCache (with .layers)")
-        self.prefix = [(layer.keys, layer.values) for layer in layers]  # [B, Hkv, Lp, D]
+        # [B, Hkv, Lp, D], contiguous: the decode products read them in place every step
+        self.prefix = [(layer.keys.contiguous(), layer.values.contiguous()) for layer in layers]
         self.prompt_mask = prompt_mask.bool()  # [B, Lp], left-padded
         self.prompt_width = prompt_mask.shape[1]
         self.max_new_tokens = max_new_tokens
         self.own: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.prefix)
         self.steps = 0
+        self.static = static
         device = prompt_mask.device
         sizes = torch.tensor(list(group_sizes), device=device)
         self._arrange(torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes))
+        if static:
+            capacity = -(-max_new_tokens // STATIC_BUCKET) * STATIC_BUCKET
+            count = int(sizes.sum())
+            self.own = [(k.new_zeros(count, k.shape[1], capacity, k.shape[3]),
+                         v.new_zeros(count, v.shape[1], capacity, v.shape[3])) for k, v in self.prefix]
+            self.written = torch.zeros((), dtype=torch.long, device=device)  # own tokens written: the step
+            self._slots = torch.arange(capacity, device=device)
+            self.own_bias = torch.zeros(1, 1, 1, capacity, dtype=torch.float32, device=device)
 
     def _arrange(self, group_of_sample: torch.Tensor) -> None:
         """Slots [B, Gmax] -> row for the prefix call (pads point at row 0 and are dropped by ``slot_valid``), and
@@ -60,6 +100,9 @@ class GroupedKVCache:
         slots = starts[:, None] + torch.arange(gmax, device=counts.device)[None, :]
         self.slot_valid = torch.arange(gmax, device=counts.device)[None, :] < counts[:, None]
         self.slot_sample = torch.where(self.slot_valid, slots, torch.zeros_like(slots))
+        # the valid slots' positions in the flattened [B * Gmax] slots, in sample order: an index made here, so a
+        # step selects with it (a boolean mask would make every step wait for the device to count its entries)
+        self.slot_index = self.slot_valid.flatten().nonzero().flatten()
         if bool(self.prompt_mask.all()):
             self.prefix_bias = None
         else:
@@ -69,6 +112,8 @@ class GroupedKVCache:
     def keep(self, rows: torch.Tensor) -> None:
         """Continue with these rows only (indices into the current rows, ascending); groups left without a sample
         drop out of the prefix call."""
+        if self.static:
+            raise RuntimeError("a static-shape cache keeps every sample (finished ones step on, masked out)")
         group_of_sample = self.group_of_sample[rows]
         groups, group_of_sample = torch.unique(group_of_sample, return_inverse=True)
         if len(groups) < self.prompt_mask.shape[0]:
@@ -77,8 +122,22 @@ class GroupedKVCache:
         self.own = [None if own is None else (own[0][rows], own[1][rows]) for own in self.own]
         self._arrange(group_of_sample)
 
+    def begin_step(self) -> None:
+        """Static: the own-key bias of this step (slots up to the one written now are seen), on the device."""
+        self.own_bias.copy_(torch.where(self._slots <= self.written, 0.0, float("-inf")).view(1, 1, 1, -1))
+
+    def end_step(self) -> None:
+        self.written.add_(1)
+
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        """Append this step's K/V [N, Hkv, 1, D] for ``layer_idx``; return the sample's own K/V so far."""
+        """Append this step's K/V [N, Hkv, 1, D] for ``layer_idx``; return the sample's own K/V so far (static: the
+        whole buffers, their unwritten slots hidden by ``own_bias``)."""
+        if self.static:
+            keys, values = self.own[layer_idx]
+            slot = self.written.view(1)
+            keys.index_copy_(2, slot, key_states)
+            values.index_copy_(2, slot, value_states)
+            return keys, values
         if self.own[layer_idx] is None:
             shape = (*key_states.shape[:2], self.max_new_tokens, key_states.shape[-1])
             self.own[layer_idx] = (key_states.new_zeros(shape), value_states.new_zeros(shape))
@@ -94,7 +153,9 @@ class GroupedKVCache:
         return keys[:, :, :end], values[:, :, :end]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.prompt_width + self.steps
+        """The prompt's width plus the steps taken (static: the prompt's width; positions are passed explicitly,
+        and a static step must not read its step back to the host)."""
+        return self.prompt_width + (0 if self.static else self.steps)
 
     def __len__(self) -> int:
         return len(self.prefix)
@@ -118,10 +179,14 @@ def decode_attention(cache: GroupedKVCache, layer_idx: int, query, own_keys, own
     gmax = slots.shape[1]
     q_prefix = slots.permute(0, 2, 1, 3, 4).reshape(groups, kv_heads, gmax * rep, dim)
     out_a, lse_a = attention_with_lse(q_prefix, prefix_k, prefix_v, cache.prefix_bias, scale)
-    out_a = out_a.reshape(groups, kv_heads, gmax, rep, dim).permute(0, 2, 1, 3, 4)[cache.slot_valid]
-    lse_a = lse_a.reshape(groups, kv_heads, gmax, rep).permute(0, 2, 1, 3)[cache.slot_valid]  # [N, Hkv, rep]
+    out_a = out_a.reshape(groups, kv_heads, gmax, rep, dim).permute(0, 2, 1, 3, 4).reshape(groups * gmax, kv_heads,
+                                                                                         rep, dim)
+    out_a = out_a.index_select(0, cache.slot_index)  # [N, Hkv, rep, D]
+    lse_a = lse_a.reshape(groups, kv_heads, gmax, rep).permute(0, 2, 1, 3).reshape(groups * gmax, kv_heads, rep)
+    lse_a = lse_a.index_select(0, cache.slot_index)  # [N, Hkv, rep]
     # Own tokens: each sample's queries against the keys it generated.
-    out_b, lse_b = attention_with_lse(q, own_keys, own_values, None, scale)  # [N, Hkv, rep, D], [N, Hkv, rep]
+    own_bias = cache.own_bias if cache.static else None  # static: the slots not written yet are hidden
+    out_b, lse_b = attention_with_lse(q, own_keys, own_values, own_bias, scale)  # [N, Hkv, rep, D], [N, Hkv, rep]
     lse = torch.logaddexp(lse_a, lse_b)
     out = (torch.exp(lse_a - lse)[..., None] * out_a.float() + torch.exp(lse_b - lse)[..., None] * out_b.float())
     return out.reshape(samples, 1, heads, dim).to(query.dtype)
@@ -204,11 +269,14 @@ class GroupedDecoder:
     ``prefill_chunk_size`` > 0: the prefill's decoder runs that many prompt positions at a time (``chunked_prefill``);
     ``synced``: the ranks' forwards are collective (ZeRO-3 hooks on), so they agree on the number of chunks.
     ``idle_step`` runs the same modules without a real step (a rank that finished while others still decode under
-    ZeRO-3 joins their parameter gathers).
+    ZeRO-3 joins their parameter gathers). ``decode`` (``decode_mode``): ``eager`` steps whose batch shrinks as
+    samples finish (``keep``); ``static`` fixed shapes, every sample kept (``compacts`` is False); ``graph`` the
+    static step captured as a CUDA graph after its first (eager) run and replayed. A static step's logits are a
+    buffer the next step overwrites.
     """
 
     def __init__(self, model, prompts: dict, group_sizes: Sequence[int], max_new_tokens: int, *,
-                 prefill_chunk_size: int = 0, synced: bool = False):
+                 prefill_chunk_size: int = 0, synced: bool = False, decode: str = "eager"):
         from app.grouping import attention
         from app.grouping.modules import set_text_attention, text_config
         from app.grouping.positions import VISION_KEYS, prompt_positions
@@ -217,6 +285,8 @@ class GroupedDecoder:
         self._previous = text_config(model)._attn_implementation
         self._set_attention = set_text_attention
         device = prompts["input_ids"].device
+        self.mode = decode_mode(decode, device, synced)
+        self.graph, self.graph_error = None, None
         sizes = torch.tensor(list(group_sizes), device=device)
         group_of_sample = torch.repeat_interleave(torch.arange(len(group_sizes), device=device), sizes)
         set_text_attention(model, "sdpa")
@@ -231,22 +301,67 @@ class GroupedDecoder:
         except BaseException:
             self.close()
             raise
-        self.cache = GroupedKVCache(out.past_key_values, prompts["attention_mask"], group_sizes, max_new_tokens)
+        self.cache = GroupedKVCache(out.past_key_values, prompts["attention_mask"], group_sizes, max_new_tokens,
+                                    static=self.mode != "eager")
         self.logits = out.logits[:, -1][group_of_sample]  # [N, V]: a group's samples start from one distribution
+        del out
         self._last_position = positions[:, :, -1][:, group_of_sample]  # [axes, N]
         self._plan_kwarg = attention.PLAN_KWARG
+        self._tokens = torch.zeros(len(group_of_sample), dtype=torch.long, device=device)  # the static step's input
         self.steps = 0
         set_text_attention(model, attention.ATTENTION_NAME)
 
+    @property
+    def compacts(self) -> bool:
+        """Whether ``keep`` may drop finished samples (eager steps only; static shapes keep every sample)."""
+        return self.mode == "eager"
+
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per sample [N]; return the next logits [N, V]."""
-        positions = (self._last_position + 1 + self.steps)[:, :, None]  # [axes, N, 1]
-        with self.head.installed():
-            out = self.model(input_ids=tokens[:, None], attention_mask=None,
-                             position_ids=positions if positions.shape[0] > 1 else positions[0],
-                             past_key_values=self.cache, use_cache=True, **{self._plan_kwarg: self.cache})
+        if self.mode == "eager":
+            positions = (self._last_position + 1 + self.steps)[:, :, None]  # [axes, N, 1]
+            with self.head.installed():
+                out = self.model(input_ids=tokens[:, None], attention_mask=None,
+                                 position_ids=positions if positions.shape[0] > 1 else positions[0],
+                                 past_key_values=self.cache, use_cache=True, **{self._plan_kwarg: self.cache})
+            logits = out.logits[:, -1]
+        else:
+            self._tokens.copy_(tokens)
+            if self.graph is not None:
+                self.graph.replay()
+                logits = self._graph_logits
+            else:
+                logits = self._static_step()
+                if self.mode == "graph" and self.graph_error is None:
+                    self._capture()
         self.steps += 1
+        return logits
+
+    def _static_step(self) -> torch.Tensor:
+        """One static-shape step on ``self._tokens``: only device tensors change between steps (the step number
+        lives in ``cache.written``), so a CUDA graph of it replays every later step."""
+        cache = self.cache
+        cache.begin_step()
+        positions = (self._last_position + 1 + cache.written)[:, :, None]  # [axes, N, 1]
+        with self.head.installed():
+            out = self.model(input_ids=self._tokens[:, None], attention_mask=None,
+                             position_ids=positions if positions.shape[0] > 1 else positions[0],
+                             past_key_values=cache, use_cache=True, **{self._plan_kwarg: cache})
+        cache.end_step()
         return out.logits[:, -1]
+
+    def _capture(self) -> None:
+        """Record the static step as a CUDA graph (after one eager run of it, the warm-up); nothing runs while it
+        records, so the cache's step is untouched. If capture fails the steps stay eager (``graph_error``)."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self._graph_logits = self._static_step()
+        except Exception as error:  # noqa: BLE001 - any capture failure leaves the eager static step
+            self.graph_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            log.warning("decode step not captured as a CUDA graph (%s); stepping eagerly", self.graph_error)
+            return
+        self.graph = graph
 
     def keep(self, rows: torch.Tensor) -> None:
         """Continue with these samples only (indices into the current batch, ascending): finished samples leave,
@@ -258,6 +373,7 @@ class GroupedDecoder:
         idle_forward(self.model)
 
     def close(self) -> None:
+        self.graph = None  # the graph's memory pool goes with it
         if getattr(self, "head", None) is not None:
             self.head.close()  # the packed copy of the output head
         self._set_attention(self.model, self._previous)

@@ -13,6 +13,8 @@ from app.grouping.layout import GroupLayout
 FLEX_BLOCK = 128  # FlexAttention's default block size
 _compiled_flex = None
 _UNFUSED_WARNING = "flex_attention called without torch.compile"
+FLEX_ALTERNATIVE = ("forward.attention_backend=packed (no compiler needed), or flash with flash-attn installed "
+                    "(forward.attention_backend=flash)")
 
 
 class FlexCompileError(RuntimeError):
@@ -95,6 +97,12 @@ def compiled_flex_attention():
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
+        # One process meets a few signatures (dtype, head size, query heads per KV head, mask kind: grouped or
+        # tree); past dynamo's recompile limit (8) it would fall back to the unfused path, which run_flex refuses.
+        config = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if isinstance(getattr(config, name, None), int):
+                setattr(config, name, max(getattr(config, name), 64))
         _compiled_flex = torch.compile(flex_attention, dynamic=True)
     return _compiled_flex
 
@@ -104,13 +112,12 @@ def flex(plan, q, k, v, scale, dropout):
     if dropout:
         raise NotImplementedError("the flex backend has no attention dropout")
     block_mask = plan.cached("flex", q.device, lambda: flex_block_mask(plan.layout, q.device))
-    return run_flex(q[None], k[None], v[None], block_mask, scale, alternative="the flash backend "
-                    "(attention_backend=flash; needs flash-attn) or packed")[0]
+    return run_flex(q[None], k[None], v[None], block_mask, scale, alternative=FLEX_ALTERNATIVE)[0]
 
 
 def run_flex(q, k, v, block_mask, scale, *, alternative: str) -> torch.Tensor:
     """Compiled FlexAttention on q [B, H, T, D], k/v [B, Hkv, T, D]; stops with ``FlexCompileError`` (naming
-    ``alternative``) rather than run uncompiled."""
+    ``alternative`` and why compiling failed) rather than run uncompiled."""
     import warnings
 
     from torch.nn.attention import flex_attention as flex_module
@@ -122,7 +129,29 @@ def run_flex(q, k, v, block_mask, scale, *, alternative: str) -> torch.Tensor:
         try:
             return compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
-        except UserWarning as warning:
-            raise FlexCompileError(
-                f"FlexAttention would run uncompiled ({warning}); that path materialises the full T x T scores "
-                f"(T={q.shape[2]}). Use {alternative} instead.") from None
+        except UserWarning:
+            reason = why_not_compiled(q, k, v, block_mask, scale)
+    raise FlexCompileError(
+        f"FlexAttention could not run compiled (T={q.shape[2]}): {reason}. Running it uncompiled would materialise "
+        f"the full T x T scores, so it stops here. Use {alternative} instead.")
+
+
+def why_not_compiled(q, k, v, block_mask, scale) -> str:
+    """Why ``torch.compile`` fell back to running FlexAttention eagerly: an active Python dispatch mode (dynamo
+    never compiles under one; a memory meter built on ``TorchDispatchMode`` is one), or the compiler's own error,
+    surfaced by compiling again with ``fullgraph=True`` (which raises instead of falling back)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    mode = _get_current_dispatch_mode()
+    if mode is not None:
+        return (f"a Python dispatch mode ({type(mode).__name__}) is active, and torch.compile does not compile "
+                "under one; measure with the allocator's own counters (torch.cuda.max_memory_allocated) instead")
+    try:
+        torch.compile(flex_attention, dynamic=True, fullgraph=True)(q, k, v, block_mask=block_mask, scale=scale,
+                                                                    enable_gqa=q.shape[1] != k.shape[1])
+    except Exception as error:  # noqa: BLE001 - the compiler's own error is the message
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        return f"the compiler's error: {type(error).__name__}: {' / '.join(lines[:6])[:1500]}"
+    return ("the dynamic-shape compile fell back to eager, but a full-graph compile of the same call succeeds "
+            "(dynamo's recompile limit? see TORCH_LOGS=recompiles)")

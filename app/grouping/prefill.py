@@ -7,6 +7,7 @@ attention is ``prefill_chunk_attention``: its own causal block and the cached pa
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -15,18 +16,53 @@ import torch
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale + mask) v and its log-sum-exp, for q [B, H, M, D], k/v [B, H, L, D] (same H), mask
-    additive [B, 1, 1, L] or None. Output in q's dtype with float32 accumulation, lse float32 [B, H, M]. On CPU the
-    fused flash kernel (one pass, K/V read in place); elsewhere a float32 reference."""
+    additive, broadcastable to [B, 1, M, L], or None. Output in q's dtype with float32 accumulation, lse float32
+    [B, H, M]. On CPU the fused flash kernel (one pass, K/V read in place); elsewhere ``attention_with_lse_matmul``."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
                                                                              scale=scale)
         return out, lse.float()
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    return attention_with_lse_matmul(q, k, v, mask, scale)
+
+
+def attention_with_lse_matmul(q, k, v, mask, scale):
+    """``attention_with_lse`` as two batched products, for decoding (few queries against many keys: a product
+    spreads over the keys, where a fused kernel without split-KV runs one block per head). The scores come out of
+    the first product in float32 (``bmm(..., out_dtype=float32)`` for bf16/fp16 inputs: K is read once, in place,
+    never copied to float32), the softmax runs in float32, and its probabilities meet V in V's dtype with float32
+    accumulation, as flash kernels do. Contiguous k/v are read in place."""
+    batch, heads, rows, dim = q.shape
+    length = k.shape[2]
+    flat = batch * heads
+    scores = _product_f32(q.reshape(flat, rows, dim), k.reshape(flat, length, dim).transpose(1, 2))
+    scores = scores.view(batch, heads, rows, length).mul_(scale)
     if mask is not None:
-        scores = scores + mask
+        scores.add_(mask)
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
-    return out.to(q.dtype), lse
+    probs = scores.sub_(lse[..., None]).exp_()
+    probs = probs if v.dtype == torch.float32 else probs.to(v.dtype)
+    out = _product_f32(probs.view(flat, rows, length), v.reshape(flat, length, dim))
+    return out.view(batch, heads, rows, dim).to(q.dtype), lse
+
+
+def _product_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (batched) with a float32 result: low-precision inputs accumulate and come out in float32 (``bmm``'s
+    ``out_dtype`` where the device has it, else through float32 copies)."""
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b.float())
+    if _has_bmm_out_dtype(a.device.type, a.dtype):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
+@functools.cache
+def _has_bmm_out_dtype(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.bmm(..., out_dtype=torch.float32)`` runs for ``dtype`` inputs on this device (asked once)."""
+    try:
+        probe = torch.ones(1, 1, 1, dtype=dtype, device=device_type)
+        return torch.bmm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
 
 
 def _language_model(model):
