@@ -156,18 +156,19 @@ class GRPOTrainer(Recipe):
 
     @torch.no_grad()
     def self_check(self, mb: MicroBatch) -> None:
-        """Grouped vs repeated on the first micro-batch. With sequence parallelism the whole row is what needed S
-        ranks, so the check runs on the text before each prompt's first image/video and the first completion
-        tokens (``text_before_media``): layout, positions, backend and dtype, not the tower; the SP forward itself
-        is tested against one rank in the suite."""
-        batch = (mb.inputs, mb.completion_ids, mb.completion_mask)
+        """Grouped vs repeated on the first micro-batch's first completions (``checked_grouping``). With sequence
+        parallelism the whole row is what needed S ranks, so the check runs on the text before each prompt's first
+        image/video and the first completion tokens (``text_before_media``): layout, positions, backend and dtype,
+        not the tower; the SP forward itself is tested against one rank in the suite."""
+        batch, sizes = first_completions(mb, SELF_CHECK_COMPLETIONS)
         if self.parallel.sp.size > 1:
             batch = text_before_media(self.engine, *batch)
-        # Gathered whole: in low precision the check also runs a float32 forward, upcasting layer by layer.
-        with zero.gathered_for_inference(self.engine, "full") as (module, _), paused(self.vision_cache):
-            result = verify_grouping(module, *batch, mb.group_sizes, backend=self.cfg.forward.backend)
+        with paused(self.vision_cache):
+            result = checked_grouping(self.engine, batch, sizes, self.cfg.forward.backend)
         what = " (sequence parallel: on the text before the media and the first completion tokens)" if self.parallel.sp.size > 1 else ""
-        log.info("self-check passed%s: %s", what, result.describe())
+        if result is not None:
+            log.info("self-check passed%s: %s (%d completion(s): the first %d of each group)", what,
+                     result.describe(), sum(sizes), SELF_CHECK_COMPLETIONS)
 
     def update(self, micro_batches: list[MicroBatch], weights: torch.Tensor) -> list[dict]:
         """mu passes of the clipped loss over the micro-batches, one DeepSpeed step (accumulation) each."""
@@ -248,6 +249,34 @@ def kl_reference(cfg: Config, engine, ds_config: dict, device, dtype, vision_cac
     if vision_cache is not None and vision_cache.plan != "count" and path == cfg.model.path:
         attach_vision_cache(reference, vision_cache)
     return reference
+
+
+SELF_CHECK_COMPLETIONS = 2  # per group: enough to see a layout fault (sample 0 and one after it), cheap to repeat
+
+
+def checked_grouping(engine, batch: tuple, sizes: list[int], backend: str | None):
+    """``verify_grouping`` on the policy gathered whole (in low precision it also runs a float32 forward, upcasting
+    layer by layer). The repeated reference is the expensive side (an 8k video prompt, 8 repeated rows in float32:
+    62 GiB of attention scores asked for on one H200, hence ``first_completions``); a check that still runs out of
+    memory is skipped with a warning rather than stop the run."""
+    try:
+        with zero.gathered_for_inference(engine, "full") as (module, _):
+            return verify_grouping(module, *batch, sizes, backend=backend)
+    except torch.OutOfMemoryError as error:
+        torch.cuda.empty_cache()
+        log.warning("self-check skipped: its repeated reference forward ran out of memory (%s); training goes on "
+                    "unchecked (forward.self_check=false skips it)", str(error).splitlines()[0][:200])
+        return None
+
+
+def first_completions(mb: MicroBatch, count: int) -> tuple[tuple, list[int]]:
+    """(prompts, completion ids, mask) of the micro-batch with each group cut to its first ``count`` completions
+    (prompts and media unchanged), and the groups' new sizes."""
+    starts = [0, *torch.tensor(mb.group_sizes).cumsum(0).tolist()]
+    rows = [r for g, size in enumerate(mb.group_sizes) for r in range(starts[g], starts[g] + min(count, size))]
+    index = torch.tensor(rows, device=mb.completion_ids.device)
+    sizes = [min(count, size) for size in mb.group_sizes]
+    return (mb.inputs, mb.completion_ids[index], mb.completion_mask[index]), sizes
 
 
 def data_warnings(cfg: Config, records: list[dict]) -> list[str]:

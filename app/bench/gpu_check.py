@@ -7,11 +7,11 @@ Parts, in order (limits in seconds; a part never runs past what is left of ``--b
 
 | part | what | limit |
 |---|---|---|
-| tests | tests/test_gpu.py (GPU-only tests, wandb not needed) | 110 |
+| tests | tests/test_gpu.py (GPU-only tests, wandb not needed) | 150 |
 | train | app.bench.gpu_real_shape: Qwen2.5-VL-7B / Qwen3-VL-8B width, 4 layers, 8k/16k prefixes | 75 |
 | decode | app.bench.gpu_decode: 7B width, 28 layers: decode step vs the bandwidth limit, rollouts vs HF | 90 |
 | rehearsal | app.bench.gpu_rehearsal: train.sh 3 GRPO steps + plan.sh + eval.sh at 7B width, 4 layers | 150 |
-| hf_compiled | app.bench.gpu_decode --hf-compiled-only: HF generate with a static cache and torch.compile | 60 |
+| hf_compiled | app.bench.gpu_decode --hf-compiled-only --layers 4: HF generate, static cache + torch.compile | 70 |
 
 A part that fails or runs out of time is a row saying so, with its last error line; its own report (JSON + table)
 holds every point it measured before that. ``--quick`` runs every part on this machine at toy sizes (each module's
@@ -43,12 +43,13 @@ class Part:
 
 
 PARTS = (
-    Part("tests", 110, ("pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py", "-rA",
+    Part("tests", 150, ("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py", "-rA",
                        "--junitxml", "{raw}/tests.xml")),
     Part("train", 75, ("app.bench.gpu_real_shape", "--out", "{raw}/gpu_real_shape")),
     Part("decode", 90, ("app.bench.gpu_decode", "--out", "{raw}/gpu_decode")),
     Part("rehearsal", 150, ("app.bench.gpu_rehearsal", "--out", "{raw}/rehearsal")),
-    Part("hf_compiled", 60, ("app.bench.gpu_decode", "--hf-compiled-only", "--out", "{raw}/gpu_decode_hf_compiled")),
+    Part("hf_compiled", 70, ("app.bench.gpu_decode", "--hf-compiled-only", "--layers", "4", "--out",
+                             "{raw}/gpu_decode_hf_compiled")),
 )
 DEFAULT_BUDGET = 360
 

@@ -22,8 +22,10 @@ RESULTS = (("train", "gpu_real_shape"), ("decode", "gpu_decode"), ("rehearsal", 
 
 
 def test_results(junit: Path) -> list[dict]:
+    """Each test's outcome from pytest's JUnit XML; without it (pytest killed at its time limit), from the verbose
+    log beside it (tests.log: ``path::name PASSED``), the unfinished test named as such."""
     if not junit.is_file():
-        return []
+        return results_from_log(junit.with_name("tests.log"))
     rows = []
     try:
         cases = list(ET.parse(junit).getroot().iter("testcase"))
@@ -41,6 +43,25 @@ def test_results(junit: Path) -> list[dict]:
             detail = ""
         rows.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                      "seconds": float(case.get("time") or 0), "detail": detail})
+    return rows
+
+
+def results_from_log(log: Path) -> list[dict]:
+    if not log.is_file():
+        return []
+    import re
+
+    rows, running = [], None
+    for line in log.read_text(errors="replace").splitlines():
+        found = re.match(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|SKIPPED|ERROR)", line)
+        if found:
+            rows.append({"test": found[1], "outcome": found[2].lower().replace("error", "error"), "seconds": 0.0,
+                         "detail": ""})
+            running = None
+        elif re.match(r"^tests/\S+::\S+", line):
+            running = line.split()[0]
+    if running:
+        rows.append({"test": running, "outcome": "unfinished", "seconds": 0.0, "detail": "the part's time ran out"})
     return rows
 
 
@@ -64,7 +85,7 @@ def write(raw: Path, out: Path, parts: list[dict], quiet: bool = False) -> dict:
         env["flash_attn"] = None
     payload = {"environment": env, "parts": parts, "tests": tests, "results": results}
     (out / "report.json").write_text(json.dumps(payload, indent=2))
-    counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
+    counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped", "unfinished")}
     lines = [f"# GPU acceptance report: {env['device']}", "",
              f"torch {env['torch']}, transformers {env['transformers']}, CUDA {env.get('cuda')}, "
              f"flash-attn {env['flash_attn']}, commit {env['commit']}, {env['date']}", "",
