@@ -2,7 +2,8 @@
 # GPU acceptance in one command (also `make gpu-check`), within a time budget (default 6 minutes): the GPU-only tests,
 # training at real width (Qwen2.5-VL-7B / Qwen3-VL-8B layers), decoding at real width against HF generate and the
 # bandwidth limit, a rehearsal of the first real run through the launchers, and HF generate compiled. Each part has
-# its own time limit and prints one line of progress; docs/gpu/report.json + report.md are written after every part.
+# its own time limit and prints one line of progress; docs/gpu/latest/report.json + report.md are written after every
+# part (docs/gpu/report.md indexes the runs).
 #   scripts/gpu_check.sh [--quick] [--budget SECONDS] [--parts tests,train,...] [--report DIR] [--raw DIR]
 # Without CUDA it says so and exits 0 having run nothing; --quick runs every part here at toy sizes.
 set -euo pipefail

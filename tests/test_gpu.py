@@ -154,8 +154,10 @@ def test_flex_tree_attention_forward_backward_matches_the_dense_tree_mask(dtype)
 @pytest.mark.parametrize("preset", ["qwen2_5_vl_7b", "qwen3_vl_8b"])
 def test_the_default_backend_trains_at_real_width(preset):
     """The CUDA default grouped backend (flash-attn, else FlexAttention, compiled) runs forward and backward on the
-    real VL class at full width (2 decoder layers, random weights, bf16) for an 8k prefix, G = 8 completions of 64;
-    its log-probs are no worse than the repeated layout's against a float32 forward, and the gradients are finite."""
+    real VL class at full width (2 decoder layers, random weights, bf16) for an 8k prefix, G = 8 completions of 64,
+    with finite gradients; on the first two completions its log-probs are no worse than the repeated layout's
+    against a float32 forward (the float32 repeated reference runs torch's math attention kernel under GQA: 65 GiB
+    of scores for 8 rows of 8k at Qwen3-VL-8B's 32 heads, measured on an H200; 2 rows need a quarter)."""
     from app.bench.gpu_real_shape import build, inputs
     from app.grouping import compare_to_reference, completion_logprobs, default_backend
 
@@ -166,10 +168,14 @@ def test_the_default_backend_trains_at_real_width(preset):
     scores.logprobs.sum().backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(bool(torch.isfinite(g).all()) for g in grads)
+    del scores, grads
+    model.zero_grad(set_to_none=True)
+    completions, mask = completions[:2], mask[:2]
     with torch.no_grad():
-        repeated = completion_logprobs(model, prompts, completions, mask, 8, mode="repeated").logprobs
-        reference = completion_logprobs(model.float(), prompts, completions, mask, 8, mode="repeated").logprobs
-    comparison = compare_to_reference(scores.logprobs.detach(), repeated, reference, mask)
+        grouped = completion_logprobs(model, prompts, completions, mask, 2, backend=backend).logprobs
+        repeated = completion_logprobs(model, prompts, completions, mask, 2, mode="repeated").logprobs
+        reference = completion_logprobs(model.float(), prompts, completions, mask, 2, mode="repeated").logprobs
+    comparison = compare_to_reference(grouped, repeated, reference, mask)
     print(f"\n{preset} {backend}: {comparison.describe()}")
     assert comparison.passes(), comparison.describe()
 

@@ -108,14 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="toy sizes on this machine, into outputs/gpu_quick")
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET, help="seconds for all parts together")
     parser.add_argument("--parts", default="", help="comma-separated subset of: " + ", ".join(p.name for p in PARTS))
-    parser.add_argument("--report", default="", help="where report.json/report.md go (default docs/gpu)")
+    parser.add_argument("--report", default="", help="where report.json/report.md go (default docs/gpu/latest)")
     parser.add_argument("--raw", default="", help="where each part's log and results go (default outputs/gpu)")
     args = parser.parse_args(argv)
     if not args.quick and not torch.cuda.is_available():
         print("gpu_check: no CUDA device on this machine; nothing was run (--quick tries the script here).")
         return 0
     raw = Path(args.raw or ("outputs/gpu_quick" if args.quick else "outputs/gpu")).resolve()
-    report = Path(args.report or ("outputs/gpu_quick/report" if args.quick else "docs/gpu")).resolve()
+    report = Path(args.report or ("outputs/gpu_quick/report" if args.quick else "docs/gpu/latest")).resolve()
     raw.mkdir(parents=True, exist_ok=True)
     chosen = [p for p in PARTS if not args.parts or p.name in args.parts.split(",")]
     unknown = set(filter(None, args.parts.split(","))) - {p.name for p in PARTS}
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     for number, part in enumerate(chosen, 1):
         left = args.budget - (time.perf_counter() - started)
         limit = min(part.quick_limit if args.quick else part.limit, left)
-        if limit < 5:
+        if left < 5:
             rows.append({"part": part.name, "status": "skipped", "limit": 0,
                          "last_line": f"the budget of {args.budget:.0f} s was spent"})
             print(f"[gpu_check {number}/{len(chosen)}] {part.name}: skipped (budget spent)", flush=True)

@@ -352,10 +352,12 @@ class GroupedDecoder:
 
     def _capture(self) -> None:
         """Record the static step as a CUDA graph (after one eager run of it, the warm-up); nothing runs while it
-        records, so the cache's step is untouched. If capture fails the steps stay eager (``graph_error``)."""
+        records, so the cache's step is untouched. If capture fails the steps stay eager (``graph_error``, warned)."""
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # thread_local: only this thread's CUDA calls are held to capture's rules (in the trainer, data
+            # prefetch threads run alongside; with the default "global" mode a capture at step 3 of a run failed)
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self._graph_logits = self._static_step()
         except Exception as error:  # noqa: BLE001 - any capture failure leaves the eager static step
             self.graph_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
