@@ -25,13 +25,13 @@ test-all: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(PY) -m app.demo $(DEMO_ARGS)
+	$(PY) -m app.demos.video $(DEMO_ARGS)
 
 clean:
 	rm -rf outputs .pytest_cache
 
 selfcheck: $(STAMP)
-	$(PY) -m app.selfcheck
+	$(PY) -m app.training.selfcheck
 
 gpu-check: $(STAMP)
 	bash scripts/gpu_check.sh

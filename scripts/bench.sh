@@ -8,8 +8,16 @@ PY=${PYTHON:-$ROOT/.venv/bin/python}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 name=${1:-}
 shift || true
+module_of() {  # benchmark name -> its module (app/bench/, decoding benchmarks in app/bench/decoding/)
+  case "$1" in
+    rollout|decode_step|long_prefill) echo "app.bench.decoding.$1" ;;
+    gpu_real_shape) echo "app.bench.gpu.real_shape" ;;
+    grid|attention|e2e|flex_shapes|scale|lora|vision_cache|long_video|judge|tree|real_width) echo "app.bench.$1" ;;
+    *) return 1 ;;
+  esac
+}
+usage="usage: $0 grid|attention|rollout|decode_step|e2e|flex_shapes|scale|lora|vision_cache|long_video|long_prefill|judge|tree|real_width|gpu_real_shape|all [--out DIR] [--quick]"
 case "$name" in
-  grid|attention|rollout|decode_step|e2e|flex_shapes|scale|lora|vision_cache|long_video|long_prefill|judge|tree|real_width|gpu_real_shape) exec "$PY" -m "app.bench.$name" "$@" ;;
-  all) for n in attention rollout decode_step grid e2e flex_shapes scale lora vision_cache long_video long_prefill judge tree; do "$PY" -m "app.bench.$n" "$@"; done ;;
-  *) echo "usage: $0 grid|attention|rollout|decode_step|e2e|flex_shapes|scale|lora|vision_cache|long_video|long_prefill|judge|tree|real_width|gpu_real_shape|all [--out DIR] [--quick]" >&2; exit 2 ;;
+  all) for n in attention rollout decode_step grid e2e flex_shapes scale lora vision_cache long_video long_prefill judge tree; do "$PY" -m "$(module_of "$n")" "$@"; done ;;
+  *) module=$(module_of "$name") || { echo "$usage" >&2; exit 2; }; exec "$PY" -m "$module" "$@" ;;
 esac

@@ -10,6 +10,6 @@ PY=${PYTHON:-$ROOT/.venv/bin/python}
 NPROC=${NPROC_PER_NODE:-1}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$NPROC" -gt 1 ]; then
-  exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m app.evaluate "$@"
+  exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m app.evaluation.evaluate "$@"
 fi
-exec "$PY" -m app.evaluate "$@"
+exec "$PY" -m app.evaluation.evaluate "$@"

@@ -12,4 +12,4 @@ cd "$ROOT"
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PY" -m app.bench.gpu_check "$@"
+exec "$PY" -m app.bench.gpu.check "$@"

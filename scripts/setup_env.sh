@@ -33,6 +33,6 @@ SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['pur
 cp scripts/prefix_grpo_autofix.py "$SITE/prefix_grpo_autofix.py"
 echo "import prefix_grpo_autofix" > "$SITE/prefix_grpo_autofix.pth"
 # DeepSpeed's CPU communication op is JIT-built on first use; build it now, in this environment's own cache
-# (app.distributed.prepare_comm_op), so no training run has to, and a killed build cannot block later runs.
-"$VENV/bin/python" -m app.distributed --build-ops
+# (app.runtime.distributed.prepare_comm_op), so no training run has to, and a killed build cannot block later runs.
+"$VENV/bin/python" -m app.runtime.distributed --build-ops
 "$VENV/bin/python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"

@@ -11,4 +11,4 @@ MASTER_PORT=${MASTER_PORT:-29500}
 NPROC=${NPROC_PER_NODE:-1}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" \
-  --master_port "$MASTER_PORT" --nproc_per_node "$NPROC" -m app.train "$@"
+  --master_port "$MASTER_PORT" --nproc_per_node "$NPROC" -m app.training.train "$@"

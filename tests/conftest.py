@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import app  # noqa: E402,F401
-from app.models import FAMILIES, build_tiny_checkpoint  # noqa: E402
+from app.runtime.models import FAMILIES, build_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from PIL import Image
 
 from app.data.prompts import encode_prompts
 from app.data.video import video_element
-from app.models import VL_FAMILIES, load_model, load_processor
+from app.runtime.models import VL_FAMILIES, load_model, load_processor
 
 QUESTIONS = [
     "Which colour appears first in the video? Answer with a letter.",
@@ -105,7 +105,7 @@ def world_of_one(monkeypatch):
     variables go away with the test (subprocesses must not inherit them)."""
     import torch.distributed as dist
 
-    from app.distributed import _free_port
+    from app.runtime.distributed import _free_port
 
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", str(_free_port()))):

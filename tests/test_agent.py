@@ -1,4 +1,4 @@
-"""GRPO with tools (app.agent) as a user runs it: rollout.tools in the config, trees trained through the tree
+"""GRPO with tools (app.training.agent) as a user runs it: rollout.tools in the config, trees trained through the tree
 scorer, the weights move. The tiny random model never writes a tool call by itself, so one test scripts its first
 turns (a get_frames call and a malformed one, teacher-forced log-probs) and samples the rest for real."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from app.config import ConfigError, load_config
+from app.config.loading import ConfigError, load_config
 from tests.helpers import world_of_one
 from tests.test_trainer import assets, overrides, run  # noqa: F401  (assets: fixture)
 
@@ -29,7 +29,7 @@ def scripted_first_turns(trainer_):
     a malformed call; their log-probs are the policy's own (teacher-forced)."""
     from app.data.prompts import collate_prompts
     from app.grouping import completion_logprobs
-    from app.rollout import Rollout
+    from app.rollout.generate import Rollout
 
     real = trainer_.sampler
     tok = trainer_.tokenizer
@@ -56,7 +56,7 @@ def scripted_first_turns(trainer_):
 
 @pytest.mark.parametrize("engine", ["grouped", pytest.param("hf", marks=pytest.mark.slow)])
 def test_grpo_with_tools_trains_on_trees_with_observations(engine, assets, tmp_path, monkeypatch):  # noqa: F811
-    from app.train import recipe_for
+    from app.training.train import recipe_for
 
     cfg = load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "run", **TOOLS,
                                                          **{"rollout.engine": engine}))
@@ -83,9 +83,9 @@ def test_grpo_with_tools_trains_on_trees_with_observations(engine, assets, tmp_p
 
 
 def test_plain_grpo_entry_refuses_tools_and_bad_settings_are_named(assets, tmp_path):  # noqa: F811
-    from app.trainer import plain_grpo
+    from app.training.trainer import plain_grpo
 
-    with pytest.raises(ConfigError, match="run python -m app.train"):  # python -m app.trainer with tools set
+    with pytest.raises(ConfigError, match="run python -m app.training.train"):  # python -m app.training.trainer with tools set
         plain_grpo(load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "plain", **TOOLS)))
     for extra, says in ((("rollout.engine", "vllm"),), r"'rollout.vllm_max_videos' \(1\) is below"), \
                        ((("rollout.branching", "[3, 2]"),), "makes 6 rollouts per prompt"), \
@@ -128,8 +128,8 @@ def test_a_killed_run_with_tools_resumes_to_the_uninterrupted_result(assets, tmp
 def test_selected_groups_keep_their_trees_and_every_draws_tool_counts():
     """Dynamic sampling picks groups from several draws: each keeps its tree, and the tool counts are those of
     every draw made (as the groups/* counts are)."""
-    from app.rollout import Rollout
-    from app.trajectory import Trajectory
+    from app.rollout.generate import Rollout
+    from app.training.trajectory import Trajectory
 
     def drawn(calls: int) -> Trajectory:
         rollout = Rollout(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), torch.zeros(2, 3),
@@ -142,10 +142,10 @@ def test_selected_groups_keep_their_trees_and_every_draws_tool_counts():
 
 
 def test_sft_with_tools_trains_the_models_turns_of_written_trajectories(assets, tmp_path, monkeypatch):  # noqa: F811
-    """scripts/sft.sh's recipe with rollout.tools (app.agent_sft): each record's written turns go through the tool
+    """scripts/sft.sh's recipe with rollout.tools (app.training.agent_sft): each record's written turns go through the tool
     loop (the call runs; its clip is the next turn's context), the loss covers the model's turns only, the weights
     move, and a record without turns is skipped by name."""
-    from app.sft import recipe_for
+    from app.training.sft import recipe_for
 
     records = [json.loads(line) for line in assets["train"].read_text().splitlines()]
     written = [{**r, "turns": [call("get_frames", start=0.0, end=1.0), f"<think>ok</think><answer>{'AB'[i % 2]}"

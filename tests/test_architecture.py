@@ -1,10 +1,14 @@
-"""Guards for what the components redesign gained (docs/architecture.md): without them the next feature undoes it.
+"""Guards for what the components redesign and the stage packages gained (docs/architecture.md): without them the
+next feature undoes it.
 
+- the layering: ``LAYERS`` says which package may import which (the same table as docs/architecture.md); a reverse
+  import fails and names the arrow; every package's ``__init__`` says what it is for, what it may import and what it
+  exports; no package's top level holds more than 13 modules;
 - no function in app/ takes more than 6 positional parameters (past that, call sites pass values by position that
-  nobody can check; ``torch.autograd.Function.forward/backward`` are exempt: ``apply`` takes positional arguments only);
+  nobody can check), ``torch.autograd.Function.forward`` included (``ctx`` counts);
 - ``GRPOTrainer`` stays at most 170 lines: the recipe reads top to bottom, the stages live in functions and components;
 - no import circle in app/, counting imports placed inside functions (where a circle hides);
-- no branch on a rollout engine's name outside the engine registry (app/engines) and config;
+- no branch on a rollout engine's name outside the engine registry (app/rollout) and config;
 - no module in app/ over 420 lines (each names one job in its opening comment);
 - no ``global`` statement but the three lazily built caches: parallel state lives in the ``ParallelContext`` a
   recipe builds and passes on, never in a module.
@@ -32,24 +36,12 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def _autograd_methods(tree: ast.Module) -> set[int]:
-    """ids of forward/backward methods of classes deriving from torch.autograd.Function."""
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and any(ast.unparse(base).endswith("autograd.Function")
-                                                  for base in node.bases):
-            out |= {id(item) for item in node.body if isinstance(item, ast.FunctionDef)
-                    and item.name in ("forward", "backward")}
-    return out
-
-
 def test_no_function_takes_more_than_six_positional_parameters():
     offenders = []
     for name, path in modules().items():
         tree = ast.parse(path.read_text())
-        exempt = _autograd_methods(tree)
         for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and id(node) not in exempt:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 positional = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
                 if len(positional) > MAX_POSITIONAL:
                     offenders.append(f"{name}.{node.name} (line {node.lineno}): {len(positional)}")
@@ -57,7 +49,7 @@ def test_no_function_takes_more_than_six_positional_parameters():
 
 
 def test_the_grpo_trainer_class_stays_short():
-    tree = ast.parse((APP / "trainer.py").read_text())
+    tree = ast.parse((APP / "training" / "trainer.py").read_text())
     trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GRPOTrainer")
     lines = trainer.end_lineno - trainer.lineno + 1
     assert lines <= MAX_TRAINER_LINES, f"GRPOTrainer is {lines} lines (at most {MAX_TRAINER_LINES})"
@@ -133,16 +125,15 @@ def test_the_cycle_finder_finds_a_circle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-ENGINE_BRANCH = re.compile(r"""(?:engine\s*(?:==|!=|in)\s*|["'])(?:vllm|replay)["']""")
+ENGINE_BRANCH = re.compile(r"""(?:engine\s*(?:==|!=|in)\s*|["'])(?:vllm|replay|hf)["']""")
 
 
 def test_no_engine_name_branch_outside_the_registry_and_config():
-    """Engines differ inside app/engines; the trainer, evaluation and the recipe ask the registry
+    """Engines differ inside app/rollout; the trainer, evaluation and the recipe ask the registry
     (``needs_engine_views``, ``build_rollout_engine``) and never test a name."""
-    allowed = {APP / "config.py", APP / "config_sections.py", APP / "config_checks.py"}
     offenders = []
     for path in APP.rglob("*.py"):
-        if path in allowed or "engines" in path.parts or "bench" in path.parts:
+        if {"config", "rollout", "bench"} & set(path.relative_to(APP).parts[:-1]):
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if ENGINE_BRANCH.search(line) and not line.lstrip().startswith("#"):
@@ -163,3 +154,91 @@ def test_no_module_state_but_lazy_caches():
              for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Global)
              and not set(node.names) <= LAZY_CACHES}
     assert not found, f"module state set through `global` (pass a context object instead): {sorted(found)}"
+
+
+# ---- the stage packages and their layering ---------------------------------------------------------------------
+BELOW_CONFIG = ("app.common", "app.answers", "app.grouping", "app.runtime", "app.data", "app.rollout", "app.rewards",
+                "app.objectives")
+LAYERS = {  # package -> the packages it may import (app/__init__.py and app/compat.py: anyone); docs/architecture.md
+    "app.common": (),
+    "app.answers": ("app.common",),
+    "app.grouping": (),
+    "app.runtime": ("app.common", "app.grouping"),
+    "app.data": ("app.common", "app.answers", "app.runtime"),
+    "app.rollout": ("app.common", "app.grouping", "app.runtime", "app.data"),
+    "app.rewards": ("app.common", "app.answers", "app.grouping", "app.runtime", "app.data"),
+    "app.objectives": ("app.common",),
+    "app.config": BELOW_CONFIG,
+    "app.training": (*BELOW_CONFIG, "app.config"),
+    "app.evaluation": ("app.common", "app.answers", "app.grouping", "app.runtime", "app.data", "app.rollout",
+                       "app.rewards", "app.config"),
+    "app.planning": ("app.common", "app.grouping", "app.runtime", "app.data", "app.rollout", "app.objectives",
+                     "app.config"),
+    "app.demos": (*BELOW_CONFIG, "app.config", "app.training", "app.evaluation", "app.planning"),
+    "app.bench": (*BELOW_CONFIG, "app.config", "app.training", "app.evaluation", "app.planning", "app.demos"),
+}
+ANYONE = {"app", "app.compat"}
+MAX_PACKAGE_MODULES = 13
+PUBLIC_ONLY = {("app.rewards", "app.grouping")}  # rewards reach the grouping core through its package API only
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return module if module in ANYONE else ".".join(parts[:2])
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import arrow between packages that ``LAYERS`` does not allow, named module to module."""
+    out = []
+    for source, targets in sorted(graph.items()):
+        here = package_of(source)
+        for target in sorted(targets):
+            there = package_of(target)
+            if there == here or there in ANYONE:
+                continue
+            if here not in LAYERS:
+                out.append(f"{source} is in no package of LAYERS")
+            elif there not in LAYERS[here]:
+                out.append(f"{source} -> {target}: {here} may not import {there}")
+            elif (here, there) in PUBLIC_ONLY and target != there:
+                out.append(f"{source} -> {target}: {here} may use {there}'s package API only")
+    return out
+
+
+def test_the_packages_import_only_what_the_layering_allows():
+    found = layering_violations(import_graph())
+    assert not found, "imports the layering (LAYERS, docs/architecture.md) does not allow:\n" + "\n".join(found)
+
+
+def test_a_reverse_import_fails_by_name():
+    graph = {"app.grouping.layout": {"app.objectives.grpo"}, "app.rewards.rules": {"app.grouping.forward"},
+             "app.training.trainer": {"app.config.loading", "app.compat"}}
+    assert layering_violations(graph) == [
+        "app.grouping.layout -> app.objectives.grpo: app.grouping may not import app.objectives",
+        "app.rewards.rules -> app.grouping.forward: app.rewards may use app.grouping's package API only"]
+
+
+def test_the_layering_table_is_the_one_in_the_docs():
+    """docs/architecture.md's table lists, per package, the packages it may import: the same as ``LAYERS``."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].startswith("`app/") and cells[0].endswith("/`"):
+            allowed = re.findall(r"`app/(\w+)/`", cells[2])
+            rows["app." + cells[0].strip("`/").split("/")[1]] = tuple(sorted(f"app.{a}" for a in allowed))
+    assert rows == {k: tuple(sorted(v)) for k, v in LAYERS.items()}
+
+
+def test_every_package_is_in_the_table_small_and_says_what_it_is():
+    packages = {".".join(p.parent.relative_to(ROOT).parts) for p in APP.glob("*/__init__.py")}
+    assert packages == set(LAYERS), f"packages not in LAYERS, or LAYERS without a package: {packages ^ set(LAYERS)}"
+    for init in APP.rglob("__init__.py"):
+        folder = init.parent
+        count = sum(1 for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+        assert count <= MAX_PACKAGE_MODULES, f"{folder.relative_to(ROOT)} holds {count} modules (split it)"
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(doc) > 40, f"{init.relative_to(ROOT)} does not say what the package is for"
+        if folder.parent == APP:
+            assert "May import" in doc and "Export" in doc, f"{init.relative_to(ROOT)}: say what it may import and exports"
+    assert sorted(p.name for p in APP.glob("*.py")) == ["__init__.py", "compat.py"]  # everything else is in a stage

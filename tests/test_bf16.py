@@ -22,8 +22,8 @@ from app.grouping import (
     verify_grouping,
 )
 from app.grouping.precision import MAX_RATIO, MEAN_RATIO
-from app.models import FAMILIES
-from app.rollout import SamplingConfig, generate_groups
+from app.rollout.generate import SamplingConfig, generate_groups
+from app.runtime.models import FAMILIES
 from tests.helpers import load, prompt_batch, random_completions, tokenizer_of
 from tests.test_equivalence import PROMPT_KINDS
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app.grouping import GroupedDecoder
-from app.rollout import SamplingConfig, generate_groups
+from app.rollout.generate import SamplingConfig, generate_groups
 from tests.helpers import load, prompt_batch, tokenizer_of
 
 KINDS = {"qwen2": ["text", "text"], "qwen2_vl": ["video", "text"], "qwen2_5_vl": ["text", "video+image"],
@@ -48,7 +48,7 @@ def test_chunked_prefill_gives_the_whole_prefills_cache_and_logits(family, tiny_
 
 def frozen(family, checkpoints, plan):
     """A model whose tower is frozen (``outputs``) or whose projector alone trains (``blocks``)."""
-    from app.grouping.vision_cache import PROJECTORS, tower_of
+    from app.grouping.vision.cache import PROJECTORS, tower_of
 
     model, processor = load(family, checkpoints)
     for name, param in tower_of(model).named_parameters():
@@ -59,7 +59,7 @@ def frozen(family, checkpoints, plan):
 @pytest.mark.parametrize("plan", ["outputs", "blocks"])
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_frame_chunked_tower_gives_the_whole_towers_output(family, plan, tiny_checkpoints, videos):
-    from app.grouping.vision_cache import VisionCache, attach, detach, plan_for, tower_of
+    from app.grouping.vision.cache import VisionCache, attach, detach, plan_for, tower_of
 
     model, processor = frozen(family, tiny_checkpoints, plan)
     visual = tower_of(model)
@@ -94,7 +94,7 @@ def test_frame_chunked_tower_gives_the_whole_towers_output(family, plan, tiny_ch
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_long_prompt_rollout_with_both_chunkings_samples_what_the_whole_one_does(family, tiny_checkpoints, videos):
-    from app.grouping.vision_cache import VisionCache, attach
+    from app.grouping.vision.cache import VisionCache, attach
 
     model, processor = frozen(family, tiny_checkpoints, "outputs")
     prompts = prompt_batch(family, processor, videos, ["video", "text", "image+video"], fps=4.0)
@@ -114,7 +114,7 @@ def test_long_prompt_rollout_with_both_chunkings_samples_what_the_whole_one_does
 def test_chunk_attention_is_the_softmax_over_the_keys_each_query_sees(pads, past):
     """``prefill_chunk_attention`` (two fused calls merged by log-sum-exp, GQA, the padding as a key bias) against
     the softmax written out; a query that sees no key gets 0, never NaN."""
-    from app.grouping.prefill import PrefillChunk, prefill_chunk_attention
+    from app.grouping.decoding.prefill import PrefillChunk, prefill_chunk_attention
 
     generator = torch.Generator().manual_seed(0)
     batch, heads, kv_heads, count, dim = 2, 4, 2, 5, 16

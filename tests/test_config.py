@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from app.config import ConfigError, describe, load_config
+from app.config.loading import ConfigError, describe, load_config
 
 ROOT_CONFIGS = ["configs/demo_cpu.yaml", "configs/qwen2_5_vl_7b_video.yaml", "configs/qwen2_5_vl_7b_video_lora.yaml"]
 
@@ -93,9 +93,10 @@ def test_renamed_forward_keys_say_where_they_went_and_split_is_selectable():
 def test_choices_come_from_the_modules_that_own_them():
     import dataclasses
 
-    from app import config_sections as config
-    from app import engines, grpo
-    from app.zero import GATHER_MODES
+    from app.config import sections as config
+    from app.objectives import grpo
+    from app.rollout import registry as engines
+    from app.runtime.zero import GATHER_MODES
 
     def choices(section, name):
         return next(f for f in dataclasses.fields(section) if f.name == name).metadata["choices"]
@@ -108,7 +109,7 @@ def test_choices_come_from_the_modules_that_own_them():
 
 
 def test_yaml_booleans_are_yaml_1_2_and_scale_rewards_auto(tmp_path):
-    from app.grpo import resolve_scale
+    from app.objectives.grpo import resolve_scale
 
     def scale_rewards(grpo):  # one home for the option: grpo resolves 'auto'
         return resolve_scale(grpo.scale_rewards, grpo.loss_type)
@@ -130,7 +131,7 @@ def test_sequence_parallel_settings_are_checked_by_name():
     with pytest.raises(ConfigError, match="needs forward.grouping=grouped"):
         load_config("configs/demo_cpu.yaml", ["train.sequence_parallel_size=2", "forward.grouping=repeated"])
     from app.grouping.sequence_parallel import check_heads
-    from app.models import TinySizes, build_tokenizer, tiny_config
+    from app.runtime.models import TinySizes, build_tokenizer, tiny_config
 
     config = tiny_config("qwen2_5_vl", build_tokenizer(), TinySizes(heads=4, kv_heads=2))
     check_heads(config, 2)
@@ -140,7 +141,7 @@ def test_sequence_parallel_settings_are_checked_by_name():
 
 
 def test_long_video_settings_that_do_nothing_say_so():
-    from app.config import warnings_for
+    from app.config.loading import warnings_for
 
     chunked = load_config("configs/demo_cpu.yaml", ["rollout.prefill_chunk_size=512", "forward.vision_chunk_frames=4",
                                                     "model.freeze_vision_tower=true"])
@@ -186,8 +187,8 @@ def test_vllm_with_filtered_sampling_and_importance_weights_is_refused_off_tempe
 def test_a_model_path_that_is_not_a_checkpoint_is_one_line_naming_it(tmp_path, capsys):
     """From the launcher's entry point: a missing path, a file, a folder without config.json, a config that is
     not JSON, a checkpoint without weights: one line naming the path, before any process group starts."""
-    from app.models import build_tiny_checkpoint
-    from app.trainer import main
+    from app.runtime.models import build_tiny_checkpoint
+    from app.training.trainer import main
 
     folder = tmp_path / "empty"
     folder.mkdir()
@@ -218,7 +219,7 @@ def test_the_config_reference_page_is_generated_from_the_declarations():
     regenerating it fails here (run that command and commit the page)."""
     from pathlib import Path
 
-    from app.config import CONFIG_PAGE, reference_markdown
+    from app.config.loading import CONFIG_PAGE, reference_markdown
 
     page = Path(__file__).resolve().parents[1] / CONFIG_PAGE
     assert page.read_text() == reference_markdown(), "stale: python -m app.config --markdown > docs/config.md"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.checkpoint import CRASH_POINT_ENV, CRASH_POINTS
+from app.runtime.checkpoint import CRASH_POINT_ENV, CRASH_POINTS
 from tests.test_trainer import ROOT, assets, overrides, run, trainer, weights  # noqa: F401
 
 pytestmark = pytest.mark.distributed
@@ -92,7 +92,7 @@ def _workers_of(marker: str) -> list[int]:
                           if line.startswith("State:")), "")
         except OSError:
             continue
-        if marker in cmdline and "app.train" in cmdline and "zombie" not in state:
+        if marker in cmdline and "app.training.train" in cmdline and "zombie" not in state:
             pids.append(int(entry.name))
     return pids
 

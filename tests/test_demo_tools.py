@@ -1,4 +1,4 @@
-"""The tool-needing demo's pieces (app.demo_tools, the synthetic ``glimpse`` task): the answer is in the video only
+"""The tool-needing demo's pieces (app.demos.tools, the synthetic ``glimpse`` task): the answer is in the video only
 on frames of its window the overview does not take, the overview shows the cue and never the colour, a get_frames
 call on the window shows it, and the warm start's targets are well-formed calls on random windows that run, then
 answers that are what the returned frames show."""
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from qwen_vl_utils import fetch_video
 
-from app.config import load_config
+from app.config.loading import load_config
 from app.data.synthetic import COLOURS, GLIMPSE_OVERVIEW_FRAMES, generate, overview_indices
-from app.demo_tools import CONFIG, call_text, calls_showing_answer, frames_show_colour, warm_start_data
-from app.tools import ToolLimits, build_tools, context_for, parse_call, run_call
+from app.demos.tools import CONFIG, call_text, calls_showing_answer, frames_show_colour, warm_start_data
+from app.rollout.tools import ToolLimits, build_tools, context_for, parse_call, run_call
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +91,8 @@ def test_the_demo_counts_the_calls_whose_frames_show_the_answer(glimpse, tmp_pat
     """calls_showing_answer reads each call's window back from the evaluation's predictions (the tool's own
     observation text) and decodes it again: the record's own window shows the answer, a window away from it does
     not, and a call that failed is not counted."""
-    from app.engines.multiturn import call_summary
-    from app.tools import ToolResult, get_frames
+    from app.rollout.multiturn import call_summary
+    from app.rollout.tools import ToolResult, get_frames
 
     out, records = glimpse
     limits = ToolLimits(max_frames=4, min_pixels=784, max_pixels=3136)
@@ -113,7 +113,7 @@ def test_the_demo_counts_the_calls_whose_frames_show_the_answer(glimpse, tmp_pat
 @pytest.mark.slow
 def test_the_demo_runs_end_to_end_and_writes_its_comparison(tmp_path, monkeypatch):
     """A small run of the whole demo (warm start, evaluations, GRPO with tools through scripts/train.sh)."""
-    from app import demo_tools
+    from app.demos import tools as demo_tools
 
     monkeypatch.chdir(demo_tools.ROOT)
     result = demo_tools.main(["--out", str(tmp_path / "out"), "--data", str(tmp_path / "data"), "--train-size", "16",

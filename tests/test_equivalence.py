@@ -11,7 +11,7 @@ import torch
 
 from app.grouping import GroupLayout, completion_logprobs, repeated_inputs, usable_backends
 from app.grouping.positions import continue_after_media, packed_positions, prompt_positions, use_qwen_positions
-from app.models import FAMILIES, VL_FAMILIES, enable_activation_checkpointing
+from app.runtime.models import FAMILIES, VL_FAMILIES, enable_activation_checkpointing
 from tests.helpers import load, max_rel_diff, prompt_batch, random_completions, run_and_grad, text_layers, tokenizer_of
 
 LOGPROB_RTOL = 1e-5
@@ -152,7 +152,7 @@ def test_positions_after_a_long_video_follow_qwens_code(tiny_checkpoints, tmp_pa
     every response token get the ids of Qwen's own code (and vLLM's), not transformers 5.x's, in the prompt, the
     packed row, the repeated rows and HF generate (``use_qwen_positions``); grouped still equals repeated."""
     from app.data.video import write_mp4
-    from app.rollout import SamplingConfig, generate_groups
+    from app.rollout.generate import SamplingConfig, generate_groups
     from tests.helpers import load, prompt_batch, tokenizer_of
 
     model, processor = load("qwen2_5_vl", tiny_checkpoints)

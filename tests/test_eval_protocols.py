@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.config import ConfigError, load_config
-from app.evaluate import protocol_file
+from app.config.loading import ConfigError, load_config
+from app.evaluation.evaluate import protocol_file
 
 # ---- Video-R1's evaluation, transcribed ------------------------------------------------------------------------
 VR1_QUESTION = (
@@ -95,7 +95,7 @@ def test_the_video_r1_preset_samples_video_r1s_frames_at_its_pixels(tmp_path, fr
 def test_the_video_r1_preset_writes_video_r1s_prompt_and_scores_as_it_does(tmp_path):
     from app.data.prompts import question_text
     from app.data.records import build_conversation
-    from app.protocol_scoring import video_r1_eval_accuracy
+    from app.rewards.protocols import video_r1_eval_accuracy
 
     record = {"problem": "Which colour appears first?", "problem_type": "multiple choice", "data_type": "video",
               "options": ["A. red", "B. green", "C. blue", "D. yellow"], "path": "v.mp4",
@@ -122,8 +122,8 @@ def test_an_evaluation_records_the_settings_that_reproduce_it(tmp_path):
     """scripts/eval.sh ... --protocol video_r1 writes OUTPUT/eval_config.yaml; that file, given back as the
     protocol, rebuilds the same settings (and so the same run identity)."""
     from app.data.synthetic import generate
-    from app.evaluate import evaluate
-    from app.models import build_tiny_checkpoint
+    from app.evaluation.evaluate import evaluate
+    from app.runtime.models import build_tiny_checkpoint
 
     checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0)
     heldout = generate(tmp_path / "data", train=1, heldout=2, seed=3)["heldout"]
@@ -181,7 +181,7 @@ def tz_iou(output: str, span) -> float:
     "<answer>[24.3, 30.4]</answer>", "<answer>30.4 to 24.3</answer>", "no answer", "<answer>0 to 5</answer> 26 to 29",
 ])
 def test_the_timezero_preset_scores_as_timezero_does(output):
-    from app.protocol_scoring import timezero_accuracy
+    from app.rewards.protocols import timezero_accuracy
 
     record = {"problem_type": "temporal grounding", "solution": "<answer>[24.3, 30.4]</answer>", "duration": 30.96}
     assert timezero_accuracy(output, record) == pytest.approx(tz_iou(output, (24.3, 30.4)), abs=1e-12)
@@ -217,7 +217,7 @@ def test_the_activitynet_preset_is_timezeros_charades_protocol_on_other_files(tm
     ActivityNet's sentences reach the prompt verbatim (leading space included, as TimeZero inserts them)."""
     import json
 
-    from app.config import ConfigError, load_config
+    from app.config.loading import ConfigError, load_config
     from app.data.convert import FORMATS
     from app.data.records import build_conversation
 
@@ -245,8 +245,8 @@ def test_the_activitynet_preset_is_timezeros_charades_protocol_on_other_files(tm
 def test_charades_sta_annotations_convert_to_records(tmp_path):
     import json
 
+    from app.answers.grounding import check_grounding_record
     from app.data.convert import FORMATS, ConvertError, main
-    from app.grounding import check_grounding_record
 
     (tmp_path / "videos").mkdir()
     (tmp_path / "videos" / "3MSZA.mp4").write_bytes(b"")
@@ -273,8 +273,8 @@ def evaluate_converted(tmp_path, fmt: str, annotation, media, protocol: str, *ex
     import json
 
     from app.data.convert import main
-    from app.evaluate import evaluate
-    from app.models import build_tiny_checkpoint
+    from app.evaluation.evaluate import evaluate
+    from app.runtime.models import build_tiny_checkpoint
 
     main([fmt, str(annotation), "--videos", str(media), "--out", str(tmp_path / "records.jsonl"), *extra])
     checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0)
@@ -420,15 +420,15 @@ GT = GOT_ENTRY["gt"]
     f"{GT}", "<answer>the sloth stays</answer>", "",
 ])
 def test_the_got10k_preset_scores_as_videochat_r1_does(output):
-    from app.protocol_scoring import videochat_r1_track_accuracy
+    from app.rewards.protocols import videochat_r1_track_accuracy
 
     record = {"problem_type": "object tracking", "solution": f"<answer>{GT}</answer>", "box_format": "normalized"}
     assert videochat_r1_track_accuracy(output, record) == pytest.approx(vc_track_iou(output, GT), abs=1e-12)
 
 
 def test_the_got10k_scoring_names_what_it_cannot_score():
-    from app.answers import RewardError
-    from app.protocol_scoring import videochat_r1_track_accuracy
+    from app.answers.reading import RewardError
+    from app.rewards.protocols import videochat_r1_track_accuracy
 
     with pytest.raises(RewardError, match="scores 'object tracking' records only.*'multiple choice'"):
         videochat_r1_track_accuracy("<answer>A</answer>", {"problem_type": "multiple choice",
@@ -442,7 +442,7 @@ def test_got10k_annotations_convert_to_records_and_bad_entries_are_named(tmp_pat
     import json
 
     from app.data.convert import FORMATS, ConvertError, main
-    from app.rewards import accuracy_of
+    from app.rewards.rules import accuracy_of
 
     got_folder(tmp_path / "val", "GOT-10k_Val_000010", 12, 40, 60)
     annotation = tmp_path / "got_val.json"
@@ -581,7 +581,7 @@ GQA_ENTRIES = [  # the first two entries of its Annotations/NextGQA/nextgqa_test
 ])
 @pytest.mark.parametrize("entry", GQA_ENTRIES[::2])
 def test_the_nextgqa_preset_scores_as_videochat_r1_does(output, entry):
-    from app.protocol_scoring import videochat_r1_gqa_accuracy, videochat_r1_gqa_evidence
+    from app.rewards.protocols import videochat_r1_gqa_accuracy, videochat_r1_gqa_evidence
 
     record = {"problem_type": "multiple choice", "solution": f"<answer>{entry['answer'][1]}</answer>",
               "evidence": entry["glue"]}
@@ -686,7 +686,7 @@ REC_TRUTH = [103.93, 299.99, 342.53, 480.0]
 ])
 @pytest.mark.parametrize(("input_hw", "image_hw"), [((476, 644), (480, 640)), ((336, 448), (480, 640))])
 def test_the_refcoco_preset_scores_as_vlm_r1_does(output, input_hw, image_hw):
-    from app.protocol_scoring import vlm_r1_rec_accuracy, vlm_r1_rec_iou
+    from app.rewards.protocols import vlm_r1_rec_accuracy, vlm_r1_rec_iou
 
     record = {"problem_type": "spatial grounding", "solution": f"<answer>{REC_TRUTH}</answer>",
               "_image_sizes": [(*image_hw, *input_hw)]}
@@ -733,8 +733,8 @@ def test_refcoco_files_convert_to_vlm_r1s_subset_and_evaluate_with_its_input_siz
     from qwen_vl_utils import process_vision_info
 
     from app.data.records import encode_record
-    from app.evaluate import image_sizes
-    from app.models import load_processor
+    from app.evaluation.evaluate import image_sizes
+    from app.runtime.models import load_processor
 
     processor = load_processor(tmp_path / "tiny")
     for k, (w, h) in enumerate([(150, 100), (97, 61), (80, 120)]):

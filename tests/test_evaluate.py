@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from app.data.synthetic import generate
-from app.models import build_tiny_checkpoint
+from app.runtime.models import build_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.distributed
@@ -87,7 +87,7 @@ def test_sampled_evaluation_reports_pass_at_k(assets, tmp_path):
 def test_demo_smoke(tmp_path):
     """The `make demo` pipeline end to end on a handful of records and steps (the real run: README)."""
     result = subprocess.run(
-        [sys.executable, "-m", "app.demo", "--out", str(tmp_path / "demo"), "--data", str(tmp_path / "data"),
+        [sys.executable, "-m", "app.demos.video", "--out", str(tmp_path / "demo"), "--data", str(tmp_path / "data"),
          "--train-size", "8", "--heldout-size", "4", "--warm-steps", "2", "--ab-steps", "2", "train.max_steps=2",
          "train.prompts_per_rank=2", "train.groups_per_micro_batch=2", "train.save_every=0",
          "logging.wandb_mode=disabled", "logging.progress_bar=false"],
@@ -116,7 +116,7 @@ def test_bad_image_and_paths_outside_the_root_are_skipped_with_reasons(assets, t
     (scripts/eval.sh is run by the tests above and below)."""
     import logging
 
-    from app.evaluate import evaluate
+    from app.evaluation.evaluate import evaluate
 
     def run_here(local, out, extra=()):
         return evaluate(local["model"], [local["data"]], [f"eval.output_dir={out}", *EVAL, *extra])
@@ -183,13 +183,13 @@ def small(tmp_path_factory):
 
 
 def in_process(model, data, out, *extra):
-    from app.evaluate import evaluate
+    from app.evaluation.evaluate import evaluate
 
     return evaluate(model, [data], [f"eval.output_dir={out}", *EVAL, "eval.max_new_tokens=6", *extra])
 
 
 def test_resume_refuses_predictions_of_another_model_or_settings(small, tmp_path):
-    from app.evaluate import EvaluationMismatch
+    from app.evaluation.evaluate import EvaluationMismatch
 
     out = tmp_path / "eval"
     first = in_process(small["a"], small["data"], out)
@@ -208,7 +208,7 @@ def test_resume_refuses_predictions_of_another_model_or_settings(small, tmp_path
     changed = small["data"].parent / "changed.jsonl"
     changed.write_text(small["data"].read_text().replace('"problem_id": 1,', '"problem_id": 101,'))
     with pytest.raises(EvaluationMismatch, match="data"):
-        from app.evaluate import evaluate
+        from app.evaluation.evaluate import evaluate
 
         evaluate(small["a"], [changed], [f"eval.output_dir={out}", *EVAL, "eval.max_new_tokens=6"])
 
@@ -223,7 +223,7 @@ def test_each_question_draws_its_own_samples_whatever_the_batch(small, tmp_path)
     question = small["data"].read_text().splitlines()[0]
     copies = small["data"].parent / "copies.jsonl"
     copies.write_text("\n".join([question] * 4) + "\n")
-    from app.evaluate import evaluate
+    from app.evaluation.evaluate import evaluate
 
     evaluate(small["a"], [copies], [f"eval.output_dir={tmp_path / 'copies'}", *EVAL, "eval.max_new_tokens=6",
                                     "eval.batch_size=4", *sampled])
@@ -234,7 +234,7 @@ def test_each_question_draws_its_own_samples_whatever_the_batch(small, tmp_path)
 def test_evaluation_runs_in_the_configured_dtype_on_the_ranks_device(small, tmp_path, monkeypatch):
     """model.dtype=bfloat16 evaluates a bfloat16 model (not float32 on the host), inputs on the model's device,
     with the configured vision attention; float32 stays float32. The answers of both are scored."""
-    import app.engines.local as engine_module
+    import app.rollout.local as engine_module
 
     seen = []
     real = engine_module.generate_groups
@@ -258,7 +258,7 @@ def test_evaluation_runs_in_the_configured_dtype_on_the_ranks_device(small, tmp_
 def test_resume_identity_reads_the_whole_weight_file(tmp_path, monkeypatch):
     """A re-export that changes only middle bytes of a large weight file (a LoRA merge with a frozen tower) is
     another model; an unchanged file is hashed once and then served from the digest cache."""
-    import app.eval_runs as evaluate_module
+    import app.evaluation.runs as evaluate_module
 
     monkeypatch.setattr(evaluate_module, "DIGEST_CACHE", tmp_path / "cache" / "sha256.json")
     big = tmp_path / "model.safetensors"
@@ -281,7 +281,7 @@ def test_evaluation_with_tools_answers_in_several_turns(small, tmp_path, monkeyp
     training), the last model turn is what is scored, and each prediction says how many calls its samples made and
     what each returned.
     The tiny model's first turn is scripted to call get_frames (it never writes a call by itself)."""
-    import app.engines.multiturn as multiturn
+    import app.rollout.multiturn as multiturn
 
     honest = multiturn.tree_rollout
 
@@ -313,9 +313,9 @@ def test_evaluation_with_tools_answers_in_several_turns(small, tmp_path, monkeyp
 
 @pytest.mark.slow
 def test_each_objective_runs_on_the_demo_and_logs_its_ratios(tmp_path):
-    """app.demo_objectives on a handful of records and steps: every policy objective trains from the demo's warm
+    """app.demos.objectives on a handful of records and steps: every policy objective trains from the demo's warm
     start through scripts/train.sh and its ratio statistics reach the summary."""
-    from app import demo_objectives
+    from app.demos import objectives as demo_objectives
 
     summary = demo_objectives.main(["--out", str(tmp_path / "demo"), "--data", str(tmp_path / "data"),
                                     "--train-size", "8", "--heldout-size", "4", "--warm-steps", "2", "--steps", "2",

@@ -13,7 +13,7 @@ from PIL import Image
 
 from app.data.records import check_record, encode_record
 from app.data.video import write_mp4
-from app.models import build_tiny_checkpoint, load_processor
+from app.runtime.models import build_tiny_checkpoint, load_processor
 from tests.test_records import DATA
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,8 +87,8 @@ def test_trains_two_steps_and_evaluates(shapes, tmp_path, monkeypatch, caplog):
     """Training then evaluation on every record shape, in this process (the launchers have their own tests)."""
     import logging
 
-    from app.evaluate import evaluate
-    from app.trainer import main
+    from app.evaluation.evaluate import evaluate
+    from app.training.trainer import main
     from tests.helpers import world_of_one
 
     common = ["data.max_frames=4", "data.min_pixels=3136", "data.max_pixels=3136", "data.image_max_pixels=6272",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from app.config import ConfigError, load_config
+from app.config.loading import ConfigError, load_config
 from tests.helpers import world_of_one
 from tests.test_trainer import assets, overrides  # noqa: F401  (assets: fixture)
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ---- a kill during DeepSpeed's first-use op build must not hang every later launch --------------------------------
 def _load_op_in_subprocess(**kwargs):
-    code = ("import logging; logging.basicConfig(level=logging.INFO); import app; from app import distributed; "
+    code = ("import logging; logging.basicConfig(level=logging.INFO); import app; from app.runtime import distributed; "
             "print('op', distributed.prepare_comm_op(), flush=True)")
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, **kwargs)
@@ -32,7 +32,7 @@ def test_a_stale_build_lock_is_cleared_with_a_warning():
     """torch's JIT build lock left by a killed process: the next start removes it, names it, and goes on."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    from app.distributed import COMM_OP
+    from app.runtime.distributed import COMM_OP
 
     lock = Path(_get_build_directory(COMM_OP, verbose=False)) / "lock"
     lock.write_text("")  # what a process killed inside torch's FileBaton leaves behind
@@ -48,7 +48,7 @@ def test_a_stale_build_lock_is_cleared_with_a_warning():
 
 def test_a_live_builder_is_waited_for_by_name():
     """While another live process holds the op, a start waits and says whom it waits for (never silently)."""
-    from app.distributed import comm_op_guard
+    from app.runtime.distributed import comm_op_guard
 
     with comm_op_guard():
         proc = _load_op_in_subprocess()
@@ -98,7 +98,7 @@ def test_contradictions_that_cannot_work_are_refused(settings, message):
      "never reached"),
 ])
 def test_contradictions_that_run_are_warned(settings, message, caplog):
-    with caplog.at_level(logging.WARNING, logger="app.config"):
+    with caplog.at_level(logging.WARNING, logger="app.config.loading"):
         load_config(None, ["model.path=x", "data.train_file=y", *settings])
     assert message in caplog.text
 
@@ -114,7 +114,7 @@ def _many_missing(tmp_path: Path, assets, missing: int) -> Path:  # noqa: F811
 
 def test_skips_at_load_are_one_summary_from_rank_zero(assets, tmp_path, caplog):  # noqa: F811
     from app.data.records import load_stream
-    from app.models import load_processor
+    from app.runtime.models import load_processor
 
     train = _many_missing(tmp_path, assets, missing=40)
     cfg = load_config(None, [f"model.path={assets['checkpoint']}", f"data.train_file={train}",
@@ -133,7 +133,7 @@ def test_skips_at_load_are_one_summary_from_rank_zero(assets, tmp_path, caplog):
 
 
 def test_detail_lines_reach_the_log_file_only(tmp_path, capsys):
-    from app.tracking import configure_logging
+    from app.runtime.tracking import configure_logging
 
     root = logging.getLogger()
     saved = root.handlers[:]
@@ -158,12 +158,12 @@ def test_detail_lines_reach_the_log_file_only(tmp_path, capsys):
 # ---- the recipes in one process: learning rate, start-up arithmetic, SFT targets ----------------------------------
 def test_grpo_logs_the_learning_rate_its_update_used_and_says_the_batch(assets, tmp_path, monkeypatch,  # noqa: F811
                                                                      caplog):
-    from app.trainer import GRPOTrainer
+    from app.training.trainer import GRPOTrainer
 
     cfg = load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "run", **{
         "train.warmup_steps": 3, "train.max_steps": 5, "train.prompts_per_rank": 2, "rollout.group_size": 2,
         "rollout.max_completion_length": 4, "grpo.beta": 0.0}))
-    with world_of_one(monkeypatch), caplog.at_level(logging.INFO, logger="app.recipe"):
+    with world_of_one(monkeypatch), caplog.at_level(logging.INFO, logger="app.training.recipe"):
         trainer = GRPOTrainer(cfg)
         first, second = trainer.train_step(0), trainer.train_step(1)
     assert first["learning_rate"] == pytest.approx(1e-3 * 1 / 4)  # warmup: (step + 1) / (warmup + 1)
@@ -177,7 +177,7 @@ def test_grpo_logs_the_learning_rate_its_update_used_and_says_the_batch(assets, 
 
 
 def test_sft_skips_records_without_a_process_and_logs_the_rate_it_used(assets, tmp_path, monkeypatch):  # noqa: F811
-    from app.sft import SFTTrainer
+    from app.training.sft import SFTTrainer
 
     records = [json.loads(line) for line in Path(assets["train"]).read_text().splitlines()]
     for i, record in enumerate(records):
@@ -198,8 +198,8 @@ def test_sft_skips_records_without_a_process_and_logs_the_rate_it_used(assets, t
 
 
 def test_progress_without_a_bar_is_one_line_per_logged_step(tmp_path, caplog):
-    from app.config_sections import LoggingConfig
-    from app.tracking import Tracker
+    from app.config.sections import LoggingConfig
+    from app.runtime.tracking import Tracker
 
     tracker = Tracker(LoggingConfig(wandb_mode="disabled", progress_bar=False), tmp_path, {}, True, 10, label="SFT")
     with caplog.at_level(logging.INFO, logger="app.progress"):
@@ -212,7 +212,7 @@ def test_a_data_error_is_one_clean_line(assets, tmp_path):  # noqa: F811
     bad.write_text("".join(json.dumps({"problem": "q", "problem_type": "multiple choice", "solution": "A",
                                        "data_type": "video", "path": f"videos/none{i}.mp4"}) + "\n"
                            for i in range(4)))
-    result = subprocess.run([sys.executable, "-m", "app.trainer", "configs/demo_cpu.yaml",
+    result = subprocess.run([sys.executable, "-m", "app.training.trainer", "configs/demo_cpu.yaml",
                              *overrides(assets, tmp_path / "run", **{"data.train_file": bad})],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0
@@ -246,7 +246,7 @@ def test_completion_logprobs_is_chunked_by_default(tiny_checkpoints, videos):
 
 
 def test_temporal_grpo_on_data_without_video_is_warned():
-    from app.trainer import data_warnings
+    from app.training.trainer import data_warnings
 
     cfg = load_config(None, ["model.path=x", "data.train_file=images.jsonl", "rewards.temporal=true"])
     images = [{"data_type": "image"}, {"data_type": "image"}]

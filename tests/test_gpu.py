@@ -93,7 +93,7 @@ def test_bf16_model_on_cuda_no_worse_than_repeated(family, tiny_checkpoints, vid
 
 
 def test_grouped_decode_equals_hf_generate_on_cuda(tiny_checkpoints, videos):
-    from app.rollout import SamplingConfig, generate_groups
+    from app.rollout.generate import SamplingConfig, generate_groups
     from tests.helpers import load, prompt_batch, tokenizer_of
 
     model, processor = load("qwen2_5_vl", tiny_checkpoints)
@@ -108,7 +108,7 @@ def test_grouped_decode_equals_hf_generate_on_cuda(tiny_checkpoints, videos):
 
 def test_one_grpo_step_in_bf16_on_cuda(tmp_path):
     from app.data.synthetic import generate
-    from app.models import build_tiny_checkpoint
+    from app.runtime.models import build_tiny_checkpoint
     from tests.test_trainer import run, trainer
 
     assets = {"checkpoint": build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0),
@@ -124,7 +124,7 @@ def test_one_grpo_step_in_bf16_on_cuda(tmp_path):
 
 def _random_trees(rng, count):
     """Prefix trees of random shape and lengths (parents before children), tokens irrelevant: attention only."""
-    from app.grouping.tree import PrefixTree, TreeNode
+    from app.grouping.tree.layout import PrefixTree, TreeNode
 
     trees = []
     for _ in range(count):
@@ -141,7 +141,7 @@ def _random_trees(rng, count):
 def test_flex_tree_attention_forward_backward_matches_the_dense_tree_mask(dtype):
     """The flex prefix-tree backend (no [T, T] mask) against the dense tree mask, forward and backward, on random
     forests (1-3 trees of 1-9 nodes in a row)."""
-    from app.grouping.tree import TreeAttentionPlan
+    from app.grouping.tree.layout import TreeAttentionPlan
 
     rng = random.Random(3)
     for _ in range(8):
@@ -158,7 +158,7 @@ def test_the_default_backend_trains_at_real_width(preset):
     with finite gradients; on the first two completions its log-probs are no worse than the repeated layout's
     against a float32 forward (the float32 repeated reference runs torch's math attention kernel under GQA: 65 GiB
     of scores for 8 rows of 8k at Qwen3-VL-8B's 32 heads, measured on an H200; 2 rows need a quarter)."""
-    from app.bench.gpu_real_shape import build, inputs
+    from app.bench.gpu.real_shape import build, inputs
     from app.grouping import compare_to_reference, completion_logprobs, default_backend
 
     model, _ = build(preset, 2, torch.bfloat16, torch.device("cuda"))
@@ -193,7 +193,7 @@ def test_a_captured_decode_step_draws_what_eager_steps_draw(tiny_checkpoints, vi
     the same tokens, masks and stop reasons, log-probs to float rounding, with groups of unequal sizes, prompts of
     unequal lengths and samples that stop; and the graph was really captured and replayed."""
     from app.grouping import GroupedDecoder
-    from app.rollout import SamplingConfig, generate_groups
+    from app.rollout.generate import SamplingConfig, generate_groups
     from tests.helpers import load, prompt_batch, tokenizer_of
 
     model, processor = load("qwen2_5_vl", tiny_checkpoints)

@@ -1,4 +1,4 @@
-"""The GPU acceptance's runner (app/bench/gpu_check.py) without a GPU: every part under its own time limit, a part
+"""The GPU acceptance's runner (app/bench/gpu/check.py) without a GPU: every part under its own time limit, a part
 that fails or hangs becomes a row with its last error line (its child processes killed with it), the budget skips
 what it cannot hold, and the report is written whatever happened."""
 
@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from app.bench import gpu_check
-from app.bench.gpu_check import Part
+from app.bench.gpu import check as gpu_check
+from app.bench.gpu.check import Part
 
 ROOT = gpu_check.ROOT
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.config_sections import DataConfig
-from app.judge import GroupedJudge, JudgeError
+from app.config.sections import DataConfig
+from app.rewards.judge import GroupedJudge, JudgeError
 from tests.test_trainer import assets, overrides  # noqa: F401  (assets: fixture)
 
 COMPLETIONS = ["<think>red first</think><answer>A</answer>", "<answer>B</answer>",
@@ -22,7 +22,7 @@ def judge_for(family, checkpoints, tmp_path, verdict="yes"):
     from PIL import Image
 
     from app.data.video import write_mp4
-    from app.models import load_model, load_processor
+    from app.runtime.models import load_model, load_processor
 
     rng = np.random.default_rng(0)
     write_mp4(tmp_path / "clip.mp4", rng.integers(0, 255, (8, 56, 84, 3), dtype=np.uint8), fps=4)
@@ -99,7 +99,7 @@ def test_a_text_judge_reads_the_question_without_the_video(verdict, tiny_checkpo
 
 
 def test_two_groups_are_judged_against_their_own_question(tiny_checkpoints, tmp_path):
-    from app.rewards import RewardSet
+    from app.rewards.rules import RewardSet
 
     judge = judge_for("qwen2_5_vl", tiny_checkpoints, tmp_path)
     first = {"problem": "What colour?", "problem_type": "free-form", "data_type": "video", "path": "clip.mp4",
@@ -119,8 +119,8 @@ def test_two_groups_are_judged_against_their_own_question(tiny_checkpoints, tmp_
 
 
 def test_a_judge_that_cannot_score_is_named(tiny_checkpoints, tmp_path):
-    from app.config import ConfigError, load_config
-    from app.models import load_model, load_processor
+    from app.config.loading import ConfigError, load_config
+    from app.runtime.models import load_model, load_processor
 
     with pytest.raises(JudgeError, match=r"must contain \{reference\}"):
         GroupedJudge(load_model(tiny_checkpoints["qwen2_5_vl"]), load_processor(tiny_checkpoints["qwen2_5_vl"]),
@@ -137,9 +137,9 @@ def test_grpo_trains_on_the_judges_reward_with_its_own_copy_or_partitioned(zero,
     """rewards.functions=[judge] in the trainer as a user runs it: the judge is the policy's own checkpoint, its
     own copy under ZeRO-2, partitioned like the reference under ZeRO-3, where it judges exactly as an own copy does;
     the rewards differ within groups, so the weights move."""
-    from app.config import load_config
-    from app.models import load_model, load_processor
-    from app.trainer import GRPOTrainer
+    from app.config.loading import load_config
+    from app.runtime.models import load_model, load_processor
+    from app.training.trainer import GRPOTrainer
     from tests.helpers import world_of_one
 
     cfg = load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "run", **{

@@ -7,7 +7,7 @@ import torch
 
 from app.grouping import MODES, completion_logprobs
 from app.grouping.logprobs import chunked_target_logprobs
-from app.models import FAMILIES
+from app.runtime.models import FAMILIES
 from tests.helpers import max_rel_diff
 from tests.test_equivalence import make_case
 
@@ -83,7 +83,7 @@ def test_chunked_function_with_no_rows_gives_the_head_a_zero_gradient():
 
 def test_head_restored_and_families_have_linear_heads(tiny_checkpoints):
     from app.grouping.logprobs import head_returns_logprobs
-    from app.models import load_model
+    from app.runtime.models import load_model
 
     for family in FAMILIES:
         model = load_model(tiny_checkpoints[family])

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from app import lora
-from app.config_sections import LoRAConfig
+from app.config.sections import LoRAConfig
 from app.grouping import completion_logprobs
+from app.runtime import lora
 from tests.helpers import load, max_rel_diff, run_and_grad
 from tests.test_equivalence import make_case
 from tests.test_trainer import ROOT, assets, run, trainer, weights  # noqa: F401  (assets is a fixture)
@@ -88,7 +88,7 @@ def test_freezing_towers_without_lora(tiny_checkpoints):
 
 
 def test_merged_state_dict_equals_the_adapted_model_and_loads_without_peft(tiny_checkpoints, videos, tmp_path):
-    from app.models import load_model
+    from app.runtime.models import load_model
 
     _, prompts, ids, mask, sizes = make_case("qwen2_5_vl", tiny_checkpoints, videos, seed=2)
     policy, processor = load("qwen2_5_vl", tiny_checkpoints)
@@ -104,7 +104,7 @@ def test_merged_state_dict_equals_the_adapted_model_and_loads_without_peft(tiny_
     plain.save_pretrained(tmp_path / "merged")
     processor.save_pretrained(tmp_path / "merged")
     check = ("import sys; sys.modules['peft'] = None\n"  # peft cannot be imported in this process
-             "from app.models import load_model; m = load_model(sys.argv[1]); print(type(m).__name__)")
+             "from app.runtime.models import load_model; m = load_model(sys.argv[1]); print(type(m).__name__)")
     result = subprocess.run([sys.executable, "-c", check, str(tmp_path / "merged")], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0 and "Qwen2_5_VL" in result.stdout, result.stderr[-2000:]
@@ -115,7 +115,7 @@ def test_merged_state_dict_equals_the_adapted_model_and_loads_without_peft(tiny_
 def test_zero3_lora_training_resumes_exactly_and_exports(assets, tmp_path):  # noqa: F811
     from peft import PeftModel
 
-    from app.models import load_model, load_processor
+    from app.runtime.models import load_model, load_processor
 
     settings = {"train.max_steps": 4, "train.save_every": 2, "lora.rank": 4, "lora.alpha": 16,
                 "lora.projector": True, "train.learning_rate": 2e-2,

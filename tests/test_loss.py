@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.grpo import (
+from app.objectives.grpo import (
     LOSS_TYPES,
     POLICY_LOSSES,
     SEQUENCE_LEVEL,
@@ -268,7 +268,7 @@ def test_cispo_keeps_a_gradient_where_the_clip_drops_it():
     ({"policy_loss": "ppo"}, "'grpo.policy_loss' must be one of"),
 ])
 def test_combinations_that_make_no_sense_are_refused_by_name(settings, message):
-    from app.config import ConfigError, load_config
+    from app.config.loading import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=message):
         load_config("configs/demo_cpu.yaml", ["model.path=m", *(f"grpo.{k}={v}" for k, v in settings.items())])

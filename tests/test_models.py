@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.grouping import GroupingMismatchError, LayoutError, completion_logprobs, verify_grouping
-from app.models import (
+from app.runtime.models import (
     FAMILIES,
     VL_FAMILIES,
     build_processor,
@@ -126,7 +126,7 @@ def test_first_release_qwen2_5_vl_processor_config_loads(tmp_path, videos):
 
     from app.data.prompts import encode_prompts
     from app.data.video import video_element
-    from app.models import build_tiny_checkpoint, load_processor
+    from app.runtime.models import build_tiny_checkpoint, load_processor
 
     checkpoint = Path(build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0))
     current = load_processor(checkpoint)
@@ -152,8 +152,8 @@ def test_first_release_qwen2_5_vl_processor_config_loads(tmp_path, videos):
 def test_tool_tokens_make_qwens_call_tags_single_tokens_through_save_and_load(tmp_path):
     """``tool_tokens`` (the tool demo's checkpoint): <tool_call> and </tool_call> are one token each, as in Qwen's
     own tokenizer, and survive save_pretrained / from_pretrained; without it the toy tokenizer is unchanged."""
-    from app.models import TOOL_TOKENS, build_tiny_checkpoint
-    from app.tools import parse_call
+    from app.rollout.tools import parse_call
+    from app.runtime.models import TOOL_TOKENS, build_tiny_checkpoint
 
     call = '<tool_call>{"name":"get_frames","arguments":{"start":3,"end":5}}</tool_call>'
     plain = build_tokenizer()

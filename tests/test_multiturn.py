@@ -1,4 +1,4 @@
-"""Multi-turn rollouts with tools drawn as prefix trees (app.engines.multiturn): the loop's bookkeeping on a scripted
+"""Multi-turn rollouts with tools drawn as prefix trees (app.rollout.multiturn): the loop's bookkeeping on a scripted
 sampler, and on the real Qwen2.5-VL class, the sampled log-probs of every model token equal the tree forward's, with
 a video clip inside the path."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from app.data.records import EncodedPrompt
-from app.engines.multiturn import TurnLimits, observation_encoder, tree_rollout
-from app.rollout import Rollout
-from app.tools import ToolContext, ToolLimits, build_tools
+from app.rollout.generate import Rollout
+from app.rollout.multiturn import TurnLimits, observation_encoder, tree_rollout
+from app.rollout.tools import ToolContext, ToolLimits, build_tools
 from tests.helpers import load, prompt_batch, tokenizer_of
 
 
@@ -109,8 +109,8 @@ def test_sampled_logprobs_equal_the_tree_forward_with_a_clip_inside(setting):
     log-prob the sampler reported (1e-5): the engine and the trainer see the same positions, media and attention."""
     from app.data.prompts import collate_prompts
     from app.grouping import completion_logprobs
-    from app.grouping.tree_forward import tree_logprobs
-    from app.rollout import SamplingConfig, generate_groups
+    from app.grouping.tree.forward import tree_logprobs
+    from app.rollout.generate import SamplingConfig, generate_groups
 
     model, processor, prompts, context = setting
     tok = tokenizer_of(processor)

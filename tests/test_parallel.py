@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from app.grouping.sequence_parallel import SequenceParallel
-from app.parallel import ParallelContext
+from app.runtime.parallel import ParallelContext
 
 
 def test_a_world_of_one_is_one_replica_with_a_group_of_one():

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from app import costs, shapes
 from app.bench.measure import forward_backward
-from app.costs import GiB, Workload
-from app.models import model_class
+from app.planning import costs, shapes
+from app.planning.costs import GiB, Workload
+from app.runtime.models import model_class
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,7 @@ def test_a_checkpoint_path_finds_its_preset_by_name():
 
 @pytest.mark.slow
 def test_a_real_width_checkpoint_is_written_and_loads_as_a_real_one(tmp_path):
-    from app.models import load_model, load_processor
+    from app.runtime.models import load_model, load_processor
 
     path = shapes.build_real_width_checkpoint(tmp_path / "ckpt", "qwen2_5_vl_3b", layers=1, vision_layers=1)
     model = load_model(path, dtype=torch.bfloat16)
@@ -77,7 +77,7 @@ def test_a_real_width_checkpoint_is_written_and_loads_as_a_real_one(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------ the CLI
 def _plan(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "app.plan", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "app.planning.plan", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=120)
 
 
@@ -107,7 +107,7 @@ def test_plan_of_the_7b_config_on_8_gpus_is_standard_zero_arithmetic(tmp_path):
     (["model.path=/models/my-finetune"], "names no preset; pass --model"),
 ])
 def test_bad_input_is_named(args, message, tmp_path, capsys, monkeypatch):
-    from app.plan import main
+    from app.planning.plan import main
 
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as stopped:
@@ -117,8 +117,8 @@ def test_bad_input_is_named(args, message, tmp_path, capsys, monkeypatch):
 
 
 def test_a_config_that_does_not_fit_gets_a_change_that_does(tmp_path):
-    from app.config import load_config
-    from app.planning import World, plan, remedies
+    from app.config.loading import load_config
+    from app.planning.planner import World, plan, remedies
 
     cfg = load_config(ROOT / "configs/qwen2_5_vl_7b_video.yaml", ["data.max_frames=256"])
     world = World(gpus_per_node=8, gpu_memory_gib=80)
@@ -129,8 +129,8 @@ def test_a_config_that_does_not_fit_gets_a_change_that_does(tmp_path):
 
 
 def test_lora_trains_only_the_adapters_and_loads_no_reference():
-    from app.config import load_config
-    from app.planning import World, plan
+    from app.config.loading import load_config
+    from app.planning.planner import World, plan
 
     cfg = load_config(ROOT / "configs/qwen2_5_vl_7b_video_lora.yaml")
     result = plan(cfg, World(), "qwen2_5_vl_7b")
@@ -173,7 +173,7 @@ def _check(model, prefix, group, completion, mode, checkpointing=False, deepspee
     layer)."""
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
 
-    from app.models import enable_activation_checkpointing
+    from app.runtime.models import enable_activation_checkpointing
 
     if checkpointing:
         enable_activation_checkpointing(model)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from app.data.records import encode_record
-from app.models import QWEN_VOCAB_SIZE, load_model, load_processor
-from app.rewards import accuracy_of, format_reward
+from app.rewards.rules import accuracy_of, format_reward
+from app.runtime.models import QWEN_VOCAB_SIZE, load_model, load_processor
 from tests import test_equivalence, test_rollout
 from tests.helpers import max_rel_diff, run_and_grad, tokenizer_of
 from tests.test_records import DATA

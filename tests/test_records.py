@@ -12,7 +12,7 @@ from PIL import Image
 
 from app.data.records import build_conversation, check_record, encode_record
 from app.data.video import write_mp4
-from app.models import build_tiny_checkpoint, load_processor
+from app.runtime.models import build_tiny_checkpoint, load_processor
 
 DATA = SimpleNamespace(fps=2.0, max_frames=4, min_pixels=3136, max_pixels=3136, image_min_pixels=3136,
                        image_max_pixels=3136, prompt_template="video_r1", system_prompt="template",
@@ -108,7 +108,7 @@ def test_frame_folders_sample_in_frame_order_at_their_rate(root, tmp_path):
 
 def _stream(tmp_path, lookahead):
     """A stream over 6 good video records and one corrupt video, drawn 3 at a time for 5 draws (wraps epochs)."""
-    from app.config import Config
+    from app.config.loading import Config
     from app.data.records import load_stream
     from app.data.synthetic import generate
 
@@ -159,7 +159,7 @@ def test_prefetch_keeps_order_skips_and_resume(tmp_path, caplog):
 
 def test_options_are_labelled_and_many_options_work():
     from app.data.prompts import labelled_options, question_text
-    from app.rewards import accuracy_of
+    from app.rewards.rules import accuracy_of
 
     assert labelled_options(["A. red", "B. blue"]) == ["A. red", "B. blue"]
     assert labelled_options(["(A) red", "(B) blue"]) == ["(A) red", "(B) blue"]

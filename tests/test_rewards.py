@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.answers import word_error_rate
-from app.grpo import LossOptions, group_advantages, grpo_loss, kl_penalty
-from app.rewards import (
+from app.answers.reading import word_error_rate
+from app.objectives.grpo import LossOptions, group_advantages, grpo_loss, kl_penalty
+from app.rewards.rules import (
     PROBLEM_TYPES,
     RewardError,
     accuracy_of,
@@ -312,7 +312,7 @@ def test_object_tracking_scores_the_mean_iou_of_the_boxes_frame_by_frame(answer,
 
 
 def test_grounding_records_that_cannot_be_scored_are_named():
-    from app.grounding import check_grounding_record
+    from app.answers.grounding import check_grounding_record
 
     assert check_grounding_record(grounding("temporal grounding", "[3, 7]", duration=10)) is None
     assert "not one [start, end]" in check_grounding_record(grounding("temporal grounding", "around 5"))
@@ -328,14 +328,14 @@ def test_grounding_records_that_cannot_be_scored_are_named():
 
 
 def test_grounding_metrics_are_miou_and_recall_at_thresholds():
-    from app.grounding import grounding_metrics
+    from app.answers.grounding import grounding_metrics
 
     assert grounding_metrics([0.2, 0.4, 0.6, 0.8]) == pytest.approx(
         {"mIoU": 0.5, "R@0.3": 0.75, "R@0.5": 0.5, "R@0.7": 0.25})
 
 
 def test_evaluation_summary_reports_grounding_metrics_per_type():
-    from app.evaluate import markdown, summarize
+    from app.evaluation.evaluate import markdown, summarize
 
     def row(kind, ious):
         return {"problem_type": kind, "data_source": "s", "accuracies": ious, "accuracy": sum(ious) / len(ious),

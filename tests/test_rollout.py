@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from app.grouping import completion_logprobs
-from app.rollout import SamplingConfig, generate_groups
+from app.rollout.generate import SamplingConfig, generate_groups
 from tests.helpers import load, prompt_batch, tokenizer_of
 
 KINDS = {"qwen2": ["text", "text"], "qwen2_vl": ["video", "text"], "qwen2_5_vl": ["text", "video"],
@@ -128,7 +128,7 @@ def test_a_prompts_samples_depend_on_its_seed_not_on_its_batch(tiny_checkpoints,
 def test_sampler_draws_the_tempered_filtered_distribution(temperature, top_k, top_p):
     """Frequencies of 40,000 draws against the exact distribution: softmax(logits / T), restricted to the top k and
     to the smallest set of tokens whose mass reaches top_p (the crossing token kept), renormalised."""
-    from app.rollout import sample_tokens
+    from app.rollout.generate import sample_tokens
 
     logits = torch.tensor([2.0, 1.5, 1.0, 0.3, -0.5, -1.0, 0.9, -3.0])
     probs = torch.softmax(logits / temperature, -1)
@@ -157,7 +157,7 @@ def test_a_suppressed_token_far_above_the_rest_leaves_the_draw_intact(temperatur
     """A suppressed token (a vision placeholder) whose logit is 140 above the rest: it is never drawn, the others
     come with softmax(logits / T) restricted to them (their exp(x - max) would all underflow to 0 against the
     suppressed max: every draw was token 0 before), and the log-probs stay those of the whole distribution."""
-    from app.rollout import sample_tokens
+    from app.rollout.generate import sample_tokens
 
     logits = torch.tensor([0.2, 1.5, 1.0, 140.0, -0.5, 0.9, 140.5, 0.3])
     suppress = torch.tensor([3, 6])
@@ -183,7 +183,7 @@ def test_a_suppressed_token_far_above_the_rest_leaves_the_draw_intact(temperatur
 def test_top_p_looks_at_the_largest_probabilities_first_and_falls_back_to_a_full_sort(monkeypatch):
     """Looking at the largest 64, then 1024, probabilities first keeps exactly what sorting the whole vocabulary
     keeps, for mass concentrated in a few tokens, spread over hundreds, and flat over all (the full sort)."""
-    import app.sampling as sampling_module
+    import app.rollout.sampling as sampling_module
 
     torch.manual_seed(3)
     vocab = 5000
@@ -203,7 +203,7 @@ def test_outputs_do_not_depend_on_when_finished_samples_leave_the_batch(tiny_che
     """Finished samples leave the decode batch every CHECK_EVERY steps; with a look at every step (no compaction
     lag) or only at the end (no compaction), every completion, mask and stop reason is the same, and the log-probs
     agree to float rounding (a smaller batch rounds its matmuls differently: up to ~4e-6 here)."""
-    import app.rollout as rollout
+    import app.rollout.generate as rollout
 
     model, prompts, tok = setup("qwen2_5_vl", tiny_checkpoints, videos)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=24, seed=5)
@@ -227,7 +227,7 @@ def test_two_level_draw_picks_what_one_cumulative_sum_picks(block):
     """``draw_from_weights`` (block sums, then one block's cumulative sum) returns the token a single float64
     cumulative sum over the whole row returns, for uniforms anywhere in [0, 1) including both ends, on rows with
     runs of zero weight at the start, the end and inside, and never a token of zero weight."""
-    from app.sampling import draw_from_weights
+    from app.rollout.sampling import draw_from_weights
 
     torch.manual_seed(0)
     vocab = 4000
@@ -252,7 +252,7 @@ def test_packed_output_head_computes_the_same_logits():
     """The decoder's output head (oneDNN with the weight packed once, else weight @ hidden^T in chunks) gives
     linear's logits to float rounding, for any number of rows (finished samples leave the batch), and is taken
     off the module afterwards; the packed weight is made once, when the head is not partitioned."""
-    from app.grouping.decode import DecodingHead
+    from app.grouping.decoding.decode import DecodingHead
 
     torch.manual_seed(0)
     model = torch.nn.Module()
@@ -309,7 +309,7 @@ def test_a_rollout_travels_as_tensors():
     """What the sequence-parallel group shares (``shared_rollout`` over tensor broadcasts): tokens, mask, log-probs,
     stop reasons, group sizes and the prefill count, exactly; a share that hands back another rank's tensors gives
     that rank's rollout."""
-    from app.rollout import Rollout, shared_rollout
+    from app.rollout.generate import Rollout, shared_rollout
 
     def make(seed):
         g = torch.Generator().manual_seed(seed)

@@ -15,8 +15,8 @@ import torch
 
 from app.data.prompts import encode_prompts
 from app.data.video import video_element, write_mp4
-from app.models import build_tiny_checkpoint, load_model, load_processor
-from app.rollout import SamplingConfig, generate_groups
+from app.rollout.generate import SamplingConfig, generate_groups
+from app.runtime.models import build_tiny_checkpoint, load_model, load_processor
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.distributed

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.sft import target_text
+from app.training.sft import target_text
 from tests.helpers import world_of_one
 from tests.test_trainer import assert_trained_and_equal, assets, overrides, run  # noqa: F401  (assets: fixture)
 
@@ -35,10 +35,10 @@ def test_target_text():
 
 
 def test_loss_is_the_nll_of_the_target_tokens_only(assets, tmp_path, monkeypatch):  # noqa: F811
-    from app.config import load_config
+    from app.config.loading import load_config
     from app.grouping.forward import repeated_inputs
-    from app.models import load_model
-    from app.sft import SFTTrainer
+    from app.runtime.models import load_model
+    from app.training.sft import SFTTrainer
 
     data = Path(assets["train"]).parent
     cfg = load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "run", **{
@@ -88,7 +88,7 @@ def test_sft_sh_resumes_exactly_and_grpo_starts_from_its_export(assets, tmp_path
     losses = [json.loads(line)["loss"] for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 4 and losses[-1] < losses[0]  # it learns the targets
     # GRPO from the SFT export, through the normal launcher.
-    run([sys.executable, "-m", "app.trainer", "configs/demo_cpu.yaml",
+    run([sys.executable, "-m", "app.training.trainer", "configs/demo_cpu.yaml",
          *overrides(assets, tmp_path / "grpo", **{"model.path": tmp_path / "straight" / "final",
                                                   "train.max_steps": 1})])
     assert (tmp_path / "grpo" / "final" / "model.safetensors").is_file()

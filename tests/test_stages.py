@@ -8,15 +8,16 @@ import math
 import pytest
 import torch
 
-from app.config import load_config
-from app.config_sections import RewardConfig
+from app.config.loading import load_config
+from app.config.sections import RewardConfig
 from app.data.records import EncodedPrompt
-from app.grpo import choose_groups, groups_with_signal
-from app.rewards import RewardSet
-from app.rollout import Rollout
-from app.tracking import StepMetrics
-from app.trainer import collect_groups, group_counts, step_metrics
-from app.trajectory import Trajectory
+from app.objectives.grpo import choose_groups, groups_with_signal
+from app.rewards.rules import RewardSet
+from app.rollout.generate import Rollout
+from app.runtime.tracking import StepMetrics
+from app.training.metrics import group_counts, step_metrics
+from app.training.trainer import collect_groups
+from app.training.trajectory import Trajectory
 from tests.helpers import world_of_one
 from tests.test_trainer import assets, overrides  # noqa: F401  (assets: fixture)
 
@@ -168,7 +169,7 @@ def test_step_metrics_of_a_trajectory():
 # ---- one real step, in this process -------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["split", "masked"])
 def test_a_grpo_step_in_process_with_any_backend(assets, tmp_path, monkeypatch, backend):  # noqa: F811
-    from app.trainer import GRPOTrainer
+    from app.training.trainer import GRPOTrainer
 
     cfg = load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "run", **{
         "forward.attention_backend": backend, "train.prompts_per_rank": 2, "rollout.group_size": 2,
@@ -194,7 +195,7 @@ def test_a_grpo_step_with_each_policy_objective_trains_and_logs_its_ratios(asset
                                                                            policy_loss):
     """One real step of the demo's GRPO with each newer objective (mu = 2, so the second pass sees ratios away
     from 1): the weights move and the step logs the ratio's mean, min and max (GSPO: the sequence ratios)."""
-    from app.trainer import GRPOTrainer
+    from app.training.trainer import GRPOTrainer
 
     cfg = load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "run", **{
         "grpo.policy_loss": policy_loss, "train.prompts_per_rank": 2, "rollout.group_size": 2,

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.grouping.decode import GroupedKVCache, decode_attention, decode_mode
-from app.grouping.prefill import attention_with_lse, attention_with_lse_matmul
-from app.rollout import SamplingConfig, generate_groups
+from app.grouping.decoding.decode import GroupedKVCache, decode_attention, decode_mode
+from app.grouping.decoding.prefill import attention_with_lse, attention_with_lse_matmul
+from app.rollout.generate import SamplingConfig, generate_groups
 from tests.helpers import load, prompt_batch, tokenizer_of
 
 KINDS = {"qwen2_vl": ["video", "text"], "qwen2_5_vl": ["text", "video"], "qwen3_vl": ["video", "text"],
@@ -60,8 +60,8 @@ def test_static_steps_in_the_multi_turn_tree_engine(tiny_checkpoints, videos):
     steps give the same trees, tokens and sampled log-probs as eager ones."""
     from app.data.prompts import collate_prompts
     from app.data.records import EncodedPrompt
-    from app.engines.multiturn import TurnLimits, observation_encoder, tree_rollout
-    from app.tools import ToolContext, ToolLimits, build_tools
+    from app.rollout.multiturn import TurnLimits, observation_encoder, tree_rollout
+    from app.rollout.tools import ToolContext, ToolLimits, build_tools
     from tests.test_multiturn import Scripted, call
 
     model, processor = load("qwen2_5_vl", tiny_checkpoints)

@@ -1,4 +1,4 @@
-"""Tools in rollouts (app.tools): Qwen's <tool_call> protocol, the built-in video tools decoding the record's own
+"""Tools in rollouts (app.rollout.tools): Qwen's <tool_call> protocol, the built-in video tools decoding the record's own
 video, custom tools from path.py:function, and every bad call turned into a counted error observation."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from app.data.prompts import encode_observation, observation_text
-from app.tools import (
+from app.rollout.tools import (
     ToolContext,
     ToolError,
     ToolLimits,
@@ -114,7 +114,7 @@ def test_custom_tools_load_by_path_and_a_raising_tool_is_survived(tmp_path, cont
 def test_observations_encode_as_a_user_turn_with_media(family, tiny_checkpoints, context):
     """A tool's result becomes tokens as Qwen's template writes a user turn: the same ids the chat template and the
     processor give that turn, the placeholders expanded, the pixels alongside."""
-    from app.models import load_processor
+    from app.runtime.models import load_processor
 
     processor = load_processor(tiny_checkpoints[family])
     tools = build_tools(["get_frames", "zoom"])

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from app.data.synthetic import generate
-from app.models import build_tiny_checkpoint
+from app.runtime.models import build_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.distributed
@@ -57,7 +57,7 @@ def run(args: list[str], env: dict | None = None, check: bool = True, timeout: i
 
 
 def trainer(assets, out, **extra):
-    return [sys.executable, "-m", "app.trainer", "configs/demo_cpu.yaml", *overrides(assets, out, **extra)]
+    return [sys.executable, "-m", "app.training.trainer", "configs/demo_cpu.yaml", *overrides(assets, out, **extra)]
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -101,7 +101,7 @@ def test_train_sh_two_processes_zero3(assets, tmp_path):
     runs = list((out / "wandb").glob("offline-run-*"))
     assert runs and list(runs[0].glob("run-*.wandb"))
     assert (out / "checkpoints" / "latest").read_text() == "step-0000002"
-    from app.models import load_model
+    from app.runtime.models import load_model
 
     assert load_model(out / "final") is not None
 
@@ -121,7 +121,7 @@ def test_multinode_script_two_nodes_on_localhost(assets, tmp_path):
 
 
 def test_grouped_and_repeated_training_reach_the_same_parameters(assets, tmp_path, monkeypatch):
-    from app.trainer import main
+    from app.training.trainer import main
     from tests.helpers import world_of_one
 
     for mode in ("grouped", "repeated"):  # in this process: the launcher is tested above
@@ -195,7 +195,7 @@ def test_bad_records_are_skipped_with_named_reasons(assets, tmp_path, monkeypatc
     import logging
 
     from app.data.video import write_mp4
-    from app.trainer import main
+    from app.training.trainer import main
     from tests.helpers import world_of_one
 
     data = tmp_path / "bad"
@@ -246,8 +246,8 @@ def test_temporal_grpo_and_dapo_settings_run(assets, tmp_path, monkeypatch):
     through the trainer's command line in this process: every video group gets G completions on its shuffled
     frames, and the logged temporal reward is Video-R1's rule applied to the ordered and shuffled accuracies (the
     bonus forced on by a margin of 0 and an accuracy that some completions earn)."""
-    from app.rewards import RewardSet, temporal_bonus
-    from app.trainer import main
+    from app.rewards.rules import RewardSet, temporal_bonus
+    from app.training.trainer import main
     from tests.helpers import world_of_one
 
     seen = []
@@ -462,7 +462,7 @@ def test_sequence_parallel_sft_trains_like_one_process(assets, tmp_path):
     norm (targets from the generated records' process and solution)."""
     settings = {"train.deepspeed_config": "deepspeed_configs/zero2.json", "train.max_steps": 2,
                 "sft.without_process": "answer_only"}
-    sft = [sys.executable, "-m", "app.sft", "configs/demo_cpu.yaml"]
+    sft = [sys.executable, "-m", "app.training.sft", "configs/demo_cpu.yaml"]
     run([*sft, *overrides(assets, tmp_path / "one", **settings)])
     run(["bash", "scripts/sft.sh", "configs/demo_cpu.yaml",
          *overrides(assets, tmp_path / "two", **settings, **{"train.sequence_parallel_size": 2})],

@@ -1,4 +1,4 @@
-"""Prefix trees (app.grouping.tree): the packed tree equals every root-to-leaf path run as its own [P; path] row,
+"""Prefix trees (app.grouping.tree.layout): the packed tree equals every root-to-leaf path run as its own [P; path] row,
 on the real Qwen2.5-VL and Qwen3-VL classes, with observations that hold images and video clips inside the
 responses, uneven branching and leaves of different lengths: log-probs (1e-5) and every gradient, the vision
 tower's included (1e-4), in float32. A node that sees a sibling, or a position off by one at a turn boundary,
@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 
 from app.data.prompts import encode_observation
-from app.grouping.tree import PrefixTree, TreeNode, tree_mask, tree_positions
-from app.grouping.tree_forward import tree_logprobs
+from app.grouping.tree.forward import tree_logprobs
+from app.grouping.tree.layout import PrefixTree, TreeNode, tree_mask, tree_positions
 from tests.helpers import load, max_rel_diff, patch_size, prompt_batch, tokenizer_of, video_element
 
 LOGPROB_RTOL = 1e-5
@@ -130,8 +130,8 @@ def test_every_node_is_computed_once(case):
 def test_a_broken_tree_fails_the_comparison(bug, backend, case, monkeypatch):
     """Mutations: a node that also sees its earlier sibling (in either backend's own bookkeeping), or a node's
     positions shifted by one at the turn boundary. Either must break equality with the paths."""
-    import app.grouping.tree as tree_module
-    import app.grouping.tree_forward as forward_module
+    import app.grouping.tree.forward as forward_module
+    import app.grouping.tree.layout as tree_module
 
     _, model, _, tree = case
     with torch.no_grad():
@@ -225,7 +225,7 @@ def test_bf16_tree_no_worse_than_bf16_paths(family, tiny_checkpoints, videos):
 def test_several_trees_in_one_row_equal_their_paths(case, videos):
     """A micro-batch of trees packs them into ONE row (trees never see each other): log-probs, entropy and every
     gradient equal the paths run one row each."""
-    from app.grouping.tree_forward import forest_logprobs
+    from app.grouping.tree.forward import forest_logprobs
 
     family, model, processor, first = case
     second = build_tree(family, processor, videos[::-1])  # another prompt (other videos), the same shape of tree
@@ -249,8 +249,8 @@ def test_flex_tree_attention_equals_the_paths_and_the_dense_mask(case, videos):
     its block mask allows exactly the dense tree mask, and two trees in one row score as their paths do. Forward
     only: FlexAttention's backward needs CUDA (tests/test_gpu.py runs it there)."""
     from app.grouping.flex import tree_mask_mod
-    from app.grouping.tree import TreeAttentionPlan
-    from app.grouping.tree_forward import forest_logprobs
+    from app.grouping.tree.forward import forest_logprobs
+    from app.grouping.tree.layout import TreeAttentionPlan
 
     family, model, processor, first = case
     second = build_tree(family, processor, videos[::-1])
@@ -268,8 +268,8 @@ def test_flex_tree_attention_equals_the_paths_and_the_dense_mask(case, videos):
 def test_the_tree_scorer_follows_the_forward_settings(case, monkeypatch):
     """TreeScorer: forward.grouping=repeated runs the paths; forward.attention_backend=split or flex picks that tree
     attention, anything else the dense mask."""
-    import app.scoring as scoring
-    from app.config_sections import ForwardConfig
+    import app.training.scoring as scoring
+    from app.config.sections import ForwardConfig
 
     _, model, _, tree = case
     seen = []
@@ -283,7 +283,7 @@ def test_the_tree_scorer_follows_the_forward_settings(case, monkeypatch):
 def test_an_observation_repeated_across_samples_goes_through_the_tower_once(case, videos):
     """Two samples that asked for the same window get the same clip: with a frozen tower the step's vision cache
     encodes it once (a hit for the repeat), and the log-probs are bitwise those of the cache off."""
-    from app.grouping import vision_cache
+    from app.grouping.vision import cache as vision_cache
 
     family, model, processor, _ = case
     factor = 2 * patch_size(family)

@@ -14,11 +14,12 @@ import json
 import pytest
 import torch
 
-from app.config_sections import LoRAConfig
+from app.config.sections import LoRAConfig
 from app.data.prompts import collate_prompts
-from app.grouping import completion_logprobs, vision_cache
+from app.grouping import completion_logprobs
 from app.grouping.forward import split_vision_inputs
-from app.lora import apply as apply_lora
+from app.grouping.vision import cache as vision_cache
+from app.runtime.lora import apply as apply_lora
 from tests.helpers import load, prompt_batch, random_completions, tokenizer_of, world_of_one
 from tests.test_trainer import assets, overrides, run, weights  # noqa: F401  (assets: fixture)
 
@@ -150,8 +151,8 @@ def test_tower_that_trains_is_never_cached(tiny_checkpoints):
 def test_grpo_steps_equal_with_the_cache_on_and_off(setup, assets, tmp_path, monkeypatch):  # noqa: F811
     """Two GRPO steps in this process (temporal GRPO on, mu=2, a reference forward, two micro-batches): the same
     weights bit for bit with the cache on and off, and the logged counter says one tower pass per item."""
-    from app.config import load_config
-    from app.trainer import GRPOTrainer
+    from app.config.loading import load_config
+    from app.training.trainer import GRPOTrainer
 
     results = {}
     for setting in ("step", "off"):

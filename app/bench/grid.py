@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from app.bench.common import cli, device, isolated, markdown_table, timed, write_report
 from app.grouping import GroupedAttentionPlan, GroupLayout, completion_logprobs, set_text_attention
 from app.grouping.attention import PLAN_KWARG, response_chunks
-from app.models import TinySizes, build_tokenizer, model_class, tiny_config
+from app.runtime.models import TinySizes, build_tokenizer, model_class, tiny_config
 
 GROUP_SIZES = (2, 4, 8, 16)
 PREFIXES = (4096, 8192, 16384)

@@ -19,17 +19,17 @@ import numpy as np
 import torch
 
 from app.bench.common import cli, markdown_table, write_report
-from app.models import TinySizes
+from app.runtime.models import TinySizes
 
 SIZES = TinySizes(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=512, vision_hidden=64,
                   vision_depth=2, vision_heads=2)
 
 
 def setup(out: Path, frames: int, side: int, group: int, words: int):
-    from app.config_sections import DataConfig
+    from app.config.sections import DataConfig
     from app.data.video import write_mp4
-    from app.judge import GroupedJudge
-    from app.models import build_tiny_checkpoint, load_model, load_processor
+    from app.rewards.judge import GroupedJudge
+    from app.runtime.models import build_tiny_checkpoint, load_model, load_processor
 
     checkpoint = build_tiny_checkpoint(out / "judge", "qwen2_5_vl", seed=0, sizes=SIZES, real_tokenizer=True,
                                        max_pixels=side * side)

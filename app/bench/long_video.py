@@ -51,7 +51,7 @@ def worker(prefix: int, out: str, shape: str = "tiny") -> None:
 
     from app.grouping import completion_logprobs
     from app.grouping.sequence_parallel import SequenceParallel, sequence_parallel_logprobs
-    from app.models import TinySizes, build_tokenizer, model_class, tiny_config
+    from app.runtime.models import TinySizes, build_tokenizer, model_class, tiny_config
 
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size > 1:
@@ -105,7 +105,7 @@ def worker(prefix: int, out: str, shape: str = "tiny") -> None:
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
     if size > 1:
-        from app.distributed import exit_worker
+        from app.runtime.distributed import exit_worker
 
         exit_worker()
 

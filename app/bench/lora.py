@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from app.bench.common import ROOT, cli, device, isolated, markdown_table, write_report
-from app.models import TinySizes, build_tiny_checkpoint
+from app.runtime.models import TinySizes, build_tiny_checkpoint
 
 SIZES = TinySizes(hidden=768, layers=8, heads=12, kv_heads=2, head_dim=64, intermediate=3072, vision_hidden=64,
                   vision_depth=2, vision_heads=2)
@@ -25,9 +25,9 @@ VARIANTS = {"full fine-tuning + separate reference": {"lora.rank": 0},
 
 def one_step(overrides: dict) -> dict:
     from app.bench.common import peak_memory_mb
-    from app.config import load_config
-    from app.lora import AdaptersOff
-    from app.trainer import GRPOTrainer
+    from app.config.loading import load_config
+    from app.runtime.lora import AdaptersOff
+    from app.training.trainer import GRPOTrainer
 
     cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", [f"{k}={v}" for k, v in overrides.items()])
     trainer = GRPOTrainer(cfg)

@@ -1,4 +1,4 @@
-"""Measuring a forward+backward on any device, for checking the planner (app/costs.py): live tensor memory (peak
+"""Measuring a forward+backward on any device, for checking the planner (app/planning/costs.py): live tensor memory (peak
 and current bytes) and FLOPs.
 
 Live memory, on any device: peak and current bytes of every tensor storage created

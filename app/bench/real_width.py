@@ -24,9 +24,9 @@ POINTS = ((1, 1024), (1, 2048), (2, 1024))  # (decoder layers, prefix)
 
 def measure(preset: str, layers: int, prefix: int, group: int, completion: int, mode: str) -> dict:
     """One point, in a child process."""
-    from app import costs, shapes
     from app.bench.measure import forward_backward
-    from app.models import model_class
+    from app.planning import costs, shapes
+    from app.runtime.models import model_class
 
     torch.manual_seed(0)
     config = shapes.hf_config(preset, layers=layers, vision_layers=1)

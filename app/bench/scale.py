@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from app.bench.common import ROOT, child_env, cli, device, isolated, markdown_table, write_report
-from app.models import TinySizes, build_tiny_checkpoint
-from app.zero import GATHER_MODES
+from app.runtime.models import TinySizes, build_tiny_checkpoint
+from app.runtime.zero import GATHER_MODES
 
 # ~69M parameters: large enough that gathering is the cost it is at scale, small enough for a CPU.
 ROLLOUT_SIZES = TinySizes(hidden=768, layers=8, heads=12, kv_heads=2, head_dim=64, intermediate=3072,
@@ -56,12 +56,12 @@ def _count_all_gathers() -> dict:
 
 def rollout_worker(checkpoint: str, video: str, zero: str, new_tokens: int, rounds: int, out: str) -> None:
     """Under torchrun: build the engine with ``zero`` (zero2|zero3), time greedy rollouts in each gather mode."""
-    from app import distributed
-    from app import zero as zero_setup
     from app.data.prompts import encode_prompts
     from app.data.video import video_element
-    from app.models import load_model, load_processor
-    from app.rollout import SamplingConfig, generate_groups
+    from app.rollout.generate import SamplingConfig, generate_groups
+    from app.runtime import distributed
+    from app.runtime import zero as zero_setup
+    from app.runtime.models import load_model, load_processor
 
     rank, world = distributed.init_distributed()
     dev = device()
@@ -141,7 +141,7 @@ def logprob_memory(chunk_size: int, prompt: int, completions: int, length: int, 
     """One grouped forward + backward of sum(log-probs) in this (fresh) process; returns time, loss, grad norm."""
     from app.bench.common import peak_memory_mb
     from app.grouping import completion_logprobs
-    from app.models import build_tokenizer, model_class, tiny_config
+    from app.runtime.models import build_tokenizer, model_class, tiny_config
 
     sizes = TinySizes(hidden=hidden, layers=2, heads=4, kv_heads=2, head_dim=hidden // 4, intermediate=2 * hidden,
                       max_positions=prompt + length + 16)
@@ -205,7 +205,7 @@ def bench_prefetch(out: Path, quick: bool) -> list[dict]:
     rows = []
     for prefetch in (0, 1):
         run_dir = out / f"prefetch-run-{prefetch}"
-        command = [sys.executable, "-m", "app.trainer", str(ROOT / "configs" / "demo_cpu.yaml"),
+        command = [sys.executable, "-m", "app.training.trainer", str(ROOT / "configs" / "demo_cpu.yaml"),
                    f"model.path={checkpoint}", f"data.train_file={data / 'train.jsonl'}", f"train.output_dir={run_dir}",
                    f"data.prefetch={prefetch}", "data.max_frames=16", "data.fps=2", f"train.max_steps={steps}",
                    "train.prompts_per_rank=2", "train.groups_per_micro_batch=2",

@@ -3,7 +3,7 @@ three ways, at a ~2k-token video prompt, 2 turns, branching [4, 2] (G = 8), obse
 
     python -m app.bench.tree --out outputs/bench/tree [--quick]
 
-- ``tree``: the group packed as a prefix tree (``app.grouping.tree``): P once, each first turn (a tool call and
+- ``tree``: the group packed as a prefix tree (``app.grouping.tree.layout``): P once, each first turn (a tool call and
   its 8-frame observation) once, each second turn once;
 - ``flat``: multi-turn grouping without tree sharing: P once, each of the 8 rollouts [turn 1; observation; turn 2]
   as its own response (first turns and their clips 2 times each);
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from app.bench.common import cli, markdown_table, write_report
-from app.models import TinySizes
+from app.runtime.models import TinySizes
 
 SIZES = TinySizes(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=512, vision_hidden=64,
                   vision_depth=2, vision_heads=2)
@@ -33,12 +33,12 @@ BRANCHING = (4, 2)
 
 
 def build(out: Path, frames: int, clip_frames: int, side: int, words: int):
-    from app.config_sections import DataConfig
+    from app.config.sections import DataConfig
     from app.data.prompts import encode_observation, encode_prompts
     from app.data.records import build_conversation
     from app.data.video import video_element, write_mp4
-    from app.grouping.tree import PrefixTree, TreeNode
-    from app.models import build_tiny_checkpoint, load_model, load_processor
+    from app.grouping.tree.layout import PrefixTree, TreeNode
+    from app.runtime.models import build_tiny_checkpoint, load_model, load_processor
 
     checkpoint = build_tiny_checkpoint(out / "model", "qwen2_5_vl", seed=0, sizes=SIZES, real_tokenizer=True,
                                        max_pixels=side * side)
@@ -111,7 +111,7 @@ def run(out: Path, quick: bool = False) -> dict:
 
 
 def measure(out: Path, model, tree, flat, trials: int, sizes: tuple[int, int, int]) -> dict:
-    from app.grouping.tree_forward import tree_logprobs
+    from app.grouping.tree.forward import tree_logprobs
 
     frames, clip_frames, side = sizes
     ways = {"tree": (tree, "tree", "masked"), "tree_split": (tree, "tree", "split"), "flat": (flat, "tree", "masked"),

@@ -2,7 +2,7 @@
 
     python -m app.bench.vision_cache --out outputs/bench/vision_cache [--quick]
 
-Runs the real trainer (`python -m app.trainer`, one process) four times on the same data and seed: the tower and
+Runs the real trainer (`python -m app.training.trainer`, one process) four times on the same data and seed: the tower and
 projector frozen (what LoRA runs do; the cache keeps the tower's outputs) and the tower frozen with the projector
 training (the cache keeps what the projector reads), each with the cache kept for the step (``step``) and with every
 forward encoding its own items (``off``). A step here makes three tower passes per video without the cache: the
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from app.bench.common import ROOT, cli, markdown_table, write_report
 from app.bench.e2e import prepare
-from app.models import TinySizes
+from app.runtime.models import TinySizes
 
 SIZES = TinySizes(hidden=256, layers=2, heads=4, kv_heads=1, head_dim=64, intermediate=704, vision_hidden=64,
                   vision_depth=4, vision_heads=2, init_std=0.02)
@@ -37,7 +37,7 @@ def run(out: Path, quick: bool = False) -> dict:
     for setup, flags in setups.items():
         for setting in ("off", "step"):
             run_dir = out / f"run-{len(rows)}"
-            command = [sys.executable, "-m", "app.trainer", str(ROOT / "configs" / "demo_cpu.yaml"),
+            command = [sys.executable, "-m", "app.training.trainer", str(ROOT / "configs" / "demo_cpu.yaml"),
                        f"model.path={checkpoint}", f"data.train_file={train}", f"train.output_dir={run_dir}",
                        f"data.min_pixels={side * side}", f"data.max_pixels={side * side}", f"data.max_frames={frames}",
                        "data.fps=8", "data.max_prompt_length=32768", f"rollout.group_size={group}",

@@ -183,7 +183,7 @@ def encode_prompts(processor, conversations: Sequence[Sequence[dict]], shuffle_f
     qwen-vl-utils' ``fetch_image``. ``shuffle_frames_seed`` permutes each video's frames (temporal GRPO).
 
     ``with_media``: also return, per conversation, what an engine with its own processor needs to see exactly
-    these inputs (``app.engines.vllm``): ``{"prompt_ids": the template's ids before the processor expands the
+    these inputs (``app.rollout.vllm``): ``{"prompt_ids": the template's ids before the processor expands the
     placeholders, "media": [("video", frames [T, H, W, 3] uint8, metadata) | ("image", PIL image), ...]}`` with
     the very frames and images encoded here.
     """

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from app.data.prompts import PROMPT_TEMPLATES, encode_prompts, question_text, system_message
 from app.data.video import FRAME_FOLDER_SAMPLING, SettingError, VideoDecodeError, frame_files, video_element
-from app.rewards import PROBLEM_TYPES
-from app.grounding import check_grounding_record
+from app.answers.problems import PROBLEM_TYPES
+from app.answers.grounding import check_grounding_record
 
 log = logging.getLogger(__name__)
 SKIP_EXAMPLES = 5  # skipped records named on the console (per rank at run time, rank 0 at load); the rest in files

@@ -7,6 +7,12 @@ Knows nothing of GRPO. Public API:
 - ``GroupLayout``: pack/unpack geometry; ``grouped_attention`` and the registered attention backends
 - ``unwrap``, ``text_config``, ``set_text_attention``: reaching inside a (wrapped) model.
 - ``continue_after_media`` / ``use_qwen_positions``: M-RoPE ids after a video as Qwen's code and vLLM place them.
+
+Inside: the layout, positions, attention backends and forward at the top; ``decoding/`` (the grouped KV cache and
+decode steps, chunked prefill), ``vision/`` (tower passes, the vision cache, agreed tower calls), ``tree/`` (prefix
+trees).
+May import: nothing of ``app`` outside ``app.grouping`` (torch and transformers only).
+Exports: the names in ``__all__``.
 """
 
 from app.grouping.attention import (
@@ -18,7 +24,7 @@ from app.grouping.attention import (
     register,
     usable_backends,
 )
-from app.grouping.decode import DECODE_MODES, GroupedDecoder, decode_mode, idle_forward
+from app.grouping.decoding.decode import DECODE_MODES, GroupedDecoder, decode_mode, idle_forward
 from app.grouping.forward import (
     DEFAULT_CHUNK_SIZE,
     MODES,
@@ -34,7 +40,7 @@ from app.grouping.layout import GroupLayout, LayoutError, normalize_group_sizes
 from app.grouping.modules import set_text_attention, text_config, unwrap
 from app.grouping.positions import continue_after_media, use_qwen_positions
 from app.grouping.precision import PrecisionComparison, compare_to_reference, float32_forward
-from app.grouping.vision_calls import MODALITIES, aligned_vision_calls, present_vision_calls
+from app.grouping.vision.calls import MODALITIES, aligned_vision_calls, present_vision_calls
 
 __all__ = [
     "ATTENTION_NAME", "BACKENDS", "DECODE_MODES", "DEFAULT_CHUNK_SIZE", "MODALITIES", "MODES", "CompletionScores", "GroupLayout",

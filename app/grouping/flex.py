@@ -41,7 +41,7 @@ def flex_block_mask(layout: GroupLayout, device, block: int = FLEX_BLOCK, rows_p
 
 
 def tree_mask_mod(first: torch.Tensor, last: torch.Tensor):
-    """Prefix trees (``app.grouping.tree``): causal, and the key's node is the query's node or one of its ancestors.
+    """Prefix trees (``app.grouping.tree.layout``): causal, and the key's node is the query's node or one of its ancestors.
     Each token carries its node's interval in a depth-first numbering of all the trees' nodes (``first``: the
     node's own number, ``last``: the largest number in its subtree), so "ancestor or self" is
     ``first[k] <= first[q] <= last[k]``: per-token vectors only (a captured node table would add a dimension

@@ -29,7 +29,7 @@ from app.grouping.positions import (
     rope_index_owner,
 )
 from app.grouping.precision import PrecisionComparison, compare_to_reference, float32_forward, parameter_dtype
-from app.grouping.vision_calls import aligned_vision_calls
+from app.grouping.vision.calls import aligned_vision_calls
 
 MODES = ("grouped", "repeated")
 DEFAULT_CHUNK_SIZE = 1024  # completion tokens per output-head chunk: never [tokens, vocab] logits by default

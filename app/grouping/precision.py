@@ -81,7 +81,7 @@ def float32_forward(model: torch.nn.Module):
 
     For reference computations under ``torch.no_grad()``; the model's own parameters are never modified, and the
     extra memory is one unit's float32 copy at a time. The parameters must be materialised (under ZeRO-3, inside
-    ``app.zero.gathered_for_inference``).
+    ``app.runtime.zero.gathered_for_inference``).
     """
     model = unwrap(model)
     handles = []

@@ -230,8 +230,8 @@ def _modality_embeddings(model, pixels, grid, sp: SequenceParallel, split_time: 
         else:  # no share here (fewer temporal patches or images than ranks): the tower still runs once, on a
             # minimal dummy input whose output enters as exactly 0, so every rank makes the same module calls
             # (ZeRO-3 gathers parameters per call) and the backward reaches the tower on every rank
-            from app.grouping.tower_passes import dummy_vision_input
-            from app.grouping.vision_calls import _zero_of
+            from app.grouping.vision.calls import _zero_of
+            from app.grouping.vision.passes import dummy_vision_input
 
             dummy_pixels, dummy_grid = dummy_vision_input(visual)
             zero = _zero_of(visual(dummy_pixels.to(pixels.device, dtype), grid_thw=dummy_grid.to(grid.device)))
@@ -280,7 +280,7 @@ def sequence_parallel_scores(model, prompts: Mapping, completion_ids: torch.Tens
     calls agreed over the world under ZeRO-3; each rank of ``sp`` makes one call per modality either way).
     ``chunk_size``: as ``completion_logprobs`` (> 0: the output head never holds [tokens, vocab] logits)."""
     from app.grouping.logprobs import CompletionScores
-    from app.grouping.vision_calls import aligned_vision_calls
+    from app.grouping.vision.calls import aligned_vision_calls
 
     def work():
         return _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, group_sizes, sp=sp,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from app import distributed, parallel, zero
-from app.grpo import GRPOLoss, LossOptions
+from app.objectives.grpo import GRPOLoss, LossOptions
+from app.runtime import distributed, parallel, zero
 from tests.test_loss import L_MAX, combinations, step_data
 
 

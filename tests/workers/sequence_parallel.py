@@ -16,9 +16,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from app.distributed import exit_worker
 from app.grouping import completion_logprobs, usable_backends
 from app.grouping.sequence_parallel import SequenceParallel, sequence_parallel_scores
+from app.runtime.distributed import exit_worker
 from tests.helpers import load, max_rel_diff, prompt_batch, random_completions
 
 

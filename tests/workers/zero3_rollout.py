@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 import app  # noqa: F401
-from app import distributed, zero
 from app.data.prompts import encode_prompts
 from app.data.video import video_element
-from app.models import load_model, load_processor
-from app.rollout import SamplingConfig, generate_groups
+from app.rollout.generate import SamplingConfig, generate_groups
+from app.runtime import distributed, zero
+from app.runtime.models import load_model, load_processor
 
 CHUNK = 16  # prompt positions per prefill call
 

@@ -1,0 +1,150 @@
+"""GPU acceptance in one command, within a time budget: each part in its own process under its own time limit, one
+line of progress per part, and the report (report.json + report.md) written after every part, whatever happened.
+
+    scripts/gpu_check.sh [--quick] [--budget SECONDS] [--parts a,b] [--report DIR] [--raw DIR]
+
+Parts, in order (limits in seconds; a part never runs past what is left of ``--budget``, default 360):
+
+| part | what | limit |
+|---|---|---|
+| tests | tests/test_gpu.py (GPU-only tests, wandb not needed) | 150 |
+| train | app.bench.gpu.real_shape: Qwen2.5-VL-7B / Qwen3-VL-8B width, 4 layers, 8k/16k prefixes | 75 |
+| decode | app.bench.gpu.decode: 7B width, 28 layers: decode step vs the bandwidth limit, rollouts vs HF | 90 |
+| rehearsal | app.bench.gpu.rehearsal: train.sh 3 GRPO steps + plan.sh + eval.sh at 7B width, 4 layers | 150 |
+| hf_compiled | app.bench.gpu.decode --hf-compiled-only --layers 4: HF generate, static cache + torch.compile | 70 |
+
+A part that fails or runs out of time is a row saying so, with its last error line; its own report (JSON + table)
+holds every point it measured before that. ``--quick`` runs every part on this machine at toy sizes (each module's
+``--quick``) with short limits, into outputs/gpu_quick, so the script can be tried without a GPU. Without CUDA and
+without ``--quick`` nothing runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.bench.common import ROOT, child_env
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    limit: int  # seconds
+    args: tuple[str, ...]  # after ``python -m``; {raw} is the raw output folder
+    quick_limit: int = 240
+
+
+PARTS = (
+    Part("tests", 150, ("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py", "-rA",
+                       "--junitxml", "{raw}/tests.xml")),
+    Part("train", 75, ("app.bench.gpu.real_shape", "--out", "{raw}/gpu_real_shape")),
+    Part("decode", 90, ("app.bench.gpu.decode", "--out", "{raw}/gpu_decode")),
+    Part("rehearsal", 150, ("app.bench.gpu.rehearsal", "--out", "{raw}/rehearsal")),
+    Part("hf_compiled", 70, ("app.bench.gpu.decode", "--hf-compiled-only", "--layers", "4", "--out",
+                             "{raw}/gpu_decode_hf_compiled")),
+)
+DEFAULT_BUDGET = 360
+
+
+def last_error_line(log: Path) -> str:
+    """The last line that names an error (else the last line) of a part's output."""
+    if not log.is_file():
+        return ""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error:" in line or "FAILED" in line or "Traceback" in line:
+            return line[-400:]
+    return lines[-1][-400:] if lines else ""
+
+
+def run_part(part: Part, limit: float, raw: Path, quick: bool) -> dict:
+    """Run one part in its own process group; kill the group at ``limit`` seconds."""
+    args = [a.format(raw=raw) for a in part.args] + (["--quick"] if quick and part.name != "tests" else [])
+    log = raw / f"{part.name}.log"
+    start = time.perf_counter()
+    with log.open("w") as f:
+        process = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                   env=child_env(PYTHONUNBUFFERED="1", WANDB_MODE="disabled"), start_new_session=True)
+        try:
+            code = process.wait(timeout=limit)
+            status = "ok" if code == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            stop(process)
+            code, status = None, "timed out"
+    seconds = time.perf_counter() - start
+    row = {"part": part.name, "status": status, "exit": code, "seconds": round(seconds, 1), "limit": round(limit),
+           "log": log.name}
+    if status != "ok":
+        row["last_line"] = last_error_line(log)
+    return row
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the part's whole process group (it may have children: launchers, engines), SIGKILL 10 s later."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="toy sizes on this machine, into outputs/gpu_quick")
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET, help="seconds for all parts together")
+    parser.add_argument("--parts", default="", help="comma-separated subset of: " + ", ".join(p.name for p in PARTS))
+    parser.add_argument("--report", default="", help="where report.json/report.md go (default docs/gpu/latest)")
+    parser.add_argument("--raw", default="", help="where each part's log and results go (default outputs/gpu)")
+    args = parser.parse_args(argv)
+    if not args.quick and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device on this machine; nothing was run (--quick tries the script here).")
+        return 0
+    raw = Path(args.raw or ("outputs/gpu_quick" if args.quick else "outputs/gpu")).resolve()
+    report = Path(args.report or ("outputs/gpu_quick/report" if args.quick else "docs/gpu/latest")).resolve()
+    raw.mkdir(parents=True, exist_ok=True)
+    chosen = [p for p in PARTS if not args.parts or p.name in args.parts.split(",")]
+    unknown = set(filter(None, args.parts.split(","))) - {p.name for p in PARTS}
+    if unknown:
+        parser.error(f"unknown part(s) {sorted(unknown)}; known: {[p.name for p in PARTS]}")
+    from app.bench.gpu.report import write
+
+    rows: list[dict] = []
+    started = time.perf_counter()
+    for number, part in enumerate(chosen, 1):
+        left = args.budget - (time.perf_counter() - started)
+        limit = min(part.quick_limit if args.quick else part.limit, left)
+        if left < 5:
+            rows.append({"part": part.name, "status": "skipped", "limit": 0,
+                         "last_line": f"the budget of {args.budget:.0f} s was spent"})
+            print(f"[gpu_check {number}/{len(chosen)}] {part.name}: skipped (budget spent)", flush=True)
+            continue
+        print(f"[gpu_check {number}/{len(chosen)}] {part.name}: running (limit {limit:.0f} s)", flush=True)
+        row = run_part(part, limit, raw, args.quick)
+        rows.append(row)
+        print(f"[gpu_check {number}/{len(chosen)}] {part.name}: {row['status']} in {row['seconds']:.0f} s"
+              + (f" - {row['last_line']}" if row.get("last_line") else ""), flush=True)
+        write(raw, report, rows, quiet=True)
+    (raw / "parts.json").write_text(json.dumps(rows, indent=2))
+    write(raw, report, rows, quiet=True)
+    print(f"gpu_check: {sum(r['status'] == 'ok' for r in rows)} of {len(rows)} parts ok in "
+          f"{time.perf_counter() - started:.0f} s; report in {report}", flush=True)
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,398 @@
+"""Grouped attention for decoding: each prompt's prefix K/V is held once, each sample appends its own K/V.
+
+After one prefill of B prompts (the ordinary batched forward with a cache), the N = sum(G_b) samples decode
+together. At every step a sample's query attends to its prompt's prefix keys (shared by the whole group, never
+copied) and to the keys it generated itself, as two attention calls merged exactly by their log-sum-exp (the
+``split`` backend's idea; Hydragen's for inference):
+
+- prefix: the group's G x (heads per KV head) queries as ONE batch against the prompt's K/V, one fused call, no
+  copy of the prefix (a mask only when prompts of different lengths are left-padded);
+- own: each sample's queries against its own keys so far (at most max_new_tokens of them);
+- merge: out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b, lse = logaddexp(lse_a, lse_b), in float32.
+
+Memory for the prefix does not grow with G. Finished samples leave the batch (``GroupedKVCache.keep``), and a
+group whose samples have all finished drops its prefix from the step.
+
+Static shapes (``decode="static"``/``"graph"``): the own K/V live in buffers of a fixed capacity (max_new_tokens
+rounded up to ``STATIC_BUCKET``), written at the step held in a device tensor, and attended under a key bias that
+hides the slots not written yet; no sample leaves the batch (a finished one steps on with pad tokens, masked out).
+Every tensor of a step then keeps its shape and address, so on CUDA the step is captured once as a CUDA graph and
+replayed (``decode="graph"``): one launch per step instead of a few per layer, the eager path's numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from app.grouping.decoding.prefill import attention_with_lse, chunked_prefill
+
+log = logging.getLogger("app.grouping.decoding.decode")
+DECODE_MODES = ("auto", "eager", "static", "graph")
+STATIC_BUCKET = 64  # own-K/V capacity is max_new_tokens rounded up to this (fewer distinct shapes)
+
+
+def decode_mode(requested: str, device, synced: bool) -> str:
+    """The decode step's form: ``auto`` is ``graph`` on CUDA unless the ranks step in lock step under ZeRO-3
+    (``synced``: DeepSpeed's hooks gather parameters in every forward, which a graph cannot replay), else
+    ``eager``. ``static`` is the graph's static-shape step run eagerly (any device; what tests compare)."""
+    if requested not in DECODE_MODES:
+        raise ValueError(f"unknown decode mode {requested!r}; expected one of {DECODE_MODES}")
+    on_cuda = torch.device(device).type == "cuda"
+    if requested == "auto":
+        return "graph" if on_cuda and not synced else "eager"
+    if requested in ("static", "graph") and synced:
+        raise ValueError(f"decode mode {requested!r} cannot run with ranks in lock step under ZeRO-3 hooks "
+                         "(rollout.zero3_gather=per_step); use rollout.decode=eager or zero3_gather=full")
+    if requested == "graph" and not on_cuda:
+        raise ValueError("decode mode 'graph' captures CUDA graphs and needs a CUDA device; use static or eager")
+    return requested
+
+
+class GroupedKVCache:
+    """Stands in for a transformers Cache during grouped decoding (``update`` and ``get_seq_length``).
+
+    Rows are the samples still decoding, in order; ``keep`` drops the others (and the prefix of a group none of
+    whose samples is left). ``static``: fixed-capacity own K/V written at a device-held step (``begin_step`` /
+    ``end_step`` around each step), every sample kept."""
+
+    is_compileable = False
+
+    def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
+        """The attention-plan protocol (``attention.GroupedAttentionPlan.attend``): one decode step's attention."""
+        return decode_attention(self, module.layer_idx, query, key, value, scale)
+
+    def __init__(self, prefix_cache, prompt_mask: torch.Tensor, group_sizes: Sequence[int], max_new_tokens: int, *,
+                 static: bool = False):
+        layers = getattr(prefix_cache, "layers", None)
+        if layers is None:
+            raise TypeError("the prefill cache must be a transformers DynamicCache (with .layers)")
+        # [B, Hkv, Lp, D], contiguous: the decode products read them in place every step
+        self.prefix = [(layer.keys.contiguous(), layer.values.contiguous()) for layer in layers]
+        self.prompt_mask = prompt_mask.bool()  # [B, Lp], left-padded
+        self.prompt_width = prompt_mask.shape[1]
+        self.max_new_tokens = max_new_tokens
+        self.own: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.prefix)
+        self.steps = 0
+        self.static = static
+        device = prompt_mask.device
+        sizes = torch.tensor(list(group_sizes), device=device)
+        self._arrange(torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes))
+        if static:
+            capacity = -(-max_new_tokens // STATIC_BUCKET) * STATIC_BUCKET
+            count = int(sizes.sum())
+            self.own = [(k.new_zeros(count, k.shape[1], capacity, k.shape[3]),
+                         v.new_zeros(count, v.shape[1], capacity, v.shape[3])) for k, v in self.prefix]
+            self.written = torch.zeros((), dtype=torch.long, device=device)  # own tokens written: the step
+            self._slots = torch.arange(capacity, device=device)
+            self.own_bias = torch.zeros(1, 1, 1, capacity, dtype=torch.float32, device=device)
+
+    def _arrange(self, group_of_sample: torch.Tensor) -> None:
+        """Slots [B, Gmax] -> row for the prefix call (pads point at row 0 and are dropped by ``slot_valid``), and
+        the additive prefix mask (None when no prompt is padded)."""
+        self.group_of_sample = group_of_sample
+        counts = torch.bincount(group_of_sample, minlength=self.prompt_mask.shape[0])
+        gmax = int(counts.max()) if counts.numel() else 0
+        starts = torch.cumsum(counts, 0) - counts
+        slots = starts[:, None] + torch.arange(gmax, device=counts.device)[None, :]
+        self.slot_valid = torch.arange(gmax, device=counts.device)[None, :] < counts[:, None]
+        self.slot_sample = torch.where(self.slot_valid, slots, torch.zeros_like(slots))
+        # the valid slots' positions in the flattened [B * Gmax] slots, in sample order: an index made here, so a
+        # step selects with it (a boolean mask would make every step wait for the device to count its entries)
+        self.slot_index = self.slot_valid.flatten().nonzero().flatten()
+        if bool(self.prompt_mask.all()):
+            self.prefix_bias = None
+        else:
+            bias = torch.zeros(self.prompt_mask.shape, dtype=torch.float32, device=self.prompt_mask.device)
+            self.prefix_bias = bias.masked_fill(~self.prompt_mask, float("-inf"))[:, None, None, :]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Continue with these rows only (indices into the current rows, ascending); groups left without a sample
+        drop out of the prefix call."""
+        if self.static:
+            raise RuntimeError("a static-shape cache keeps every sample (finished ones step on, masked out)")
+        group_of_sample = self.group_of_sample[rows]
+        groups, group_of_sample = torch.unique(group_of_sample, return_inverse=True)
+        if len(groups) < self.prompt_mask.shape[0]:
+            self.prefix = [(k[groups], v[groups]) for k, v in self.prefix]
+            self.prompt_mask = self.prompt_mask[groups]
+        self.own = [None if own is None else (own[0][rows], own[1][rows]) for own in self.own]
+        self._arrange(group_of_sample)
+
+    def begin_step(self) -> None:
+        """Static: the own-key bias of this step (slots up to the one written now are seen), on the device."""
+        self.own_bias.copy_(torch.where(self._slots <= self.written, 0.0, float("-inf")).view(1, 1, 1, -1))
+
+    def end_step(self) -> None:
+        self.written.add_(1)
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        """Append this step's K/V [N, Hkv, 1, D] for ``layer_idx``; return the sample's own K/V so far (static: the
+        whole buffers, their unwritten slots hidden by ``own_bias``)."""
+        if self.static:
+            keys, values = self.own[layer_idx]
+            slot = self.written.view(1)
+            keys.index_copy_(2, slot, key_states)
+            values.index_copy_(2, slot, value_states)
+            return keys, values
+        if self.own[layer_idx] is None:
+            shape = (*key_states.shape[:2], self.max_new_tokens, key_states.shape[-1])
+            self.own[layer_idx] = (key_states.new_zeros(shape), value_states.new_zeros(shape))
+        keys, values = self.own[layer_idx]
+        length = key_states.shape[2]
+        keys[:, :, self.steps : self.steps + length] = key_states
+        values[:, :, self.steps : self.steps + length] = value_states
+        if layer_idx == len(self.prefix) - 1:
+            self.steps += length
+            end = self.steps
+        else:
+            end = self.steps + length
+        return keys[:, :, :end], values[:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The prompt's width plus the steps taken (static: the prompt's width; positions are passed explicitly,
+        and a static step must not read its step back to the host)."""
+        return self.prompt_width + (0 if self.static else self.steps)
+
+    def __len__(self) -> int:
+        return len(self.prefix)
+
+
+def decode_attention(cache: GroupedKVCache, layer_idx: int, query, own_keys, own_values, scale: float | None):
+    """q [N, H, 1, D]; own K/V [N, Hkv, t, D]; prefix K/V from the cache -> out [N, 1, H, D].
+
+    Exact softmax over [prefix of the sample's prompt ; the sample's own tokens]: two attention calls in the
+    model's dtype with float32 accumulation, merged by log-sum-exp in float32. The prefix K/V is read in place."""
+    prefix_k, prefix_v = cache.prefix[layer_idx]  # [B, Hkv, Lp, D]
+    samples, heads, q_len, dim = query.shape
+    if q_len != 1:
+        raise RuntimeError("grouped decoding feeds one token per sample per step")
+    groups, kv_heads = prefix_k.shape[0], prefix_k.shape[1]
+    rep = heads // kv_heads
+    scale = dim**-0.5 if scale is None else scale
+    q = query.reshape(samples, kv_heads, rep, dim)
+    # Prefix: a group's queries side by side, [B, Hkv, Gmax * rep, D], one call against its prompt's K/V.
+    slots = q[cache.slot_sample]  # [B, Gmax, Hkv, rep, D] (queries only: small)
+    gmax = slots.shape[1]
+    q_prefix = slots.permute(0, 2, 1, 3, 4).reshape(groups, kv_heads, gmax * rep, dim)
+    out_a, lse_a = attention_with_lse(q_prefix, prefix_k, prefix_v, cache.prefix_bias, scale)
+    out_a = out_a.reshape(groups, kv_heads, gmax, rep, dim).permute(0, 2, 1, 3, 4).reshape(groups * gmax, kv_heads,
+                                                                                         rep, dim)
+    out_a = out_a.index_select(0, cache.slot_index)  # [N, Hkv, rep, D]
+    lse_a = lse_a.reshape(groups, kv_heads, gmax, rep).permute(0, 2, 1, 3).reshape(groups * gmax, kv_heads, rep)
+    lse_a = lse_a.index_select(0, cache.slot_index)  # [N, Hkv, rep]
+    # Own tokens: each sample's queries against the keys it generated.
+    own_bias = cache.own_bias if cache.static else None  # static: the slots not written yet are hidden
+    out_b, lse_b = attention_with_lse(q, own_keys, own_values, own_bias, scale)  # [N, Hkv, rep, D], [N, Hkv, rep]
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = (torch.exp(lse_a - lse)[..., None] * out_a.float() + torch.exp(lse_b - lse)[..., None] * out_b.float())
+    return out.reshape(samples, 1, heads, dim).to(query.dtype)
+
+
+HEAD_CHUNK = 8192  # vocabulary rows per product of the unpacked head (``DecodingHead``)
+
+
+def _zero3_partitioned(weight: torch.Tensor) -> bool:
+    return getattr(weight, "ds_id", None) is not None  # DeepSpeed gathers it around each call of its module
+
+
+class DecodingHead:
+    """The output head as the decoder runs it on CPU, where its few rows of logits against a 151,936-row head
+    are most of a decode step. Measured at hidden 256 on this project's 2-core CPU, one [V, 256] head:
+
+    - **oneDNN with the weight packed once per rollout** (``torch.ops.mkldnn._reorder_linear_weight``, as vLLM's
+      CPU backend prepacks its linears): 8.2 ms for 8 rows, 12.3 ms for 16, the logits already [n, V];
+    - **weight @ hidden^T** ([V, n], transposed 8,192 vocabulary rows at a time while still in cache): 12 and
+      21 ms; it is the fallback (a weight partitioned by ZeRO-3, which DeepSpeed gathers around each call; a
+      dtype or CPU oneDNN cannot pack, e.g. bfloat16 without AVX-512);
+    - ``linear``'s hidden @ weight^T: 33-39 ms.
+
+    The packed copy costs the head's size in memory for the rollout (64 ms to make here) and is dropped with the
+    decoder; the weights do not change during a rollout. Installed as an instance ``forward`` (``installed()``),
+    so module hooks (ZeRO-3's gathering) still run around it. Same product as ``linear``; only the order of
+    summation may differ (measured: 1e-6 relative). Off the CPU it does nothing."""
+
+    def __init__(self, model, rows_hint: int = 32):
+        from app.grouping.modules import unwrap
+
+        head = unwrap(model).get_output_embeddings()
+        self.head, self.packed = head, None
+        self.active = (isinstance(head, torch.nn.Linear) and head.weight.device.type == "cpu"
+                       and "forward" not in head.__dict__)
+        if self.active and not _zero3_partitioned(head.weight) and torch.backends.mkldnn.is_available():
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(head.weight.detach(), rows_hint)
+            except (RuntimeError, AttributeError):  # no oneDNN kernel for this dtype on this CPU
+                self.packed = None
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.head
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if self.packed is not None:
+            out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed, head.bias, "none", [], "")
+            return out.reshape(*hidden.shape[:-1], out.shape[-1])
+        weight = head.weight
+        out = flat.new_empty(flat.shape[0], weight.shape[0])
+        for start in range(0, weight.shape[0], HEAD_CHUNK):  # [chunk, n] products, transposed while in cache
+            out[:, start : start + HEAD_CHUNK] = (weight[start : start + HEAD_CHUNK] @ flat.T).T
+        if head.bias is not None:
+            out = out + head.bias
+        return out.reshape(*hidden.shape[:-1], out.shape[-1])
+
+    @contextlib.contextmanager
+    def installed(self):
+        if not self.active:
+            yield
+            return
+        from app.grouping.modules import patched
+
+        with patched(self.head, "forward", self._forward):
+            yield
+
+    def close(self) -> None:
+        self.packed = None
+
+
+class GroupedDecoder:
+    """Grouped decoding as the rollout uses it: one prefill per prompt, then all samples of all groups step
+    together against their prompt's K/V held once. Knows nothing of sampling or stopping.
+
+        decoder = GroupedDecoder(model, prompts, group_sizes, max_new_tokens)   # the prefill
+        logits = decoder.logits                      # [N, V]: each sample starts from its prompt's last position
+        while ...: logits = decoder.step(tokens)     # one token per sample
+        decoder.close()                              # the model's attention setting as it was
+
+    M-RoPE decode positions continue from the prompt's last position + 1 on every axis, passed explicitly.
+    ``prefill_chunk_size`` > 0: the prefill's decoder runs that many prompt positions at a time (``chunked_prefill``);
+    ``synced``: the ranks' forwards are collective (ZeRO-3 hooks on), so they agree on the number of chunks.
+    ``idle_step`` runs the same modules without a real step (a rank that finished while others still decode under
+    ZeRO-3 joins their parameter gathers). ``decode`` (``decode_mode``): ``eager`` steps whose batch shrinks as
+    samples finish (``keep``); ``static`` fixed shapes, every sample kept (``compacts`` is False); ``graph`` the
+    static step captured as a CUDA graph after its first (eager) run and replayed. A static step's logits are a
+    buffer the next step overwrites.
+    """
+
+    def __init__(self, model, prompts: dict, group_sizes: Sequence[int], max_new_tokens: int, *,
+                 prefill_chunk_size: int = 0, synced: bool = False, decode: str = "eager"):
+        from app.grouping import attention
+        from app.grouping.modules import set_text_attention, text_config
+        from app.grouping.positions import VISION_KEYS, prompt_positions
+
+        self.model = model
+        self._previous = text_config(model)._attn_implementation
+        self._set_attention = set_text_attention
+        device = prompts["input_ids"].device
+        self.mode = decode_mode(decode, device, synced)
+        self.graph, self.graph_error = None, None
+        sizes = torch.tensor(list(group_sizes), device=device)
+        group_of_sample = torch.repeat_interleave(torch.arange(len(group_sizes), device=device), sizes)
+        set_text_attention(model, "sdpa")
+        try:
+            positions = prompt_positions(model, prompts["input_ids"], prompts["attention_mask"], prompts)
+            vision = {k: prompts[k] for k in VISION_KEYS if prompts.get(k) is not None}
+            self.head = DecodingHead(model, rows_hint=max(32, len(group_of_sample)))
+            with self.head.installed(), chunked_prefill(model, prefill_chunk_size, synced):
+                out = model(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
+                            position_ids=positions if positions.shape[0] > 1 else positions[0], use_cache=True,
+                            logits_to_keep=1, **vision)
+        except BaseException:
+            self.close()
+            raise
+        self.cache = GroupedKVCache(out.past_key_values, prompts["attention_mask"], group_sizes, max_new_tokens,
+                                    static=self.mode != "eager")
+        self.logits = out.logits[:, -1][group_of_sample]  # [N, V]: a group's samples start from one distribution
+        del out
+        self._last_position = positions[:, :, -1][:, group_of_sample]  # [axes, N]
+        self._plan_kwarg = attention.PLAN_KWARG
+        self._tokens = torch.zeros(len(group_of_sample), dtype=torch.long, device=device)  # the static step's input
+        self.steps = 0
+        set_text_attention(model, attention.ATTENTION_NAME)
+
+    @property
+    def compacts(self) -> bool:
+        """Whether ``keep`` may drop finished samples (eager steps only; static shapes keep every sample)."""
+        return self.mode == "eager"
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per sample [N]; return the next logits [N, V]."""
+        if self.mode == "eager":
+            positions = (self._last_position + 1 + self.steps)[:, :, None]  # [axes, N, 1]
+            with self.head.installed():
+                out = self.model(input_ids=tokens[:, None], attention_mask=None,
+                                 position_ids=positions if positions.shape[0] > 1 else positions[0],
+                                 past_key_values=self.cache, use_cache=True, **{self._plan_kwarg: self.cache})
+            logits = out.logits[:, -1]
+        else:
+            self._tokens.copy_(tokens)
+            if self.graph is not None:
+                self.graph.replay()
+                logits = self._graph_logits
+            else:
+                logits = self._static_step()
+                if self.mode == "graph" and self.graph_error is None:
+                    self._capture()
+        self.steps += 1
+        return logits
+
+    def _static_step(self) -> torch.Tensor:
+        """One static-shape step on ``self._tokens``: only device tensors change between steps (the step number
+        lives in ``cache.written``), so a CUDA graph of it replays every later step."""
+        cache = self.cache
+        cache.begin_step()
+        positions = (self._last_position + 1 + cache.written)[:, :, None]  # [axes, N, 1]
+        with self.head.installed():
+            out = self.model(input_ids=self._tokens[:, None], attention_mask=None,
+                             position_ids=positions if positions.shape[0] > 1 else positions[0],
+                             past_key_values=cache, use_cache=True, **{self._plan_kwarg: cache})
+        cache.end_step()
+        return out.logits[:, -1]
+
+    def _capture(self) -> None:
+        """Record the static step as a CUDA graph (after one eager run of it, the warm-up); nothing runs while it
+        records, so the cache's step is untouched. If capture fails the steps stay eager (``graph_error``, warned)."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: only this thread's CUDA calls are held to capture's rules (in the trainer, data
+            # prefetch threads run alongside; with the default "global" mode a capture at step 3 of a run failed)
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._graph_logits = self._static_step()
+        except Exception as error:  # noqa: BLE001 - any capture failure leaves the eager static step
+            self.graph_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            log.warning("decode step not captured as a CUDA graph (%s); stepping eagerly", self.graph_error)
+            return
+        self.graph = graph
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Continue with these samples only (indices into the current batch, ascending): finished samples leave,
+        and a group with none left drops its prefix from the step."""
+        self.cache.keep(rows)
+        self._last_position = self._last_position[:, rows]
+
+    def idle_step(self) -> None:
+        idle_forward(self.model)
+
+    def close(self) -> None:
+        self.graph = None  # the graph's memory pool goes with it
+        if getattr(self, "head", None) is not None:
+            self.head.close()  # the packed copy of the output head
+        self._set_attention(self.model, self._previous)
+
+
+def idle_forward(model) -> None:
+    """A two-token grouped forward through the same modules as a decode step, for a rank that has finished while
+    the others still decode (under ZeRO-3 every module call all-gathers, so every rank must make it)."""
+    from app.grouping import attention
+    from app.grouping.layout import GroupLayout
+    from app.grouping.modules import unwrap
+    from app.grouping.positions import rope_index_owner
+
+    device = next(unwrap(model).parameters()).device
+    layout = GroupLayout((1,), (1,), (1,), 1, 1)
+    is_vl = rope_index_owner(unwrap(model)) is not None
+    positions = torch.arange(2, device=device).view(1, 1, 2).expand(3 if is_vl else 1, 1, 2)
+    model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), attention_mask=None,
+          position_ids=positions if is_vl else positions[0], use_cache=False,
+          **{attention.PLAN_KWARG: attention.GroupedAttentionPlan(layout, "masked")})

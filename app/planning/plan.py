@@ -1,0 +1,136 @@
+"""Plan a run before launching it: memory per rank, FLOPs and time per step, and whether it fits.
+
+    scripts/plan.sh CONFIG.yaml [section.key=value ...] [--nodes 1] [--gpus-per-node 8] [--gpu-memory-gib 80]
+                    [--peak-tflops 989] [--efficiency 0.4] [--model PRESET|DIR] [--frames N] [--out DIR]
+
+It reads the config the trainer reads (same keys, same errors) and the model's shape from ``model.path`` when that
+is a checkpoint here, else from the preset its name matches (``configs/models``), or ``--model``. Nothing is
+allocated at full size; the model of a run is ``app/planning/planner.py``, its formulas ``app/planning/costs.py``, and what was
+checked against measurement is in docs/planner.md. It prints a table and writes ``plan.json`` beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from app.config.loading import ConfigError, load_config
+from app.planning import shapes
+from app.planning.costs import GiB
+from app.planning.planner import (
+    PlanError,
+    World,
+    largest_frames,
+    model_of,
+    model_source,
+    plan,
+    remedies,
+    sequence_parallel_sizes,
+)
+
+
+def _gib(value: float) -> str:
+    return f"{value / GiB:8.2f}"
+
+
+def report(result: dict, frames_by_size: dict, fixes: list[dict]) -> str:
+    """The plan as text: memory per rank by part, FLOPs and time per step grouped vs repeated, the verdict."""
+    w, s, r, t = result["workload"], result["states"], result["rollout"], result["training"]
+    zero = result["zero"]
+    lines = [
+        f"model {result['model']}: {result['parameters']['total'] / 1e9:.2f}B parameters, "
+        f"{result['trainable'] / 1e9:.3f}B trainable; {result['ranks']} ranks "
+        f"({result['world']['nodes']} x {result['world']['gpus_per_node']} GPUs of {result['world']['gpu_memory_gib']:g} "
+        f"GiB), ZeRO stage {zero['stage']}{' + optimizer offload' if zero['offload_optimizer'] else ''}"
+        f"{' + parameter offload' if zero['offload_param'] else ''}, S={result['sequence_parallel']}, "
+        f"attention {result['attention']}",
+        f"one prompt: {result['frames']} frames -> {w['visual']} visual tokens ({w['patches']} tower patches) + "
+        f"{w['prefix'] - w['visual']} text = prefix {w['prefix']}; G={w['group_size']} x {w['completion']} "
+        f"completion tokens; {w['groups']} group(s) per micro-batch",
+        "", "memory per rank (GiB)", "  model states",
+    ]
+    for key in ("weights", "gradients", "optimizer", "reference"):
+        lines.append(f"    {key:<22}{_gib(s[key])}")
+    if s["host"]:
+        lines.append(f"    {'(host memory, offload)':<22}{_gib(s['host'])}")
+    lines.append("  rollout (on top of the states)")
+    lines += [f"    {key:<22}{_gib(value)}" for key, value in r.items() if key != "total"]
+    lines.append("  training forward+backward (on top of the states)")
+    lines += [f"    {key:<22}{_gib(value)}" for key, value in t.items() if key not in ("total", "saved")]
+    lines.append(f"    {'(saved tensors)':<22}{_gib(t['saved'])}")
+    by_layout = result["activations_by_layout"]
+    lines.append(f"    {'(activations by layout)':<22} grouped {by_layout['grouped'] / GiB:.2f}, repeated "
+                 f"{by_layout['repeated'] / GiB:.2f} ({by_layout['grouped'] / by_layout['repeated']:.2f}x)")
+    lines += [f"  peak {_gib(result['peak']).strip()} GiB of {_gib(result['usable']).strip()} usable "
+              f"({result['world']['headroom']:.0%} of the GPU): {'FITS' if result['fits'] else 'DOES NOT FIT'}", ""]
+    lines.append("FLOPs per group (one prompt, G completions), grouped vs repeated layout")
+    grouped, repeated = result["flops_per_group"]["grouped"], result["flops_per_group"]["repeated"]
+    lines.append(f"    {'phase':<18}{'grouped':>12}{'repeated':>12}{'ratio':>8}")
+    for phase in grouped:
+        g, rep = grouped[phase], repeated[phase]
+        ratio = f"{g / rep:8.3f}" if rep else "       -"
+        lines.append(f"    {phase:<18}{g / 1e12:10.1f}TF{rep / 1e12:10.1f}TF{ratio}")
+    total_g, total_r = sum(grouped.values()), sum(repeated.values())
+    lines.append(f"    {'total':<18}{total_g / 1e12:10.1f}TF{total_r / 1e12:10.1f}TF{total_g / total_r:8.3f}")
+    sec = result["step_seconds"]
+    lines.append(f"  step time per rank at {result['world']['peak_tflops']:g} TFLOP/s x {result['world']['efficiency']:.0%}: "
+                 f"grouped {sec['grouped']:.1f} s, repeated {sec['repeated']:.1f} s "
+                 f"({result['prompts_per_rank']} prompt(s) per rank)")
+    lines += ["", "largest video that fits (frames at data.max_pixels), by sequence-parallel size S:"]
+    lines.append("    " + ", ".join(f"S={size}: {frames if frames else 'none'}" for size, frames in frames_by_size.items()))
+    if not result["fits"]:
+        lines += ["", "to fit, change (each on top of the ones above it):"]
+        lines += [f"    {fix['change']:<58} peak {fix['peak_gib']:.1f} GiB{'  <- fits' if fix['fits'] else ''}"
+                  for fix in fixes] or ["    nothing in the list fits; use more GPUs or fewer frames"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="scripts/plan.sh", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, as the trainer takes them")
+    defaults = World()
+    parser.add_argument("--nodes", type=int, default=defaults.nodes)
+    parser.add_argument("--gpus-per-node", type=int, default=defaults.gpus_per_node)
+    parser.add_argument("--gpu-memory-gib", type=float, default=defaults.gpu_memory_gib)
+    parser.add_argument("--peak-tflops", type=float, default=defaults.peak_tflops,
+                        help="the device's dense bf16 peak (H100 SXM 989, H200 989, A100 312)")
+    parser.add_argument("--efficiency", type=float, default=defaults.efficiency,
+                        help="the share of the peak a step reaches (MFU)")
+    parser.add_argument("--headroom", type=float, default=defaults.headroom,
+                        help="the share of GPU memory a plan may fill")
+    parser.add_argument("--model", default="", help="a preset (configs/models) or checkpoint folder")
+    parser.add_argument("--frames", type=int, default=0, help="plan this many frames (default data.max_frames)")
+    parser.add_argument("--out", default="outputs/plan", help="where plan.json goes")
+    args = parser.parse_intermixed_args(argv)
+    start = time.perf_counter()
+    try:
+        cfg = load_config(args.config, args.overrides)
+        world = World(args.nodes, args.gpus_per_node, args.gpu_memory_gib, args.peak_tflops, args.efficiency,
+                      args.headroom)
+        if args.frames < 0:
+            raise PlanError(f"--frames must be >= 0, got {args.frames}")
+        source = model_source(cfg, args.model)
+        result = plan(cfg, world, source, frames=args.frames or None)
+        sizes = sequence_parallel_sizes(model_of(source)[0], world.ranks)
+        frames_by_size = {s: largest_frames(cfg, world, source, s) for s in sizes}
+        fixes = [] if result["fits"] else remedies(cfg, world, source)
+    except (ConfigError, PlanError, shapes.PresetError) as error:
+        print(f"plan error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    text = report(result, frames_by_size, fixes)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {**result, "largest_frames": frames_by_size, "remedies": fixes, "config": args.config,
+               "overrides": args.overrides, "planned_in_seconds": round(time.perf_counter() - start, 3)}
+    (out / "plan.json").write_text(json.dumps(payload, indent=1, default=str))
+    (out / "plan.txt").write_text(text + "\n")
+    print(f"\nplanned in {payload['planned_in_seconds']:.1f} s; written: {out / 'plan.json'}, {out / 'plan.txt'}")
+
+
+if __name__ == "__main__":
+    main()

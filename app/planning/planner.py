@@ -1,0 +1,325 @@
+"""The planner's model of a run: a training config and a world in, memory per rank, FLOPs per phase, step time
+and a verdict out (``plan``); the largest video that fits (``largest_frames``) and the changes that make a plan fit
+(``remedies``). The formulas are in ``app/planning/costs.py``; the command line is ``app/planning/plan.py``."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from app.planning import costs, shapes
+from app.planning.costs import GiB, Shape, Workload
+from app.rollout.registry import memory_kind
+
+TEXT_TOKENS = 200  # system prompt, question and template around the video (Video-R1's prompt is about 150)
+SP_SIZES = (1, 2, 4, 8)
+
+
+class PlanError(ValueError):
+    """Bad planner input (the message names the argument or key)."""
+
+
+@dataclass(frozen=True)
+class World:
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0
+    peak_tflops: float = 989.0  # H100 SXM dense bf16
+    efficiency: float = 0.4  # model FLOPs utilisation the step time assumes
+    headroom: float = 0.9  # the share of GPU memory a plan may fill (CUDA context, fragmentation)
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def check(self) -> None:
+        for name in ("nodes", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("gpu_memory_gib", "peak_tflops", "efficiency", "headroom"):
+            if not getattr(self, name) > 0:
+                raise PlanError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+
+
+@lru_cache(maxsize=8)
+def model_of(source: str):
+    """(transformers config, parameter counts, the model on the meta device) of a preset name or checkpoint folder."""
+    from transformers import AutoConfig
+
+    if Path(source).is_dir():
+        config = AutoConfig.from_pretrained(source)
+    else:
+        config = shapes.hf_config(source)
+    return config, shapes.count_parameters(config), shapes.meta_model(config)
+
+
+def model_source(cfg, override: str = "") -> str:
+    """``--model``, else ``model.path`` when it is a checkpoint folder here, else the preset its name matches."""
+    if override:
+        if Path(override).is_dir() or override in shapes.preset_names():
+            return override
+        raise PlanError(f"--model {override!r} is neither a checkpoint folder nor a preset; presets: "
+                        f"{', '.join(shapes.preset_names())}")
+    if (Path(cfg.model.path) / "config.json").is_file():
+        return cfg.model.path
+    preset = shapes.preset_for_path(cfg.model.path)
+    if preset is None:
+        raise PlanError(f"model.path {cfg.model.path!r} is not a checkpoint here and names no preset; pass --model "
+                        f"with one of: {', '.join(shapes.preset_names())}")
+    return preset
+
+
+def lora_parameters(cfg, meta) -> int:
+    """Adapter parameters: rank x (in + out) for every Linear ``lora.target_names`` picks on the meta model."""
+    from app.runtime.lora import target_names
+
+    modules = dict(meta.named_modules())
+    return sum(cfg.lora.rank * (modules[name].in_features + modules[name].out_features)
+               for name in target_names(meta, cfg.lora))
+
+
+def deepspeed_settings(cfg) -> dict:
+    path = Path(cfg.train.deepspeed_config)
+    if not path.is_file():
+        raise PlanError(f"train.deepspeed_config {str(path)!r} does not exist")
+    try:
+        zero = json.loads(path.read_text()).get("zero_optimization", {})
+    except json.JSONDecodeError as error:
+        raise PlanError(f"train.deepspeed_config {str(path)!r} is not JSON ({error})") from None
+    return {"stage": int(zero.get("stage", 0)), "offload_optimizer": "offload_optimizer" in zero,
+            "offload_param": "offload_param" in zero, "prefetch": float(zero.get("stage3_prefetch_bucket_size", 5e7))}
+
+
+def grouped_backend(cfg) -> str:
+    """The grouped attention backend planned for: ``auto`` is FlexAttention (a GPU without flash-attn); set
+    forward.attention_backend=flash to plan flash-attn."""
+    backend = cfg.forward.attention_backend
+    return "flex" if backend == "auto" else backend
+
+
+def attention_backend(cfg) -> str:
+    return "repeated" if cfg.forward.grouping == "repeated" else grouped_backend(cfg)
+
+
+def workload(cfg, shape: Shape, frames: int, text_tokens: int = TEXT_TOKENS) -> Workload:
+    visual, patches, temporal = (costs.video_tokens(shape, frames, cfg.data.max_pixels) if shape.vision_depth
+                                 else (0, 0, 0))
+    return Workload(prefix=visual + text_tokens, completion=cfg.rollout.max_completion_length,
+                    group_size=cfg.rollout.group_size, groups=cfg.train.groups_per_micro_batch, visual=visual,
+                    patches=patches, temporal=temporal)
+
+
+def tower_chunk(cfg, work: Workload) -> int:
+    """Patches per no-grad tower pass (forward.vision_chunk_frames temporal patches; 0: the whole video)."""
+    return cfg.forward.vision_chunk_frames * (work.patches // max(1, work.temporal))
+
+
+def check_sequence_parallel(config, ranks: int, size: int) -> None:
+    """The world and the model's heads allow S = ``size`` (the heads by the trainer's own check)."""
+    from app.grouping.sequence_parallel import check_heads
+
+    if ranks % size:
+        raise PlanError(f"a world of {ranks} ranks cannot be split into sequence-parallel groups of {size} "
+                        f"(train.sequence_parallel_size)")
+    try:
+        check_heads(config, size)
+    except ValueError:
+        shape = costs.shape_of(config)
+        raise PlanError(f"train.sequence_parallel_size={size} does not divide this model's {shape.heads} query "
+                        f"heads / {shape.kv_heads} KV heads (query heads must divide by S, KV heads divide by S or "
+                        f"S by them)") from None
+
+
+def sequence_parallel_sizes(config, ranks: int) -> list[int]:
+    """The S of ``SP_SIZES`` the world and the model's heads allow."""
+    allowed = []
+    for size in SP_SIZES:
+        try:
+            check_sequence_parallel(config, ranks, size)
+        except PlanError:
+            continue
+        allowed.append(size)
+    return allowed
+
+
+def plan(cfg, world: World, source: str, frames: int | None = None) -> dict:
+    """The whole prediction for one config, as a dict of bytes (per rank), FLOPs (per rank and step), seconds."""
+    world.check()
+    config, counts, meta = model_of(source)
+    shape = costs.shape_of(config)
+    size = cfg.train.sequence_parallel_size
+    check_sequence_parallel(config, world.ranks, size)
+    ds = deepspeed_settings(cfg)
+    b = 2 if cfg.model.dtype == "bfloat16" else 4
+    frames = frames or cfg.data.max_frames
+    work = workload(cfg, shape, frames)
+    lora = cfg.lora.rank > 0
+    frozen = (counts.vision if cfg.model.freeze_vision_tower else 0) + (counts.projector if cfg.model.freeze_projector
+                                                                        else 0)
+    trainable = lora_parameters(cfg, meta) if lora else counts.total - frozen
+    states = costs.model_states(costs.StatesInput(
+        total=counts.total, trainable=trainable, reference=cfg.grpo.beta > 0 and not lora, stage=ds["stage"],
+        ranks=world.ranks, dtype_bytes=b, offload_optimizer=ds["offload_optimizer"],
+        offload_param=ds["offload_param"]))
+    gpu = world.gpu_memory_gib * GiB
+    rollout = rollout_memory(cfg, shape, counts, work, ds=ds, b=b, gpu=gpu)
+    training = training_memory(cfg, shape, work, ds, b, gpu, tower_trains=tower_trains(cfg), trains_head=not lora)
+    peak = states["total"] + max(rollout["total"], training["total"])
+    usable = world.headroom * gpu
+    flops = {layout: step_flops(cfg, shape, work, layout) for layout in ("grouped", "repeated")}
+    rate = world.peak_tflops * 1e12 * world.efficiency
+    per_rank = cfg.train.prompts_per_rank / size
+    seconds = {layout: sum(f.values()) * per_rank / rate for layout, f in flops.items()}
+    return {"model": source, "parameters": asdict(counts), "trainable": trainable, "shape": asdict(shape),
+            "world": asdict(world), "ranks": world.ranks, "sequence_parallel": size, "zero": ds,
+            "dtype_bytes": b, "frames": frames, "workload": asdict(work), "attention": attention_backend(cfg),
+            "states": states, "rollout": rollout, "training": training, "peak": peak, "usable": usable,
+            "fits": peak <= usable, "flops_per_group": flops, "step_seconds": seconds,
+            "activations_by_layout": layout_activations(cfg, shape, work, b, trains_head=not lora),
+            "prompts_per_rank": cfg.train.prompts_per_rank}
+
+
+def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: int, gpu: float) -> dict:
+    """Bytes the rollout adds on one rank: gathered weights (ZeRO-3), the K/V cache, the prefill's working set, the
+    vision tower's pass, the sampling logits; or the share an engine reserves (vLLM)."""
+    prompts = cfg.train.prompts_per_rank
+    kv_token = 2 * shape.kv_heads * shape.head_dim * shape.layers * b
+    kind = memory_kind(cfg.rollout.engine)
+    if kind in ("reserved", "none"):
+        share = cfg.rollout.vllm_gpu_memory_utilization * gpu if kind == "reserved" else 0.0
+        return {"engine_reserved": share, "total": share}
+    gathered = 0.0
+    if ds["stage"] == 3:
+        layer = b * counts.decoder_layer
+        whole = b * counts.total
+        gathered = {"full": whole, "layerwise": whole - layer * (shape.layers - 1),
+                    "per_step": max(layer, b * shape.vocab * shape.hidden)}[cfg.rollout.zero3_gather]
+    shared = kind == "shared_prefix"
+    kv = prompts * kv_token * ((work.prefix + work.group_size * work.completion) if shared
+                               else work.group_size * (work.prefix + work.completion))
+    rows = cfg.rollout.prefill_chunk_size or work.prefix
+    prefill = prompts * (1 if shared else work.group_size) * min(rows, work.prefix) * b * (
+        4 * shape.hidden + 3 * shape.intermediate)
+    tower = costs.vision_activations(shape, work.patches, training=False, chunk_patches=tower_chunk(cfg, work),
+                                     dtype_bytes=b) if work.patches else 0.0
+    logits = prompts * work.group_size * shape.vocab * 4 * 2
+    parts = {"gathered_weights": gathered, "kv_cache": kv, "prefill": prefill, "vision_tower": tower,
+             "sampling_logits": logits}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def training_memory(cfg, shape: Shape, work: Workload, ds: dict, b: int, gpu: float, *, tower_trains: bool,
+                    trains_head: bool) -> dict:
+    """Bytes the policy forward+backward adds on one rank (and what stays of the rollout: vLLM awake)."""
+    size = cfg.train.sequence_parallel_size
+    act = costs.training_activations(shape, work, backend=attention_backend(cfg), dtype_bytes=b,
+                                     checkpointing=cfg.model.gradient_checkpointing,
+                                     chunk=cfg.forward.logprob_chunk_size, trains_head=trains_head,
+                                     sequence_parallel=size)
+    patches = work.patches * work.groups
+    if not patches:
+        tower = 0.0
+    elif tower_trains:
+        tower = costs.vision_activations(shape, patches, training=True, chunk_patches=0, dtype_bytes=b) / size
+    elif cfg.forward.vision_cache == "step":
+        tower = work.visual * work.groups * shape.hidden * b  # cached outputs, held for the step
+    else:
+        tower = costs.vision_activations(shape, patches, training=False, chunk_patches=tower_chunk(cfg, work),
+                                         dtype_bytes=b) / size
+    zero3 = b * (ds["prefetch"] + shape.vocab * shape.hidden) if ds["stage"] == 3 else 0.0
+    awake = memory_kind(cfg.rollout.engine) == "reserved" and not cfg.rollout.vllm_sleep
+    reserved = cfg.rollout.vllm_gpu_memory_utilization * gpu if awake else 0.0
+    parts = {"activations": act["peak"], "saved": act["saved"], "vision_tower": tower, "zero3_buffers": zero3,
+             "engine_awake": reserved}
+    parts["total"] = act["peak"] + tower + zero3 + reserved
+    return parts
+
+
+def layout_activations(cfg, shape: Shape, work: Workload, b: int, *, trains_head: bool) -> dict:
+    """The policy forward+backward's activation peak on one rank in each layout (the grouped backend planned)."""
+    return {layout: costs.training_activations(
+        shape, work, backend="repeated" if layout == "repeated" else grouped_backend(cfg), dtype_bytes=b,
+        checkpointing=cfg.model.gradient_checkpointing, chunk=cfg.forward.logprob_chunk_size,
+        trains_head=trains_head, sequence_parallel=cfg.train.sequence_parallel_size)["peak"]
+        for layout in ("grouped", "repeated")}
+
+
+def step_flops(cfg, shape: Shape, work: Workload, layout: str) -> dict:
+    """FLOPs of each phase for one group (one prompt and its G completions) in the grouped or repeated layout."""
+    one = Workload(prefix=work.prefix, completion=work.completion, group_size=work.group_size, visual=work.visual,
+                   patches=work.patches, temporal=work.temporal)
+    backend = "repeated" if layout == "repeated" else grouped_backend(cfg)
+    prefill_rows = Workload(prefix=work.prefix, completion=0, group_size=1)
+    prefill = costs.forward_flops(shape, prefill_rows, "flash")["total"] * (1 if layout == "grouped" else
+                                                                           work.group_size)
+    forward = costs.forward_flops(shape, one, backend)["total"]
+    train = costs.train_flops(shape, one, backend, checkpointing=cfg.model.gradient_checkpointing,
+                              chunk=cfg.forward.logprob_chunk_size,
+                              deepspeed_linear=deepspeed_settings(cfg)["stage"] == 3)["total"]
+    iterations = cfg.grpo.num_iterations
+    tower_calls = 1 if cfg.forward.vision_cache == "step" and not tower_trains(cfg) else (
+        1 + (cfg.grpo.beta > 0) + (iterations > 1) + 3 * iterations)
+    return {"vision_tower": costs.vision_flops(shape, work.patches) * tower_calls,
+            "rollout_prefill": prefill, "rollout_decode": costs.decode_flops(shape, one),
+            "reference": forward if cfg.grpo.beta > 0 else 0.0, "old_policy": forward if iterations > 1 else 0.0,
+            "policy": train * iterations}
+
+
+def tower_trains(cfg) -> bool:
+    return not (cfg.model.freeze_vision_tower or (cfg.lora.rank > 0 and not cfg.lora.vision_tower))
+
+
+def with_overrides(cfg, overrides: dict):
+    """A copy of ``cfg`` with ``{"section.key": value}`` set."""
+    cfg = copy.deepcopy(cfg)
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def largest_frames(cfg, world: World, source: str, size: int, limit: int = 4096) -> int:
+    """The most frames (even, at the config's max_pixels) that fit with sequence parallelism ``size``; 0 if none."""
+    cfg = with_overrides(cfg, {"train.sequence_parallel_size": size})
+    if not plan(cfg, world, source, frames=2)["fits"]:
+        return 0
+    low, high = 1, limit // 2  # in temporal pairs of frames
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if plan(cfg, world, source, frames=2 * mid)["fits"] else (low, mid - 1)
+    return 2 * low
+
+
+REMEDIES = (  # (what to change, overrides), cheapest first
+    ("activation checkpointing", {"model.gradient_checkpointing": True}),
+    ("chunked prefill of 4096 positions", {"rollout.prefill_chunk_size": 4096}),
+    ("layer-by-layer ZeRO-3 gather in the rollout", {"rollout.zero3_gather": "layerwise"}),
+    ("sequence parallelism S=2", {"train.sequence_parallel_size": 2}),
+    ("sequence parallelism S=4", {"train.sequence_parallel_size": 4}),
+    ("sequence parallelism S=8", {"train.sequence_parallel_size": 8}),
+    ("frozen vision tower, 4 temporal patches per tower pass",
+     {"model.freeze_vision_tower": True, "forward.vision_chunk_frames": 4}),
+    ("LoRA rank 64", {"lora.rank": 64}),
+    ("ZeRO-3 with CPU offload", {"train.deepspeed_config": "deepspeed_configs/zero3_offload.json"}),
+)
+
+
+def remedies(cfg, world: World, source: str) -> list[dict]:
+    """Each single change of ``REMEDIES`` (applied on top of the ones before it that were not enough), with the
+    peak it gives; the first that fits ends the list."""
+    found, current = [], cfg
+    for name, overrides in REMEDIES:
+        trial = with_overrides(current, overrides)
+        try:
+            result = plan(trial, world, source)
+        except PlanError:
+            continue
+        found.append({"change": name, "overrides": overrides, "peak_gib": result["peak"] / GiB, "fits": result["fits"]})
+        if result["fits"]:
+            break
+        current = trial
+    return found

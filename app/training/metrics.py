@@ -1,0 +1,103 @@
+"""What a GRPO step measured (``step_metrics``: each value declared with its reduction over ranks), the samples
+table, the groups' counts, and the stage timer (``timed``: wall seconds; on CUDA also the allocator's peak).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+from app.objectives.grpo import zero_variance_groups
+from app.runtime.tracking import StepMetrics
+from app.training.trajectory import Trajectory
+
+
+def step_metrics(t: Trajectory, updates: list[dict], seconds: dict, grouped: bool) -> StepMetrics:
+    """What a step measured, each declared with its reduction over ranks. ``updates``: one dict per micro-batch
+    update (loss, metrics, tokens); ``seconds``: rollout, data_wait, reference, policy."""
+    reasons, n = t.rollout.stop_reasons, max(len(t.texts), 1)
+    first = [u["metrics"] for u in updates if "entropy" in u["metrics"]]  # the first pass over the micro-batches
+    m = StepMetrics()
+    m.mean("reward/mean", float(t.total_reward.mean()))
+    m.mean("reward/std", float(t.total_reward.std()) if t.total_reward.numel() > 1 else 0.0)
+    for name, values in t.rewards.items():
+        m.mean(f"reward/{name}", sum(values) / len(values))
+    m.mean("accuracy", sum(t.accuracy) / n)
+    m.mean("completion_length", float(t.rollout.completion_mask.sum(1).float().mean()))
+    m.sum("completions/empty", float(sum(1 for text in t.texts if not text.strip())))
+    m.mean("completions/eos_fraction", sum(r != "length" for r in reasons) / n)
+    m.mean("completions/truncated_fraction", sum(r == "length" for r in reasons) / n)
+    m.mean("loss", sum(u["loss"] for u in updates) / len(updates))
+    for key in ("kl", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "ratio/mean"):
+        m.mean(key, mean_of([u["metrics"] for u in updates], key))
+    m.min("ratio/min", min((u["metrics"]["ratio/min"] for u in updates if "ratio/min" in u["metrics"]), default=1.0))
+    m.max("ratio/max", max((u["metrics"]["ratio/max"] for u in updates if "ratio/max" in u["metrics"]), default=1.0))
+    m.mean("entropy", mean_of(first, "entropy"))
+    m.mean("mismatch/mean_abs_logprob_diff", mean_of(first, "mismatch/mean_abs_logprob_diff"))
+    m.max("mismatch/max_ratio", max((u.get("mismatch/max_ratio", 1.0) for u in first), default=1.0))
+    for key in ("rollout", "data_wait", "reference", "policy", "weight_sync"):
+        if key in seconds:
+            m.mean(f"time/{key}", seconds[key])
+    m.mean("time/step", seconds["rollout"] + seconds["reference"] + seconds["policy"] + seconds.get("weight_sync", 0.0))
+    for key, value in seconds.items():  # CUDA: the allocator's peak per stage, the largest over ranks
+        if key.startswith("peak_gib/"):
+            m.max(f"memory/{key.removeprefix('peak_gib/')}_peak_gib", value)
+    m.sum("tokens/policy_forward", float(sum(u["tokens"] for u in updates)))
+    saved = sum(p.length * (size - 1) for p, size in zip(t.prompts, t.group_sizes))  # prefix tokens not re-encoded
+    m.sum("tokens/prefix_saved_by_grouping", float(saved if grouped else 0))
+    m.sum("groups/trained", float(len(t.prompts)))
+    for key, value in t.counts.items():
+        m.sum(key, value)
+    for key, value in t.draws.items():
+        if key.startswith("groups/") and key != "groups/drawn":
+            m.fraction(key, value, t.draws.get("groups/drawn", 0.0))  # of the groups drawn, over all ranks
+        elif key == "dynamic_sampling/extra_draws":
+            m.mean(key, value)  # every rank draws equally often
+        elif key.startswith("dynamic_sampling/"):
+            m.sum(key, value)
+    return m
+
+
+def sample_rows(t: Trajectory, limit: int) -> list[dict]:
+    """The first ``limit`` completions with their question, for the samples table."""
+    records = t.records
+    return [{"problem_id": str(records[i].get("problem_id", "")), "question": records[i]["problem"][:200],
+             "solution": records[i]["solution"], "completion": t.texts[i], "reward": float(t.total_reward[i])}
+            for i in range(min(len(t.texts), limit))]
+
+
+def group_counts(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Among every group the step drew: all correct (accuracy 1), all wrong (accuracy 0), and zero reward
+    variance (no advantage signal). Counts here; fractions of the groups drawn after the reduction."""
+    correct = wrong = flat = total = 0
+    for t in trajectories:
+        flat += sum(zero_variance_groups(t.total_reward.tolist(), t.group_sizes))
+        for rows in t.groups():
+            correct += all(a >= 1.0 for a in t.accuracy[rows])
+            wrong += all(a <= 0.0 for a in t.accuracy[rows])
+            total += 1
+    return {"groups/all_correct": float(correct), "groups/all_wrong": float(wrong),
+            "groups/zero_variance": float(flat), "groups/drawn": float(total)}
+
+
+def mean_of(metrics: list[dict], key: str) -> float:
+    values = [m[key] for m in metrics if key in m]
+    return sum(values) / len(values) if values else 0.0
+
+
+@contextmanager
+def timed(seconds: dict, key: str):
+    """``seconds[key]``: the block's wall time; on CUDA also ``seconds["peak_gib/" + key]``, the allocator's peak
+    during the block (``torch.cuda.max_memory_allocated``, everything this process holds)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[key] = time.perf_counter() - start
+        if cuda:
+            seconds[f"peak_gib/{key}"] = torch.cuda.max_memory_allocated() / 2**30

@@ -1,0 +1,296 @@
+"""What the training recipes (GRPO in ``app/training/trainer.py``, SFT in ``app/training/sft.py``) share: the policy as configured
+(LoRA, frozen towers, activation checkpointing) in a DeepSpeed engine with AdamW and a cosine schedule, the
+per-rank prompt stream, the step loop with logging and atomic checkpoints, exact resume, and the Hugging Face export.
+
+A recipe subclasses ``Recipe``, builds what only it needs in ``setup`` and writes ``train_step``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from app.config.loading import Config, ConfigError, load_config
+from app.data.records import DataError, load_stream
+from app.data.video import SettingError
+from app.grouping import MODALITIES, present_vision_calls
+from app.grouping.sequence_parallel import check_heads
+from app.grouping.vision import cache as vision_cache
+from app.rollout.registry import needs_engine_views
+from app.runtime import checkpoint, distributed, lora, parallel, zero
+from app.runtime.models import (
+    CheckpointPathError,
+    check_checkpoint,
+    enable_activation_checkpointing,
+    load_model,
+    load_processor,
+)
+from app.runtime.tracking import StepMetrics, Tracker, configure_logging
+from app.training.scoring import GroupScorer, without_grad
+
+log = logging.getLogger("app.training.recipe")
+CRASH_ENV = "PREFIX_GRPO_CRASH_AFTER_STEP"  # tests: die right after this step, as a crash would
+VISION_PLANS = {
+    "outputs": "frozen (projector too): each image/video is encoded once per step and its outputs reused "
+               "(forward.vision_cache=step)",
+    "blocks": "frozen, projector trains: each image/video goes through the frozen blocks once per step; the "
+              "projector runs in every forward (forward.vision_cache=step)",
+    "count": "every forward runs it (it trains, or forward.vision_cache=off); its work is counted as vision/*",
+}
+
+
+def cosine_with_warmup(optimizer, warmup: int, total: int, min_ratio: float):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class Recipe:
+    name = "train"  # the progress bar's label
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.rank, self.world = distributed.init_distributed()
+        # train.sequence_parallel_size consecutive ranks share each packed row; data parallelism over world / S
+        self.parallel = parallel.ParallelContext.start(cfg.train.sequence_parallel_size)
+        self.device = distributed.local_device()
+        torch.manual_seed(cfg.train.seed)
+        self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        self.gas = cfg.train.prompts_per_rank // cfg.train.groups_per_micro_batch
+        self.ds_config = zero.load_deepspeed_config(
+            cfg.train.deepspeed_config, gradient_accumulation_steps=self.gas,
+            max_grad_norm=cfg.train.max_grad_norm, dtype=cfg.model.dtype)
+        self._hf_ds = zero.hf_deepspeed_config(self.ds_config)  # must outlive from_pretrained (weakref)
+
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # per-rank weight-loading bars would interleave with the training bar
+        log.info("loading the policy from %s", cfg.model.path)
+        self.processor = load_processor(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        policy = load_model(cfg.model.path, dtype=self.dtype, attn_implementation=cfg.model.vision_attention,
+                            trust_remote_code=cfg.model.trust_remote_code)
+        check_heads(policy.config, self.parallel.sp.size)
+        policy = lora.prepare(policy, cfg.lora, cfg.model)  # frozen towers, LoRA adapters (config permitting)
+        if cfg.model.gradient_checkpointing:
+            enable_activation_checkpointing(policy)
+        optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.train.learning_rate,
+                                      weight_decay=cfg.train.weight_decay)
+        total_updates = cfg.train.max_steps * self.updates_per_step(cfg)
+        scheduler = cosine_with_warmup(optimizer, cfg.train.warmup_steps, total_updates, cfg.train.min_lr_ratio)
+        self.engine = zero.build_engine(policy, self.ds_config, optimizer, scheduler)
+        # the sequence-parallel forward runs the tower frame-sharded, past the cache (config warns)
+        self.vision_cache = vision_cache.install(self.engine, "off" if self.parallel.sp.size > 1 else cfg.forward.vision_cache,
+                                                 cfg.forward.vision_chunk_frames)
+        if self.vision_cache is not None and self.rank == 0:
+            log.info("vision tower: %s", VISION_PLANS[self.vision_cache.plan])
+        self.output_dir = Path(cfg.train.output_dir)
+        self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.parallel.dp_rank, self.parallel.dp_size,
+                                  lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank,
+                                  skip_log=self.output_dir / "logs" / "skipped_at_load.jsonl",
+                                  engine_views=needs_engine_views(cfg.rollout.engine))
+        self.start_step = 0
+        self.scorer = GroupScorer(cfg.forward, self.parallel.sp)  # a recipe whose groups are trees sets a TreeScorer
+        self.setup()
+        if cfg.train.resume:
+            self._resume()
+        if self.rank == 0:
+            log.info("batch: %s", self.batch_plan())
+        self.tracker = Tracker(cfg.logging, self.output_dir, cfg.to_dict(), self.rank == 0, cfg.train.max_steps,
+                               start_step=self.start_step, label=self.name)
+
+    @staticmethod
+    def updates_per_step(cfg: Config) -> int:
+        """Optimizer updates per step (for the learning-rate schedule)."""
+        return 1
+
+    def setup(self) -> None:
+        """What only this recipe needs (a reference model, reward functions...), before a resume."""
+
+    def batch_plan(self) -> str:
+        """The step's arithmetic, said once at start-up (rank 0)."""
+        t = self.cfg.train
+        dp = self.parallel.dp_size
+        return (f"{dp} rank(s) x {t.prompts_per_rank} example(s) per rank = {dp * t.prompts_per_rank} "
+                f"per step; {t.groups_per_micro_batch} per micro-batch -> {self.gas} micro-batch(es) per rank "
+                f"(gradient accumulation {self.gas}); {t.max_steps} steps")
+
+    def learning_rate(self) -> float:
+        """The rate the coming optimizer update uses (DeepSpeed's scheduler moves after each update)."""
+        return float(self.engine.get_lr()[0])
+
+    def train_step(self, step: int) -> dict:
+        raise NotImplementedError
+
+    def data_wait(self, step: int) -> float:
+        """Seconds this step waited for its prompts; one log line with the step's skips by reason, if any."""
+        waited, self.stream.wait_seconds = self.stream.wait_seconds, 0.0
+        skips = self.stream.take_skips()
+        if skips:
+            log.warning("step %d: skipped %d record(s) (%s); %d in total (the first skip of each record is named "
+                        "above)", step + 1, sum(skips.values()), ", ".join(f"{k}: {v}" for k, v in skips.items()),
+                        sum(self.stream.skipped.values()))
+        return waited
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    def train(self) -> Path | None:
+        cfg = self.cfg
+        crash_after = int(os.environ.get(CRASH_ENV, "-1"))
+        self.stream.prefetch()  # the first step's prompts start decoding now (from the resumed position)
+        last = min(cfg.train.stop_at_step or cfg.train.max_steps, cfg.train.max_steps)
+        for step in range(self.start_step, last):
+            metrics = self.train_step(step)
+            if self.vision_cache is not None:
+                self.vision_cache.clear()  # entries live for one step (the tower is frozen, the memory is not free)
+            if (step + 1) % cfg.logging.log_every == 0 or step + 1 == last:
+                self.tracker.log(step + 1, metrics)
+            if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 and step + 1 < last:
+                self.save(step + 1)
+            if step + 1 == crash_after:
+                log.error("simulated crash after step %d (%s)", step + 1, CRASH_ENV)
+                os._exit(17)
+        self.stream.close()
+        self.save(last)
+        final = None
+        if cfg.train.export_hf:
+            final = checkpoint.export_hf(self.engine, self.processor, self.output_dir / "final", cfg.model.path,
+                                         self.dtype, lora_cfg=cfg.lora if cfg.lora.rank else None)
+        self.tracker.close()
+        return final
+
+    @staticmethod
+    def vision_calls_for(inputs: list[dict], engine, training: bool = False) -> list[tuple[str, ...] | None]:
+        """For each of several forwards, the vision-tower passes every rank makes: for each modality the most that
+        any rank's prompts need (one small all-reduce for all of them; every rank passes as many forwards; with the
+        vision cache a modality takes one pass per item still to encode). Needed under ZeRO-3 with several ranks
+        (every module call all-gathers) and, for a training forward, under any data parallelism (a text-only rank
+        would otherwise give the vision tower no gradient while the others do, and the gradient all-reduce would
+        not match)."""
+        if distributed.world_size() == 1 or not (training or zero.forwards_are_collective(engine)):
+            return [None] * len(inputs)
+        counts = parallel.all_reduce_max([float(present_vision_calls(one, engine).count(m)) for one in inputs
+                                             for m in MODALITIES])
+        k = len(MODALITIES)
+        return [tuple(m for j, m in enumerate(MODALITIES) for _ in range(int(counts[i * k + j])))
+                for i in range(len(inputs))]
+
+    def vision_calls(self, inputs: dict, engine, training: bool = False) -> tuple[str, ...] | None:
+        return self.vision_calls_for([inputs], engine, training)[0]
+
+    def likelihood_metrics(self, losses: list[float], tokens: int, *, started: float, waited: float,
+                           learning_rate: float, extra: dict | None = None) -> dict:
+        """A supervised step's metrics (SFT, SFT with tools), reduced across the replicas: the mean loss, target
+        tokens, time, the optimizer's rate and gradient norm, skipped records, the vision tower's work, ``extra``."""
+        grad_norm = self.engine.get_global_grad_norm()
+        m = StepMetrics()
+        m.mean("loss", sum(losses) / len(losses))
+        m.mean("tokens/target", float(tokens))
+        m.mean("time/step", time.perf_counter() - started)
+        m.mean("time/data_wait", waited)
+        for name, value in (extra or {}).items():
+            m.mean(name, value)
+        m.local("learning_rate", learning_rate)
+        m.local("grad_norm", float(grad_norm) if grad_norm is not None else 0.0)
+        m.local("data/skipped", float(sum(self.stream.skipped.values())))
+        self.vision_metrics(m)
+        return m.reduce(self.parallel.dp_gather)
+
+    def vision_metrics(self, metrics) -> None:
+        """The step's vision-tower work: items encoded, the tower passes they took (more with
+        forward.vision_chunk_frames), items served from the cache, and encodings per distinct item (1.0 with the
+        cache on: each image/video encoded once per step)."""
+        if self.vision_cache is None:
+            return
+        counts = self.vision_cache.counts()
+        metrics.sum("vision/tower_items", counts["tower_items"])
+        metrics.sum("vision/cache_hits", counts["cache_hits"])
+        metrics.sum("vision/tower_passes", counts["tower_passes"])  # > tower_items: frame-chunked
+        metrics.fraction("vision/tower_passes_per_item", counts["tower_items"], counts["items"])
+
+    def decode(self, completion_ids, completion_mask) -> list[str]:
+        return [self.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+                for ids, m in zip(completion_ids, completion_mask)]
+
+    def scores_without_grad(self, model, inputs: dict, completion_ids, completion_mask, group_sizes, *,
+                            vision_calls=None, temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs under ``model`` without gradient (``app.training.scoring.without_grad``: gathered for inference as
+        ``rollout.zero3_gather`` says; ``model`` may be the policy with its adapters off)."""
+        return without_grad(self.scorer, model, inputs, completion_ids, completion_mask, group_sizes,
+                            gather=self.cfg.rollout.zero3_gather, vision_calls=vision_calls, temperature=temperature)
+
+    def scores(self, model, inputs: dict, completion_ids, completion_mask, group_sizes, **kwargs):
+        """Completion log-probs from the recipe's scorer (``app.training.scoring``: the configured forward)."""
+        return self.scorer(model, inputs, completion_ids, completion_mask, group_sizes, **kwargs)
+
+    def trainer_state(self, step: int) -> dict:
+        return {"step": step, "stream_position": self.stream.position, "skipped": dict(self.stream.skipped),
+                "world_size": self.world, "zero_stage": zero.zero_stage(self.ds_config),
+                "sequence_parallel_size": self.cfg.train.sequence_parallel_size}
+
+    def save(self, step: int) -> None:
+        checkpoint.save_checkpoint(self.engine, self.output_dir, step, self.trainer_state(step),
+                                   keep=self.cfg.train.keep_checkpoints)
+
+    def _resume(self) -> None:
+        """Continue from the newest checkpoint that is complete and loads; fall back to older ones with a warning;
+        refuse (never restart from step 0) when checkpoints exist but none can be used."""
+        path, passed_over = checkpoint.latest_checkpoint(self.output_dir, self.world)
+        for reason in passed_over:
+            log.warning("resume: passing over a checkpoint: %s", reason)
+        if path is None:
+            log.warning("train.resume=true but %s has no checkpoint yet; starting from step 0", self.output_dir)
+            return
+        state = checkpoint.load_checkpoint(self.engine, path)
+        if state["world_size"] != self.world:
+            raise RuntimeError(f"{path} was written by {state['world_size']} ranks, this run has {self.world}")
+        if state.get("sequence_parallel_size", 1) != self.cfg.train.sequence_parallel_size:
+            raise RuntimeError(f"{path} was written with train.sequence_parallel_size="
+                               f"{state.get('sequence_parallel_size', 1)}, this run has "
+                               f"{self.cfg.train.sequence_parallel_size} (the data order per replica would differ)")
+        self.start_step = state["step"]
+        self.stream.position = state["stream_position"]
+        self.stream.skipped.update(state["skipped"])
+        log.info("resumed from %s at step %d", path, self.start_step)
+
+
+def run(recipe: Callable[[Config], Recipe], doc: str, argv: list[str] | None = None) -> None:
+    """The command line of a recipe: CONFIG [section.key=value ...]; ``recipe``: a Recipe class, or a function of
+    the config that builds one (``app.training.train`` picks GRPO or GRPO with tools)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(doc)
+        print("Configuration keys (python -m app.config lists them with help):")
+        raise SystemExit(0 if argv else 2)
+    configure_logging()
+    try:
+        cfg = load_config(argv[0], argv[1:])
+        check_checkpoint(cfg.model.path)
+        if cfg.model.reference_path:
+            check_checkpoint(cfg.model.reference_path, "model.reference_path")
+    except ConfigError as error:
+        raise SystemExit(f"config error: {error}") from None
+    except CheckpointPathError as error:
+        raise SystemExit(f"model error: {error}") from None
+    configure_logging(Path(cfg.train.output_dir) / "logs" / f"rank{os.environ.get('RANK', '0')}.log",
+                      rank=int(os.environ.get("RANK", "0")))
+    try:
+        trainer = recipe(cfg)
+        trainer.train()
+    except ConfigError as error:  # what only the recipe can check
+        raise SystemExit(f"config error: {error}") from None
+    except checkpoint.CheckpointError as error:
+        raise SystemExit(f"resume error: {error}") from None
+    except (DataError, SettingError) as error:  # named in one line, like a config error (details in logs/)
+        raise SystemExit(f"data error: {error}") from None
+    distributed.shutdown()

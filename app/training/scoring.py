@@ -1,0 +1,73 @@
+"""Scorers: what turns a micro-batch into the per-token log-probs the loss, the KL reference and the old policy
+use. The recipe holds one, built once, and asks it for scores; how they are made (the grouped or repeated layout,
+the sequence-parallel forward, prefix trees) is the scorer's business.
+
+    scorer(model, inputs, completion_ids, completion_mask, group_sizes, temperature=..., vision_calls=...,
+           return_entropy=...) -> scores with .logprobs [n, L], .entropy, .layout (packed_tokens, repeated_tokens)
+
+- ``GroupScorer``: one prompt per group and G completions (``app.grouping.completion_logprobs``), as
+  ``forward.*`` configures it (grouping, backend, log-prob chunk size, sequence parallelism);
+- ``TreeScorer``: groups that are prefix trees (multi-turn rollouts with tools; ``inputs["trees"]``), all of a
+  micro-batch's trees in one packed row (``app.grouping.tree.layout.forest_logprobs``; tree attention ``masked``, or
+  ``split`` when ``forward.attention_backend=split``); ``forward.grouping=repeated`` runs each root-to-leaf path as
+  its own row instead;
+- ``without_grad(scorer, model, ...)``: any scorer's log-probs for the reference and the old policy (no gradient,
+  the ZeRO-3 gather, the adapters-off reference).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app.grouping import completion_logprobs
+from app.grouping.tree.forward import forest_logprobs
+from app.runtime import lora, zero
+
+
+class GroupScorer:
+    def __init__(self, forward_cfg, sequence_parallel=None):
+        self.cfg, self.sp = forward_cfg, sequence_parallel
+
+    def __call__(self, model, inputs, completion_ids, completion_mask, group_sizes, **kwargs):
+        f = self.cfg
+        return completion_logprobs(model, inputs, completion_ids, completion_mask, group_sizes, mode=f.grouping,
+                                   backend=f.backend, chunk_size=f.logprob_chunk_size, sequence_parallel=self.sp,
+                                   **kwargs)
+
+
+def tree_backend(attention_backend: str) -> str:
+    """The prefix-tree attention for ``forward.attention_backend``: split (CPU) and flex build no [T, T] mask;
+    anything else (auto included) is the dense tree mask, ``masked``."""
+    return attention_backend if attention_backend in ("split", "flex") else "masked"
+
+
+class TreeScorer:
+    def __init__(self, forward_cfg):
+        self.cfg = forward_cfg
+
+    def __call__(self, model, inputs, completion_ids, completion_mask, group_sizes, *, temperature: float = 1.0,
+                 vision_calls=None, return_entropy: bool = False):
+        mode = "tree" if self.cfg.grouping == "grouped" else "paths"
+        backend = tree_backend(self.cfg.attention_backend)
+        return forest_logprobs(model, inputs["trees"], mode, temperature=temperature,
+                               chunk_size=self.cfg.logprob_chunk_size, return_entropy=return_entropy,
+                               vision_calls=vision_calls, backend=backend)
+
+
+@torch.no_grad()
+def without_grad(scorer, model, inputs, completion_ids, completion_mask, group_sizes, *, gather: str = "full",
+                 vision_calls=None, temperature: float = 1.0) -> torch.Tensor:
+    """``scorer``'s log-probs under ``model`` without gradient, in eval mode, its parameters gathered for inference
+    as ``gather`` (``rollout.zero3_gather``) says; ``model`` may be ``lora.AdaptersOff`` (the policy with its
+    adapters off: the reference under LoRA). ``vision_calls`` are passed only where DeepSpeed's hooks stay on
+    (per_step), where every rank's tower calls must agree."""
+    model, adapters_off = lora.resolve(model)
+    hooked = gather == "per_step" and zero.forwards_are_collective(model)
+    with (zero.gathered_for_inference(model, gather) as (module, _),
+          lora.adapters_disabled(module, adapters_off)):
+        was_training = module.training
+        module.eval()
+        scores = scorer(module, inputs, completion_ids, completion_mask, group_sizes, temperature=temperature,
+                        vision_calls=vision_calls if hooked else None)
+        module.train(was_training)
+    return scores.logprobs

@@ -1,0 +1,127 @@
+"""A GRPO step's data as typed containers, handed from stage to stage (no tuples cross a stage boundary).
+
+    Trajectory   one rank's groups for the step: prompts, the rollout, texts, rewards, advantages
+    MicroBatch   a view of some of its groups, built once per step: prompts collated and on the device once, the
+                 completion rows, their advantages, loss weights and sampling log-probs; the reference and old
+                 log-probs are filled in as they are computed and travel inside
+
+Groups are contiguous runs of rows of any sizes; ``app.common.groups.group_slices`` walks them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from app.common.groups import group_slices
+from app.data.prompts import collate_prompts
+from app.data.records import EncodedPrompt
+from app.grouping.tree.forward import forest_vision
+from app.rollout.generate import Rollout, select_groups
+
+
+@dataclass
+class Trajectory:
+    """One rank's groups for a step, rolled out and scored."""
+
+    prompts: list[EncodedPrompt]
+    rollout: Rollout
+    texts: list[str]  # decoded completions, one per row
+    accuracy: list[float]  # per completion, scored once (metrics, bonuses and dynamic sampling reuse it)
+    rewards: dict[str, list[float]]  # per reward name (and bonus), unweighted, one value per row
+    total_reward: torch.Tensor  # [N] weighted sum
+    advantages: torch.Tensor | None = None  # [N], set once the step's groups are chosen
+    draws: dict[str, float] = field(default_factory=dict)  # counts over every group the step drew (metrics)
+    # Multi-turn rollouts: each group is a prefix tree (app.grouping.tree.layout), its rows the paths to its leaves
+    # (completion_ids: every path token; completion_mask: the model's own tokens, observations 0)
+    trees: list | None = None
+    counts: dict[str, float] = field(default_factory=dict)  # per-step counts summed over ranks (tools/*)
+
+    @property
+    def group_sizes(self) -> list[int]:
+        return list(self.rollout.group_sizes)
+
+    def groups(self) -> list[slice]:
+        return group_slices(self.group_sizes)
+
+    @property
+    def records(self) -> list[dict]:
+        """The record of each row."""
+        return [self.prompts[g].record for g, rows in enumerate(self.groups()) for _ in range(rows.stop - rows.start)]
+
+    @classmethod
+    def select(cls, trajectories: Sequence[Trajectory], picks: Sequence[tuple[int, int]], pad_id: int) -> Trajectory:
+        """The groups ``picks`` = [(trajectory index, group index)] of several, as one trajectory."""
+        slices = [t.groups() for t in trajectories]
+        rows = [(k, i) for k, g in picks for i in range(slices[k][g].start, slices[k][g].stop)]
+        first = trajectories[0]
+        return cls(
+            prompts=[trajectories[k].prompts[g] for k, g in picks],
+            rollout=select_groups([t.rollout for t in trajectories], picks, pad_id),
+            texts=[trajectories[k].texts[i] for k, i in rows],
+            accuracy=[trajectories[k].accuracy[i] for k, i in rows],
+            rewards={name: [trajectories[k].rewards[name][i] for k, i in rows] for name in first.rewards},
+            total_reward=(torch.stack([trajectories[k].total_reward[i] for k, i in rows]) if rows
+                          else torch.zeros(0)),
+            trees=[trajectories[k].trees[g] for k, g in picks] if first.trees is not None else None,
+            counts={key: sum(t.counts.get(key, 0.0) for t in trajectories)  # what every draw counted (tools/*)
+                    for key in {k for t in trajectories for k in t.counts}},
+        )
+
+    def micro_batches(self, groups_per_micro_batch: int, loss_weights: torch.Tensor, pad_id: int,
+                      device) -> list[MicroBatch]:
+        """Views of ``groups_per_micro_batch`` groups each: prompts collated and moved to ``device`` once, for
+        every forward of the step (reference, old, self-check, policy)."""
+        slices = self.groups()
+        out = []
+        for first in range(0, len(self.prompts), groups_per_micro_batch):
+            groups = list(range(first, min(first + groups_per_micro_batch, len(self.prompts))))
+            rows = torch.tensor([i for g in groups for i in range(slices[g].start, slices[g].stop)])
+            mask = self.rollout.completion_mask[rows]
+            width = last_marked(mask)
+            out.append(MicroBatch(
+                groups=groups,
+                rows=rows,
+                inputs=(collate_prompts([self.prompts[g].inputs for g in groups], pad_id, device)
+                        if self.trees is None else tree_inputs([self.trees[g] for g in groups], device)),
+                completion_ids=self.rollout.completion_ids[rows, :width].to(device),
+                completion_mask=mask[:, :width].to(device),
+                group_sizes=[slices[g].stop - slices[g].start for g in groups],
+                sampled_logprobs=self.rollout.logprobs[rows, :width].to(device),
+                advantages=self.advantages[rows].to(device),
+                loss_weights=loss_weights[rows, :width].to(device),
+            ))
+        return out
+
+
+def last_marked(mask: torch.Tensor) -> int:
+    """1 + the last column any row marks (at least 1): the width that keeps every marked token."""
+    columns = mask.bool().any(0).nonzero()
+    return int(columns.max()) + 1 if len(columns) else 1
+
+
+def tree_inputs(trees: list, device) -> dict:
+    """A micro-batch of prefix trees: the trees on the device, and their vision tensors (what the vision-call
+    agreement counts)."""
+    trees = [t.to(device) for t in trees]
+    return {"trees": trees, **forest_vision(trees)}
+
+
+@dataclass
+class MicroBatch:
+    """Some groups of a trajectory, ready for a forward: everything on the device, cut to its widest completion."""
+
+    groups: list[int]  # group indices in the trajectory
+    rows: torch.Tensor  # completion rows in the trajectory
+    inputs: dict  # the groups' prompts, collated (left-padded), on the device
+    completion_ids: torch.Tensor  # [n, L]
+    completion_mask: torch.Tensor  # [n, L]
+    group_sizes: list[int]
+    sampled_logprobs: torch.Tensor  # [n, L] the rollout's own log-probs of the sampled tokens
+    advantages: torch.Tensor  # [n]
+    loss_weights: torch.Tensor  # [n, L] tokens that carry loss (completion mask, overlong filtering applied)
+    vision_calls: tuple[str, ...] | None = None  # the vision-tower calls every rank makes in a training forward
+    reference_logprobs: torch.Tensor | None = None  # [n, L], when a KL reference is used
+    old_logprobs: torch.Tensor | None = None  # [n, L], when mu > 1
