@@ -746,3 +746,30 @@ def test_refcoco_files_convert_to_vlm_r1s_subset_and_evaluate_with_its_input_siz
         grid = processor(text=[processor.apply_chat_template(message, tokenize=False, add_generation_prompt=True)],
                          images=images, return_tensors="pt")["image_grid_thw"][0]
         assert image_sizes(record, prompt, 14) == [(h, w, int(grid[1] * 14), int(grid[2] * 14))]
+
+
+def test_hedged_answers_per_protocol_this_projects_scoring_refuses_them_published_scripts_as_they_do():
+    """An answer that commits to more than one option, span or box: this project's scoring (training rewards and
+    eval.answer_extraction=project) gives 0 in every form; each published protocol keeps its script's reading,
+    which docs/evaluation.md states: Video-R1's exact match refuses them; VideoChat-R1's NExT-GQA reads the first
+    capital A-G anywhere ("Both A and B" reads the B of "Both"); TimeZero reads the last "a to b"; VLM-R1 the last box
+    inside {...}."""
+    from app.rewards.protocols import ANSWER_EXTRACTION
+
+    def score(protocol, answer, record):
+        return ANSWER_EXTRACTION[protocol][0](f"<think>hm</think><answer>{answer}</answer>", record)
+
+    choice = {"problem_type": "multiple choice", "solution": "<answer>B</answer>"}
+    for hedge in ("A or B", "Both A and B", "A, B", "A and/or B", "(A) or (B)"):
+        assert score("project", hedge, choice) == 0.0, hedge
+        assert score("video_r1", hedge, choice) == 0.0, hedge
+    assert score("videochat_r1_gqa", "A or B", choice) == 0.0  # its first capital: A
+    assert score("videochat_r1_gqa", "Both A and B", choice) == 1.0  # its first capital: the B of "Both"
+    span = {"problem_type": "temporal grounding", "solution": "<answer>[24.3, 30.4]</answer>", "duration": 31}
+    assert score("project", "0 to 5 or 24.3 to 30.4", span) == 0.0
+    assert score("timezero", "0 to 5 or 24.3 to 30.4", span) == pytest.approx(1.0)  # its last span
+    box = {"problem_type": "spatial grounding", "solution": "<answer>[10, 20, 110, 220]</answer>"}
+    assert score("project", "[0, 0, 5, 5] or [10, 20, 110, 220]", box) == 0.0
+    sizes = [(400, 400, 400, 400)]
+    assert ANSWER_EXTRACTION["vlm_r1_rec"][0](
+        '<answer>{"bbox_2d": [0, 0, 5, 5], "or": [10, 20, 110, 220]}</answer>', {**box, "_image_sizes": sizes}) == 1.0

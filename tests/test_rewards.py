@@ -89,6 +89,16 @@ GAMED = [
     ("multiple choice", "A", said("A cat"), 0.0),
     ("multiple choice", "B", said("B is wrong, C is right"), 0.0),
     ("multiple choice", "B", said("B and C"), 0.0),
+    # an answer that commits to two options is a hedge whatever the wording: "A" before a joining word is a letter
+    *[("multiple choice", truth, said(answer), 0.0) for truth, answer in (
+        ("B", "A or B"), ("B", "Both A and B"), ("B", "Either A or B"), ("B", "A and B"), ("B", "A and/or B"),
+        ("B", "A/B"), ("B", "A & B"), ("B", "(A) or (B)"), ("B", "A or maybe B"), ("B", "The answer is A or B"),
+        ("B", "A, B"), ("B", "A; B"), ("B", "A (or B)"), ("B", "A vs B"), ("B", "A or B."), ("A", "B or A"),
+        ("C", "A or B or C"), ("A", "A nor B"), ("C", "C, or A and B"), ("A", "Options A and B"))],
+    # ... and so is more than one number, interval or box
+    ("numerical", "3", said("3, 4"), 0.0),
+    ("numerical", "3", said("3 or maybe 4"), 0.0),
+    ("regression", "10", said("10 to 12"), 0.0),
     # inside a sentence: one-letter words that are not options (I, the article A) never make a hedge or a choice
     ("multiple choice", "C", said("I think it could be B or C"), 0.0),
     ("multiple choice", "A", said("I see a dog"), 0.0),
@@ -261,7 +271,7 @@ TEMPORAL = [
     ("[0, 9999]", {}, pytest.approx(4 / 9999)), ("[0, 9999]", {"duration": 20}, pytest.approx(4 / 20)),
     # malformed or ambiguous: no score
     ("7", {}, 0.0), ("3, 5, 7", {}, 0.0), ("[1, 2] and [3, 7]", {}, 0.0), ("[-1, 7]", {}, 0.0), ("soon", {}, 0.0),
-    ("", {}, 0.0),
+    ("", {}, 0.0), ("[3, 7] or [4, 8]", {}, 0.0), ("3 to 7, or 4 to 8", {}, 0.0),
 ]
 
 
@@ -277,6 +287,7 @@ SPATIAL = [
     # refused, not guessed: pixel values where normalised ones are asked, 5 numbers, two boxes, a negative
     ("[10, 20, 110, 220]", "normalized", 0.0), ("[10, 20, 110, 220, 5]", "pixel", 0.0),
     ("[0, 0, 5, 5] [10, 20, 110, 220]", "pixel", 0.0), ("[-10, 20, 110, 220]", "pixel", 0.0),
+    ("[10, 20, 110, 220] or [0, 0, 5, 5]", "pixel", 0.0),
     ("the left one", "pixel", 0.0),
 ]
 

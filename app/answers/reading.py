@@ -51,8 +51,11 @@ _LETTER_FORMS = (
 # "A cat" is an article and a noun, "B or C" a hedge.
 _JUSTIFIED = re.compile(r"^([A-Za-z])\s+(?P<rest>(?:\(|(?:because|since|as|given|due|which|this|it|that|is|was)\b).*?)"
                         r"[.]?$", re.DOTALL | re.IGNORECASE)
-# Another option letter standing alone in the text after the answer makes it a hedge ("A, C", "B, or C").
-_OTHER_LETTER = re.compile(r"(?<![\w'])(?:[B-HJ-Z]|A(?!\s+[a-z]))(?![\w'])")
+# Words that join two choices: after one of them "A" is an option letter, not the article ("A or B", "both A and B").
+_JOINING = r"(?:or|and|nor|vs|versus|plus|and/or)\b"
+# Another option letter standing alone in the text after the answer makes it a hedge ("A, C", "B, or C", "C, or A
+# and B").
+_OTHER_LETTER = re.compile(rf"(?<![\w'])(?:[B-HJ-Z]|A(?!\s+(?!{_JOINING})[a-z]))(?![\w'])")
 
 
 def _unwrap(text: str) -> str:
@@ -74,8 +77,9 @@ def _unwrap(text: str) -> str:
 _STATED = re.compile(r"(?:^|[\s,;:(])(?:answer|option|choice)(?:\s+(?:is|would\s+be|should\s+be|must\s+be))?\s*[:：]?\s*"
                      r"(?P<said>[(\[*`$]*[A-Za-z](?![\w'])[^\n]*)$", re.IGNORECASE | re.DOTALL)
 # One-letter words that are not option letters: the pronoun "I" ("I think", "I'm") and the article "A"/"a" before a
-# word ("A dog runs"). Every other letter standing alone is a candidate.
-_NOT_A_LETTER = re.compile(r"^(?:I(?:\s+[a-z]|'[a-z])|[Aa]\s+[a-z])")
+# word ("A dog runs"), but not before a word joining choices ("A or B" names two options: a hedge). Every other
+# letter standing alone is a candidate.
+_NOT_A_LETTER = re.compile(rf"^(?:I(?:\s+[a-z]|'[a-z])|[Aa]\s+(?!{_JOINING})[a-z])")
 _STANDALONE = re.compile(r"(?<![\w'\\])[A-Za-z](?![\w'])")
 
 
@@ -97,8 +101,8 @@ def option_letter(text: str) -> str | None:
     Named: "B", "b", "B.", "(B)", "[B]", "**B**", "\\boxed{B}", "Answer: B", "B. red", "B, the red one",
     "B - red", "B because the square is red", "B is correct", "B (the red one)"; inside a sentence, "the red one
     falls, so the answer is B" and "I think it is C" / "A dog runs left: D" (the pronoun I and the article A before a
-    word are words). None: "blue", "Because ...", "a cat", "B or C", "A, C", "B, not C" (a second option letter in
-    the text is a hedge)."""
+    word are words). None: "blue", "Because ...", "a cat", "B or C", "A or B", "both A and B", "A, C", "B, not C" (a
+    second option letter in the text is a hedge: an answer commits to one option)."""
     text = _unwrap(text)
     for pattern in (*_LETTER_FORMS, _JUSTIFIED):
         match = pattern.match(text)
