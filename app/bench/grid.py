@@ -17,7 +17,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from app.bench.common import cli, device, isolated, markdown_table, timed, write_report
-from app.grouping import GroupedAttentionPlan, GroupLayout, completion_logprobs, set_text_attention
+from app.grouping import (
+    GroupedAttentionPlan,
+    GroupLayout,
+    attention_restored,
+    completion_logprobs,
+    set_text_attention,
+)
 from app.grouping.attention import PLAN_KWARG, response_chunks
 from app.runtime.models import TinySizes, build_tokenizer, model_class, tiny_config
 
@@ -73,8 +79,14 @@ def count_flops(prefix: int, suffix: int, group: int, variant: str) -> float:
     """FlopCounterMode over one forward+backward on the meta device (no data, any size)."""
     model = bench_model(meta=True)
     prompts, completions, mask = _inputs(prefix, suffix, group, model.config.text_config.vocab_size)
-    meta = torch.device("meta")
     counter = FlopCounterMode(display=False)
+    with attention_restored(model):
+        return _counted(model, prompts, completions, mask, counter, prefix=prefix, suffix=suffix, group=group,
+                        variant=variant)
+
+
+def _counted(model, prompts, completions, mask, counter, *, prefix: int, suffix: int, group: int, variant: str):
+    meta = torch.device("meta")
     if variant == "repeated":
         set_text_attention(model, "sdpa")
         ids = torch.cat([prompts["input_ids"].expand(group, -1), completions], dim=1)

@@ -79,7 +79,7 @@ def forward_backward(model, prompts: dict, completions: torch.Tensor, mask: torc
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    from app.grouping import completion_logprobs
+    from app.grouping import attention_restored, completion_logprobs
 
     for p in model.parameters():
         if p.requires_grad and p.grad is None:
@@ -98,7 +98,7 @@ def forward_backward(model, prompts: dict, completions: torch.Tensor, mask: torc
         scores.sum().backward()
 
     start = time.perf_counter()
-    with LiveMemory() as memory:
+    with attention_restored(model), LiveMemory() as memory:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             scores = completion_logprobs(model, prompts, completions, mask, group, mode=mode,
                                          backend=backend).logprobs
@@ -108,7 +108,7 @@ def forward_backward(model, prompts: dict, completions: torch.Tensor, mask: torc
     counted = 0
     if flops:
         counter = FlopCounterMode(display=False, custom_mapping=cpu_attention_flops())
-        with counter:
+        with attention_restored(model), counter:
             step()
         counted = counter.get_total_flops()
     return {"peak": memory.peak, "saved": sum(saved.values()), "seconds": seconds, "flops": counted}

@@ -37,13 +37,13 @@ from app.grouping.forward import (
     verify_grouping,
 )
 from app.grouping.layout import GroupLayout, LayoutError, normalize_group_sizes
-from app.grouping.modules import set_text_attention, text_config, unwrap
+from app.grouping.modules import attention_restored, set_text_attention, text_config, unwrap
 from app.grouping.positions import continue_after_media, use_qwen_positions
 from app.grouping.precision import PrecisionComparison, compare_to_reference, float32_forward
 from app.grouping.vision.calls import MODALITIES, aligned_vision_calls, present_vision_calls
 
 __all__ = [
-    "ATTENTION_NAME", "BACKENDS", "DECODE_MODES", "DEFAULT_CHUNK_SIZE", "MODALITIES", "MODES", "CompletionScores", "GroupLayout",
+    "ATTENTION_NAME", "BACKENDS", "attention_restored", "DECODE_MODES", "DEFAULT_CHUNK_SIZE", "MODALITIES", "MODES", "CompletionScores", "GroupLayout",
     "GroupedAttentionPlan", "GroupedDecoder", "GroupingMismatchError", "LayoutError", "PrecisionComparison",
     "SelfCheck", "aligned_vision_calls", "compare_to_reference", "completion_logprobs", "continue_after_media",
     "decode_mode", "default_backend",

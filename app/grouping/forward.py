@@ -20,7 +20,7 @@ import torch
 from app.grouping import attention
 from app.grouping.layout import GroupLayout, LayoutError
 from app.grouping.logprobs import CompletionScores, head_returns_logprobs
-from app.grouping.modules import set_text_attention, text_config, unwrap
+from app.grouping.modules import keeps_attention_unless_grad, set_text_attention, text_config, unwrap
 from app.grouping.positions import (
     VISION_KEYS,
     check_max_positions,
@@ -198,6 +198,7 @@ def _refuse_placeholders_in_completions(model, completion_ids, completion_mask) 
             )
 
 
+@keeps_attention_unless_grad
 def completion_logprobs(
     model,
     prompts: Mapping[str, torch.Tensor],
@@ -218,7 +219,9 @@ def completion_logprobs(
     """Log-probs of each completion token given its prompt, through the grouped or the repeated layout.
 
     Differentiable: call ``.backward()`` on any function of the result. Keep the model's attention setting
-    unchanged until that backward has finished (activation checkpointing recomputes through it).
+    unchanged until that backward has finished (activation checkpointing recomputes through it), then restore it
+    (``modules.attention_restored`` around forward and backward). Without gradients the setting is restored
+    before returning.
     ``vision_calls``: the vision-tower calls this forward must make even if its prompts lack that modality (the
     union over ranks under ZeRO-3; see ``vision_calls.aligned_vision_calls``); None makes only the calls needed.
     ``chunk_size`` > 0 (the default, 1024): the output head computes the target log-probs ``chunk_size`` tokens at a

@@ -32,6 +32,36 @@ def set_text_attention(model, name: str) -> None:
         model.set_attn_implementation(name)
 
 
+@contextlib.contextmanager
+def attention_restored(model):
+    """The language model's attention setting as it was before the block, whatever the block switched it to. A
+    forward that will be differentiated must keep its setting until its backward has finished (activation
+    checkpointing recomputes through it), so a block around a training forward ends after the backward."""
+    previous = text_config(model)._attn_implementation
+    try:
+        yield
+    finally:
+        set_text_attention(model, previous)
+
+
+def keeps_attention_unless_grad(function):
+    """``function(model, ...)`` leaves the model's attention setting as it found it when no gradient is being
+    recorded (nothing will recompute through it); with gradients on, the caller restores it after the backward
+    (``attention_restored``)."""
+    import functools
+
+    import torch
+
+    @functools.wraps(function)
+    def wrapper(model, *args, **kwargs):
+        if torch.is_grad_enabled():
+            return function(model, *args, **kwargs)
+        with attention_restored(model):
+            return function(model, *args, **kwargs)
+
+    return wrapper
+
+
 # ---- instance patches: a method replaced on ONE object (the class and other instances keep theirs) ----------------
 def patch_instance(obj, name: str, replacement) -> None:
     """``obj.name`` replaced by an instance attribute for good (until ``unpatch_instance``). On a module the class's

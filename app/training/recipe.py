@@ -21,6 +21,7 @@ from app.config.loading import Config, ConfigError, load_config
 from app.data.records import DataError, load_stream
 from app.data.video import SettingError
 from app.grouping import MODALITIES, present_vision_calls
+from app.grouping.modules import attention_restored
 from app.grouping.sequence_parallel import check_heads
 from app.grouping.vision import cache as vision_cache
 from app.rollout.registry import needs_engine_views
@@ -150,7 +151,8 @@ class Recipe:
         self.stream.prefetch()  # the first step's prompts start decoding now (from the resumed position)
         last = min(cfg.train.stop_at_step or cfg.train.max_steps, cfg.train.max_steps)
         for step in range(self.start_step, last):
-            metrics = self.train_step(step)
+            with attention_restored(self.engine):  # the step's forwards switch it; its backwards have run at the end
+                metrics = self.train_step(step)
             if self.vision_cache is not None:
                 self.vision_cache.clear()  # entries live for one step (the tower is frozen, the memory is not free)
             if (step + 1) % cfg.logging.log_every == 0 or step + 1 == last:

@@ -57,11 +57,12 @@ def build(preset: str, layers: int, dtype: torch.dtype, dev):
 
 def pass_once(model, prompts, completions, mask, group: int, *, mode: str, backend: str | None) -> None:
     """One policy forward+backward as the trainer runs it (entropy asked for on the first pass)."""
-    from app.grouping import completion_logprobs
+    from app.grouping import attention_restored, completion_logprobs
 
-    scores = completion_logprobs(model, prompts, completions, mask, group, mode=mode, backend=backend,
-                                 return_entropy=True)
-    scores.logprobs.sum().backward()
+    with attention_restored(model):
+        scores = completion_logprobs(model, prompts, completions, mask, group, mode=mode, backend=backend,
+                                     return_entropy=True)
+        scores.logprobs.sum().backward()
 
 
 def train_point(model, shape, prefix: int, variant: str, *, group: int, completion: int, dtype_bytes: int) -> dict:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from app.grouping.attention import ATTENTION_NAME, PLAN_KWARG
 from app.grouping.logprobs import head_returns_logprobs
-from app.grouping.modules import set_text_attention, unwrap
+from app.grouping.modules import keeps_attention_unless_grad, set_text_attention, unwrap
 from app.grouping.positions import VISION_KEYS, prompt_positions
 from app.grouping.tree.layout import PrefixTree, TreeAttentionPlan, tree_positions
 from app.grouping.vision.calls import aligned_vision_calls
@@ -124,6 +124,7 @@ def _paths_forward(model, tree: PrefixTree, temperature: float, chunk_size: int,
     return out
 
 
+@keeps_attention_unless_grad
 def forest_logprobs(model, trees: Sequence[PrefixTree], mode: str = "tree", *, temperature: float = 1.0,
                     chunk_size: int = 1024, return_entropy: bool = False, vision_calls=None,
                     backend: str | None = None) -> TreeScores:
