@@ -63,7 +63,7 @@ def test_missing_file_and_help():
     ("grpo.importance_sampling_cap=0.5", "'grpo.importance_sampling_cap' must be 0 (off) or >= 1"),
     ("grpo.dynamic_sampling_max_draws=-1", "'grpo.dynamic_sampling_max_draws' must be >= 0"),
     ("grpo.loss_aggregation=token", "'grpo.loss_aggregation' was renamed: use grpo.loss_type"),
-    ("grpo.loss_type=ppo", "'grpo.loss_type' must be one of ['grpo', 'bnpo', 'dapo', 'dr_grpo']"),
+    ("grpo.loss_type=ppo", "'grpo.loss_type' must be one of ['auto', 'grpo', 'bnpo', 'dapo', 'dr_grpo']"),
     ("rewards.functions=[format, length]", "set rewards.length=true"),
     ("data.shuffle=yes", "got 'yes' (yes/no/on/off are not booleans here"),
     ("data.image_min_pixels=999999999", "'data.image_min_pixels' must be <= data.image_max_pixels"),
@@ -101,7 +101,7 @@ def test_choices_come_from_the_modules_that_own_them():
     def choices(section, name):
         return next(f for f in dataclasses.fields(section) if f.name == name).metadata["choices"]
 
-    assert choices(config.GRPOConfig, "loss_type") is grpo.LOSS_TYPES
+    assert choices(config.GRPOConfig, "loss_type") is grpo.LOSS_TYPE_SETTINGS
     assert choices(config.GRPOConfig, "kl_estimator") is grpo.KL_ESTIMATORS
     assert choices(config.RolloutConfig, "engine") is engines.ENGINE_NAMES
     assert choices(config.EvalConfig, "engine") is engines.ENGINE_NAMES

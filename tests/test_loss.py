@@ -263,7 +263,7 @@ def test_cispo_keeps_a_gradient_where_the_clip_drops_it():
 @pytest.mark.parametrize(("settings", "message"), [
     ({"policy_loss": "gspo", "loss_type": "dapo"}, "'grpo.policy_loss' =gspo is a sequence-level objective"),
     ({"policy_loss": "gspo_token", "loss_type": "bnpo"}, "'grpo.policy_loss' .* needs grpo.loss_type=grpo"),
-    ({"policy_loss": "cispo", "delta": 1.5}, "'grpo.delta' \\(two-sided clipping\\)"),
+    ({"policy_loss": "cispo", "delta": 6.0}, "'grpo.delta' \\(two-sided clipping\\)"),
     ({"policy_loss": "sapo", "sapo_tau_neg": 0.0}, "'grpo.sapo_tau_neg' must be > 0"),
     ({"policy_loss": "ppo"}, "'grpo.policy_loss' must be one of"),
 ])
@@ -360,3 +360,88 @@ def test_two_ranks_under_deepspeed_follow_the_reference_gradient(tmp_path):
         grad = gradients(reference, data).view(len(data), -1)
         step = -torch.tensor(moved[f"{policy}/{loss_type}"], dtype=torch.float64).view(len(data), -1)
         assert torch.allclose(step, grad, rtol=2e-4, atol=1e-6), (policy, loss_type, (step - grad).abs().max())
+
+
+# ---- masked positions, sequence-level statistics, each objective's source settings ---------------------------------
+@pytest.mark.parametrize(("policy", "loss_type"), combinations())
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_masked_positions_never_reach_the_loss_or_its_gradient(policy, loss_type, beta):
+    """Anything at a masked position, even a log-ratio that overflows float32 (95 against -5: e^100), leaves the
+    loss, its gradient and its metrics what they are with harmless values there (SAPO's and the clip's gradient
+    were NaN)."""
+    logp = torch.tensor([[-1.0, -2.0, 95.0], [-0.5, -1.5, -3.0]])
+    old = torch.tensor([[-1.1, -1.9, -5.0], [-0.4, -1.2, 80.0]])
+    ref = torch.tensor([[-1.2, -2.1, -90.0], [-0.6, -1.4, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([1.0, -0.5])
+    options = LossOptions(policy_loss=policy, loss_type=loss_type, beta=beta, max_completion_length=3)
+    harmless = torch.where(mask.bool(), logp, old)
+
+    def run(values, reference):
+        values = values.clone().requires_grad_()
+        loss, metrics = grpo_loss(values, old, adv, mask, reference, options, tokens_per_micro_batch=4.0)
+        loss.backward()
+        return loss, values.grad, metrics
+
+    loss, grad, metrics = run(logp, ref if beta else None)
+    want_loss, want_grad, want_metrics = run(harmless, torch.where(mask.bool(), ref, harmless) if beta else None)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all(), (loss, grad)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
+    torch.testing.assert_close(grad, want_grad)
+    assert grad[~mask.bool()].eq(0).all()
+    assert metrics == pytest.approx(want_metrics)
+
+
+def test_sequence_level_objectives_count_sequences_in_their_statistics():
+    """GSPO clips whole sequences: its clip fractions and ratio statistics count each sequence once (TRL's
+    importance_sampling_level="sequence"), not its tokens. Three sequences of 6, 1 and 1 tokens, the long one
+    clipped high: 1 of 3 sequences (a token count would say 6 of 8)."""
+    logp = torch.zeros(3, 6)
+    old = torch.zeros(3, 6)
+    old[0] = -0.5  # sequence 0: ratio e^0.5, far above 1 + 4e-4
+    mask = torch.zeros(3, 6)
+    mask[0], mask[1, 0], mask[2, 0] = 1.0, 1.0, 1.0
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    for policy in SEQUENCE_LEVEL:
+        _, metrics = grpo_loss(logp, old, adv, mask, None, LossOptions(policy_loss=policy, epsilon_low=3e-4,
+                                                                       epsilon_high=4e-4))
+        assert metrics["clip_fraction_high"] == pytest.approx(1 / 3) and metrics["clip_fraction_low"] == 0
+        assert metrics["ratio/max"] == pytest.approx(math.exp(0.5)) and metrics["ratio/min"] == pytest.approx(1.0)
+        assert metrics["ratio/mean"] == pytest.approx((math.exp(0.5) + 2) / 3)
+    _, token = grpo_loss(logp, old, adv, mask, None, LossOptions(epsilon_low=3e-4, epsilon_high=4e-4))
+    assert token["clip_fraction_high"] == pytest.approx(6 / 8)  # the token objective still counts tokens
+
+
+@pytest.mark.parametrize(("policy", "expected"), [
+    ("clip", (0.2, 0.2, "grpo")), ("gspo", (3e-4, 4e-4, "grpo")), ("gspo_token", (3e-4, 4e-4, "grpo")),
+    ("cispo", (1.0, 4.0, "dapo")), ("sapo", (0.2, 0.2, "grpo"))])
+def test_selecting_an_objective_gives_it_its_sources_settings_unless_they_are_set(policy, expected):
+    from app.config.loading import load_config
+
+    def options(*extra):
+        cfg = load_config("configs/demo_cpu.yaml", ["model.path=m", f"grpo.policy_loss={policy}", *extra])
+        o = cfg.grpo.to_options(cfg.rollout.max_completion_length)
+        return o.epsilon_low, o.epsilon_high, o.loss_type
+
+    assert options() == pytest.approx(expected) if policy != "cispo" else options() == expected
+    low, high, kind = options("grpo.epsilon_low=0.1", "grpo.epsilon_high=0.3",
+                              f"grpo.loss_type={'bnpo' if policy not in SEQUENCE_LEVEL else 'grpo'}")
+    assert (low, high) == (0.1, 0.3) and kind == ("bnpo" if policy not in SEQUENCE_LEVEL else "grpo")
+
+
+def test_cispo_with_its_source_settings_is_trls_cispo_with_a_cap_of_five():
+    """TRL's CISPO: -min(r, 5).detach() * A * log pi, summed over the batch's tokens / their count. Ours, with the
+    settings selecting cispo gives it (epsilon_low 1.0, epsilon_high 4.0, loss_type dapo), equals it exactly."""
+    g = torch.Generator().manual_seed(3)
+    logp = (-torch.rand(4, 6, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    old = logp.detach() + torch.randn(4, 6, generator=g, dtype=torch.float64)  # ratios from e^-3 to e^3
+    mask = (torch.rand(4, 6, generator=g) > 0.3).double()
+    adv = torch.randn(4, generator=g, dtype=torch.float64)
+    ours, _ = grpo_loss(logp, old, adv, mask, None, LossOptions(policy_loss="cispo", epsilon_low=1.0,
+                                                                epsilon_high=4.0, loss_type="dapo"),
+                        tokens_per_micro_batch=float(mask.sum()))
+    ratio = torch.exp(logp - old).detach()
+    trl = (-(torch.clamp(ratio, max=5.0) * adv[:, None] * logp) * mask).sum() / mask.sum()
+    assert float((ratio > 5).sum()) > 0 and float((ratio < 0.8).sum()) > 0  # both of the old band's ends crossed
+    assert float(ours) == pytest.approx(float(trl), rel=1e-12)
+    assert torch.allclose(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(trl, logp)[0], rtol=1e-12)

@@ -15,10 +15,11 @@ from app.grouping import BACKENDS, DECODE_MODES, DEFAULT_CHUNK_SIZE, MODES
 from app.objectives.grpo import (
     DYNAMIC_SAMPLING_METRICS,
     KL_ESTIMATORS,
-    LOSS_TYPES,
+    LOSS_TYPE_SETTINGS,
     POLICY_LOSSES,
     SCALE_REWARDS_SETTINGS,
     LossOptions,
+    objective_settings,
 )
 from app.rewards.protocols import ANSWER_EXTRACTION
 from app.rewards.rules import BONUS_RULES, REGRESSION_METRICS
@@ -215,14 +216,20 @@ class GRPOConfig:
     kl_estimator: str = _f("k3", "Per-token KL penalty: k3 (GRPO/TRL/Video-R1; its gradient follows KL(ref||pi)), "
                            "low_var_kl (k3 clamped, verl), k1 (log pi - log ref; zero expected gradient).",
                            choices=KL_ESTIMATORS)
-    epsilon_low: float = _f(0.2, "Lower clip of the importance ratio (1 - eps_low).")
-    epsilon_high: float = _f(0.2, "Upper clip of the importance ratio (1 + eps_high); DAPO uses 0.28.")
+    epsilon_low: float = _f(-1.0, "Lower clip of the importance ratio (1 - eps_low). -1 (default): the selected "
+                            "policy_loss's source value: 0.2 for clip (GRPO) and sapo, 3e-4 for gspo and gspo_token "
+                            "(GSPO's paper), 1.0 for cispo (no lower bound on its weight, as MiniMax-M1).")
+    epsilon_high: float = _f(-1.0, "Upper clip of the importance ratio (1 + eps_high); DAPO uses 0.28. -1 (default): "
+                             "the selected policy_loss's source value: 0.2 for clip and sapo, 4e-4 for gspo and "
+                             "gspo_token, 4.0 for cispo (its weight capped at 5, as TRL recommends for CISPO).")
     delta: float = _f(0.0, "Two-sided clipping (TRL `delta`, INTELLECT-2): for negative advantages the ratio is "
                       "capped at delta too; 0 disables. Must exceed 1 + epsilon_high.")
-    loss_type: str = _f("grpo", "grpo: mean over each completion's tokens, then over completions (DeepSeekMath); "
+    loss_type: str = _f("auto", "grpo: mean over each completion's tokens, then over completions (DeepSeekMath); "
                         "bnpo: mean over each micro-batch's tokens (TRL); dapo: mean over ALL tokens of the step, "
                         "across micro-batches and ranks (DAPO); dr_grpo: sum over tokens / "
-                        "rollout.max_completion_length (Dr. GRPO).", choices=LOSS_TYPES)
+                        "rollout.max_completion_length (Dr. GRPO). auto (default): the selected policy_loss's "
+                        "source: dapo for cispo (MiniMax-M1 normalises over all tokens), grpo otherwise.",
+                        choices=LOSS_TYPE_SETTINGS)
     scale_rewards: str = _f("auto", "Divide centred rewards by the group's std (group: GRPO), the whole step's std "
                             "over all ranks (batch), or not at all (none: Dr. GRPO). auto: none under "
                             "loss_type=dr_grpo, group otherwise.", choices=SCALE_REWARDS_SETTINGS)
@@ -243,12 +250,12 @@ class GRPOConfig:
     num_iterations: int = _f(1, "Policy updates per rollout batch (mu); >1 uses old log-probs.")
     policy_loss: str = _f("clip", "The per-token objective: clip (PPO/GRPO: the token ratio clipped to [1-epsilon_low, "
                           "1+epsilon_high]); gspo (GSPO: one ratio per sequence, the geometric mean of its token "
-                          "ratios, clipped; needs loss_type=grpo; GSPO used epsilons of 3e-4/4e-4); gspo_token (its "
-                          "token variant: the sequence ratio's value, each token's own gradient); cispo (CISPO, "
-                          "MiniMax-M1: the clipped token ratio as a detached weight on log pi, so no token loses its "
-                          "gradient; MiniMax normalises over all tokens: loss_type=dapo); sapo (SAPO: a soft sigmoid "
-                          "gate instead of the clip, temperatures sapo_tau_pos / sapo_tau_neg). docs/grpo.md has "
-                          "the equations and sources.", choices=POLICY_LOSSES)
+                          "ratios, clipped; needs loss_type=grpo); gspo_token (its token variant: the sequence "
+                          "ratio's value, each token's own gradient); cispo (CISPO, MiniMax-M1: the clipped token "
+                          "ratio as a detached weight on log pi, so no token loses its gradient); sapo (SAPO: a soft "
+                          "sigmoid gate instead of the clip, temperatures sapo_tau_pos / sapo_tau_neg). Selecting one "
+                          "gives epsilon_low, epsilon_high and loss_type its source's values unless they are set. "
+                          "docs/grpo.md has the equations and sources.", choices=POLICY_LOSSES)
     sapo_tau_pos: float = _f(1.0, "policy_loss=sapo: gate temperature for positive advantages (SAPO's default 1.0).")
     sapo_tau_neg: float = _f(1.05, "policy_loss=sapo: gate temperature for negative advantages (SAPO's default "
                              "1.05: a faster decay, so negative updates stay closer to the old policy).")
@@ -258,8 +265,10 @@ class GRPOConfig:
         cap = self.importance_sampling_cap
         if cap == -1:
             cap = VLLM_DEFAULT_IS_CAP if engine == "vllm" else 0.0
-        return LossOptions(loss_type=self.loss_type, beta=self.beta, epsilon_low=self.epsilon_low,
-                           epsilon_high=self.epsilon_high, delta=self.delta, kl_estimator=self.kl_estimator,
+        low, high, loss_type = objective_settings(self.policy_loss, self.epsilon_low, self.epsilon_high,
+                                                  self.loss_type)
+        return LossOptions(loss_type=loss_type, beta=self.beta, epsilon_low=low,
+                           epsilon_high=high, delta=self.delta, kl_estimator=self.kl_estimator,
                            max_completion_length=max_completion_length,
                            importance_sampling_cap=cap,
                            mask_truncated_completions=self.mask_truncated_completions,

@@ -27,14 +27,19 @@ from app.demos.video import CONFIG, ROOT, demo_paths, eval_settings, launch, pre
 from app.evaluation.evaluate import evaluate
 from app.runtime.plots import plot_reward_curves, read_metrics
 
-# Each objective's settings beside the demo's: the papers' own where they fix them (docs/grpo.md has the sources).
-OBJECTIVES = {
-    "clip": [],
-    "gspo": ["grpo.epsilon_low=3e-4", "grpo.epsilon_high=4e-4"],  # GSPO's paper: the sequence ratio's band
-    "gspo_token": ["grpo.epsilon_low=3e-4", "grpo.epsilon_high=4e-4"],
-    "cispo": ["grpo.loss_type=dapo"],  # MiniMax-M1 normalises over all tokens of the batch
-    "sapo": [],  # SAPO's temperatures are the config's defaults (1.0 / 1.05)
-}
+# Each objective's settings beside the demo's: none, so selecting it gives it its source's epsilons and loss type
+# (app.objectives.grpo.OBJECTIVE_DEFAULTS; docs/grpo.md has the sources); SAPO's temperatures are the config's (1.0 /
+# 1.05, its paper's). The values that ran are resolved from the config and written beside each result.
+OBJECTIVES = {"clip": [], "gspo": [], "gspo_token": [], "cispo": [], "sapo": []}
+
+
+def resolved(cfg) -> dict:
+    """What the loss of a run of ``cfg`` uses: epsilons and loss type (the objective's source values unless set)."""
+    o = cfg.grpo.to_options(cfg.rollout.max_completion_length, cfg.rollout.engine)
+    out = {"epsilon_low": o.epsilon_low, "epsilon_high": o.epsilon_high, "loss_type": o.loss_type}
+    if o.policy_loss == "sapo":
+        out.update(sapo_tau_pos=o.sapo_tau_pos, sapo_tau_neg=o.sapo_tau_neg)
+    return out
 
 
 def tenth_means(rows: list[dict], key: str) -> tuple[float, float]:
@@ -94,12 +99,15 @@ def main(argv: list[str] | None = None) -> dict:
         curves[name] = read_metrics(folder / "metrics.jsonl")
         heldout = evaluate(folder / "final", data / "heldout.jsonl",
                            [f"eval.output_dir={runs_dir / ('eval-' + name)}", *settings])
+        ran = resolved(load_config(ROOT / CONFIG, [*base, f"grpo.policy_loss={name}", *OBJECTIVES[name],
+                                                   *args.overrides]))
         results[name] = {**summarise(curves[name]), "heldout_accuracy": heldout["overall"]["accuracy"],
-                         "settings": OBJECTIVES[name]}
+                         "settings": ran}
     lines = ["| objective | reward, first / last tenth | ratio min / mean / max | clip fraction low / high | "
              "held-out accuracy | s / step |", "|---|---|---|---|---|---|"]
     for name, r in results.items():
-        lines.append(f"| `{name}` {' '.join(r['settings'])} | {r['reward_first_tenth']:.3f} / {r['reward_last_tenth']:.3f}"
+        ran = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in r["settings"].items())
+        lines.append(f"| `{name}` ({ran}) | {r['reward_first_tenth']:.3f} / {r['reward_last_tenth']:.3f}"
                      f" | {r['ratio_min']:.3f} / {r['ratio_mean']:.4f} / {r['ratio_max']:.3f} | "
                      f"{r['clip_fraction_low']:.3f} / {r['clip_fraction_high']:.3f} | {r['heldout_accuracy']:.3f} | "
                      f"{r['seconds_per_step']:.2f} |")

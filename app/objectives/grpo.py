@@ -28,7 +28,20 @@ POLICY_LOSSES = ("clip", "gspo", "gspo_token", "cispo", "sapo")  # the per-token
 SEQUENCE_LEVEL = ("gspo", "gspo_token")  # ratios of whole sequences: normalised per sequence (loss_type grpo)
 SCALE_REWARDS = ("group", "batch", "none")
 SCALE_REWARDS_SETTINGS = ("auto", *SCALE_REWARDS)  # auto: none under dr_grpo, group otherwise
+LOSS_TYPE_SETTINGS = ("auto", *LOSS_TYPES)  # auto: the selected objective's source (OBJECTIVE_DEFAULTS)
 KL_ESTIMATORS = ("k3", "low_var_kl", "k1")
+AUTO = -1.0  # epsilon_low / epsilon_high: the selected objective's own value (OBJECTIVE_DEFAULTS)
+# Each objective as its source sets it: (epsilon_low, epsilon_high, loss_type), used for settings left on auto.
+OBJECTIVE_DEFAULTS = {
+    "clip": (0.2, 0.2, "grpo"),  # DeepSeekMath's GRPO: eps 0.2, mean over each completion's tokens
+    "gspo": (3e-4, 4e-4, "grpo"),  # GSPO (arXiv 2507.18071): left and right clipping ranges 3e-4 and 4e-4
+    "gspo_token": (3e-4, 4e-4, "grpo"),  # the same paper's token variant
+    # CISPO (MiniMax-M1, arXiv 2506.13585): no lower bound on the weight (1 - 1.0 = 0), its upper bound as TRL
+    # recommends (5 = 1 + 4.0), normalised over all tokens of the batch
+    "cispo": (1.0, 4.0, "dapo"),
+    "sapo": (0.2, 0.2, "grpo"),  # SAPO (arXiv 2511.20347) has no clip: eps only sets the clip-fraction metrics
+}
+SEQUENCE_STATISTICS = SEQUENCE_LEVEL  # objectives whose ratios and clip fractions are counted per sequence
 DYNAMIC_SAMPLING_METRICS = ("accuracy", "reward")
 Reduce = Callable[[list[float]], list[float]]  # a sum over ranks (identity on one process)
 
@@ -117,6 +130,16 @@ def choose_groups(kept: Sequence, dropped: Sequence, need: int) -> tuple[list, i
     """The step's groups: the first ``need`` with signal, topped up with groups without (counted) when short."""
     filled = max(0, need - len(kept))
     return list(kept[:need]) + list(dropped[:filled]), filled
+
+
+def objective_settings(policy_loss: str, epsilon_low: float, epsilon_high: float, loss_type: str):
+    """(epsilon_low, epsilon_high, loss_type) with each setting left on auto (``AUTO`` for the epsilons, "auto" for
+    the loss type) taken from the objective's source (``OBJECTIVE_DEFAULTS``)."""
+    if policy_loss not in OBJECTIVE_DEFAULTS:
+        raise OptionError("policy_loss", f"must be one of {list(POLICY_LOSSES)}, got {policy_loss!r}")
+    low, high, kind = OBJECTIVE_DEFAULTS[policy_loss]
+    return (low if epsilon_low == AUTO else epsilon_low, high if epsilon_high == AUTO else epsilon_high,
+            kind if loss_type == "auto" else loss_type)
 
 
 @dataclass(frozen=True)
@@ -219,7 +242,8 @@ def mismatch_metrics(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
 def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """GSPO's length-normalised log of the sequence importance ratio: mean over each completion's loss tokens of
     log pi/pi_old, i.e. log of the geometric mean of its token ratios ([N, L] -> [N]; 0 for an empty mask)."""
-    return (log_ratio * mask).sum(1) / mask.sum(1).clamp_min(1)
+    keep = mask.bool()
+    return torch.where(keep, log_ratio, torch.zeros_like(log_ratio)).sum(1) / keep.sum(1).clamp_min(1)
 
 
 def policy_objective(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
@@ -239,7 +263,12 @@ def policy_objective(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: to
     - ``sapo`` (Gao et al. 2025, arXiv 2511.20347): -(4/tau) sigmoid(tau (r - 1)) A with tau = sapo_tau_pos for
       A > 0 and sapo_tau_neg otherwise: a soft trust region, gradient A grad log pi at r = 1.
     """
-    log_ratio = logprobs - old_logprobs
+    # Masked positions (padding, filtered tokens) may hold anything, even log-probs whose ratio overflows: they
+    # enter as log-ratio 0 and log-prob 0 through a select, so neither the loss nor its gradient sees them (a
+    # multiplication by the mask would turn inf * 0 into NaN).
+    keep = mask.bool()
+    logprobs = torch.where(keep, logprobs, torch.zeros_like(logprobs))
+    log_ratio = torch.where(keep, logprobs - old_logprobs, torch.zeros_like(logprobs))
     if o.policy_loss in SEQUENCE_LEVEL:
         seq = sequence_log_ratio(log_ratio, mask)[:, None]
         log_r = seq.expand_as(logprobs) if o.policy_loss == "gspo" else logprobs - logprobs.detach() + seq.detach()
@@ -283,27 +312,40 @@ def grpo_loss(
         per_token = per_token * importance_weights
     kl = None
     if ref_logprobs is not None and o.beta > 0:
-        kl = kl_penalty(logprobs, ref_logprobs, o.kl_estimator)
+        keep = mask.bool()  # masked positions: policy = reference there, so no penalty and no gradient
+        kl = kl_penalty(torch.where(keep, logprobs, torch.zeros_like(logprobs)),
+                        torch.where(keep, ref_logprobs, torch.zeros_like(ref_logprobs)), o.kl_estimator)
         per_token = per_token + o.beta * kl
     loss = aggregate(per_token, mask, o.loss_type, o.max_completion_length, tokens_per_micro_batch)
-    tokens = mask.sum().clamp_min(1)
     with torch.no_grad():
-        low = ((ratio < 1 - o.epsilon_low) & (adv < 0)).to(mask.dtype)
-        high = ((ratio > 1 + o.epsilon_high) & (adv > 0)).to(mask.dtype)
-        metrics = {
-            "clip_fraction": float(((low + high) * mask).sum() / tokens),
-            "clip_fraction_low": float((low * mask).sum() / tokens),
-            "clip_fraction_high": float((high * mask).sum() / tokens),
-            "kl": float((kl * mask).sum() / tokens) if kl is not None else 0.0,
-        }
-        if o.delta > 0:
-            metrics["clip_fraction_delta"] = float((((ratio > o.delta) & (adv < 0)).to(mask.dtype) * mask).sum()
-                                                   / tokens)
-        kept = ratio[mask.bool()]
-        metrics.update({"ratio/mean": float(kept.mean()) if kept.numel() else 1.0,
-                        "ratio/min": float(kept.min()) if kept.numel() else 1.0,
-                        "ratio/max": float(kept.max()) if kept.numel() else 1.0})
+        metrics = ratio_metrics(ratio, adv, mask, o)
+        tokens = mask.sum().clamp_min(1)
+        metrics["kl"] = float((kl * mask).sum() / tokens) if kl is not None else 0.0
     return loss, metrics
+
+
+def ratio_metrics(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, o: LossOptions) -> dict[str, float]:
+    """The ratio's mean, min and max and the clipped fractions (low: below 1 - eps_low with A < 0; high: above
+    1 + eps_high with A > 0), over the loss tokens; for the sequence-level objectives (GSPO) over the sequences
+    with a loss token, one ratio each, as TRL reports them."""
+    if o.policy_loss in SEQUENCE_STATISTICS:
+        has_tokens = mask.sum(1) > 0
+        ratio, adv, weight = ratio[:, :1][has_tokens], adv[has_tokens], torch.ones(int(has_tokens.sum()), 1)
+    else:
+        weight = mask
+    weight = weight.to(ratio.device, ratio.dtype)
+    count = weight.sum().clamp_min(1)
+    low = ((ratio < 1 - o.epsilon_low) & (adv < 0)).to(weight.dtype) * weight
+    high = ((ratio > 1 + o.epsilon_high) & (adv > 0)).to(weight.dtype) * weight
+    out = {"clip_fraction": float((low + high).sum() / count), "clip_fraction_low": float(low.sum() / count),
+           "clip_fraction_high": float(high.sum() / count)}
+    if o.delta > 0:
+        out["clip_fraction_delta"] = float((((ratio > o.delta) & (adv < 0)).to(weight.dtype) * weight).sum() / count)
+    kept = ratio[weight.bool()]
+    out.update({"ratio/mean": float(kept.mean()) if kept.numel() else 1.0,
+                "ratio/min": float(kept.min()) if kept.numel() else 1.0,
+                "ratio/max": float(kept.max()) if kept.numel() else 1.0})
+    return out
 
 
 class GRPOLoss:

@@ -72,7 +72,7 @@ class GRPOTrainer(Recipe):
         with timed(seconds, "rollout"):
             trajectory = self.collect(step)
             trajectory.advantages = advantages(trajectory.total_reward, trajectory.group_sizes,
-                                               cfg.grpo.scale_rewards, cfg.grpo.loss_type,
+                                               cfg.grpo.scale_rewards, self.loss.options.loss_type,
                                                self.parallel.dp_sum)
         seconds["data_wait"] = self.data_wait(step)
         weights = self.loss.weights(trajectory.rollout.completion_mask, trajectory.rollout.stop_reasons)
