@@ -265,6 +265,12 @@ class VLLMEngine(RolloutEngine):
                       # a whole prompt per scheduler step: vLLM sizes its encoder cache from this budget and
                       # refuses a video with more tokens than it holds (an 8,192-token video was refused at 4,096)
                       max_num_batched_tokens=max_model_len,
+                      # and never part of one: a request prefilled in chunks has the token sampled at each partial
+                      # step discarded and its seeded generator rewound, which a CPU generator cannot do ("CPU
+                      # Generator does not use offset": a run died at step 2). Without chunked prefill a prompt
+                      # that does not fit what is left of a step's budget waits for the next step, whole; its
+                      # samples are the same (the seeds decide them, not the schedule).
+                      enable_chunked_prefill=False,
                       tensor_parallel_size=rollout_cfg.vllm_tensor_parallel_size,
                       limit_mm_per_prompt={"image": rollout_cfg.vllm_max_images, "video": rollout_cfg.vllm_max_videos})
         if device_type == "cuda":
