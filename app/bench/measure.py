@@ -51,6 +51,30 @@ class LiveMemory(TorchDispatchMode):
         return out
 
 
+def allocator_peak(fn):
+    """``fn()``'s result and the peak bytes the allocator held above what it held when ``fn`` started: on CUDA
+    ``max_memory_allocated``; on CPU the running sum of the profiler's memory events (the CPU allocator's own
+    record of each allocation and free, in time order)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.memory_allocated() > 0:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        result = fn()
+        torch.cuda.synchronize()
+        return result, torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted((e.start_ns(), i, e.nbytes()) for i, e in enumerate(prof.profiler.kineto_results.events())
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    live = peak = 0
+    for _, _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return result, peak
+
+
 def cpu_attention_flops() -> dict:
     """``FlopCounterMode(custom_mapping=...)`` entries for torch's fused CPU attention kernel and its backward,
     which torch's counter does not know (it counts the CUDA kernels): the same formulas as its CUDA SDPA entries."""
@@ -69,12 +93,14 @@ def cpu_attention_flops() -> dict:
 
 
 def forward_backward(model, prompts: dict, completions: torch.Tensor, mask: torch.Tensor, group: int, *,
-                     mode: str = "grouped", backend: str | None = None, flops: bool = True) -> dict:
+                     mode: str = "grouped", backend: str | None = None, flops: bool = True,
+                     return_entropy: bool = True, **forward_kwargs) -> dict:
     """One policy forward+backward of the completion log-probs as training runs it (``completion_logprobs``, the
-    chunked head), measured: ``peak`` live bytes above what existed before (gradient buffers are allocated first,
-    as ZeRO's are), ``saved`` bytes autograd kept for the backward (parameters aside), ``seconds``; and with
-    ``flops``, a second pass counted by ``torch.utils.flop_counter`` (the fused CPU attention kernel added). The
-    counter runs apart: it holds tensors of its own (measured: +22% peak with activation checkpointing)."""
+    chunked head, the entropy the trainer asks for on its first pass), measured: ``peak`` bytes the allocator held
+    above what it held before (``allocator_peak``; gradient buffers are allocated first, as ZeRO's are), ``saved``
+    bytes autograd kept for the backward (parameters aside), ``seconds``; and with ``flops``, a second pass counted by
+    ``torch.utils.flop_counter`` (the fused CPU attention kernel added). The counter runs apart: it holds tensors of
+    its own (measured: +22% peak with activation checkpointing)."""
     import time
 
     from torch.utils.flop_counter import FlopCounterMode
@@ -93,22 +119,23 @@ def forward_backward(model, prompts: dict, completions: torch.Tensor, mask: torc
             saved.setdefault(storage.data_ptr(), storage.nbytes())
         return tensor
 
-    def step():
-        scores = completion_logprobs(model, prompts, completions, mask, group, mode=mode, backend=backend).logprobs
-        scores.sum().backward()
+    def scores():
+        return completion_logprobs(model, prompts, completions, mask, group, mode=mode, backend=backend,
+                                   return_entropy=return_entropy, **forward_kwargs).logprobs
+
+    def measured_pass():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = scores()
+        out.sum().backward()
 
     start = time.perf_counter()
-    with attention_restored(model), LiveMemory() as memory:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            scores = completion_logprobs(model, prompts, completions, mask, group, mode=mode,
-                                         backend=backend).logprobs
-        scores.sum().backward()
-        del scores
+    with attention_restored(model):
+        _, peak = allocator_peak(measured_pass)
     seconds = time.perf_counter() - start
     counted = 0
     if flops:
         counter = FlopCounterMode(display=False, custom_mapping=cpu_attention_flops())
         with attention_restored(model), counter:
-            step()
+            scores().sum().backward()
         counted = counter.get_total_flops()
-    return {"peak": memory.peak, "saved": sum(saved.values()), "seconds": seconds, "flops": counted}
+    return {"peak": peak, "saved": sum(saved.values()), "seconds": seconds, "flops": counted}

@@ -255,20 +255,22 @@ class _PrefixPlusOwnAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, keys, values, geometry):
         """q [1, H, S, D] of the group's responses; keys/values [1, H, P + S, D]: the prefix's, then the responses'
-        own (views of them are read in place; the kernels take strided inputs and give the same numbers)."""
+        own. Each part goes to its kernel as a contiguous copy, as the kernels were always given them (a strided
+        view gives the same numbers on most shapes but not on all: one demo run parted at its 200th step)."""
         prefix, lens, scale = geometry  # the prefix's length, the responses' lengths, the softmax scale
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         ctx.dtype = q.dtype
+        prefix_k, own_k = keys[:, :, :prefix].contiguous(), keys[:, :, prefix:].contiguous()
+        prefix_v, own_v = values[:, :, :prefix].contiguous(), values[:, :, prefix:].contiguous()
         if q.dtype in (torch.bfloat16, torch.float16):
             # Low precision: both parts and their merge in float32, so the two kernel outputs, the merge and the
             # summed dq are rounded once (at the end) instead of three times; grouped stays no worse than repeated.
-            q, keys, values = q.float(), keys.float(), values.float()
-        out_a, lse_a = flash(q, keys[:, :, :prefix], values[:, :, :prefix], 0.0, False, scale=scale)
-        parts, lses, start = [], [], prefix
+            q, prefix_k, prefix_v, own_k, own_v = (x.float() for x in (q, prefix_k, prefix_v, own_k, own_v))
+        out_a, lse_a = flash(q, prefix_k, prefix_v, 0.0, False, scale=scale)
+        parts, lses, start = [], [], 0
         for length in lens:
             sl = slice(start, start + length)
-            o, lse = flash(q[:, :, sl.start - prefix : sl.stop - prefix], keys[:, :, sl], values[:, :, sl], 0.0, True,
-                           scale=scale)
+            o, lse = flash(q[:, :, sl], own_k[:, :, sl], own_v[:, :, sl], 0.0, True, scale=scale)
             parts.append(o)
             lses.append(lse)
             start += length
@@ -276,34 +278,30 @@ class _PrefixPlusOwnAttention(torch.autograd.Function):
         lse = torch.logaddexp(lse_a, lse_b)
         out = (torch.exp(lse_a - lse)[..., None] * out_a.to(lse.dtype)
                + torch.exp(lse_b - lse)[..., None] * out_b.to(lse.dtype))
-        ctx.save_for_backward(q, keys, values, out, lse)
-        ctx.prefix, ctx.lens, ctx.scale = prefix, lens, scale
+        ctx.save_for_backward(q, prefix_k, prefix_v, own_k, own_v, out, lse)
+        ctx.lens, ctx.scale = lens, scale
         return out.to(ctx.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, keys, values, out, lse = ctx.saved_tensors
-        prefix = ctx.prefix
+        q, prefix_k, prefix_v, own_k, own_v, out, lse = ctx.saved_tensors
         backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         grad_out = grad_out.to(q.dtype).contiguous()
-        dq, dpk, dpv = backward(grad_out, q, keys[:, :, :prefix], values[:, :, :prefix], out, lse, 0.0, False,
-                                scale=ctx.scale)
+        dq, dpk, dpv = backward(grad_out, q, prefix_k, prefix_v, out, lse, 0.0, False, scale=ctx.scale)
         dq = dq.clone()
-        dk, dv = torch.empty_like(keys), torch.empty_like(values)
-        dk[:, :, :prefix], dv[:, :, :prefix] = dpk, dpv
-        del dpk, dpv
+        dok, dov = torch.zeros_like(own_k), torch.zeros_like(own_v)
         start = 0
         for length in ctx.lens:
-            sl, own = slice(start, start + length), slice(prefix + start, prefix + start + length)
+            sl = slice(start, start + length)
             gq, gk, gv = backward(grad_out[:, :, sl].contiguous(), q[:, :, sl].contiguous(),
-                                  keys[:, :, own].contiguous(), values[:, :, own].contiguous(),
+                                  own_k[:, :, sl].contiguous(), own_v[:, :, sl].contiguous(),
                                   out[:, :, sl].contiguous(), lse[:, :, sl].contiguous(), 0.0, True, scale=ctx.scale)
             dq[:, :, sl] += gq
-            dk[:, :, own] = gk
-            dv[:, :, own] = gv
+            dok[:, :, sl] = gk
+            dov[:, :, sl] = gv
             start += length
         dtype = ctx.dtype
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None
+        return dq.to(dtype), torch.cat([dpk, dok], dim=2).to(dtype), torch.cat([dpv, dov], dim=2).to(dtype), None
 
 
 def _split(plan: GroupedAttentionPlan, q, k, v, scale, dropout):

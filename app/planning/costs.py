@@ -44,6 +44,9 @@ class Shape:
     patch: int = 14
     merge: int = 2
     temporal_patch: int = 2
+    vision_full_blocks: int = -1  # Qwen2.5-VL: blocks attending over a whole frame (the others: windows); -1 all
+    vision_window: int = 0  # Qwen2.5-VL: the windows' side in pixels
+    vision_deepstack: int = 0  # Qwen3-VL: blocks whose outputs get a merger of their own (deepstack taps)
 
     @property
     def layer_matmul_params(self) -> int:
@@ -78,8 +81,13 @@ def shape_of(config) -> Shape:
         vh, vi, gated = vision.embed_dim, int(vision.embed_dim * vision.mlp_ratio), False
     else:
         vh, vi, gated = vision.hidden_size, vision.intermediate_size, config.model_type == "qwen2_5_vl"
+    windows = {}
+    if config.model_type == "qwen2_5_vl":
+        windows = dict(vision_full_blocks=len(vision.fullatt_block_indexes), vision_window=vision.window_size)
+    windows["vision_deepstack"] = len(getattr(vision, "deepstack_visual_indexes", None) or [])
     return Shape(**base, vision_hidden=vh, vision_depth=vision.depth, vision_intermediate=vi, vision_gated=gated,
-                 patch=vision.patch_size, merge=vision.spatial_merge_size, temporal_patch=vision.temporal_patch_size)
+                 patch=vision.patch_size, merge=vision.spatial_merge_size, temporal_patch=vision.temporal_patch_size,
+                 **windows)
 
 
 @dataclass(frozen=True)
@@ -168,12 +176,18 @@ def model_saved(shape: Shape, work: Workload, backend: str, dtype_bytes: int) ->
 
 
 def backward_transients(shape: Shape, work: Workload, *, chunk: int, dtype_bytes: int, trains_head: bool,
-                        backend: str) -> dict:
-    """Bytes the backward adds on top of the saved tensors, at its three high points (``logprobs`` and autograd as
-    they are): the output head's backward (one chunk of float32 logits, the float32 head-weight gradient and its
-    cast to the model's dtype); the last decoder layer's MLP backward (activation gradients);
-    the embedding's backward at the end (its gradient; with tied weights also the head's, held since the start,
-    and their sum)."""
+                        backend: str, entropy: bool = True) -> dict:
+    """Bytes a pass adds on top of the saved tensors at its high points (``logprobs`` and autograd as they are),
+    each fitted to a plain training pass measured by the allocator (``app.bench.measure.allocator_peak``):
+
+    - ``forward_head``: the chunked head's forward on one chunk of rows: the float32 logits and logsumexp's
+      temporary of the same size; with the entropy the trainer asks for on its first pass, the log-softmax, its
+      exponential and their product instead (four [chunk, vocab] float32 buffers in all); in low precision also
+      the head's own output before its cast;
+    - ``head``: the head's backward (one chunk of float32 logits, the float32 head-weight gradient and its cast);
+    - ``layer``: the last decoder layer's MLP backward (activation gradients);
+    - ``end``: the embedding's backward at the end: its gradient, and with tied weights the head's, held since the
+      start (two vocabulary-sized buffers; a third appeared only under a Python dispatch mode, the old meter)."""
     b, v, h = dtype_bytes, shape.vocab, shape.hidden
     rows = min(chunk, work.scored) if chunk else work.scored
     tokens = work.repeated_tokens if backend == "repeated" else work.grouped_tokens
@@ -183,12 +197,15 @@ def backward_transients(shape: Shape, work: Workload, *, chunk: int, dtype_bytes
     # the last layer's MLP backward: the gradients of act and up (2 x intermediate per token) and of the hidden
     # state, while the final norm's saved tensors (freed before it) no longer count
     layer = tokens * (2 * shape.intermediate + h) * b - tokens * 4 * (2 * h + 1)
-    end = (3 if shape.tied else 1) * v * h * b if trains_head else 0
-    return {"head": logits + head + work.scored * h * b, "layer": held + layer, "end": end}
+    end = (2 if shape.tied else 1) * v * h * b if trains_head else 0
+    forward_head = rows * v * 4 * (4 if entropy else 2) + (rows * v * b if b != 4 else 0)
+    return {"forward_head": forward_head, "head": logits + head + work.scored * h * b, "layer": held + layer,
+            "end": end}
 
 
 def training_activations(shape: Shape, work: Workload, *, backend: str, dtype_bytes: int, checkpointing: bool,
-                         chunk: int, trains_head: bool = True, sequence_parallel: int = 1) -> dict:
+                         chunk: int, trains_head: bool = True, sequence_parallel: int = 1,
+                         entropy: bool = True) -> dict:
     """Peak bytes of one policy forward+backward on one rank above the model states (weights, preallocated
     gradients): the saved tensors of every layer, plus the largest backward transient while they are live."""
     per_layer = layer_saved(shape, work, backend, dtype_bytes)
@@ -198,19 +215,46 @@ def training_activations(shape: Shape, work: Workload, *, backend: str, dtype_by
     recompute = per_layer if checkpointing else 0.0
     saved = (kept + model_saved(shape, work, backend, dtype_bytes)) / sequence_parallel
     t = backward_transients(shape, work, chunk=chunk, dtype_bytes=dtype_bytes, trains_head=trains_head,
-                            backend=backend)
-    peak = max(saved + t["head"], saved + (recompute + t["layer"]) / sequence_parallel, t["end"])
+                            backend=backend, entropy=entropy)
+    peak = max(saved + t["forward_head"], saved + t["head"], saved + (recompute + t["layer"]) / sequence_parallel,
+               t["end"])
     return {"saved": saved, "per_layer": per_layer / sequence_parallel, "recompute": recompute / sequence_parallel,
             "transients": t, "peak": peak}
 
 
-def vision_activations(shape: Shape, patches: int, *, training: bool, chunk_patches: int, dtype_bytes: int) -> float:
-    """Bytes of the vision tower: saved tensors of every block when it trains (two norms, qkv, attention, proj
-    input, MLP), else one block's working set over one chunk of patches. Estimated; not checked by measurement."""
+VISION_RECOMPUTE_SHARE = 0.75  # of a block's saved tensors, at the recomputed block's backward (fitted, see below)
+VISION_BACKWARD_SHARE = 0.5  # of a block's saved tensors, the backward's working set beyond them (fitted)
+
+
+def vision_block_saved(shape: Shape, patches: int, dtype_bytes: int) -> float:
+    """Bytes one tower block saves for its backward over ``patches`` patches, as measured by the allocator:
+    Qwen2.5-VL's (SwiGLU MLP, RMSNorms: 13 x hidden + 4 x intermediate per patch), Qwen3-VL's (fc1, tanh-GELU, fc2,
+    LayerNorms: 11 x hidden + 2 x intermediate), Qwen2-VL's (its QuickGELU keeps a third intermediate-sized
+    tensor: 11 x hidden + 3 x intermediate)."""
     vh, vi = shape.vision_hidden, shape.vision_intermediate
-    mlp = (4 if shape.vision_gated else 2) * vi
+    if shape.vision_gated:
+        floats = 13 * vh + 4 * vi
+    else:
+        floats = 11 * vh + (3 if shape.family == "qwen2_vl" else 2) * vi
+    return patches * dtype_bytes * floats
+
+
+def vision_activations(shape: Shape, patches: int, *, training: bool, chunk_patches: int, dtype_bytes: int,
+                       checkpointing: bool = False) -> float:
+    """Peak bytes of the vision tower's pass. Training: every block's saved tensors (or, under activation
+    checkpointing, which the trainer applies to the tower's blocks too, every block's input and one recomputed
+    block's share), the backward's working set beyond them, and one block's weight gradients before they are
+    accumulated. Frozen: one block's working set over one chunk of patches. The training terms are fitted to
+    passes of the Qwen2.5-VL-3B and Qwen3-VL-2B towers (2-4 blocks, 512-1024 patches, with and without
+    checkpointing) measured by the allocator; tests/test_plan.py checks others."""
+    vh, vi = shape.vision_hidden, shape.vision_intermediate
     if training:
-        return patches * shape.vision_depth * dtype_bytes * (11 * vh + mlp)
+        # Qwen3-VL's deepstack mergers keep their own activations (about 4 x hidden per patch each)
+        block = vision_block_saved(shape, patches, dtype_bytes) + shape.vision_deepstack * patches * dtype_bytes * 4 * vh
+        grads = shape.vision_block_params * dtype_bytes
+        if checkpointing:
+            return shape.vision_depth * patches * vh * dtype_bytes + VISION_RECOMPUTE_SHARE * block + grads
+        return (shape.vision_depth + VISION_BACKWARD_SHARE) * block + grads
     rows = min(chunk_patches, patches) if chunk_patches else patches
     return rows * dtype_bytes * (6 * vh + 3 * vi)
 
@@ -261,18 +305,41 @@ def train_flops(shape: Shape, work: Workload, backend: str, *, checkpointing: bo
     return {"total": linear + attention * f["attention"], "total_causal": linear + attention * f["attention_causal"]}
 
 
-def vision_flops(shape: Shape, patches: int, frames_per_pass: int = 0) -> float:
-    """Forward FLOPs of the tower over ``patches`` patches: patch embedding, blocks (attention within each temporal
-    patch's frame), merger. Estimated from the shapes; the tests check the language model only."""
+def vision_attention_pairs(shape: Shape, patches: int, temporal: int) -> float:
+    """Query-key pairs of the tower's attention over ``patches`` patches of ``temporal`` temporal patches (a video's
+    frames pairwise): every block attends within one temporal patch's frame (Qwen2-VL, Qwen3-VL; Qwen2.5-VL's full
+    blocks), except Qwen2.5-VL's windowed blocks, within windows of ``vision_window`` pixels squared (one window
+    holds at most a frame)."""
+    per_frame = patches / max(temporal, 1)
+    depth = shape.vision_depth
+    if shape.vision_full_blocks < 0:
+        return depth * patches * per_frame
+    window = min((shape.vision_window // shape.patch) ** 2, per_frame)
+    full = shape.vision_full_blocks
+    return full * patches * per_frame + (depth - full) * patches * window
+
+
+def vision_flops(shape: Shape, patches: int, temporal: int = 1, *, training: bool = False,
+                 checkpointing: bool = False) -> float:
+    """FLOPs of the tower over ``patches`` patches of ``temporal`` temporal patches: patch embedding, blocks (their
+    matmuls and attention as ``vision_attention_pairs`` says), the merger (and Qwen3-VL's deepstack mergers).
+    Training: the backward twice the forward's matmuls (the patch embedding's weight gradient only: the pixels need
+    none) and 2.5 times its attention; under activation checkpointing every block's forward once more but its last
+    matmul (torch's non-reentrant checkpoint stops once the saved tensors are back, as in the language model)."""
     if not patches:
         return 0.0
     vh = shape.vision_hidden
     embed = 2 * 3 * shape.temporal_patch * shape.patch**2 * vh * patches
-    per_frame = patches if not frames_per_pass else patches // max(1, frames_per_pass)
-    attention = 4 * vh * patches * min(per_frame, patches) * shape.vision_depth
+    blocks = 2 * shape.vision_block_params * patches * shape.vision_depth
+    attention = 4 * vh * vision_attention_pairs(shape, patches, temporal)
     merged = patches // shape.merge**2
-    merger = 2 * merged * (vh * shape.merge**2) * (vh * shape.merge**2 + shape.hidden)
-    return embed + 2 * shape.vision_block_params * patches * shape.vision_depth + attention + merger
+    merger = (1 + shape.vision_deepstack) * 2 * merged * (vh * shape.merge**2) * (vh * shape.merge**2 + shape.hidden)
+    forward = embed + blocks + attention + merger
+    if not training:
+        return forward
+    last = shape.vision_hidden * shape.vision_intermediate / shape.vision_block_params  # the MLP's second matmul
+    again = (blocks * (1 - last) + attention) if checkpointing else 0.0
+    return 2 * embed + 3 * (blocks + merger) + 3.5 * attention + again
 
 
 def decode_flops(shape: Shape, work: Workload) -> float:

@@ -224,7 +224,8 @@ def training_memory(cfg, shape: Shape, work: Workload, ds: dict, b: int, gpu: fl
     if not patches:
         tower = 0.0
     elif tower_trains:
-        tower = costs.vision_activations(shape, patches, training=True, chunk_patches=0, dtype_bytes=b) / size
+        tower = costs.vision_activations(shape, patches, training=True, chunk_patches=0, dtype_bytes=b,
+                                         checkpointing=cfg.model.gradient_checkpointing) / size
     elif cfg.forward.vision_cache == "step":
         tower = work.visual * work.groups * shape.hidden * b  # cached outputs, held for the step
     else:
@@ -261,9 +262,14 @@ def step_flops(cfg, shape: Shape, work: Workload, layout: str) -> dict:
                               chunk=cfg.forward.logprob_chunk_size,
                               deepspeed_linear=deepspeed_settings(cfg)["stage"] == 3)["total"]
     iterations = cfg.grpo.num_iterations
-    tower_calls = 1 if cfg.forward.vision_cache == "step" and not tower_trains(cfg) else (
-        1 + (cfg.grpo.beta > 0) + (iterations > 1) + 3 * iterations)
-    return {"vision_tower": costs.vision_flops(shape, work.patches) * tower_calls,
+    tower = costs.vision_flops(shape, work.patches, work.temporal)  # one forward
+    if cfg.forward.vision_cache == "step" and not tower_trains(cfg):
+        vision = tower  # once a step, its outputs served to every later forward
+    else:  # the rollout's prefill, the reference, the old policy, then each policy pass (trained or frozen)
+        trained = costs.vision_flops(shape, work.patches, work.temporal, training=True,
+                                     checkpointing=cfg.model.gradient_checkpointing) if tower_trains(cfg) else tower
+        vision = tower * (1 + (cfg.grpo.beta > 0) + (iterations > 1)) + trained * iterations
+    return {"vision_tower": vision,
             "rollout_prefill": prefill, "rollout_decode": costs.decode_flops(shape, one),
             "reference": forward if cfg.grpo.beta > 0 else 0.0, "old_policy": forward if iterations > 1 else 0.0,
             "policy": train * iterations}
