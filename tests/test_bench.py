@@ -24,7 +24,7 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
 
 @pytest.mark.slow  # smoke runs of the benchmark scripts: make test-all (CI) runs them
 @pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale", "lora",
-                                  "vision_cache", "long_video", "long_prefill", "judge", "tree", "real_width",
+                                  "vision_cache", "long_video", "long_prefill", "judge", "tree", "real_width", "planner_accuracy",
                                   "gpu_real_shape"])
 def test_benchmark_runs_quick(name, tmp_path):
     out = tmp_path / name

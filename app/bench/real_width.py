@@ -25,7 +25,7 @@ POINTS = ((1, 1024), (1, 2048), (2, 1024))  # (decoder layers, prefix)
 def measure(preset: str, layers: int, prefix: int, group: int, completion: int, mode: str) -> dict:
     """One point, in a child process."""
     from app.bench.measure import forward_backward
-    from app.planning import costs, shapes
+    from app.planning import costs, flops, shapes
     from app.runtime.models import model_class
 
     torch.manual_seed(0)
@@ -47,11 +47,11 @@ def measure(preset: str, layers: int, prefix: int, group: int, completion: int, 
     work = costs.Workload(prefix=prefix, completion=completion, group_size=group)
     kind = "repeated" if mode == "repeated" else "split"
     plan = costs.training_activations(shape, work, backend=kind, dtype_bytes=4, checkpointing=False, chunk=1024)
-    flops = costs.train_flops(shape, work, kind, checkpointing=False, chunk=1024)
+    counted = flops.train_flops(shape, work, kind, checkpointing=False, chunk=1024)
     return {"seconds": timed["seconds"], "peak_mb": timed["peak"] / 2**20, "saved_mb": timed["saved"] / 2**20,
             "planned_peak_mb": plan["peak"] / 2**20,
-            "planned_saved_mb": plan["saved"] / 2**20, "planned_flops": flops["total"],
-            "causal_flops": flops["total_causal"]}
+            "planned_saved_mb": plan["saved"] / 2**20, "planned_flops": counted["total"],
+            "causal_flops": counted["total_causal"]}
 
 
 def run(out: Path, quick: bool = False) -> dict:

@@ -1,4 +1,5 @@
-"""Know before you launch: memory per rank and FLOPs per step of a training config, from the model's shape alone.
+"""Know before you launch: memory per rank of a training config, from the model's shape alone (FLOPs:
+``app.planning.flops``).
 
 Every figure is a formula over the architecture (``Shape``), the sequence lengths a step sees (``Workload``) and
 the world; nothing is allocated at full size. What each formula counts is what the code of this project keeps:
@@ -10,8 +11,8 @@ the world; nothing is allocated at full size. What each formula counts is what t
   tensor by tensor against ``torch.autograd.graph.saved_tensors_hooks`` on the real classes (tests/test_plan.py);
 - the backward's first moment: every saved tensor still live, plus the output head's chunk of logits and its weight
   gradient (the largest single gradient);
-- FLOPs: matmuls and attention rectangles as the kernels compute them (what ``torch.utils.flop_counter`` counts) and
-  the causal pairs a perfect kernel would; the backward is 2x the forward for matmuls, 2.5x for fused attention.
+- the vision tower: each block's saved tensors, or under activation checkpointing each block's input and one
+  recomputed block; its backward after the language model's (``pass_with_trained_tower``).
 
 The plan is a prediction: ``docs/planner.md`` says which parts were checked against measurement and which were not.
 """
@@ -222,7 +223,11 @@ def training_activations(shape: Shape, work: Workload, *, backend: str, dtype_by
             "transients": t, "peak": peak}
 
 
-VISION_RECOMPUTE_SHARE = 0.75  # of a block's saved tensors, at the recomputed block's backward (fitted, see below)
+# Under activation checkpointing, the recomputed block's backward holds this share of one block's saved tensors
+# beside every block's input and the block's largest weight gradient: the slope of the allocator's peak over 2,048-
+# 4,096 patches (3 blocks), per family (their attention and MLP backwards differ; docs/planner.md).
+VISION_RECOMPUTE_SHARE = {"qwen2_vl": 1.28, "qwen2_5_vl": 1.19, "qwen3_vl": 1.0}
+VISION_MERGER_FLOATS = 7  # per patch and hidden unit, beside the merger's first weight gradient (fitted, 512 patches)
 VISION_BACKWARD_SHARE = 0.5  # of a block's saved tensors, the backward's working set beyond them (fitted)
 
 
@@ -241,114 +246,49 @@ def vision_block_saved(shape: Shape, patches: int, dtype_bytes: int) -> float:
 
 def vision_activations(shape: Shape, patches: int, *, training: bool, chunk_patches: int, dtype_bytes: int,
                        checkpointing: bool = False) -> float:
-    """Peak bytes of the vision tower's pass. Training: every block's saved tensors (or, under activation
-    checkpointing, which the trainer applies to the tower's blocks too, every block's input and one recomputed
-    block's share), the backward's working set beyond them, and one block's weight gradients before they are
-    accumulated. Frozen: one block's working set over one chunk of patches. The training terms are fitted to
-    passes of the Qwen2.5-VL-3B and Qwen3-VL-2B towers (2-4 blocks, 512-1024 patches, with and without
-    checkpointing) measured by the allocator; tests/test_plan.py checks others."""
+    """Peak bytes of the vision tower's pass. Training: every block's saved tensors, the backward's working set
+    beyond them, and one block's weight gradients before they are accumulated; under activation checkpointing
+    (which the trainer applies to the tower's blocks too), every block's input, then the larger of the recomputed
+    block's backward and the merger's. Frozen: one block's working set over one chunk of patches. The shares are
+    fitted to passes of the Qwen2-VL-2B, Qwen2.5-VL-7B, Qwen3-VL-2B and -8B towers (3 blocks, 512-4,096 patches)
+    measured by the allocator; tests/test_planner_accuracy.py checks other depths and sizes."""
     vh, vi = shape.vision_hidden, shape.vision_intermediate
     if training:
         # Qwen3-VL's deepstack mergers keep their own activations (about 4 x hidden per patch each)
         block = vision_block_saved(shape, patches, dtype_bytes) + shape.vision_deepstack * patches * dtype_bytes * 4 * vh
         grads = shape.vision_block_params * dtype_bytes
         if checkpointing:
-            return shape.vision_depth * patches * vh * dtype_bytes + VISION_RECOMPUTE_SHARE * block + grads
+            inputs = shape.vision_depth * patches * vh * dtype_bytes
+            recompute = VISION_RECOMPUTE_SHARE.get(shape.family, 1.28) * block + vh * vi * dtype_bytes
+            # short videos peak earlier, in the merger's backward: its first weight's gradient, (hidden x merge^2)^2
+            merger = (vh * shape.merge**2) ** 2 * dtype_bytes + VISION_MERGER_FLOATS * patches * vh * dtype_bytes
+            return inputs + max(recompute, merger)
         return (shape.vision_depth + VISION_BACKWARD_SHARE) * block + grads
     rows = min(chunk_patches, patches) if chunk_patches else patches
-    return rows * dtype_bytes * (6 * vh + 3 * vi)
+    # a frozen block's working set without gradients: its input and a few hidden-sized tensors, and the MLP's
+    # intermediates (three for SwiGLU and QuickGELU, two for GELU), measured on the three towers
+    wide = 3 if (shape.vision_gated or shape.family == "qwen2_vl") else 2
+    return rows * dtype_bytes * (4 * vh + wide * vi)
 
 
-# ---------------------------------------------------------------------------------------------------------- FLOPs
-def attention_pairs(work: Workload, backend: str) -> tuple[float, float]:
-    """(query-key pairs the kernels compute, causal pairs a perfect kernel would) of one forward."""
-    p, c, g, n = work.prefix, work.completion, work.group_size, work.groups
-    if backend == "repeated":
-        rows = g * (p + c)
-        return n * g * (p + c) ** 2, n * rows * (p + c + 1) / 2
-    causal = p * (p + 1) / 2 + g * (c * p + c * (c + 1) / 2)
-    if backend == "split":  # P causally (full square), all responses x P, each response x itself
-        return n * (p * p + g * c * p + g * c * c), n * causal
-    return n * (p * p + g * c * (p + c)), n * causal  # flash / flex / packed / paper: P, then each [P;Ri]
+def vision_held(shape: Shape, patches: int, *, checkpointing: bool, dtype_bytes: int) -> float:
+    """Bytes a trained tower keeps while the language model runs its forward and backward: every block's saved
+    tensors, or under activation checkpointing every block's input."""
+    if checkpointing:
+        return shape.vision_depth * patches * shape.vision_hidden * dtype_bytes
+    return shape.vision_depth * (vision_block_saved(shape, patches, dtype_bytes)
+                                 + shape.vision_deepstack * patches * dtype_bytes * 4 * shape.vision_hidden)
 
 
-def forward_flops(shape: Shape, work: Workload, backend: str) -> dict:
-    """Forward FLOPs of the language model over one micro-batch: matmuls, attention rectangles (and causal),
-    output head on the scored tokens."""
-    tokens = work.repeated_tokens if backend == "repeated" else work.grouped_tokens
-    rect, causal = attention_pairs(work, backend)
-    per_pair = 4 * shape.heads * shape.head_dim * shape.layers
-    linear = 2 * shape.layer_matmul_params * shape.layers * tokens
-    head = 2 * shape.hidden * shape.vocab * work.scored
-    return {"linear": linear, "attention": rect * per_pair, "attention_causal": causal * per_pair, "head": head,
-            "total": linear + rect * per_pair + head, "total_causal": linear + causal * per_pair + head}
-
-
-def train_flops(shape: Shape, work: Workload, backend: str, *, checkpointing: bool, chunk: int,
-                deepspeed_linear: bool = False) -> dict:
-    """Forward+backward FLOPs of the policy update over one micro-batch: the backward is twice the forward for
-    matmuls and 2.5 times for fused attention; checkpointing runs each layer's forward again but its last matmul
-    (all of it with ``deepspeed_linear``); the chunked head (``chunk`` > 0) recomputes its logits in the backward.
-
-    ``deepspeed_linear``: ``torch.nn.functional.linear`` is DeepSpeed's ZeRO-3 replacement, which loading a model
-    under ZeRO-3 installs for the rest of the process (``app.runtime.zero``)."""
-    f = forward_flops(shape, work, backend)
-    again = 1 if checkpointing else 0
-    # torch's non-reentrant checkpoint stops recomputing once every saved tensor is back: each layer's last matmul
-    # (down_proj, hidden x intermediate of its weights) is not run again (measured with the flop counter). DeepSpeed's
-    # linear is an autograd function that saves its inputs AFTER its matmul, so under it that matmul runs again too.
-    last = 0.0 if deepspeed_linear else shape.hidden * shape.intermediate / shape.layer_matmul_params
-    recompute = f["linear"] * (1 - last) if checkpointing else 0.0
-    linear = 3 * f["linear"] + recompute + (4 if chunk else 3) * f["head"]
-    # fused attention backward recomputes the scores: 5 matmuls against the forward's 2 (torch's flop_counter)
-    attention = 3.5 + again
-    return {"total": linear + attention * f["attention"], "total_causal": linear + attention * f["attention_causal"]}
-
-
-def vision_attention_pairs(shape: Shape, patches: int, temporal: int) -> float:
-    """Query-key pairs of the tower's attention over ``patches`` patches of ``temporal`` temporal patches (a video's
-    frames pairwise): every block attends within one temporal patch's frame (Qwen2-VL, Qwen3-VL; Qwen2.5-VL's full
-    blocks), except Qwen2.5-VL's windowed blocks, within windows of ``vision_window`` pixels squared (one window
-    holds at most a frame)."""
-    per_frame = patches / max(temporal, 1)
-    depth = shape.vision_depth
-    if shape.vision_full_blocks < 0:
-        return depth * patches * per_frame
-    window = min((shape.vision_window // shape.patch) ** 2, per_frame)
-    full = shape.vision_full_blocks
-    return full * patches * per_frame + (depth - full) * patches * window
-
-
-def vision_flops(shape: Shape, patches: int, temporal: int = 1, *, training: bool = False,
-                 checkpointing: bool = False) -> float:
-    """FLOPs of the tower over ``patches`` patches of ``temporal`` temporal patches: patch embedding, blocks (their
-    matmuls and attention as ``vision_attention_pairs`` says), the merger (and Qwen3-VL's deepstack mergers).
-    Training: the backward twice the forward's matmuls (the patch embedding's weight gradient only: the pixels need
-    none) and 2.5 times its attention; under activation checkpointing every block's forward once more but its last
-    matmul (torch's non-reentrant checkpoint stops once the saved tensors are back, as in the language model)."""
-    if not patches:
-        return 0.0
-    vh = shape.vision_hidden
-    embed = 2 * 3 * shape.temporal_patch * shape.patch**2 * vh * patches
-    blocks = 2 * shape.vision_block_params * patches * shape.vision_depth
-    attention = 4 * vh * vision_attention_pairs(shape, patches, temporal)
-    merged = patches // shape.merge**2
-    merger = (1 + shape.vision_deepstack) * 2 * merged * (vh * shape.merge**2) * (vh * shape.merge**2 + shape.hidden)
-    forward = embed + blocks + attention + merger
-    if not training:
-        return forward
-    last = shape.vision_hidden * shape.vision_intermediate / shape.vision_block_params  # the MLP's second matmul
-    again = (blocks * (1 - last) + attention) if checkpointing else 0.0
-    return 2 * embed + 3 * (blocks + merger) + 3.5 * attention + again
-
-
-def decode_flops(shape: Shape, work: Workload) -> float:
-    """FLOPs of sampling ``completion`` tokens for each of the G samples of every group after the prefill: each new
-    token through the layers, attending to its prompt and its own earlier tokens, and the head's full vocabulary."""
-    g, c, p = work.group_size * work.groups, work.completion, work.prefix
-    per_token = 2 * shape.layer_matmul_params * shape.layers + 2 * shape.hidden * shape.vocab
-    attention = 4 * shape.heads * shape.head_dim * shape.layers * g * (c * p + c * (c + 1) / 2)
-    return g * c * per_token + attention
+def pass_with_trained_tower(shape: Shape, language_peak: float, tower_peak: float, tower_held: float, *,
+                            trains_head: bool, dtype_bytes: int) -> float:
+    """Peak of a policy pass whose tower trains: the language model's forward+backward runs beside what the tower
+    holds (``vision_held``); the tower's backward runs after the language model's, beside, for a tied head that
+    trains, the head's weight gradient (autograd sums a weight's gradients before accumulating them, and the
+    embedding, the tied weight's other use, runs its backward after the tower's). Measured on the whole pass at
+    the Qwen2-VL-2B width with a 64-frame video (app/bench/planning/accuracy.py)."""
+    head = shape.vocab * shape.hidden * dtype_bytes if shape.tied and trains_head else 0.0
+    return max(language_peak + tower_held, tower_peak + head)
 
 
 # ---------------------------------------------------------------------------------------------------------- states

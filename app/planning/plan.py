@@ -59,8 +59,10 @@ def report(result: dict, frames_by_size: dict, fixes: list[dict]) -> str:
     lines.append("  rollout (on top of the states)")
     lines += [f"    {key:<22}{_gib(value)}" for key, value in r.items() if key != "total"]
     lines.append("  training forward+backward (on top of the states)")
-    lines += [f"    {key:<22}{_gib(value)}" for key, value in t.items() if key not in ("total", "saved")]
+    lines += [f"    {key:<22}{_gib(value)}" for key, value in t.items() if key not in ("total", "saved", "whole_pass")]
     lines.append(f"    {'(saved tensors)':<22}{_gib(t['saved'])}")
+    lines.append(f"    {'(pass with the tower)':<22}{_gib(t['whole_pass'])}  (the language model's and the tower's "
+                 "peaks come at different times)")
     by_layout = result["activations_by_layout"]
     lines.append(f"    {'(activations by layout)':<22} grouped {by_layout['grouped'] / GiB:.2f}, repeated "
                  f"{by_layout['repeated'] / GiB:.2f} ({by_layout['grouped'] / by_layout['repeated']:.2f}x)")

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from app.planning import costs, shapes
+from app.planning import costs, flops, shapes
 from app.planning.costs import GiB, Shape, Workload
 from app.rollout.registry import memory_kind
 
@@ -221,22 +221,28 @@ def training_memory(cfg, shape: Shape, work: Workload, ds: dict, b: int, gpu: fl
                                      chunk=cfg.forward.logprob_chunk_size, trains_head=trains_head,
                                      sequence_parallel=size)
     patches = work.patches * work.groups
+    checkpointing = cfg.model.gradient_checkpointing
     if not patches:
-        tower = 0.0
-    elif tower_trains:
+        tower, whole = 0.0, act["peak"]
+    elif tower_trains:  # the tower's backward comes after the language model's
         tower = costs.vision_activations(shape, patches, training=True, chunk_patches=0, dtype_bytes=b,
-                                         checkpointing=cfg.model.gradient_checkpointing) / size
+                                         checkpointing=checkpointing) / size
+        held = costs.vision_held(shape, patches, checkpointing=checkpointing, dtype_bytes=b) / size
+        whole = costs.pass_with_trained_tower(shape, act["peak"], tower, held, trains_head=trains_head,
+                                              dtype_bytes=b)
     elif cfg.forward.vision_cache == "step":
         tower = work.visual * work.groups * shape.hidden * b  # cached outputs, held for the step
-    else:
+        whole = act["peak"] + tower
+    else:  # a frozen tower's no-grad pass is over before the language model's begins
         tower = costs.vision_activations(shape, patches, training=False, chunk_patches=tower_chunk(cfg, work),
                                          dtype_bytes=b) / size
+        whole = max(act["peak"], tower + work.visual * work.groups * shape.hidden * b)
     zero3 = b * (ds["prefetch"] + shape.vocab * shape.hidden) if ds["stage"] == 3 else 0.0
     awake = memory_kind(cfg.rollout.engine) == "reserved" and not cfg.rollout.vllm_sleep
     reserved = cfg.rollout.vllm_gpu_memory_utilization * gpu if awake else 0.0
-    parts = {"activations": act["peak"], "saved": act["saved"], "vision_tower": tower, "zero3_buffers": zero3,
-             "engine_awake": reserved}
-    parts["total"] = act["peak"] + tower + zero3 + reserved
+    parts = {"activations": act["peak"], "saved": act["saved"], "vision_tower": tower, "whole_pass": whole,
+             "zero3_buffers": zero3, "engine_awake": reserved}
+    parts["total"] = whole + zero3 + reserved
     return parts
 
 
@@ -255,22 +261,22 @@ def step_flops(cfg, shape: Shape, work: Workload, layout: str) -> dict:
                    patches=work.patches, temporal=work.temporal)
     backend = "repeated" if layout == "repeated" else grouped_backend(cfg)
     prefill_rows = Workload(prefix=work.prefix, completion=0, group_size=1)
-    prefill = costs.forward_flops(shape, prefill_rows, "flash")["total"] * (1 if layout == "grouped" else
+    prefill = flops.forward_flops(shape, prefill_rows, "flash")["total"] * (1 if layout == "grouped" else
                                                                            work.group_size)
-    forward = costs.forward_flops(shape, one, backend)["total"]
-    train = costs.train_flops(shape, one, backend, checkpointing=cfg.model.gradient_checkpointing,
+    forward = flops.forward_flops(shape, one, backend)["total"]
+    train = flops.train_flops(shape, one, backend, checkpointing=cfg.model.gradient_checkpointing,
                               chunk=cfg.forward.logprob_chunk_size,
                               deepspeed_linear=deepspeed_settings(cfg)["stage"] == 3)["total"]
     iterations = cfg.grpo.num_iterations
-    tower = costs.vision_flops(shape, work.patches, work.temporal)  # one forward
+    tower = flops.vision_flops(shape, work.patches, work.temporal)  # one forward
     if cfg.forward.vision_cache == "step" and not tower_trains(cfg):
         vision = tower  # once a step, its outputs served to every later forward
     else:  # the rollout's prefill, the reference, the old policy, then each policy pass (trained or frozen)
-        trained = costs.vision_flops(shape, work.patches, work.temporal, training=True,
+        trained = flops.vision_flops(shape, work.patches, work.temporal, training=True,
                                      checkpointing=cfg.model.gradient_checkpointing) if tower_trains(cfg) else tower
         vision = tower * (1 + (cfg.grpo.beta > 0) + (iterations > 1)) + trained * iterations
     return {"vision_tower": vision,
-            "rollout_prefill": prefill, "rollout_decode": costs.decode_flops(shape, one),
+            "rollout_prefill": prefill, "rollout_decode": flops.decode_flops(shape, one),
             "reference": forward if cfg.grpo.beta > 0 else 0.0, "old_policy": forward if iterations > 1 else 0.0,
             "policy": train * iterations}
 
@@ -314,11 +320,37 @@ REMEDIES = (  # (what to change, overrides), cheapest first
 )
 
 
+def already_done(cfg, overrides: dict) -> bool:
+    """Whether the config already has this change, or one that saves at least as much: the setting itself, a
+    sequence-parallel size as large, any LoRA rank (a larger one saves nothing), a prefill chunk as small, a
+    ZeRO-3 gather at most layer by layer."""
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        current = getattr(getattr(cfg, section), name)
+        if key == "train.sequence_parallel_size":
+            done = current >= value
+        elif key == "lora.rank":
+            done = current > 0
+        elif key == "rollout.prefill_chunk_size":
+            done = 0 < current <= value
+        elif key == "rollout.zero3_gather":
+            done = current in ("layerwise", "per_step")
+        elif key == "forward.vision_chunk_frames":
+            done = 0 < current <= value
+        else:
+            done = current == value
+        if not done:
+            return False
+    return True
+
+
 def remedies(cfg, world: World, source: str) -> list[dict]:
-    """Each single change of ``REMEDIES`` (applied on top of the ones before it that were not enough), with the
-    peak it gives; the first that fits ends the list."""
+    """Each single change of ``REMEDIES`` that the config does not already have (``already_done``), applied on top
+    of the ones before it that were not enough, with the peak it gives; the first that fits ends the list."""
     found, current = [], cfg
     for name, overrides in REMEDIES:
+        if already_done(current, overrides):
+            continue
         trial = with_overrides(current, overrides)
         try:
             result = plan(trial, world, source)

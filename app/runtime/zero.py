@@ -4,7 +4,7 @@ gathering partitioned parameters for no-grad forwards (rollouts, reference log-p
 The optimizer is torch AdamW handed to DeepSpeed (no CPUAdam build needed). Under ZeRO-3, loading a model inside
 ``zero.Init`` (transformers does so while an ``hf_deepspeed_config`` is alive) also makes DeepSpeed replace
 ``torch.nn.functional.linear`` with its own autograd function for the rest of the process (its documented
-"memory-efficient linear"); ``app.planning.costs.train_flops`` counts what that changes (activation checkpointing then
+"memory-efficient linear"); ``app.planning.flops.train_flops`` counts what that changes (activation checkpointing then
 recomputes each layer's last matmul too).
 """
 
