@@ -73,13 +73,23 @@ def one(out: Path, seed: int, train_size: int, heldout_size: int, warm_steps: in
         "torch_threads": torch.get_num_threads()}, indent=2))
 
 
+def provenance() -> dict:
+    """Where the runs were made: commit, date, machine, torch."""
+    import platform
+
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                            check=False).stdout.strip()
+    return {"commit": commit, "date": time.strftime("%Y-%m-%d"), "machine": platform.platform(),
+            "cpu_count": os.cpu_count(), "torch": torch.__version__}
+
+
 def report(results: list[dict], out: Path, floor: float) -> dict:
     after = [r["heldout_after_grpo"] for r in results]
     summary = {"runs": results, "floor": floor, "min": min(after), "median": statistics.median(after),
                "max": max(after), "all_at_or_above_floor": all(a >= floor for a in after)}
-    from app.bench.common import environment
-
-    summary["environment"] = environment()
+    summary["environment"] = provenance()
     lines = ["| seed | threads | held-out: warm start | held-out: after GRPO | training accuracy, last 50 steps | "
              "minutes |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['seed']} | {r['threads']} | {r['heldout_warm_start']:.3f} | {r['heldout_after_grpo']:.3f} | "
