@@ -20,3 +20,6 @@ def test_the_report_states_the_spread_and_whether_every_run_reaches_the_floor(tm
     written = json.loads((tmp_path / "spread.json").read_text())
     assert written["environment"]["commit"] and len(written["runs"]) == 3 and (tmp_path / "spread.png").is_file()
     assert report(runs(0.8, 0.9), tmp_path, 0.8)["all_at_or_above_floor"] is True
+    report(runs(0.9), tmp_path, 0.8, ["train.min_lr_ratio=0.5"])  # the settings the runs were made with
+    assert json.loads((tmp_path / "spread.json").read_text())["overrides"] == ["train.min_lr_ratio=0.5"]
+    assert "`configs/demo_cpu.yaml` train.min_lr_ratio=0.5" in (tmp_path / "spread.md").read_text()

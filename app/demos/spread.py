@@ -85,12 +85,15 @@ def provenance() -> dict:
             "cpu_count": os.cpu_count(), "torch": torch.__version__}
 
 
-def report(results: list[dict], out: Path, floor: float) -> dict:
+def report(results: list[dict], out: Path, floor: float, overrides: list[str] = ()) -> dict:
     after = [r["heldout_after_grpo"] for r in results]
     summary = {"runs": results, "floor": floor, "min": min(after), "median": statistics.median(after),
-               "max": max(after), "all_at_or_above_floor": all(a >= floor for a in after)}
+               "max": max(after), "all_at_or_above_floor": all(a >= floor for a in after),
+               "config": CONFIG, "overrides": list(overrides)}
     summary["environment"] = provenance()
-    lines = ["| seed | threads | held-out: warm start | held-out: after GRPO | training accuracy, last 50 steps | "
+    env = summary["environment"]
+    lines = [f"`{summary['config']}`{' ' + ' '.join(overrides) if overrides else ''}, commit {env['commit']}, "
+             f"{env['date']}", "", "| seed | threads | held-out: warm start | held-out: after GRPO | training accuracy, last 50 steps | "
              "minutes |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['seed']} | {r['threads']} | {r['heldout_warm_start']:.3f} | {r['heldout_after_grpo']:.3f} | "
               f"{r['train_accuracy_last_50']:.3f} | {r.get('minutes', 0):.1f} |" for r in results]
@@ -109,7 +112,7 @@ def plot(results: list[dict], path: Path, floor: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.4))
+    fig, ax = plt.subplots(figsize=(8.2, 3.4))
     labels = [f"seed {r['seed']}\n{r['threads']} thr" for r in results]
     x = range(len(results))
     ax.bar([i - 0.2 for i in x], [r["heldout_warm_start"] for r in results], width=0.4, label="warm start")
@@ -119,7 +122,7 @@ def plot(results: list[dict], path: Path, floor: float) -> None:
     ax.set_xticks(list(x), labels)
     ax.set_ylim(0, 1)
     ax.set_ylabel("held-out accuracy")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.set_title("make demo over seeds and thread counts")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -149,8 +152,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             folder.mkdir(parents=True, exist_ok=True)
             say(f"seed {seed}, {threads} thread(s): {folder}")
             results.append(run_one(folder, seed, threads, args, overrides))
-            report(results, out, args.floor)
-    return report(results, out, args.floor)
+            report(results, out, args.floor, overrides)
+    return report(results, out, args.floor, overrides)
 
 
 if __name__ == "__main__":
