@@ -325,4 +325,8 @@ def test_each_objective_runs_on_the_demo_and_logs_its_ratios(tmp_path):
     for name, r in summary["objectives"].items():
         assert r["steps"] == 2 and r["ratio_min"] <= r["ratio_mean"] <= r["ratio_max"], name
         assert 0.0 <= r["heldout_accuracy"] <= 1.0
+    ran = {name: r["settings"] for name, r in summary["objectives"].items()}  # each source's settings, as they ran
+    assert ran["cispo"] == {"epsilon_low": 1.0, "epsilon_high": 4.0, "loss_type": "dapo"}
+    assert ran["gspo"] == {"epsilon_low": 3e-4, "epsilon_high": 4e-4, "loss_type": "grpo"}
+    assert ran["sapo"] == {"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05, "loss_type": "grpo"}
     assert (tmp_path / "demo" / "objectives" / "objectives_reward.png").stat().st_size > 10_000
