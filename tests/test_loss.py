@@ -429,6 +429,15 @@ def test_selecting_an_objective_gives_it_its_sources_settings_unless_they_are_se
     assert (low, high) == (0.1, 0.3) and kind == ("bnpo" if policy not in SEQUENCE_LEVEL else "grpo")
 
 
+def test_an_objectives_settings_as_they_run_name_what_it_uses():
+    """What the trainer logs and the objectives demo writes: SAPO's temperatures (its epsilons only feed metrics),
+    the others' epsilons; each with its loss type."""
+    assert LossOptions(policy_loss="sapo", sapo_tau_neg=2.0).settings() == {
+        "sapo_tau_pos": 1.0, "sapo_tau_neg": 2.0, "loss_type": "grpo"}
+    assert LossOptions(policy_loss="cispo", epsilon_low=1.0, epsilon_high=4.0, loss_type="dapo").settings() == {
+        "epsilon_low": 1.0, "epsilon_high": 4.0, "loss_type": "dapo"}
+
+
 def test_cispo_with_its_source_settings_is_trls_cispo_with_a_cap_of_five():
     """TRL's CISPO: -min(r, 5).detach() * A * log pi, summed over the batch's tokens / their count. Ours, with the
     settings selecting cispo gives it (epsilon_low 1.0, epsilon_high 4.0, loss_type dapo), equals it exactly."""

@@ -35,10 +35,7 @@ OBJECTIVES = {"clip": [], "gspo": [], "gspo_token": [], "cispo": [], "sapo": []}
 
 def resolved(cfg) -> dict:
     """What the loss of a run of ``cfg`` uses: epsilons and loss type (the objective's source values unless set)."""
-    o = cfg.grpo.to_options(cfg.rollout.max_completion_length, cfg.rollout.engine)
-    if o.policy_loss == "sapo":  # a soft gate: its epsilons only set the clip-fraction metrics, so they are not listed
-        return {"sapo_tau_pos": o.sapo_tau_pos, "sapo_tau_neg": o.sapo_tau_neg, "loss_type": o.loss_type}
-    return {"epsilon_low": o.epsilon_low, "epsilon_high": o.epsilon_high, "loss_type": o.loss_type}
+    return cfg.grpo.to_options(cfg.rollout.max_completion_length, cfg.rollout.engine).settings()
 
 
 def tenth_means(rows: list[dict], key: str) -> tuple[float, float]:

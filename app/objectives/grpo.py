@@ -189,6 +189,13 @@ class LossOptions:
             if getattr(self, name) <= 0:
                 raise OptionError(name, f"must be > 0, got {getattr(self, name)}")
 
+    def settings(self) -> dict:
+        """The objective's own settings as they will run (auto values resolved): SAPO's gate temperatures, or the
+        others' epsilons; with the loss type. SAPO's epsilons only set its clip-fraction metrics, so are left out."""
+        if self.policy_loss == "sapo":
+            return {"sapo_tau_pos": self.sapo_tau_pos, "sapo_tau_neg": self.sapo_tau_neg, "loss_type": self.loss_type}
+        return {"epsilon_low": self.epsilon_low, "epsilon_high": self.epsilon_high, "loss_type": self.loss_type}
+
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int = 0,
               tokens_per_micro_batch: float | None = None) -> torch.Tensor:

@@ -57,9 +57,7 @@ class GRPOTrainer(Recipe):
         self.rewards = RewardSet(cfg.rewards, judge=build_judge(cfg.rewards, cfg.data, cfg.model, self.device,
                                                                  self.ds_config))
         self.loss = GRPOLoss(cfg.grpo.to_options(cfg.rollout.max_completion_length, cfg.rollout.engine))
-        o = self.loss.options
-        log.info("objective: %s, epsilon %g / %g, loss_type %s (auto settings resolved from grpo.policy_loss)",
-                 o.policy_loss, o.epsilon_low, o.epsilon_high, o.loss_type)
+        log.info("objective %s, as resolved from grpo.policy_loss: %s", cfg.grpo.policy_loss, self.loss.options.settings())
         self.rollout_engine = training_rollout_engine(self)
         for warning in data_warnings(cfg, self.stream.records):
             log.warning("%s", warning)
