@@ -17,11 +17,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	@echo "make test: the suite without the tests marked slow (12m55s measured on 2 cores in a clean clone on a slow day: 768 passed, vLLM parity included); make test-all runs everything (CI runs it)"
+	@echo "make test: the suite without the tests marked slow (10m02s measured on 2 cores in a clean clone at a16f817: 865 passed, vLLM parity included; 12m55s on a slow day); make test-all runs everything (CI runs it)"
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-all: lint
-	@echo "make test-all: the whole suite, slow tests included (about 45-55 min on 2 cores: make test 12m55s + the slow tests (about 7 more minutes since eight tests moved there) 31-44 min, each measured in a clean clone; not timed as one run)"
+	@echo "make test-all: the whole suite, slow tests included (about 45-55 min on 2 cores: make test 10-13 min + the slow tests (about 7 more minutes since eight tests moved there) 31-44 min, each measured in a clean clone; not timed as one run)"
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
