@@ -62,3 +62,16 @@ def test_benchmark_runs_quick(name, tmp_path):
         full, adapters = report["rows"]
         assert full["separate_reference"] and not adapters["separate_reference"]
         assert adapters["trainable_m"] < full["trainable_m"]
+
+
+def test_a_benchmark_point_killed_by_the_kernel_says_so(monkeypatch):
+    """A point's child process killed by SIGKILL (the out-of-memory killer, with nothing on stderr) is named as such,
+    not reported as an empty failure."""
+    import types
+
+    from app.bench import common
+
+    monkeypatch.setattr(common.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=-9, stderr="",
+                                                                                        stdout=""))
+    with pytest.raises(RuntimeError, match="killed by signal 9 .*out-of-memory"):
+        common.isolated("app.bench.real_width:measure", layers=2)

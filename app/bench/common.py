@@ -72,7 +72,11 @@ def isolated(target: str, **kwargs) -> dict:
     result = subprocess.run([sys.executable, "-m", "app.bench.common", target, json.dumps(kwargs)], cwd=ROOT,
                             capture_output=True, text=True, timeout=3600, env=child_env())
     if result.returncode != 0:
-        raise RuntimeError(f"{target}({kwargs}) failed:\n{result.stderr[-3000:]}")
+        how = f"was killed by signal {-result.returncode}" if result.returncode < 0 else \
+            f"exited {result.returncode}"
+        if result.returncode == -9:
+            how += " (SIGKILL: most often the kernel's out-of-memory killer; see dmesg)"
+        raise RuntimeError(f"{target}({kwargs}) {how}:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
