@@ -34,7 +34,7 @@ OBJECTIVES = {"clip": [], "gspo": [], "gspo_token": [], "cispo": [], "sapo": []}
 
 
 def resolved(cfg) -> dict:
-    """What the loss of a run of ``cfg`` uses: epsilons and loss type (the objective's source values unless set)."""
+    """What the loss of a run of ``cfg`` uses (``LossOptions.settings``: the objective's source values unless set)."""
     return cfg.grpo.to_options(cfg.rollout.max_completion_length, cfg.rollout.engine).settings()
 
 

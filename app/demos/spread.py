@@ -89,11 +89,10 @@ def report(results: list[dict], out: Path, floor: float, overrides: list[str] = 
     after = [r["heldout_after_grpo"] for r in results]
     summary = {"runs": results, "floor": floor, "min": min(after), "median": statistics.median(after),
                "max": max(after), "all_at_or_above_floor": all(a >= floor for a in after),
-               "config": CONFIG, "overrides": list(overrides)}
-    summary["environment"] = provenance()
+               "config": CONFIG, "overrides": list(overrides), "environment": provenance()}
     env = summary["environment"]
-    lines = [f"`{summary['config']}`{' ' + ' '.join(overrides) if overrides else ''}, commit {env['commit']}, "
-             f"{env['date']}", "", "| seed | threads | held-out: warm start | held-out: after GRPO | training accuracy, last 50 steps | "
+    lines = [" ".join([f"`{CONFIG}`", *overrides]) + f", commit {env['commit']}, {env['date']}", "",
+             "| seed | threads | held-out: warm start | held-out: after GRPO | training accuracy, last 50 steps | "
              "minutes |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['seed']} | {r['threads']} | {r['heldout_warm_start']:.3f} | {r['heldout_after_grpo']:.3f} | "
               f"{r['train_accuracy_last_50']:.3f} | {r.get('minutes', 0):.1f} |" for r in results]

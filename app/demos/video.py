@@ -66,8 +66,7 @@ def say(text: str) -> None:
 # The warm start's settings (a few hundred small steps, no checkpoints but the export; resumable), shared by the demos.
 # Its schedule is its own: cosine to zero, whatever the GRPO config's train.min_lr_ratio.
 WARM_START = ["train.learning_rate=2e-3", "train.warmup_steps=0", "train.min_lr_ratio=0.0", "train.save_every=0",
-              "train.resume=true",
-              "logging.wandb_mode=disabled", "logging.sample_table_every=0"]
+              "train.resume=true", "logging.wandb_mode=disabled", "logging.sample_table_every=0"]
 
 
 def launch(script: str, config: str, overrides: list[str], nproc: int = 1) -> None:
