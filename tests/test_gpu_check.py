@@ -61,6 +61,9 @@ def test_the_whole_acceptance_runs_quick_here(tmp_path):
     payload = json.loads((tmp_path / "report" / "report.json").read_text())
     assert [r["status"] for r in payload["parts"]] == ["ok"] * 5
     assert {"train", "decode", "rehearsal", "hf_compiled"} <= set(payload["results"])
+    compiled = payload["results"]["hf_compiled"]["hf_static_compiled"]
+    assert compiled["grouped_s"] > 0 and ("hf_static_s" in compiled or compiled["error"])  # a time, or why not
+    assert "static cache and torch.compile" in (tmp_path / "report" / "report.md").read_text()
     rehearsal = payload["results"]["rehearsal"]
     assert all(stage["exit"] == 0 for stage in rehearsal["stages"].values())
     assert len({r["step"] for r in rehearsal["phases"]}) == 2  # two GRPO steps through scripts/train.sh

@@ -179,12 +179,15 @@ def run(out: Path, quick: bool = False, layers: int | None = None, hf_compiled: 
     payload = {"preset": preset, "layers": layers, "dtype": str(dtype), "group": group, "device": name,
                "bandwidth": bandwidth, "steps": steps_rows, "rollouts": rollout_rows}
 
+    # the report's name is what app.bench.gpu.report looks for: one per part, so the two never overwrite each other
+    name = "gpu_decode_hf_compiled" if hf_compiled_only else "gpu_decode"
+
     def save():
-        write_report(out, "gpu_decode", payload, table(payload), quiet=True)
+        write_report(out, name, payload, table(payload), quiet=True)
 
     if hf_compiled_only:
         compiled_rows(model, prefixes[-1], group, news[-1], payload, save)
-        write_report(out, "gpu_decode", payload, table(payload))
+        write_report(out, name, payload, table(payload))
         return payload
     for prefix in prefixes:
         prompts = prompt_of(prefix, dev)
@@ -220,7 +223,7 @@ def run(out: Path, quick: bool = False, layers: int | None = None, hf_compiled: 
         save()
     if hf_compiled:
         compiled_rows(model, prefixes[-1], group, news[-1], payload, save)
-    write_report(out, "gpu_decode", payload, table(payload))
+    write_report(out, name, payload, table(payload))
     return payload
 
 
