@@ -75,3 +75,38 @@ def test_a_benchmark_point_killed_by_the_kernel_says_so(monkeypatch):
                                                                                         stdout=""))
     with pytest.raises(RuntimeError, match="killed by signal 9 .*out-of-memory"):
         common.isolated("app.bench.real_width:measure", layers=2)
+
+
+def test_a_failed_point_becomes_a_row_and_the_others_are_kept(tmp_path, monkeypatch):
+    """A benchmark of many points whose one point dies (here: killed for memory) keeps every other point in its
+    report, lists the failed one with why, and exits non-zero; the report is on disk after each point."""
+    from app.bench import common, real_width
+    from app.bench.planning import accuracy
+
+    def fake(target, **kwargs):
+        if kwargs.get("layers") == 2 and kwargs.get("mode") == "repeated" or target.endswith(":tower_point"):
+            raise RuntimeError(f"{target}({kwargs}) was killed by signal 9 (SIGKILL: most often the kernel's "
+                               "out-of-memory killer; see dmesg):\n")
+        value = 1000.0 * (1 + kwargs.get("layers", 1))
+        result = {"seconds": value / 100, "peak_mb": value, "saved_mb": value / 2, "planned_peak_mb": value * 1.01,
+                "planned_saved_mb": value / 2, "planned_flops": value * 1e9, "measured_flops": value * 1e9, "causal_flops": value * 5e8,
+                "peak_memory_mb": value * 3, "planned": value * 2**20, "measured": value * 2**20 * 0.99}
+        if target.endswith(":video_point"):
+            result |= {"planned_old": value * 2**21, "budget": value * 1.5 * 2**20}
+        return result
+
+    monkeypatch.setattr(common, "isolated", fake)
+    monkeypatch.setattr(real_width, "POINTS", ((1, 128), (2, 128), (3, 128)))
+    with pytest.raises(SystemExit, match="1 of 3 points failed"):
+        real_width.run(tmp_path / "rw")
+    rows = json.loads((tmp_path / "rw" / "real_width.json").read_text())["rows"]
+    assert [r["layers"] for r in rows] == [1, 2, 3]
+    assert "time_ratio" in rows[0] and "time_ratio" in rows[2] and "time_ratio" not in rows[1]
+    assert "seconds_grouped" in rows[1] and "out-of-memory" in rows[1]["error_repeated"]
+    assert "layers 2, prefix 128, repeated: app.bench.real_width:measure" in (tmp_path / "rw" / "real_width.md").read_text()
+
+    with pytest.raises(SystemExit, match="1 of .* points failed"):
+        accuracy.run(tmp_path / "acc", quick=True)
+    report = json.loads((tmp_path / "acc" / "planner_accuracy.json").read_text())
+    assert report["summary"]["failed"] == 1 and report["summary"]["points"] == len(report["rows"]) - 1
+    assert [r["part"] for r in report["rows"] if "error" in r] == ["tower trained"]

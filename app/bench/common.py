@@ -80,6 +80,19 @@ def isolated(target: str, **kwargs) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def attempt(target: str, **kwargs) -> dict:
+    """``isolated``, but a point whose process fails (killed for memory, an error, over an hour) comes back as
+    ``{"error": why}``: the first line (what ran, how it ended) and the child's last line. A benchmark of many points
+    then keeps the ones before and after it and says which point failed, instead of losing the whole run."""
+    try:
+        return isolated(target, **kwargs)
+    except subprocess.TimeoutExpired:
+        return {"error": f"{target} ran past its time limit (3600 s)"}
+    except RuntimeError as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        return {"error": lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"}
+
+
 def timed(fn, repeats: int = 3, warmup: int = 1) -> float:
     """Median wall seconds of ``fn()`` after warm-up runs."""
     for _ in range(warmup):

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from app.bench.common import cli, device, isolated, markdown_table, timed, write_report
+from app.bench.common import attempt, cli, device, markdown_table, timed, write_report
 from app.grouping import (
     GroupedAttentionPlan,
     GroupLayout,
@@ -147,20 +147,25 @@ def run(out: Path, quick: bool = False) -> dict:
     measured = []
     points = [(256, 64, 4)] if quick else [(4096, 512, 8), (4096, 2048, 8), (2048, 256, 8), (4096, 512, 4)]
     for prefix, suffix, group in points:
-        base = isolated("app.bench.grid:measure_point", prefix=prefix, suffix=suffix, group=group,
-                        variant="baseline")["peak_memory_mb"]
-        row = {"prefix": prefix, "suffix": suffix, "G": group, "baseline_mb": base}
+        base = attempt("app.bench.grid:measure_point", prefix=prefix, suffix=suffix, group=group, variant="baseline")
+        row = {"prefix": prefix, "suffix": suffix, "G": group, "baseline_mb": base.get("peak_memory_mb")}
         for variant in ("repeated", "paper", "packed", "split"):
-            result = isolated("app.bench.grid:measure_point", prefix=prefix, suffix=suffix, group=group,
-                              variant=variant, repeats=1 if quick else 2)
+            result = attempt("app.bench.grid:measure_point", prefix=prefix, suffix=suffix, group=group,
+                             variant=variant, repeats=1 if quick else 2)
+            if "error" in result:  # kept as a row that says why; the other variants and points still run
+                row[f"error_{variant}"] = result["error"]
+                print(f"P={prefix} S={suffix} G={group} {variant}: FAILED: {result['error']}", flush=True)
+                continue
             row[f"seconds_{variant}"], row[f"peak_mb_{variant}"] = result["seconds"], result["peak_memory_mb"]
         for variant in ("paper", "packed", "split"):
-            row[f"time_ratio_{variant}"] = row[f"seconds_{variant}"] / row["seconds_repeated"]
-            row[f"memory_ratio_{variant}"] = row[f"peak_mb_{variant}"] / row["peak_mb_repeated"]
             # split computes the paper's rectangles (S x P per response, then its own S x S block)
             counted = "paper" if variant == "split" else variant
             row[f"flop_ratio_{variant}"] = analytic(prefix, suffix, group, config, counted) / analytic(
                 prefix, suffix, group, config, "repeated")
+            if f"seconds_{variant}" not in row or "seconds_repeated" not in row:
+                continue
+            row[f"time_ratio_{variant}"] = row[f"seconds_{variant}"] / row["seconds_repeated"]
+            row[f"memory_ratio_{variant}"] = row[f"peak_mb_{variant}"] / row["peak_mb_repeated"]
             row[f"time_over_flop_ratio_{variant}"] = row[f"time_ratio_{variant}"] / row[f"flop_ratio_{variant}"]
         measured.append(row)
     flop_table = markdown_table(flop_rows, ["prefix", "suffix", "G", "ratio_paper", "analytic_ratio_paper",
@@ -175,11 +180,17 @@ def run(out: Path, quick: bool = False) -> dict:
                "memory_ratio_packed"]
     measured_table = markdown_table(measured, columns, {k: ".3f" for k in columns[3:]} | {"peak_mb_repeated": ".0f"})
     worst = max(max(r["ratio_error_paper"], r["ratio_error_packed"]) for r in flop_rows)
+    failed = [f"- P={r['prefix']} S={r['suffix']} G={r['G']} {k.removeprefix('error_')}: {v}"
+              for r in measured for k, v in r.items() if k.startswith("error_")]
     table = (f"## FLOPs, grouped / repeated (forward+backward; worst deviation from the analytic ratio: {worst:.2e})"
-             f"\n\n{flop_table}\n\n## Measured on {device().type} (wall time, peak memory)\n\n{measured_table}")
+             f"\n\n{flop_table}\n\n## Measured on {device().type} (wall time, peak memory)\n\n{measured_table}"
+             + ("\n\nPoints that failed (blank cells above):\n" + "\n".join(failed) if failed else ""))
     payload = {"sizes": BENCH_SIZES.__dict__, "flops": flop_rows, "measured": measured, "worst_flop_ratio_error": worst}
     write_report(out, "grid", payload, table)
     plot(flop_rows, measured, out)
+    if failed:
+        raise SystemExit(f"{len(failed)} measured points failed (the report says which and why); the report in "
+                         f"{out} keeps the others")
     return payload
 
 
@@ -211,7 +222,7 @@ def plot(flop_rows: list[dict], measured: list[dict], out: Path) -> None:
         labels = [f"P{r['prefix']} S{r['suffix']} G{r['G']}" for r in measured]
         x = range(len(measured))
         for offset, variant in ((-0.3, "repeated"), (-0.1, "split"), (0.1, "paper"), (0.3, "packed")):
-            ax.bar([i + offset for i in x], [r[f"peak_mb_{variant}"] for r in measured], width=0.2, label=variant)
+            ax.bar([i + offset for i in x], [r.get(f"peak_mb_{variant}", 0.0) for r in measured], width=0.2, label=variant)
         ax.set_xticks(list(x), labels)
         ax.set_ylabel("peak memory (MB)")
         ax.set_title("peak memory per point (fresh process each)")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from app.bench.common import cli, isolated, markdown_table, write_report
+from app.bench.common import attempt, cli, markdown_table, write_report
 
 PRESET = "qwen2_5_vl_7b"
 GROUP, COMPLETION = 8, 128
@@ -57,24 +57,47 @@ def measure(preset: str, layers: int, prefix: int, group: int, completion: int, 
 def run(out: Path, quick: bool = False) -> dict:
     preset, points = (("qwen2_5_vl_3b", ((1, 128),)) if quick else (PRESET, POINTS))
     group, completion = (4, 16) if quick else (GROUP, COMPLETION)
-    rows = []
+    rows: list[dict] = []
+    payload = {"preset": preset, "rows": rows}
     for layers, prefix in points:
         row = {"layers": layers, "prefix": prefix, "G": group, "completion": completion}
         for mode in ("grouped", "repeated"):
-            result = isolated("app.bench.real_width:measure", preset=preset, layers=layers, prefix=prefix,
-                              group=group, completion=completion, mode=mode)
+            result = attempt("app.bench.real_width:measure", preset=preset, layers=layers, prefix=prefix,
+                             group=group, completion=completion, mode=mode)
+            if "error" in result:  # kept as a row that says why; the other points still run
+                row[f"error_{mode}"] = result["error"]
+                print(f"layers={layers} P={prefix} {mode}: FAILED: {result['error']}", flush=True)
+                continue
             for key, value in result.items():
                 row[f"{key}_{mode}"] = value
             print(f"layers={layers} P={prefix} {mode}: {result['seconds']:.1f} s, peak {result['peak_mb']:.0f} MB "
                   f"(planned {result['planned_peak_mb']:.0f}), resident {result['peak_memory_mb']:.0f} MB", flush=True)
-        row["time_ratio"] = row["seconds_grouped"] / row["seconds_repeated"]
-        row["memory_ratio"] = row["peak_mb_grouped"] / row["peak_mb_repeated"]
-        row["planned_memory_ratio"] = row["planned_peak_mb_grouped"] / row["planned_peak_mb_repeated"]
-        row["flop_ratio"] = row["planned_flops_grouped"] / row["planned_flops_repeated"]
-        row["causal_flop_ratio"] = row["causal_flops_grouped"] / row["causal_flops_repeated"]
-        row["planned_memory_error"] = max(abs(row[f"planned_peak_mb_{m}"] / row[f"peak_mb_{m}"] - 1)
-                                          for m in ("grouped", "repeated"))
-        rows.append(row)
+        rows.append(row | ratios(row))
+        write_report(out, "real_width", payload, table(preset, rows), quiet=True)  # a point at a time
+    write_report(out, "real_width", payload, table(preset, rows))
+    if any("time_ratio" in r for r in rows):
+        plot([r for r in rows if "time_ratio" in r], out / "real_width.png")
+    failed = [r for r in rows if any(k.startswith("error_") for k in r)]
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(rows)} points failed (their rows say why); the report in {out} "
+                         "keeps the others")
+    return payload
+
+
+def ratios(row: dict) -> dict:
+    """Grouped over repeated, where both passes of the point ran; nothing where one failed."""
+    if any(f"seconds_{m}" not in row for m in ("grouped", "repeated")):
+        return {}
+    return {"time_ratio": row["seconds_grouped"] / row["seconds_repeated"],
+            "memory_ratio": row["peak_mb_grouped"] / row["peak_mb_repeated"],
+            "planned_memory_ratio": row["planned_peak_mb_grouped"] / row["planned_peak_mb_repeated"],
+            "flop_ratio": row["planned_flops_grouped"] / row["planned_flops_repeated"],
+            "causal_flop_ratio": row["causal_flops_grouped"] / row["causal_flops_repeated"],
+            "planned_memory_error": max(abs(row[f"planned_peak_mb_{m}"] / row[f"peak_mb_{m}"] - 1)
+                                        for m in ("grouped", "repeated"))}
+
+
+def table(preset: str, rows: list[dict]) -> str:
     columns = ["layers", "prefix", "G", "completion", "seconds_grouped", "seconds_repeated", "time_ratio",
                "flop_ratio", "causal_flop_ratio", "peak_mb_grouped", "peak_mb_repeated", "memory_ratio",
                "planned_peak_mb_grouped", "planned_peak_mb_repeated", "planned_memory_error",
@@ -82,16 +105,15 @@ def run(out: Path, quick: bool = False) -> dict:
     formats = {c: ".2f" for c in columns[4:]} | {c: ".3f" for c in ("time_ratio", "flop_ratio", "causal_flop_ratio",
                                                                        "memory_ratio")}
     formats |= {c: ".0f" for c in columns if "_mb_" in c} | {"planned_memory_error": ".1e"}
-    table = (f"## Grouped vs repeated at {preset}'s real layer shape (float32, CPU; one measured pass per point)\n\n"
-             + markdown_table(rows, columns, formats) +
-             "\n\npeak_mb: live tensor memory above weights and gradient buffers; peak_memory_mb: the process's "
-             "resident peak (weights and gradients included). flop_ratio: the kernels' FLOPs (the planner's count, "
-             "which tests/test_plan.py checks against torch's flop counter within 5%); causal_flop_ratio: the "
-             "causal pairs only.")
-    payload = {"preset": preset, "rows": rows}
-    write_report(out, "real_width", payload, table)
-    plot(rows, out / "real_width.png")
-    return payload
+    errors = [f"- layers {r['layers']}, prefix {r['prefix']}, {k.removeprefix('error_')}: {v}"
+              for r in rows for k, v in r.items() if k.startswith("error_")]
+    return (f"## Grouped vs repeated at {preset}'s real layer shape (float32, CPU; one measured pass per point)\n\n"
+            + markdown_table(rows, columns, formats) +
+            "\n\npeak_mb: live tensor memory above weights and gradient buffers; peak_memory_mb: the process's "
+            "resident peak (weights and gradients included). flop_ratio: the kernels' FLOPs (the planner's count, "
+            "which tests/test_plan.py checks against torch's flop counter within 5%); causal_flop_ratio: the "
+            "causal pairs only."
+            + ("\n\nPoints that failed (blank cells above):\n" + "\n".join(errors) if errors else ""))
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
-from app.bench.common import cli, isolated, markdown_table, write_report
+from app.bench.common import attempt, cli, markdown_table, write_report
 
 # (preset, decoder layers, prefix, G, completion, layout, activation checkpointing, LoRA)
 LANGUAGE = [
@@ -211,7 +211,12 @@ def run(out: Path, quick: bool = False) -> dict:
                    f"{2 * v['temporal']} frames, G={v['group']} C={v['completion']}",
                    "app.bench.planning.accuracy:video_point", v))
     for part, what, target, kwargs in points:
-        result = isolated(target, **kwargs)
+        result = attempt(target, **kwargs)
+        if "error" in result:  # kept as a row that says why; the other points still run
+            rows.append({"part": part, "point": what, "error": result["error"]})
+            print(f"{part}: {what}: FAILED: {result['error']}", flush=True)
+            payload = report(out, rows, quiet=True)
+            continue
         row = {"part": part, "point": what, "planned_mb": result["planned"] / 2**20,
                "measured_mb": result["measured"] / 2**20, "memory_ratio": result["planned"] / result["measured"]}
         if result.get("planned_flops"):
@@ -222,24 +227,45 @@ def run(out: Path, quick: bool = False) -> dict:
         rows.append(row)
         print(f"{part}: {what}: planned {row['planned_mb']:.0f} MB, measured {row['measured_mb']:.0f} MB "
               f"({row['memory_ratio']:.3f})", flush=True)
-    memory = [r["memory_ratio"] for r in rows]
-    flops = [r["flop_ratio"] for r in rows if "flop_ratio" in r]
-    summary = {"memory_ratio_min": min(memory), "memory_ratio_max": max(memory),
-               "flop_ratio_min": min(flops), "flop_ratio_max": max(flops),
-               "within_15_percent": sum(abs(m - 1) <= 0.15 for m in memory), "points": len(rows)}
-    video = rows[-1]
+        payload = report(out, rows, quiet=True)  # a point at a time, so a run cut short keeps what it measured
+    payload = report(out, rows)
+    measured = [r for r in rows if "error" not in r]
+    if measured:
+        plot(measured, out / "planner_accuracy.png")
+    if len(measured) < len(rows):
+        raise SystemExit(f"{len(rows) - len(measured)} of {len(rows)} points failed (their rows say why); the "
+                         f"report in {out} keeps the others")
+    return payload
+
+
+def report(out: Path, rows: list[dict], quiet: bool = False) -> dict:
+    """planner_accuracy.json/.md for the rows so far: the summary over the points measured, the failed ones listed."""
+    measured = [r for r in rows if "error" not in r]
+    memory = [r["memory_ratio"] for r in measured]
+    flops = [r["flop_ratio"] for r in measured if "flop_ratio" in r]
+    summary = {"memory_ratio_min": min(memory, default=None), "memory_ratio_max": max(memory, default=None),
+               "flop_ratio_min": min(flops, default=None), "flop_ratio_max": max(flops, default=None),
+               "within_15_percent": sum(abs(m - 1) <= 0.15 for m in memory), "points": len(measured),
+               "failed": len(rows) - len(measured)}
     table = ("## The planner against the allocator (float32, CPU, real widths at reduced depth)\n\n"
              + markdown_table(rows, ["part", "point", "planned_mb", "measured_mb", "memory_ratio", "flop_ratio"],
-                              {"planned_mb": ".1f", "measured_mb": ".1f", "memory_ratio": ".3f", "flop_ratio": ".4f"})
-             + f"\n\nmemory planned/measured {summary['memory_ratio_min']:.3f}-{summary['memory_ratio_max']:.3f} "
-             f"({summary['within_15_percent']} of {summary['points']} within 15%); FLOPs "
-             f"{summary['flop_ratio_min']:.4f}-{summary['flop_ratio_max']:.4f}.\n\n"
-             f"Video point: planned now {video['planned_mb']:.0f} MB, before 2ce49cb {video['planned_old_mb']:.0f} MB; "
-             f"a budget of {video['budget_mb']:.0f} MB refused by the old plan, accepted by the new; measured "
-             f"{video['measured_mb']:.0f} MB: {'within' if video['fits_budget'] else 'OVER'} the budget.")
+                              {"planned_mb": ".1f", "measured_mb": ".1f", "memory_ratio": ".3f", "flop_ratio": ".4f"}))
+    if memory:
+        table += (f"\n\nmemory planned/measured {min(memory):.3f}-{max(memory):.3f} "
+                  f"({summary['within_15_percent']} of {summary['points']} within 15%)")
+    if flops:
+        table += f"; FLOPs {min(flops):.4f}-{max(flops):.4f}."
+    video = next((r for r in measured if r["part"] == "video, whole pass"), None)
+    if video:
+        table += (f"\n\nVideo point: planned now {video['planned_mb']:.0f} MB, before 2ce49cb "
+                  f"{video['planned_old_mb']:.0f} MB; a budget of {video['budget_mb']:.0f} MB refused by the old plan, "
+                  f"accepted by the new; measured {video['measured_mb']:.0f} MB: "
+                  f"{'within' if video['fits_budget'] else 'OVER'} the budget.")
+    failed = [f"- {r['part']}: {r['point']}: {r['error']}" for r in rows if "error" in r]
+    if failed:
+        table += "\n\nPoints that failed (blank cells above):\n" + "\n".join(failed)
     payload = {"rows": rows, "summary": summary}
-    write_report(out, "planner_accuracy", payload, table)
-    plot(rows, out / "planner_accuracy.png")
+    write_report(out, "planner_accuracy", payload, table, quiet=quiet)
     return payload
 
 
