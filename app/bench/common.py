@@ -93,6 +93,17 @@ def attempt(target: str, **kwargs) -> dict:
         return {"error": lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"}
 
 
+def failed_points(lines: list[str]) -> str:
+    """The end of a report whose points ``attempt`` ran: the ones that failed, one line each, or nothing."""
+    return "\n\nPoints that failed (blank cells above):\n" + "\n".join(lines) if lines else ""
+
+
+def exit_if_failed(failed: int, total: int, out: Path) -> None:
+    """Exit non-zero after the report is written when a point failed: the run is kept, but not called a success."""
+    if failed:
+        raise SystemExit(f"{failed} of {total} points failed (their rows say why); the report in {out} keeps the others")
+
+
 def timed(fn, repeats: int = 3, warmup: int = 1) -> float:
     """Median wall seconds of ``fn()`` after warm-up runs."""
     for _ in range(warmup):

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from app.bench.common import attempt, cli, device, markdown_table, timed, write_report
+from app.bench.common import attempt, cli, device, exit_if_failed, failed_points, markdown_table, timed, write_report
 from app.grouping import (
     GroupedAttentionPlan,
     GroupLayout,
@@ -147,16 +147,17 @@ def run(out: Path, quick: bool = False) -> dict:
     measured = []
     points = [(256, 64, 4)] if quick else [(4096, 512, 8), (4096, 2048, 8), (2048, 256, 8), (4096, 512, 4)]
     for prefix, suffix, group in points:
-        base = attempt("app.bench.grid:measure_point", prefix=prefix, suffix=suffix, group=group, variant="baseline")
-        row = {"prefix": prefix, "suffix": suffix, "G": group, "baseline_mb": base.get("peak_memory_mb")}
-        for variant in ("repeated", "paper", "packed", "split"):
+        row = {"prefix": prefix, "suffix": suffix, "G": group}
+        for variant in ("baseline", "repeated", "paper", "packed", "split"):
             result = attempt("app.bench.grid:measure_point", prefix=prefix, suffix=suffix, group=group,
                              variant=variant, repeats=1 if quick else 2)
             if "error" in result:  # kept as a row that says why; the other variants and points still run
                 row[f"error_{variant}"] = result["error"]
                 print(f"P={prefix} S={suffix} G={group} {variant}: FAILED: {result['error']}", flush=True)
-                continue
-            row[f"seconds_{variant}"], row[f"peak_mb_{variant}"] = result["seconds"], result["peak_memory_mb"]
+            elif variant == "baseline":  # the model and inputs only
+                row["baseline_mb"] = result["peak_memory_mb"]
+            else:
+                row[f"seconds_{variant}"], row[f"peak_mb_{variant}"] = result["seconds"], result["peak_memory_mb"]
         for variant in ("paper", "packed", "split"):
             # split computes the paper's rectangles (S x P per response, then its own S x S block)
             counted = "paper" if variant == "split" else variant
@@ -184,13 +185,11 @@ def run(out: Path, quick: bool = False) -> dict:
               for r in measured for k, v in r.items() if k.startswith("error_")]
     table = (f"## FLOPs, grouped / repeated (forward+backward; worst deviation from the analytic ratio: {worst:.2e})"
              f"\n\n{flop_table}\n\n## Measured on {device().type} (wall time, peak memory)\n\n{measured_table}"
-             + ("\n\nPoints that failed (blank cells above):\n" + "\n".join(failed) if failed else ""))
+             + failed_points(failed))
     payload = {"sizes": BENCH_SIZES.__dict__, "flops": flop_rows, "measured": measured, "worst_flop_ratio_error": worst}
     write_report(out, "grid", payload, table)
     plot(flop_rows, measured, out)
-    if failed:
-        raise SystemExit(f"{len(failed)} measured points failed (the report says which and why); the report in "
-                         f"{out} keeps the others")
+    exit_if_failed(len(failed), 5 * len(measured), out)  # five processes per point: the baseline and four layouts
     return payload
 
 

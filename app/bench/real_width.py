@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from app.bench.common import attempt, cli, markdown_table, write_report
+from app.bench.common import attempt, cli, exit_if_failed, failed_points, markdown_table, write_report
 
 PRESET = "qwen2_5_vl_7b"
 GROUP, COMPLETION = 8, 128
@@ -77,10 +77,7 @@ def run(out: Path, quick: bool = False) -> dict:
     write_report(out, "real_width", payload, table(preset, rows))
     if any("time_ratio" in r for r in rows):
         plot([r for r in rows if "time_ratio" in r], out / "real_width.png")
-    failed = [r for r in rows if any(k.startswith("error_") for k in r)]
-    if failed:
-        raise SystemExit(f"{len(failed)} of {len(rows)} points failed (their rows say why); the report in {out} "
-                         "keeps the others")
+    exit_if_failed(sum(any(k.startswith("error_") for k in r) for r in rows), len(rows), out)
     return payload
 
 
@@ -113,7 +110,7 @@ def table(preset: str, rows: list[dict]) -> str:
             "resident peak (weights and gradients included). flop_ratio: the kernels' FLOPs (the planner's count, "
             "which tests/test_plan.py checks against torch's flop counter within 5%); causal_flop_ratio: the "
             "causal pairs only."
-            + ("\n\nPoints that failed (blank cells above):\n" + "\n".join(errors) if errors else ""))
+            + failed_points(errors))
 
 
 def plot(rows: list[dict], path: Path) -> None:

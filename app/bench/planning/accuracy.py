@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
-from app.bench.common import attempt, cli, markdown_table, write_report
+from app.bench.common import attempt, cli, exit_if_failed, failed_points, markdown_table, write_report
 
 # (preset, decoder layers, prefix, G, completion, layout, activation checkpointing, LoRA)
 LANGUAGE = [
@@ -213,28 +213,25 @@ def run(out: Path, quick: bool = False) -> dict:
     for part, what, target, kwargs in points:
         result = attempt(target, **kwargs)
         if "error" in result:  # kept as a row that says why; the other points still run
-            rows.append({"part": part, "point": what, "error": result["error"]})
+            row = {"part": part, "point": what, "error": result["error"]}
             print(f"{part}: {what}: FAILED: {result['error']}", flush=True)
-            payload = report(out, rows, quiet=True)
-            continue
-        row = {"part": part, "point": what, "planned_mb": result["planned"] / 2**20,
-               "measured_mb": result["measured"] / 2**20, "memory_ratio": result["planned"] / result["measured"]}
-        if result.get("planned_flops"):
-            row["flop_ratio"] = result["planned_flops"] / result["measured_flops"]
-        if "planned_old" in result:
-            row |= {"planned_old_mb": result["planned_old"] / 2**20, "budget_mb": result["budget"] / 2**20,
-                    "fits_budget": result["measured"] <= result["budget"]}
+        else:
+            row = {"part": part, "point": what, "planned_mb": result["planned"] / 2**20,
+                   "measured_mb": result["measured"] / 2**20, "memory_ratio": result["planned"] / result["measured"]}
+            if result.get("planned_flops"):
+                row["flop_ratio"] = result["planned_flops"] / result["measured_flops"]
+            if "planned_old" in result:
+                row |= {"planned_old_mb": result["planned_old"] / 2**20, "budget_mb": result["budget"] / 2**20,
+                        "fits_budget": result["measured"] <= result["budget"]}
+            print(f"{part}: {what}: planned {row['planned_mb']:.0f} MB, measured {row['measured_mb']:.0f} MB "
+                  f"({row['memory_ratio']:.3f})", flush=True)
         rows.append(row)
-        print(f"{part}: {what}: planned {row['planned_mb']:.0f} MB, measured {row['measured_mb']:.0f} MB "
-              f"({row['memory_ratio']:.3f})", flush=True)
-        payload = report(out, rows, quiet=True)  # a point at a time, so a run cut short keeps what it measured
+        report(out, rows, quiet=True)  # a point at a time, so a run cut short keeps what it measured
     payload = report(out, rows)
     measured = [r for r in rows if "error" not in r]
     if measured:
         plot(measured, out / "planner_accuracy.png")
-    if len(measured) < len(rows):
-        raise SystemExit(f"{len(rows) - len(measured)} of {len(rows)} points failed (their rows say why); the "
-                         f"report in {out} keeps the others")
+    exit_if_failed(len(rows) - len(measured), len(rows), out)
     return payload
 
 
@@ -261,9 +258,7 @@ def report(out: Path, rows: list[dict], quiet: bool = False) -> dict:
                   f"{video['planned_old_mb']:.0f} MB; a budget of {video['budget_mb']:.0f} MB refused by the old plan, "
                   f"accepted by the new; measured {video['measured_mb']:.0f} MB: "
                   f"{'within' if video['fits_budget'] else 'OVER'} the budget.")
-    failed = [f"- {r['part']}: {r['point']}: {r['error']}" for r in rows if "error" in r]
-    if failed:
-        table += "\n\nPoints that failed (blank cells above):\n" + "\n".join(failed)
+    table += failed_points([f"- {r['part']}: {r['point']}: {r['error']}" for r in rows if "error" in r])
     payload = {"rows": rows, "summary": summary}
     write_report(out, "planner_accuracy", payload, table, quiet=quiet)
     return payload
