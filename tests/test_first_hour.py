@@ -113,7 +113,7 @@ def _many_missing(tmp_path: Path, assets, missing: int) -> Path:  # noqa: F811
 
 
 def test_skips_at_load_are_one_summary_from_rank_zero(assets, tmp_path, caplog):  # noqa: F811
-    from app.data.records import load_stream
+    from app.data.stream import load_stream
     from app.runtime.models import load_processor
 
     train = _many_missing(tmp_path, assets, missing=40)

@@ -109,7 +109,7 @@ def test_frame_folders_sample_in_frame_order_at_their_rate(root, tmp_path):
 def _stream(tmp_path, lookahead):
     """A stream over 6 good video records and one corrupt video, drawn 3 at a time for 5 draws (wraps epochs)."""
     from app.config.loading import Config
-    from app.data.records import load_stream
+    from app.data.stream import load_stream
     from app.data.synthetic import generate
 
     files = generate(tmp_path / "data", train=6, heldout=0, seed=1)

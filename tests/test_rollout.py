@@ -252,7 +252,7 @@ def test_packed_output_head_computes_the_same_logits():
     """The decoder's output head (oneDNN with the weight packed once, else weight @ hidden^T in chunks) gives
     linear's logits to float rounding, for any number of rows (finished samples leave the batch), and is taken
     off the module afterwards; the packed weight is made once, when the head is not partitioned."""
-    from app.grouping.decoding.decode import DecodingHead
+    from app.grouping.decoding.head import DecodingHead
 
     torch.manual_seed(0)
     model = torch.nn.Module()

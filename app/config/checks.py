@@ -47,6 +47,20 @@ def _validate_tools(config: Config, need) -> None:
     need(not r.record, "rollout.record", "is not available with rollout.tools (a replay of trees is not built)")
 
 
+def _validate_shared_video(config: Config, need) -> None:
+    """data.questions_per_video > 1: what shares a video across questions, refused by name where it does not."""
+    k = config.data.questions_per_video
+    if k == 1:
+        return
+    need(config.train.sequence_parallel_size == 1, "data.questions_per_video", f"={k} needs "
+         "train.sequence_parallel_size=1 (the sequence-parallel forward packs one prompt per group)")
+    need(not config.rollout.tools, "data.questions_per_video", f"={k} is not available with rollout.tools (a "
+         "multi-turn group is a prefix tree of its own; trees of one video are not joined)")
+    need(config.forward.attention_backend not in ("packed", "paper"), "forward.attention_backend",
+         f"={config.forward.attention_backend} does not share a video across questions; with "
+         f"data.questions_per_video={k} use auto, split (CPU), masked, flash or flex")
+
+
 def validate(config: Config, training: bool = True) -> None:
     def need(condition: bool, key: str, message: str) -> None:
         if not condition:
@@ -70,6 +84,7 @@ def validate(config: Config, training: bool = True) -> None:
         ("data.prefetch", config.data.prefetch, 0),
         ("train.stop_at_step", config.train.stop_at_step, 0),
         ("data.prefetch_workers", config.data.prefetch_workers, 1),
+        ("data.questions_per_video", config.data.questions_per_video, 1),
     ):
         need(value >= least, key, f"must be >= {least}, got {value}")
     need(config.data.fps > 0, "data.fps", f"must be > 0, got {config.data.fps}")
@@ -128,6 +143,7 @@ def validate(config: Config, training: bool = True) -> None:
          f"={sp} needs rollout.engine grouped or hf (the vLLM engine is not built for it yet)")
     need(sp == 1 or config.forward.grouping == "grouped", "train.sequence_parallel_size",
          f"={sp} needs forward.grouping=grouped (the sequence-parallel forward splits the packed row)")
+    _validate_shared_video(config, need)
     need(config.train.prompts_per_rank % config.train.groups_per_micro_batch == 0, "train.groups_per_micro_batch",
          f"must divide train.prompts_per_rank ({config.train.prompts_per_rank})")
     need(0 <= config.data.max_skip_fraction <= 1, "data.max_skip_fraction", "must be in [0, 1]")
@@ -216,6 +232,11 @@ def warnings_for(config: Config, training: bool = True) -> list[str]:
                    f"rollout.temperature={c.rollout.temperature}: vLLM's sampling log-probs are of the filtered "
                    "distribution, so mismatch/* compares it with the trainer's whole-vocabulary log-probs and is not "
                    "0 even when the weights agree")
+    k = c.data.questions_per_video
+    if training and k > 1 and c.train.groups_per_micro_batch < k:
+        out.append(f"data.questions_per_video={k} with train.groups_per_micro_batch={c.train.groups_per_micro_batch}: "
+                   "the training forward shares a video only among the questions of one micro-batch (the rollout "
+                   f"shares it among the step's); set train.groups_per_micro_batch to a multiple of {k}")
     if not c.lora.rank and (c.lora.vision_tower or c.lora.projector):
         out.append("lora.vision_tower / lora.projector have no effect with lora.rank=0 (no adapters)")
     return out

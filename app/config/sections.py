@@ -104,6 +104,9 @@ class DataConfig:
     prefetch: int = _f(1, "Steps of prompts (video decoding and processor work) prepared in background threads while "
                        "the current step trains; 0: decode on the critical path. Order, skips and resume unchanged.")
     prefetch_workers: int = _f(2, "Background threads for data.prefetch.")
+    questions_per_video: int = _f(1, "k > 1: questions on one video (or image) come as runs of up to k prompts: "
+                                  "decoded, prefilled and packed once per micro-batch; same numbers, groups stay "
+                                  "questions (docs/shared_video.md: what k trades). 1: as always.")
 
 
 @dataclass
@@ -125,8 +128,7 @@ class RolloutConfig:
     vllm_tensor_parallel_size: int = _f(1, "rollout.engine=vllm: GPUs one vLLM engine spans. Only 1 is built: with "
                                         "vLLM's external launcher every rank of a tensor-parallel group must submit "
                                         "the same prompts, and this engine does not gather them within the group.")
-    vllm_max_images: int = _f(1, "rollout.engine=vllm: the most images one prompt may hold (vLLM reserves memory "
-                              "for them).")
+    vllm_max_images: int = _f(1, "rollout.engine=vllm: the most images one prompt may hold (reserved by vLLM).")
     vllm_max_videos: int = _f(1, "rollout.engine=vllm: the most videos one prompt may hold.")
     group_size: int = _f(8, "Completions sampled per prompt (G).")
     temperature: float = _f(1.0, "Sampling temperature.")
@@ -256,7 +258,7 @@ class GRPOConfig:
                           "sigmoid gate instead of the clip, temperatures sapo_tau_pos / sapo_tau_neg). Selecting one "
                           "gives epsilon_low, epsilon_high and loss_type its source's values unless they are set. "
                           "docs/grpo.md has the equations and sources.", choices=POLICY_LOSSES)
-    sapo_tau_pos: float = _f(1.0, "policy_loss=sapo: gate temperature for positive advantages (SAPO's default 1.0).")
+    sapo_tau_pos: float = _f(1.0, "policy_loss=sapo: gate temperature for positive advantages (SAPO's: 1.0).")
     sapo_tau_neg: float = _f(1.05, "policy_loss=sapo: gate temperature for negative advantages (SAPO's default "
                              "1.05: a faster decay, so negative updates stay closer to the old policy).")
 

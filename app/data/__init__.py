@@ -1,5 +1,6 @@
-"""Data: the record schema and its checks (``records``: Video-R1's records, named errors, the prompt stream with
-prefetch), video/image decoding through qwen-vl-utils (``video``), prompt templates and collation (``prompts``),
+"""Data: the record schema and its checks (``records``: Video-R1's records, named errors, encoding a record or a
+run of records on one video), the per-rank prompt stream with prefetch and runs of questions per video
+(``stream``), video/image decoding through qwen-vl-utils (``video``), prompt templates and collation (``prompts``),
 converters from published benchmark files (``convert``), synthetic demo data (``synthetic``: ``python -m
 app.data.synthetic``).
 

@@ -174,7 +174,7 @@ def image_patch_size(processor) -> int:
 
 
 def encode_prompts(processor, conversations: Sequence[Sequence[dict]], shuffle_frames_seed: int | None = None,
-                   with_media: bool = False):
+                   with_media: bool = False, *, decoded: dict | None = None):
     """Encode B conversations (each ending with the user turn) into one left-padded batch.
 
     Video elements ({"type": "video", "video": path, "fps", "max_frames", "min_pixels", "max_pixels"}) are decoded
@@ -186,6 +186,9 @@ def encode_prompts(processor, conversations: Sequence[Sequence[dict]], shuffle_f
     these inputs (``app.rollout.vllm``): ``{"prompt_ids": the template's ids before the processor expands the
     placeholders, "media": [("video", frames [T, H, W, 3] uint8, metadata) | ("image", PIL image), ...]}`` with
     the very frames and images encoded here.
+
+    ``decoded``: a dict shared by several calls on the same media (questions on one video): each video or image
+    element is decoded once, the first time, and its frames reused (``media_decodes`` counts what was decoded).
     """
     texts = [processor.apply_chat_template(list(c), add_generation_prompt=True, tokenize=False) for c in conversations]
     if not is_multimodal_processor(processor):
@@ -194,15 +197,34 @@ def encode_prompts(processor, conversations: Sequence[Sequence[dict]], shuffle_f
         batch = dict(processor(texts, padding=True, padding_side="left", return_tensors="pt"))
         return (batch, _engine_view(processor, texts, [[] for _ in texts])) if with_media else batch
     kwargs, media = _media_kwargs(processor, [media_elements(c) for c in conversations], shuffle_frames_seed,
-                                  with_media)
+                                  with_media, decoded)
     batch = dict(processor(text=texts, padding=True, padding_side="left", return_tensors="pt", **kwargs))
     return (batch, _engine_view(processor, texts, media)) if with_media else batch
 
 
+def media_decodes(decoded: dict) -> int:
+    """How many media elements a ``decoded`` dict (``encode_prompts``) holds: the files decoded into it."""
+    return len(decoded)
+
+
+def _element_key(element: dict) -> str:
+    return repr(sorted((k, repr(v)) for k, v in element.items()))
+
+
+def _decoded_once(decoded: dict | None, element: dict, decode):
+    if decoded is None:
+        return decode()
+    key = _element_key(element)
+    if key not in decoded:
+        decoded[key] = decode()
+    return decoded[key]
+
+
 def _media_kwargs(processor, elements: Sequence[Sequence[dict]], shuffle_frames_seed: int | None = None,
-                  with_media: bool = False) -> tuple[dict, list[list]]:
+                  with_media: bool = False, decoded: dict | None = None) -> tuple[dict, list[list]]:
     """The processor's media arguments for lists of image / video elements (decoded with decord through
-    qwen-vl-utils), and per list what an engine with its own processor needs (``encode_prompts``' ``with_media``)."""
+    qwen-vl-utils; with ``decoded``, each element once), and per list what an engine with its own processor needs
+    (``encode_prompts``' ``with_media``)."""
     from qwen_vl_utils import fetch_image
 
     patch = image_patch_size(processor)
@@ -211,7 +233,7 @@ def _media_kwargs(processor, elements: Sequence[Sequence[dict]], shuffle_frames_
         media.append([])
         for element in items:
             if element["type"] == "video":
-                frames, meta = decode_video(element, image_patch_size=patch)
+                frames, meta = _decoded_once(decoded, element, lambda e=element: decode_video(e, image_patch_size=patch))
                 if shuffle_frames_seed is not None:
                     order = torch.randperm(frames.shape[0], generator=torch.Generator().manual_seed(shuffle_frames_seed))
                     frames = frames[order]
@@ -220,7 +242,7 @@ def _media_kwargs(processor, elements: Sequence[Sequence[dict]], shuffle_frames_
                 if with_media:
                     media[-1].append(("video", _frames_uint8(frames), dict(meta)))
             else:
-                images.append(fetch_image(element, image_patch_size=patch))
+                images.append(_decoded_once(decoded, element, lambda e=element: fetch_image(e, image_patch_size=patch)))
                 media[-1].append(("image", images[-1]))
     kwargs = {}
     if videos:
@@ -298,3 +320,42 @@ def collate_prompts(items: Sequence[dict[str, torch.Tensor]], pad_id: int, devic
         if parts:
             batch[key] = torch.cat(parts)
     return batch if device is None else {k: v.to(device) for k, v in batch.items()}
+
+
+VISION_END = "<|vision_end|>"
+
+
+def spliced_prompt(processor, template: dict, text: str) -> dict | None:
+    """The processor's output for the chat ``text`` of a question on the same media as ``template`` (a dict with
+    the template prompt's ``text`` and processor ``inputs``), without running the processor again: when both texts
+    agree up to the end of their last media item (the question after the media, as Video-R1's template writes it),
+    the template's tokens up to there, then ``text``'s remainder tokenized alone, and the template's very vision
+    tensors. Qwen's tokenizers split at special tokens first, so a text cut right after ``<|vision_end|>``
+    tokenizes as the whole does; checked on the template itself (its own remainder must give its own ids). None when
+    the texts part earlier or the check fails: the caller runs the processor."""
+    base, inputs = template["text"], template["inputs"]
+    cut = base.rfind(VISION_END)
+    if cut < 0 or text[: cut + len(VISION_END)] != base[: cut + len(VISION_END)] or text.count(VISION_END) != \
+            base.count(VISION_END):
+        return None
+    cut += len(VISION_END)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    end_id = tokenizer.convert_tokens_to_ids(VISION_END)
+    ids = inputs["input_ids"][0]
+    ends = (ids == end_id).nonzero().flatten()
+    if ids.shape[0] != int(inputs["attention_mask"][0].sum()) or not len(ends):
+        return None
+    keep = int(ends[-1]) + 1
+    if "tail_checked" not in template:
+        own = tokenizer(base[cut:], add_special_tokens=False)["input_ids"]
+        template["tail_checked"] = own == ids[keep:].tolist()
+    if not template["tail_checked"]:
+        return None
+    tail = torch.tensor(tokenizer(text[cut:], add_special_tokens=False)["input_ids"], dtype=ids.dtype)
+    out = dict(inputs)
+    out["input_ids"] = torch.cat([ids[:keep], tail])[None]
+    out["attention_mask"] = torch.ones_like(out["input_ids"])
+    if "mm_token_type_ids" in inputs:
+        out["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"][0][:keep],
+                                              inputs["mm_token_type_ids"].new_zeros(len(tail))])[None]
+    return out

@@ -1,4 +1,5 @@
-"""Video-R1 records: reading, validation, prompts, and a resumable per-rank stream of encoded prompts.
+"""Video-R1 records: reading, validation and encoding (one record, or a run of records on the same media: decoded
+once); the stream that orders them per rank is ``app.data.stream``.
 
 Fields: ``problem_id``, ``problem``, ``data_type`` (image | video), ``problem_type``, ``options``, ``solution``
 (``<answer>X</answer>``), ``path`` (relative to the data root), ``data_source``. Bad records are skipped with a
@@ -11,18 +12,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
-import re
-import time
-from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from app.data.prompts import PROMPT_TEMPLATES, encode_prompts, question_text, system_message
-from app.data.video import FRAME_FOLDER_SAMPLING, SettingError, VideoDecodeError, frame_files, video_element
-from app.answers.problems import PROBLEM_TYPES
 from app.answers.grounding import check_grounding_record
+from app.answers.problems import PROBLEM_TYPES
+from app.data.prompts import (
+    PROMPT_TEMPLATES,
+    encode_prompts,
+    media_decodes,
+    question_text,
+    spliced_prompt,
+    system_message,
+)
+from app.data.video import FRAME_FOLDER_SAMPLING, SettingError, VideoDecodeError, frame_files, video_element
 
 log = logging.getLogger(__name__)
 SKIP_EXAMPLES = 5  # skipped records named on the console (per rank at run time, rank 0 at load); the rest in files
@@ -193,24 +196,52 @@ class EncodedPrompt:
     # for an engine with its own processor (rollout.engine=vllm): the unexpanded prompt ids and the very frames and
     # images encoded into ``inputs`` (``encode_prompts(..., with_media=True)``); None unless the stream keeps them
     engine_view: dict | None = None
+    # questions that share a video (data.questions_per_video > 1): prompts with the same key were encoded from the
+    # same decoded media, so the forward and the rollout may hold it once (``media_key``); None: shares nothing
+    share: tuple | None = None
 
     @property
     def length(self) -> int:
         return int(self.inputs["attention_mask"].sum())
 
 
+def media_key(record: dict, data_root: Path) -> tuple | None:
+    """What makes two records' media encode the same: their files (resolved paths, in order), the data type and
+    the record's own settings that change the frames (a frame folder's fps and sampling); the config's settings are
+    the same for the whole run. None for a record without media."""
+    if record.get("data_type") not in ("image", "video") or not record.get("path"):
+        return None
+    paths = tuple(str(p.resolve()) for p in media_paths(record, data_root))
+    return (record["data_type"], paths, record.get("fps"), record.get("frame_sampling"))
+
+
 def encode_record(processor, record: dict, data_root: Path, data_cfg, shuffle_frames_seed: int | None = None,
-                  engine_view: bool = False) -> tuple[EncodedPrompt | None, str]:
+                  engine_view: bool = False, *, decoded: dict | None = None,
+                  template: dict | None = None) -> tuple[EncodedPrompt | None, str]:
     """One record's prompt, or (None, the reason it cannot be used): undecodable video, an image PIL cannot open, a
     processor error, a prompt over ``data.max_prompt_length``. Training and evaluation both skip on the reason.
-    ``engine_view``: keep what an engine with its own processor needs (``EncodedPrompt.engine_view``)."""
+    ``engine_view``: keep what an engine with its own processor needs (``EncodedPrompt.engine_view``).
+    ``decoded`` / ``template``: shared by the records of one run on the same media (``encode_run``): the media are
+    decoded once, and a question after the media reuses the first prompt's processor output (``spliced_prompt``)."""
     view = None
     try:
         conversation = build_conversation(record, data_root, data_cfg)
-        inputs = encode_prompts(processor, [conversation], shuffle_frames_seed=shuffle_frames_seed,
-                                with_media=engine_view)
-        if engine_view:
-            inputs, (view,) = inputs
+        inputs = None
+        if template is not None and "inputs" in template and shuffle_frames_seed is None:
+            text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            inputs = spliced_prompt(processor, template, text)
+            if inputs is not None and engine_view:
+                tokenizer = getattr(processor, "tokenizer", processor)
+                view = {"prompt_ids": tokenizer([text], add_special_tokens=False)["input_ids"][0],
+                        "media": template["view"]["media"]}
+        if inputs is None:
+            inputs = encode_prompts(processor, [conversation], shuffle_frames_seed=shuffle_frames_seed,
+                                    with_media=engine_view, decoded=decoded)
+            if engine_view:
+                inputs, (view,) = inputs
+            if template is not None and "inputs" not in template:
+                template.update(inputs=inputs, view=view, text=processor.apply_chat_template(
+                    conversation, add_generation_prompt=True, tokenize=False))
     except SettingError:
         raise  # the settings are wrong, not the record: the run stops and names them
     except VideoDecodeError as error:
@@ -224,174 +255,20 @@ def encode_record(processor, record: dict, data_root: Path, data_cfg, shuffle_fr
     return prompt, ""
 
 
-@dataclass
-class PromptStream:
-    """Deterministic, resumable stream of encoded prompts for one rank (records i = rank mod world per epoch).
-
-    ``lookahead`` > 0: the next ``lookahead`` positions are decoded and encoded in ``workers`` background threads
-    while the caller works (decord and the processor release the GIL for most of it). What a position holds is a
-    function of the position alone, so the order, the skips (counted when their position is consumed, once) and a
-    resume from ``position`` are those of the plain stream; at most ``lookahead`` prompts wait in memory.
-    """
-
-    records: list[dict]
-    data_root: Path
-    data_cfg: object
-    processor: object
-    seed: int = 0
-    rank: int = 0
-    world_size: int = 1
-    position: int = 0  # prompts of this rank's stream consumed so far (encoded or skipped)
-    skipped: Counter = field(default_factory=Counter)  # reason -> count, from loading and from encoding
-    total_records: int = 0
-    lookahead: int = 0
-    workers: int = 2
-    engine_views: bool = False  # keep each prompt's media for an engine with its own processor (rollout.engine=vllm)
-    wait_seconds: float = 0.0  # time next_prompts spent decoding / waiting for prompts (reset by the caller)
-    recent_skips: Counter = field(default_factory=Counter)  # skips since the caller last took them (take_skips)
-    _warned: set = field(default_factory=set, repr=False)
-    _pending: dict = field(default_factory=dict, repr=False)  # position -> Future[(prompt | None, reason)]
-    _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
-    _epoch_order: tuple = field(default=(None, []), repr=False)
-
-    def _order(self, epoch: int) -> list[int]:
-        """This rank's record indices for ``epoch``; the last epoch's is kept (a shuffle of Video-R1-260k takes
-        ~70 ms, and every prompt, prefetched or not, looks its record up)."""
-        if self._epoch_order[0] != epoch:
-            order = list(range(len(self.records)))
-            if self.data_cfg.shuffle:
-                random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            usable = len(order) - len(order) % self.world_size if len(order) >= self.world_size else len(order)
-            self._epoch_order = (epoch, order[:usable][self.rank :: self.world_size])
-        return self._epoch_order[1]
-
-    def _record_at(self, position: int) -> dict:
-        cached = self._epoch_order[0]  # every epoch has the same length: measure the one at hand
-        per_epoch = len(self._order(0 if cached is None else cached))
-        if per_epoch == 0:
-            raise DataError("no usable records for this rank")
-        epoch, index = divmod(position, per_epoch)
-        return self.records[self._order(epoch)[index]]
-
-    def skip(self, record: dict, reason: str) -> None:
-        """Count a skip; warn the first time a record is skipped (later epochs only count it): the first
-        ``SKIP_EXAMPLES`` on the console, every one in the rank's log file."""
-        key = where(record)
-        if key not in self._warned:
-            self._warned.add(key)
-            detail = len(self._warned) > SKIP_EXAMPLES
-            log.warning("skipping %s: %s%s", key, reason, "" if len(self._warned) != SKIP_EXAMPLES else
-                        " (further skipped records are named in this rank's log file only)",
-                        extra={"detail": detail})
-        kind = skip_kind(reason)
-        self.skipped[kind] += 1
-        self.recent_skips[kind] += 1
-        limit = self.data_cfg.max_skip_fraction * max(self.total_records, 1)
-        if sum(self.skipped.values()) > limit:
-            raise DataError(
-                f"{sum(self.skipped.values())} of {self.total_records} records are unusable, "
-                f"more than data.max_skip_fraction={self.data_cfg.max_skip_fraction}; last: {where(record)}: {reason}"
-            )
-
-    def encode(self, record: dict, shuffle_frames_seed: int | None = None) -> EncodedPrompt | None:
-        prompt, reason = encode_record(self.processor, record, self.data_root, self.data_cfg, shuffle_frames_seed,
-                                       self.engine_views)
-        if prompt is None:
-            self.skip(record, reason)
-        return prompt
-
-    def next_prompts(self, count: int) -> list[EncodedPrompt]:
-        start = time.perf_counter()
-        out: list[EncodedPrompt] = []
-        while len(out) < count:
-            record = self._record_at(self.position)
-            ahead: Future | None = self._pending.pop(self.position, None)
-            self.position += 1
-            if ahead is None:
-                prompt = self.encode(record)
-            else:
-                prompt, reason = ahead.result()
-                if prompt is None:
-                    self.skip(record, reason)
-            if prompt is not None:
-                out.append(prompt)
-        self.prefetch()
-        self.wait_seconds += time.perf_counter() - start
-        return out
-
-    def take_skips(self) -> Counter:
-        """The skips since the last call, by reason (for a one-line summary per step)."""
-        taken, self.recent_skips = self.recent_skips, Counter()
-        return taken
-
-    def prefetch(self) -> None:
-        """Start encoding the next ``lookahead`` positions (drop any a resume moved behind ``position``)."""
-        if self.lookahead <= 0:
-            return
-        for stale in [p for p in self._pending if p < self.position]:
-            self._pending.pop(stale).cancel()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max(1, self.workers), thread_name_prefix="prefetch")
-        for position in range(self.position, self.position + self.lookahead):
-            if position not in self._pending:
-                self._pending[position] = self._pool.submit(
-                    encode_record, self.processor, self._record_at(position), self.data_root, self.data_cfg, None,
-                    self.engine_views)
-
-    def close(self) -> None:
-        """Stop the background workers (waiting for the encodes under way)."""
-        for future in self._pending.values():
-            future.cancel()
-        self._pending.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
-def skip_kind(reason: str) -> str:
-    return reason.split(":")[0].split(" (")[0]
-
-
-def report_skips(skipped: list[Skipped], total: int, source: str, skip_log: Path | None) -> None:
-    """One summary of the records refused at load, by reason, with the first few examples; the full list (one JSON
-    line per record) goes to ``skip_log``. Called on one rank only."""
-    if not skipped:
-        return
-    counts = Counter(skip_kind(s.reason) for s in skipped)
-    examples = "; ".join(f"{s.where}: {s.reason}" for s in skipped[:SKIP_EXAMPLES])
-    where_all = ""
-    if skip_log is not None:
-        skip_log.parent.mkdir(parents=True, exist_ok=True)
-        skip_log.write_text("".join(json.dumps({"where": s.where, "reason": s.reason}) + "\n" for s in skipped))
-        where_all = f"; every one is listed in {skip_log}"
-    log.warning("%d of %d records in %s cannot be used and are skipped (%s). First %d: %s%s", len(skipped), total,
-                source, ", ".join(f"{kind}: {n}" for kind, n in counts.most_common()), min(len(skipped),
-                SKIP_EXAMPLES), examples, where_all)
-
-
-def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int, *, lookahead: int = 0,
-                skip_log: Path | None = None, engine_views: bool = False) -> PromptStream:
-    """This rank's stream of ``data_cfg.train_file``. Records that cannot be used are counted on every rank and
-    reported once, by rank 0 (``report_skips``)."""
-    records, skipped = read_records(data_cfg.train_file)
-    data_root = Path(data_cfg.data_root) if data_cfg.data_root else Path(data_cfg.train_file).parent
-    usable = []
+def encode_run(processor, records: list[dict], data_root: Path, data_cfg,
+               engine_view: bool = False) -> tuple[list[tuple[EncodedPrompt | None, str]], int]:
+    """The prompts of records on the same media (a run of ``data.questions_per_video``), each (prompt, "") or
+    (None, reason), and how many media files were decoded for them: the media once for the run, the processor once
+    when the questions follow the media. The prompts carry the media's key (``EncodedPrompt.share``)."""
+    decoded: dict = {}
+    template: dict = {}
+    out = []
     for record in records:
-        reason = check_record(record, data_root, data_cfg.confine_to_root)
-        if reason:
-            skipped.append(Skipped(where(record), reason))
-        else:
-            usable.append(record)
-    total = len(records) + sum(1 for s in skipped if "malformed" in s.reason or "not a JSON" in s.reason)
-    if rank == 0:
-        report_skips(skipped, total, str(data_cfg.train_file), skip_log)
-    if total and len(skipped) > data_cfg.max_skip_fraction * total:
-        raise DataError(f"{len(skipped)} of {total} records in {data_cfg.train_file} are unusable (more than "
-                        f"data.max_skip_fraction={data_cfg.max_skip_fraction}); first: {skipped[0].where}: "
-                        f"{skipped[0].reason}")
-    if not usable:
-        raise DataError(f"{data_cfg.train_file}: no usable records")
-    reasons = Counter(skip_kind(s.reason) for s in skipped)
-    return PromptStream(usable, data_root, data_cfg, processor, seed=seed, rank=rank, world_size=world_size,
-                        skipped=reasons, total_records=total, lookahead=lookahead,
-                        workers=getattr(data_cfg, "prefetch_workers", 2), engine_views=engine_views)
+        prompt, reason = encode_record(processor, record, data_root, data_cfg, None, engine_view, decoded=decoded,
+                                       template=template)
+        if prompt is not None:
+            prompt.share = media_key(record, data_root)
+        elif reason.startswith("undecodable"):  # the same file for the rest: skip them for the same reason
+            return out + [(None, reason)] * (len(records) - len(out)), media_decodes(decoded) or 1
+        out.append((prompt, reason))
+    return out, media_decodes(decoded)

@@ -3,7 +3,9 @@
     python -m app.data.synthetic --out data/synthetic --train 400 --heldout 120 --seed 0
 
 Deterministic from the seed. Writes ``videos/*.mp4``, ``train.jsonl`` and ``heldout.jsonl`` in Video-R1's schema.
-Held-out questions use videos never seen in training.
+Held-out questions use videos never seen in training. ``--questions-per-video N`` > 1: each clip (squares of one
+colour moving together) is asked N questions in turn (its colour, its direction, how many squares), as video QA
+sets ask several questions of one video (for ``data.questions_per_video``).
 """
 
 from __future__ import annotations
@@ -165,10 +167,38 @@ def make_item(index: int, task: str, rng: random.Random, out: Path, *, frames: i
     }
 
 
+SHARED_QUESTIONS = (("colour", "What colour are the squares?"), ("direction", "Which way do the squares move?"),
+                    ("count", "How many squares are in the video?"))
+
+
+def make_video_questions(index: int, clip_index: int, count: int, rng: random.Random, out: Path, *, frames: int,
+                         size: int, fps: int) -> list[dict]:
+    """``count`` records on one clip (1-3 squares of one colour moving together): its colour, direction and
+    number of squares asked in turn (options shuffled each time), problem ids from ``index``."""
+    colour, direction, squares = rng.choice(list(COLOURS)), rng.choice(DIRECTIONS), rng.randint(1, 3)
+    path = Path("videos") / f"clip{clip_index:05d}.mp4"
+    write_mp4(out / path, render([colour] * squares, direction, frames, size, rng), fps=fps)
+    answers = {"colour": (list(COLOURS), colour), "direction": (list(DIRECTIONS), direction),
+               "count": (["1", "2", "3", "4"], str(squares))}
+    records = []
+    for q in range(count):
+        task, question = SHARED_QUESTIONS[q % len(SHARED_QUESTIONS)]
+        options, answer = list(answers[task][0]), answers[task][1]
+        rng.shuffle(options)
+        records.append({"problem_id": index + q, "problem": question, "data_type": "video",
+                        "problem_type": "multiple choice",
+                        "options": [f"{'ABCD'[i]}. {o}" for i, o in enumerate(options)],
+                        "solution": f"<answer>{'ABCD'[options.index(answer)]}</answer>", "path": str(path),
+                        "data_source": f"synthetic/shared_{task}"})
+    return records
+
+
 def generate(out: str | Path, train: int, heldout: int, seed: int = 0, tasks: tuple[str, ...] = TASKS, *,
              frames: int = 8, size: int = 56, fps: int = 4, shuffle_options: bool = True,
-             heldout_tasks: tuple[str, ...] | None = None) -> dict[str, Path]:
-    """``tasks`` alternate over the training records, ``heldout_tasks`` (default: the same) over the held-out ones."""
+             heldout_tasks: tuple[str, ...] | None = None, questions_per_video: int = 1) -> dict[str, Path]:
+    """``tasks`` alternate over the training records, ``heldout_tasks`` (default: the same) over the held-out ones.
+    ``questions_per_video`` > 1: ``train`` / ``heldout`` records asked of clips of their own, that many per clip
+    (``make_video_questions``; ``tasks`` then unused)."""
     out = Path(out)
     (out / "videos").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -177,7 +207,11 @@ def generate(out: str | Path, train: int, heldout: int, seed: int = 0, tasks: tu
     for split, count in (("train", train), ("heldout", heldout)):
         records = []
         kinds = tasks if split == "train" else (heldout_tasks or tasks)
-        for i in range(count):
+        while questions_per_video > 1 and len(records) < count:
+            many = min(questions_per_video, count - len(records))
+            records += make_video_questions(index, index, many, rng, out, frames=frames, size=size, fps=fps)
+            index += many
+        for i in range(count if questions_per_video == 1 else 0):
             records.append(make_item(index, kinds[i % len(kinds)], rng, out, frames=frames, size=size, fps=fps,
                                      shuffle_options=shuffle_options))
             index += 1
@@ -187,7 +221,8 @@ def generate(out: str | Path, train: int, heldout: int, seed: int = 0, tasks: tu
     (out / "meta.json").write_text(json.dumps({"seed": seed, "train": train, "heldout": heldout,
                                                "tasks": list(tasks), "heldout_tasks": list(heldout_tasks or tasks),
                                                "frames": frames, "size": size, "fps": fps,
-                                               "shuffle_options": shuffle_options}))
+                                               "shuffle_options": shuffle_options,
+                                               "questions_per_video": questions_per_video}))
     return files
 
 
@@ -201,13 +236,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--frames", type=int, default=8)
     parser.add_argument("--size", type=int, default=56)
     parser.add_argument("--fixed-options", action="store_true", help="keep options in one order (A. red ...)")
+    parser.add_argument("--questions-per-video", type=int, default=1, help="questions asked of each clip (>1: its "
+                        "colour, direction and count in turn)")
     args = parser.parse_args(argv)
     tasks = tuple(t for t in args.tasks.split(",") if t)
     unknown = set(tasks) - set(TASKS)
     if unknown:
         parser.error(f"unknown task(s) {sorted(unknown)}; choose from {TASKS}")
     files = generate(args.out, args.train, args.heldout, args.seed, tasks, frames=args.frames, size=args.size,
-                     shuffle_options=not args.fixed_options)
+                     shuffle_options=not args.fixed_options, questions_per_video=args.questions_per_video)
     print(json.dumps({k: str(v) for k, v in files.items()}))
 
 

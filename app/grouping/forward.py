@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from app.grouping import attention
+from app.grouping.families import check_shared_positions, family_vision, shared_prefix_lengths
 from app.grouping.layout import GroupLayout, LayoutError
 from app.grouping.logprobs import CompletionScores, head_returns_logprobs
 from app.grouping.modules import keeps_attention_unless_grad, set_text_attention, text_config, unwrap
@@ -105,17 +106,19 @@ def _head_logprobs(model, forward, targets, select, *, temperature, chunk_size, 
 
 
 def _grouped(model, prompts, completion_ids, layout: GroupLayout, *, backend, temperature, return_logits,
-             return_entropy, extra_forward_kwargs, chunk_size=0):
+             return_entropy, extra_forward_kwargs, chunk_size=0, vision=None):
     device = completion_ids.device
     set_text_attention(model, attention.ATTENTION_NAME)
     plan = attention.GroupedAttentionPlan(layout, backend or attention.default_backend(device))
     input_ids = layout.pack(prompts["input_ids"], completion_ids)[None]
     prompt_pos = prompt_positions(unwrap(model), prompts["input_ids"], prompts["attention_mask"], prompts)
+    if layout.shares:
+        check_shared_positions(layout, prompt_pos)
     position_ids = packed_positions(layout, prompt_pos)
     check_max_positions(position_ids, getattr(text_config(model), "max_position_embeddings", None), layout)
     if position_ids.shape[0] == 1:
         position_ids = position_ids[0]
-    kwargs = _vision_kwargs(prompts)
+    kwargs = dict(vision) if vision is not None else _vision_kwargs(prompts)
     if prompts.get("mm_token_type_ids") is not None:
         kwargs["mm_token_type_ids"] = layout.pack(
             prompts["mm_token_type_ids"], torch.zeros_like(completion_ids))[None]
@@ -214,6 +217,7 @@ def completion_logprobs(
     return_entropy: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     sequence_parallel=None,
+    families: Sequence[int] | None = None,
     **forward_kwargs,
 ) -> CompletionScores:
     """Log-probs of each completion token given its prompt, through the grouped or the repeated layout.
@@ -230,6 +234,10 @@ def completion_logprobs(
     ``sequence_parallel``: a ``sequence_parallel.SequenceParallel`` of size > 1 spreads the packed row over its
     ranks (grouped mode only; every rank of it passes the same inputs and gets the same scores); None or size 1:
     this rank alone.
+    ``families``: runs of consecutive prompts that may share their first tokens (questions on one video,
+    ``families.family_sizes``): grouped mode packs each run as [V; Q1; R1*; Q2; R2*; ...] with V (what they really
+    share: ``families.shared_prefix_lengths``) and its media once; the same numbers as without. None: none share.
+    Repeated mode ignores it (its rows are [P;Ri] either way).
     """
     if mode not in MODES:
         raise ValueError(f"unknown grouping mode {mode!r}; expected one of {MODES}")
@@ -247,7 +255,11 @@ def completion_logprobs(
             "differ in shape"
         )
     _refuse_placeholders_in_completions(model, completion_ids, completion_mask)
+    sharing = mode == "grouped" and families is not None and any(size > 1 for size in families)
     if sequence_parallel is not None and sequence_parallel.size > 1:
+        if sharing:
+            raise ValueError("the sequence-parallel forward packs one prompt per group; it does not share a video "
+                             "across questions (data.questions_per_video=1 with train.sequence_parallel_size > 1)")
         if mode != "grouped" or return_logits or forward_kwargs:
             raise ValueError("the sequence-parallel forward is grouped only and returns log-probs (and entropy), "
                              f"not mode={mode!r}, return_logits={return_logits}, or {sorted(forward_kwargs)}")
@@ -257,12 +269,19 @@ def completion_logprobs(
                                         sequence_parallel, backend=backend, temperature=temperature,
                                         return_entropy=return_entropy, vision_calls=vision_calls,
                                         chunk_size=chunk_size)
-    layout = GroupLayout.from_masks(prompts["attention_mask"], completion_mask, group_sizes)
-    with aligned_vision_calls(model, prompts, vision_calls):
+    vision = None
+    if sharing:
+        shared = shared_prefix_lengths(model, prompts, families)
+        layout = GroupLayout.from_masks(prompts["attention_mask"], completion_mask, group_sizes, families, shared)
+        vision = family_vision(model, prompts, layout) if layout.shares else None
+    else:
+        layout = GroupLayout.from_masks(prompts["attention_mask"], completion_mask, group_sizes)
+    with aligned_vision_calls(model, prompts if vision is None else vision, vision_calls):
         settings = dict(temperature=temperature, return_logits=return_logits, return_entropy=return_entropy,
                         extra_forward_kwargs=forward_kwargs, chunk_size=chunk_size)
         if mode == "grouped":
-            logprobs, logits, entropy = _grouped(model, prompts, completion_ids, layout, backend=backend, **settings)
+            logprobs, logits, entropy = _grouped(model, prompts, completion_ids, layout, backend=backend,
+                                                 vision=vision, **settings)
         else:
             logprobs, logits, entropy = _repeated(model, prompts, completion_ids, completion_mask, layout, **settings)
     return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), logits=logits, layout=layout,
@@ -314,13 +333,14 @@ def text_before_media(model, prompts, completion_ids, completion_mask,
 
 
 def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes, *, backend: str | None = None,
-                    rtol: float = 1e-4, atol: float = 1e-5) -> SelfCheck:
+                    rtol: float = 1e-4, atol: float = 1e-5, families: Sequence[int] | None = None) -> SelfCheck:
     """Run both layouts on one batch; raise GroupingMismatchError when grouped is wrong. Returns a ``SelfCheck``.
 
     float32 parameters: grouped and repeated must agree per token within ``atol + rtol * |log-prob|``.
     Lower precision (bf16, fp16): both are roundings of one function, so both are compared with a float32 forward
     of the same weights (``precision.float32_forward``) and grouped must be no worse than repeated
     (``precision.MEAN_RATIO`` / ``MAX_RATIO``). Costs one repeated forward (two in low precision), once.
+    ``families``: the grouped side packs them as ``completion_logprobs`` does (questions sharing a video).
     """
     previous = text_config(model)._attn_implementation
     dtype = parameter_dtype(model)
@@ -328,7 +348,7 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
     try:
         with torch.no_grad():
             grouped = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped",
-                                          backend=backend).logprobs.float()
+                                          backend=backend, families=families).logprobs.float()
             repeated = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes,
                                            "repeated").logprobs.float()
             comparison = None

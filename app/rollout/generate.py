@@ -117,6 +117,7 @@ def generate_groups(
     prompt_seeds: Sequence[int] | None = None,
     prefill_chunk_size: int = 0,
     decode: str = "auto",
+    families: Sequence[int] | None = None,
 ) -> Rollout:
     """Sample ``group_sizes[b]`` completions for each prompt b of a processor batch (left-padded).
 
@@ -129,6 +130,8 @@ def generate_groups(
     at a time (``app.grouping.decoding.decode.chunked_prefill``: activations bounded by the chunk, not the prompt).
     ``decode``: the grouped engine's decode step (``app.grouping.decoding.decode.decode_mode``): ``auto`` replays a CUDA
     graph of a static-shape step on CUDA (unless ranks step in lock step under ZeRO-3), eager steps elsewhere.
+    ``families``: runs of consecutive prompts that share a video (``app.grouping.families``): the grouped engine
+    prefills it once for them and its decode steps read it once (``app.grouping.decoding.shared``); hf ignores it.
     """
     if engine not in DECODERS:
         raise ValueError(f"unknown generation engine {engine!r}; expected one of {ENGINES}")
@@ -148,7 +151,7 @@ def generate_groups(
     with aligned_vision_calls(model, prompts, vision_calls):  # acts on the first forward only: the prefill
         return DECODERS[engine](model, prompts, sizes, sampling, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id,
                                 synced=synced, generators=generators, prefill_chunk_size=prefill_chunk_size,
-                                decode=decode)
+                                decode=decode, families=families)
 
 
 class _Finish:
@@ -191,7 +194,7 @@ class _Finish:
 
 
 def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id, synced, generators,
-                      prefill_chunk_size=0, decode="auto") -> Rollout:
+                      prefill_chunk_size=0, decode="auto", families=None) -> Rollout:
     """Decode all samples together, each prompt prefilled once. The host looks at which samples finished only
     every ``CHECK_EVERY`` steps: finished samples then leave the batch (``GroupedDecoder.keep``) and, under ZeRO-3,
     the ranks agree whether all are done (every rank steps, idly once done, until all are).
@@ -208,7 +211,7 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
     logprobs_out = torch.zeros(count, limit, device=device)
     rows = torch.arange(count, device=device)  # the decoder's batch -> sample index
     decoder = GroupedDecoder(model, prompts, sizes, limit, prefill_chunk_size=prefill_chunk_size,
-                             synced=synced, decode=decode)  # each prompt (and its video) once
+                             synced=synced, decode=decode, families=families)  # each prompt (and its video) once
     logits, step, tick, done_here = decoder.logits, 0, 0, False
     seen = None  # the tokens of each sample's prompt and completion so far, for the repetition penalty
     if sampling.repetition_penalty != 1.0:
@@ -260,7 +263,7 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
         logprobs=logprobs_out[:, :width],
         group_sizes=sizes,
         stop_reasons=finish.reasons(),
-        prefill_tokens=int(prompts["attention_mask"].sum()),
+        prefill_tokens=decoder.prefill_tokens,
     )
 
 

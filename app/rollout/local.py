@@ -8,6 +8,7 @@ agreed across ranks) and the ranks decode in lock step (``synced``).
 from __future__ import annotations
 
 from app.data.prompts import collate_prompts
+from app.grouping.families import family_sizes
 from app.rollout.base import EngineSetup, RolloutEngine
 from app.rollout.generate import Rollout, generate_groups
 from app.runtime import zero
@@ -29,7 +30,8 @@ class LocalEngine(RolloutEngine):
             return generate_groups(model, inputs, group_size, sampling or s.sampling, tokenizer=s.tokenizer,
                                    eos_ids=s.eos_ids, pad_id=s.pad_id, engine=self.name, synced=collective,
                                    vision_calls=vision_calls, prompt_seeds=list(seeds),
-                                   prefill_chunk_size=getattr(s.rollout, "prefill_chunk_size", 0), decode=decode)
+                                   prefill_chunk_size=getattr(s.rollout, "prefill_chunk_size", 0), decode=decode,
+                                   families=family_sizes([getattr(p, "share", None) for p in prompts]))
 
 
 def decode_step(requested: str, parameters_stay_put: bool, gather_mode: str) -> str:

@@ -47,6 +47,9 @@ def step_metrics(t: Trajectory, updates: list[dict], seconds: dict, grouped: boo
     m.sum("tokens/policy_forward", float(sum(u["tokens"] for u in updates)))
     saved = sum(p.length * (size - 1) for p, size in zip(t.prompts, t.group_sizes))  # prefix tokens not re-encoded
     m.sum("tokens/prefix_saved_by_grouping", float(saved if grouped else 0))
+    m.sum("tokens/shared_video", float(sum(u.get("shared", 0) for u in updates)))  # V once per family, not per question
+    m.fraction("tokens/shared_video_fraction", float(sum(u.get("shared", 0) for u in updates)),
+               float(sum(u.get("prompt_tokens", 0) for u in updates)))
     m.sum("groups/trained", float(len(t.prompts)))
     for key, value in t.counts.items():
         m.sum(key, value)

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from app.config.loading import Config, ConfigError, load_config
-from app.data.records import DataError, load_stream
+from app.data.records import DataError
+from app.data.stream import load_stream
 from app.data.video import SettingError
 from app.grouping import MODALITIES, present_vision_calls
 from app.grouping.modules import attention_restored
@@ -208,6 +209,12 @@ class Recipe:
         self.vision_metrics(m)
         return m.reduce(self.parallel.dp_gather)
 
+    def data_metrics(self, metrics) -> None:
+        """The stream's work: records skipped so far, media files decoded for this step's prompts (with
+        data.questions_per_video > 1, once per run of questions on a video)."""
+        metrics.local("data/skipped", float(sum(self.stream.skipped.values())))
+        metrics.sum("data/media_decoded", float(self.stream.take_decodes()))
+
     def vision_metrics(self, metrics) -> None:
         """The step's vision-tower work: items encoded, the tower passes they took (more with
         forward.vision_chunk_frames), items served from the cache, and encodings per distinct item (1.0 with the
@@ -225,11 +232,12 @@ class Recipe:
                 for ids, m in zip(completion_ids, completion_mask)]
 
     def scores_without_grad(self, model, inputs: dict, completion_ids, completion_mask, group_sizes, *,
-                            vision_calls=None, temperature: float = 1.0) -> torch.Tensor:
+                            vision_calls=None, temperature: float = 1.0, families=None) -> torch.Tensor:
         """Log-probs under ``model`` without gradient (``app.training.scoring.without_grad``: gathered for inference as
         ``rollout.zero3_gather`` says; ``model`` may be the policy with its adapters off)."""
         return without_grad(self.scorer, model, inputs, completion_ids, completion_mask, group_sizes,
-                            gather=self.cfg.rollout.zero3_gather, vision_calls=vision_calls, temperature=temperature)
+                            gather=self.cfg.rollout.zero3_gather, vision_calls=vision_calls, temperature=temperature,
+                            families=families)
 
     def scores(self, model, inputs: dict, completion_ids, completion_mask, group_sizes, **kwargs):
         """Completion log-probs from the recipe's scorer (``app.training.scoring``: the configured forward)."""

@@ -3,10 +3,12 @@ use. The recipe holds one, built once, and asks it for scores; how they are made
 the sequence-parallel forward, prefix trees) is the scorer's business.
 
     scorer(model, inputs, completion_ids, completion_mask, group_sizes, temperature=..., vision_calls=...,
-           return_entropy=...) -> scores with .logprobs [n, L], .entropy, .layout (packed_tokens, repeated_tokens)
+           return_entropy=..., families=...) -> scores with .logprobs [n, L], .entropy, .layout (packed_tokens,
+           repeated_tokens)
 
 - ``GroupScorer``: one prompt per group and G completions (``app.grouping.completion_logprobs``), as
-  ``forward.*`` configures it (grouping, backend, log-prob chunk size, sequence parallelism);
+  ``forward.*`` configures it (grouping, backend, log-prob chunk size, sequence parallelism); ``families``: runs
+  of consecutive groups whose prompts share a video (``data.questions_per_video``), packed with it once;
 - ``TreeScorer``: groups that are prefix trees (multi-turn rollouts with tools; ``inputs["trees"]``), all of a
   micro-batch's trees in one packed row (``app.grouping.tree.layout.forest_logprobs``; tree attention ``masked``, or
   ``split`` when ``forward.attention_backend=split``); ``forward.grouping=repeated`` runs each root-to-leaf path as
@@ -28,11 +30,11 @@ class GroupScorer:
     def __init__(self, forward_cfg, sequence_parallel=None):
         self.cfg, self.sp = forward_cfg, sequence_parallel
 
-    def __call__(self, model, inputs, completion_ids, completion_mask, group_sizes, **kwargs):
+    def __call__(self, model, inputs, completion_ids, completion_mask, group_sizes, *, families=None, **kwargs):
         f = self.cfg
         return completion_logprobs(model, inputs, completion_ids, completion_mask, group_sizes, mode=f.grouping,
                                    backend=f.backend, chunk_size=f.logprob_chunk_size, sequence_parallel=self.sp,
-                                   **kwargs)
+                                   families=families, **kwargs)
 
 
 def tree_backend(attention_backend: str) -> str:
@@ -46,7 +48,7 @@ class TreeScorer:
         self.cfg = forward_cfg
 
     def __call__(self, model, inputs, completion_ids, completion_mask, group_sizes, *, temperature: float = 1.0,
-                 vision_calls=None, return_entropy: bool = False):
+                 vision_calls=None, return_entropy: bool = False, families=None):  # a tree shares within itself
         mode = "tree" if self.cfg.grouping == "grouped" else "paths"
         backend = tree_backend(self.cfg.attention_backend)
         return forest_logprobs(model, inputs["trees"], mode, temperature=temperature,
@@ -56,7 +58,7 @@ class TreeScorer:
 
 @torch.no_grad()
 def without_grad(scorer, model, inputs, completion_ids, completion_mask, group_sizes, *, gather: str = "full",
-                 vision_calls=None, temperature: float = 1.0) -> torch.Tensor:
+                 vision_calls=None, temperature: float = 1.0, families=None) -> torch.Tensor:
     """``scorer``'s log-probs under ``model`` without gradient, in eval mode, its parameters gathered for inference
     as ``gather`` (``rollout.zero3_gather``) says; ``model`` may be ``lora.AdaptersOff`` (the policy with its
     adapters off: the reference under LoRA). ``vision_calls`` are passed only where DeepSpeed's hooks stay on
@@ -68,6 +70,6 @@ def without_grad(scorer, model, inputs, completion_ids, completion_mask, group_s
         was_training = module.training
         module.eval()
         scores = scorer(module, inputs, completion_ids, completion_mask, group_sizes, temperature=temperature,
-                        vision_calls=vision_calls if hooked else None)
+                        vision_calls=vision_calls if hooked else None, families=families)
         module.train(was_training)
     return scores.logprobs

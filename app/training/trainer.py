@@ -153,12 +153,13 @@ class GRPOTrainer(Recipe):
         """Log-probs of the sampled tokens under ``model`` (policy, reference model, or the policy adapters-off), at
         the rollout temperature like the policy forward: ratios and KL compare the same distributions."""
         return self.scores_without_grad(model, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes,
-                                        vision_calls=mb.vision_calls, temperature=self.cfg.rollout.temperature)
+                                        vision_calls=mb.vision_calls, temperature=self.cfg.rollout.temperature,
+                                        families=mb.families)
 
     def forward(self, model, mb: MicroBatch, vision_calls=None, return_entropy: bool = False):
         return self.scores(model, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes,
                            temperature=self.cfg.rollout.temperature, vision_calls=vision_calls,
-                           return_entropy=return_entropy)
+                           return_entropy=return_entropy, families=mb.families)
 
     @torch.no_grad()
     def self_check(self, mb: MicroBatch) -> None:
@@ -170,7 +171,7 @@ class GRPOTrainer(Recipe):
         if self.parallel.sp.size > 1:
             batch = text_before_media(self.engine, *batch)
         with paused(self.vision_cache):
-            result = checked_grouping(self.engine, batch, sizes, self.cfg.forward.backend)
+            result = checked_grouping(self.engine, batch, sizes, self.cfg.forward.backend, mb.families)
         what = " (sequence parallel: on the text before the media and the first completion tokens)" if self.parallel.sp.size > 1 else ""
         if result is not None:
             log.info("self-check passed%s: %s (%d completion(s): the first %d of each group)", what,
@@ -193,10 +194,8 @@ class GRPOTrainer(Recipe):
                     metrics.update(mismatch_metrics(old, mb.sampled_logprobs, mb.completion_mask))
                     mask = mb.completion_mask
                     metrics["entropy"] = float((scores.entropy * mask).sum() / mask.sum().clamp_min(1))
-                layout = scores.layout
-                grouped = self.cfg.forward.grouping == "grouped"
-                out.append({"loss": float(loss.detach()), "metrics": metrics,
-                            "tokens": layout.packed_tokens if grouped else layout.repeated_tokens})
+                out.append({"loss": float(loss.detach()), "metrics": metrics, **token_counts(scores.layout,
+                                                                                             self.cfg.forward.grouping)})
         return out
 
     def step_metrics(self, step: int, t: Trajectory, updates: list[dict], seconds: dict, learning_rate: float) -> dict:
@@ -204,7 +203,7 @@ class GRPOTrainer(Recipe):
         m = step_metrics(t, updates, seconds, grouped=self.cfg.forward.grouping == "grouped")
         m.local("learning_rate", learning_rate)
         m.local("grad_norm", float(grad_norm) if grad_norm is not None else 0.0)
-        m.local("data/skipped", float(sum(self.stream.skipped.values())))
+        self.data_metrics(m)
         m.mean("weight_sync/tensors", float(self.pushed_tensors))  # vLLM: all at the first push, then what changes
         self.vision_metrics(m)
         values = m.reduce(self.parallel.dp_gather)
@@ -238,6 +237,15 @@ def training_rollout_engine(t: GRPOTrainer):
     return engine
 
 
+def token_counts(layout, grouping: str) -> dict:
+    """A policy forward's tokens (its packed row, or the repeated rows) and the prompt tokens its families did not
+    repeat (questions sharing a video, ``tokens/shared_video``)."""
+    grouped = grouping == "grouped"
+    return {"tokens": layout.packed_tokens if grouped else layout.repeated_tokens,
+            "shared": getattr(layout, "shared_tokens", 0) if grouped else 0,
+            "prompt_tokens": sum(getattr(layout, "prefix_lens", ()))}
+
+
 def kl_reference(cfg: Config, engine, ds_config: dict, device, dtype, vision_cache=None):
     """What reference log-probs come from, decided here only: nothing (beta 0), the policy with its adapters off
     (LoRA: the base weights are the policy's own, frozen), or a frozen model (partitioned like the policy under
@@ -260,14 +268,14 @@ def kl_reference(cfg: Config, engine, ds_config: dict, device, dtype, vision_cac
 SELF_CHECK_COMPLETIONS = 2  # per group: enough to see a layout fault (sample 0 and one after it), cheap to repeat
 
 
-def checked_grouping(engine, batch: tuple, sizes: list[int], backend: str | None):
+def checked_grouping(engine, batch: tuple, sizes: list[int], backend: str | None, families=None):
     """``verify_grouping`` on the policy gathered whole (in low precision it also runs a float32 forward, upcasting
     layer by layer). The repeated reference is the expensive side (an 8k video prompt, 8 repeated rows in float32:
     62 GiB of attention scores asked for on one H200, hence ``first_completions``); a check that still runs out of
     memory is skipped with a warning rather than stop the run."""
     try:
         with zero.gathered_for_inference(engine, "full") as (module, _):
-            return verify_grouping(module, *batch, sizes, backend=backend)
+            return verify_grouping(module, *batch, sizes, backend=backend, families=families)
     except torch.OutOfMemoryError as error:
         torch.cuda.empty_cache()
         log.warning("self-check skipped: its repeated reference forward ran out of memory (%s); training goes on "

@@ -18,6 +18,7 @@ import torch
 from app.common.groups import group_slices
 from app.data.prompts import collate_prompts
 from app.data.records import EncodedPrompt
+from app.grouping.families import family_sizes
 from app.grouping.tree.forward import forest_vision
 from app.rollout.generate import Rollout, select_groups
 
@@ -92,6 +93,7 @@ class Trajectory:
                 sampled_logprobs=self.rollout.logprobs[rows, :width].to(device),
                 advantages=self.advantages[rows].to(device),
                 loss_weights=loss_weights[rows, :width].to(device),
+                families=family_sizes([self.prompts[g].share for g in groups]) if self.trees is None else None,
             ))
         return out
 
@@ -125,3 +127,4 @@ class MicroBatch:
     vision_calls: tuple[str, ...] | None = None  # the vision-tower calls every rank makes in a training forward
     reference_logprobs: torch.Tensor | None = None  # [n, L], when a KL reference is used
     old_logprobs: torch.Tensor | None = None  # [n, L], when mu > 1
+    families: list[int] | None = None  # runs of groups whose prompts share a video (data.questions_per_video)

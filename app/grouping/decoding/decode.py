@@ -22,12 +22,12 @@ replayed (``decode="graph"``): one launch per step instead of a few per layer, t
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 
 import torch
 
+from app.grouping.decoding.head import DecodingHead
 from app.grouping.decoding.prefill import attention_with_lse, chunked_prefill
 
 log = logging.getLogger("app.grouping.decoding.decode")
@@ -66,7 +66,7 @@ class GroupedKVCache:
         return decode_attention(self, module.layer_idx, query, key, value, scale)
 
     def __init__(self, prefix_cache, prompt_mask: torch.Tensor, group_sizes: Sequence[int], max_new_tokens: int, *,
-                 static: bool = False):
+                 static: bool = False, roots=None):
         layers = getattr(prefix_cache, "layers", None)
         if layers is None:
             raise TypeError("the prefill cache must be a transformers DynamicCache (with .layers)")
@@ -78,6 +78,7 @@ class GroupedKVCache:
         self.own: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.prefix)
         self.steps = 0
         self.static = static
+        self.roots = roots  # questions sharing a video: the videos' K/V, read once per root (``shared.SharedRoots``)
         device = prompt_mask.device
         sizes = torch.tensor(list(group_sizes), device=device)
         self._arrange(torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes))
@@ -94,6 +95,8 @@ class GroupedKVCache:
         """Slots [B, Gmax] -> row for the prefix call (pads point at row 0 and are dropped by ``slot_valid``), and
         the additive prefix mask (None when no prompt is padded)."""
         self.group_of_sample = group_of_sample
+        if self.roots is not None:
+            self.roots.arrange(group_of_sample)
         counts = torch.bincount(group_of_sample, minlength=self.prompt_mask.shape[0])
         gmax = int(counts.max()) if counts.numel() else 0
         starts = torch.cumsum(counts, 0) - counts
@@ -116,6 +119,8 @@ class GroupedKVCache:
             raise RuntimeError("a static-shape cache keeps every sample (finished ones step on, masked out)")
         group_of_sample = self.group_of_sample[rows]
         groups, group_of_sample = torch.unique(group_of_sample, return_inverse=True)
+        if self.roots is not None:
+            self.roots.keep(groups, group_of_sample)
         if len(groups) < self.prompt_mask.shape[0]:
             self.prefix = [(k[groups], v[groups]) for k, v in self.prefix]
             self.prompt_mask = self.prompt_mask[groups]
@@ -187,73 +192,15 @@ def decode_attention(cache: GroupedKVCache, layer_idx: int, query, own_keys, own
     # Own tokens: each sample's queries against the keys it generated.
     own_bias = cache.own_bias if cache.static else None  # static: the slots not written yet are hidden
     out_b, lse_b = attention_with_lse(q, own_keys, own_values, own_bias, scale)  # [N, Hkv, rep, D], [N, Hkv, rep]
+    if cache.roots is not None:  # the video the sample's question follows: a third part, merged the same way
+        out_r, lse_r = cache.roots.attend(layer_idx, q, scale)
+        lse = torch.logaddexp(torch.logaddexp(lse_a, lse_b), lse_r)
+        out = (torch.exp(lse_a - lse)[..., None] * out_a.float() + torch.exp(lse_b - lse)[..., None] * out_b.float()
+               + torch.exp(lse_r - lse)[..., None] * out_r.float())
+        return out.reshape(samples, 1, heads, dim).to(query.dtype)
     lse = torch.logaddexp(lse_a, lse_b)
     out = (torch.exp(lse_a - lse)[..., None] * out_a.float() + torch.exp(lse_b - lse)[..., None] * out_b.float())
     return out.reshape(samples, 1, heads, dim).to(query.dtype)
-
-
-HEAD_CHUNK = 8192  # vocabulary rows per product of the unpacked head (``DecodingHead``)
-
-
-def _zero3_partitioned(weight: torch.Tensor) -> bool:
-    return getattr(weight, "ds_id", None) is not None  # DeepSpeed gathers it around each call of its module
-
-
-class DecodingHead:
-    """The output head as the decoder runs it on CPU, where its few rows of logits against a 151,936-row head
-    are most of a decode step. Measured at hidden 256 on this project's 2-core CPU, one [V, 256] head:
-
-    - **oneDNN with the weight packed once per rollout** (``torch.ops.mkldnn._reorder_linear_weight``, as vLLM's
-      CPU backend prepacks its linears): 8.2 ms for 8 rows, 12.3 ms for 16, the logits already [n, V];
-    - **weight @ hidden^T** ([V, n], transposed 8,192 vocabulary rows at a time while still in cache): 12 and
-      21 ms; it is the fallback (a weight partitioned by ZeRO-3, which DeepSpeed gathers around each call; a
-      dtype or CPU oneDNN cannot pack, e.g. bfloat16 without AVX-512);
-    - ``linear``'s hidden @ weight^T: 33-39 ms.
-
-    The packed copy costs the head's size in memory for the rollout (64 ms to make here) and is dropped with the
-    decoder; the weights do not change during a rollout. Installed as an instance ``forward`` (``installed()``),
-    so module hooks (ZeRO-3's gathering) still run around it. Same product as ``linear``; only the order of
-    summation may differ (measured: 1e-6 relative). Off the CPU it does nothing."""
-
-    def __init__(self, model, rows_hint: int = 32):
-        from app.grouping.modules import unwrap
-
-        head = unwrap(model).get_output_embeddings()
-        self.head, self.packed = head, None
-        self.active = (isinstance(head, torch.nn.Linear) and head.weight.device.type == "cpu"
-                       and "forward" not in head.__dict__)
-        if self.active and not _zero3_partitioned(head.weight) and torch.backends.mkldnn.is_available():
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(head.weight.detach(), rows_hint)
-            except (RuntimeError, AttributeError):  # no oneDNN kernel for this dtype on this CPU
-                self.packed = None
-
-    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.head
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        if self.packed is not None:
-            out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed, head.bias, "none", [], "")
-            return out.reshape(*hidden.shape[:-1], out.shape[-1])
-        weight = head.weight
-        out = flat.new_empty(flat.shape[0], weight.shape[0])
-        for start in range(0, weight.shape[0], HEAD_CHUNK):  # [chunk, n] products, transposed while in cache
-            out[:, start : start + HEAD_CHUNK] = (weight[start : start + HEAD_CHUNK] @ flat.T).T
-        if head.bias is not None:
-            out = out + head.bias
-        return out.reshape(*hidden.shape[:-1], out.shape[-1])
-
-    @contextlib.contextmanager
-    def installed(self):
-        if not self.active:
-            yield
-            return
-        from app.grouping.modules import patched
-
-        with patched(self.head, "forward", self._forward):
-            yield
-
-    def close(self) -> None:
-        self.packed = None
 
 
 class GroupedDecoder:
@@ -276,7 +223,8 @@ class GroupedDecoder:
     """
 
     def __init__(self, model, prompts: dict, group_sizes: Sequence[int], max_new_tokens: int, *,
-                 prefill_chunk_size: int = 0, synced: bool = False, decode: str = "eager"):
+                 prefill_chunk_size: int = 0, synced: bool = False, decode: str = "eager",
+                 families: Sequence[int] | None = None):
         from app.grouping import attention
         from app.grouping.modules import set_text_attention, text_config
         from app.grouping.positions import VISION_KEYS, prompt_positions
@@ -290,21 +238,32 @@ class GroupedDecoder:
         sizes = torch.tensor(list(group_sizes), device=device)
         group_of_sample = torch.repeat_interleave(torch.arange(len(group_sizes), device=device), sizes)
         set_text_attention(model, "sdpa")
+        # questions sharing a video (``shared``): V prefilled once; not with ranks in lock step (every rank must
+        # make as many forwards as the others: under ZeRO-3 hooks each layer call gathers collectively)
+        self.shares = bool(families) and any(size > 1 for size in families) and not synced
+        self.prefill_tokens = int(prompts["attention_mask"].sum())
         try:
             positions = prompt_positions(model, prompts["input_ids"], prompts["attention_mask"], prompts)
-            vision = {k: prompts[k] for k in VISION_KEYS if prompts.get(k) is not None}
             self.head = DecodingHead(model, rows_hint=max(32, len(group_of_sample)))
-            with self.head.installed(), chunked_prefill(model, prefill_chunk_size, synced):
-                out = model(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
-                            position_ids=positions if positions.shape[0] > 1 else positions[0], use_cache=True,
-                            logits_to_keep=1, **vision)
+            if self.shares:
+                from app.grouping.decoding.shared import shared_prefill
+
+                past, mask, roots, logits, root_tokens = shared_prefill(
+                    model, prompts, families, positions, head=self.head, chunk_size=prefill_chunk_size, synced=synced)
+                self.prefill_tokens = root_tokens + int(mask.sum())
+            else:
+                vision = {k: prompts[k] for k in VISION_KEYS if prompts.get(k) is not None}
+                with self.head.installed(), chunked_prefill(model, prefill_chunk_size, synced):
+                    out = model(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
+                                position_ids=positions if positions.shape[0] > 1 else positions[0], use_cache=True,
+                                logits_to_keep=1, **vision)
+                past, mask, roots, logits = out.past_key_values, prompts["attention_mask"], None, out.logits[:, -1]
+                del out
         except BaseException:
             self.close()
             raise
-        self.cache = GroupedKVCache(out.past_key_values, prompts["attention_mask"], group_sizes, max_new_tokens,
-                                    static=self.mode != "eager")
-        self.logits = out.logits[:, -1][group_of_sample]  # [N, V]: a group's samples start from one distribution
-        del out
+        self.cache = GroupedKVCache(past, mask, group_sizes, max_new_tokens, static=self.mode != "eager", roots=roots)
+        self.logits = logits[group_of_sample]  # [N, V]: a group's samples start from one distribution
         self._last_position = positions[:, :, -1][:, group_of_sample]  # [axes, N]
         self._plan_kwarg = attention.PLAN_KWARG
         self._tokens = torch.zeros(len(group_of_sample), dtype=torch.long, device=device)  # the static step's input

@@ -331,7 +331,7 @@ class TreeAttentionPlan:
                         "[T, T] tree mask) or split (CPU)")
 
     def _split(self, q, k, v, scale) -> torch.Tensor:
-        from app.grouping.attention import _PrefixPlusOwnAttention
+        from app.grouping.kernels import _PrefixPlusOwnAttention
 
         if q.device.type != "cpu":
             raise NotImplementedError("the split tree backend uses torch's fused CPU kernel; elsewhere use masked")

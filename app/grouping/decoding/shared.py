@@ -1,0 +1,210 @@
+"""Rollouts of questions that share a video: the video prefilled once, each question on top of it, and decode
+steps that read the video's K/V once for all the questions' samples.
+
+A family (``app.grouping.families``) of k prompts [V; Q1] .. [V; Qk] becomes one root V and k questions:
+
+- root prefill: the roots of the batch (left-padded) in one ordinary forward, their media through the tower once
+  (chunked like any prefill with ``rollout.prefill_chunk_size``); only their K/V is kept (``SharedRoots``);
+- question prefill: each group's Qi (left-padded) in one forward whose attention (``QuestionPrefill``) puts the
+  group's root K/V before its own (``prefill.prefill_chunk_attention``: the root unmasked, Qi causally), at Qi's
+  own positions in [V; Qi]; its last position gives the group's first logits;
+- decode: a sample's query attends to its root (``SharedRoots.attend``: the root's k x G samples side by side, one
+  call per root, V read once), its question's K/V and its own tokens, merged exactly by log-sum-exp.
+
+Which prompts share: a family whose V covers at least half of each member's prompt (``ROOT_SHARE``; the video,
+with Video-R1's template). Any other prompt is a root of its own: all but its last token, that token its question,
+so the rollout's work is the plain one. Greedy tokens are those of the plain rollout up to float summation order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from app.grouping.decoding.prefill import PrefillChunk, attention_with_lse, prefill_chunk_attention
+
+ROOT_SHARE = 0.5  # a family's V must cover at least this fraction of each member's prompt to share in the rollout
+
+
+def rollout_roots(model, prompts: dict, families: Sequence[int]) -> list[tuple[list[int], int]]:
+    """(member groups, V's length) per root: sharing families as one root, every other prompt its own (V = its
+    length - 1, cut before a media item it would split)."""
+    from app.grouping.families import media_items, shared_prefix_lengths
+
+    lengths = prompts["attention_mask"].sum(1).tolist()
+    shared = shared_prefix_lengths(model, prompts, families)
+    items = media_items(model, prompts)
+    roots, g = [], 0
+    for size, v in zip(families, shared):
+        members = list(range(g, g + size))
+        g += size
+        if size > 1 and v and all(v >= ROOT_SHARE * lengths[m] for m in members):
+            roots.append((members, v))
+            continue
+        for m in members:
+            own = lengths[m] - 1
+            for entry in items[m]:
+                if entry["first"] < own <= entry["last"]:
+                    own = entry["first"]
+            roots.append(([m], own))
+    return roots
+
+
+def _left_padded(rows: list[torch.Tensor], fill: int = 0) -> torch.Tensor:
+    """Rows [..., n_i] -> [..., R, max n] left-padded with ``fill`` (the batch dimension second to last)."""
+    width = max(r.shape[-1] for r in rows)
+    return torch.stack([torch.nn.functional.pad(r, (width - r.shape[-1], 0), value=fill) for r in rows], dim=-2)
+
+
+def _bias(mask: torch.Tensor) -> torch.Tensor | None:
+    """[R, L] 0/1 -> additive [R, 1, 1, L] (None when nothing is padded)."""
+    if bool(mask.bool().all()):
+        return None
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
+        ~mask.bool(), float("-inf"))[:, None, None, :]
+
+
+def _vision_of(items: list[dict]) -> dict:
+    out: dict = {}
+    for kind, pixel_key, grid_key in (("image", "pixel_values", "image_grid_thw"),
+                                      ("video", "pixel_values_videos", "video_grid_thw")):
+        mine = [e for e in items if e["kind"] == kind]
+        if mine:
+            out[pixel_key] = torch.cat([e["pixels"] for e in mine])
+            out[grid_key] = torch.stack([e["grid"] for e in mine])
+            if kind == "video" and "seconds" in mine[0]:
+                out["second_per_grid_ts"] = torch.stack([e["seconds"] for e in mine])
+    return out
+
+
+@dataclass
+class SharedRoots:
+    """The roots' K/V per layer [R, Hkv, Vmax, D] (left-padded: ``bias``), which root each group continues, and
+    the decode step's slots: per root, the samples that read it side by side."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    mask: torch.Tensor  # [R, Vmax]
+    group_root: torch.Tensor  # [B]
+    bias: torch.Tensor | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.bias = _bias(self.mask)
+
+    def arrange(self, group_of_sample: torch.Tensor) -> None:
+        """Slots [R, Smax] -> sample, as ``GroupedKVCache._arrange`` makes them for prompts."""
+        root_of_sample = self.group_root[group_of_sample]
+        counts = torch.bincount(root_of_sample, minlength=self.mask.shape[0])
+        order = torch.argsort(root_of_sample, stable=True)
+        most = int(counts.max()) if counts.numel() else 0
+        starts = torch.cumsum(counts, 0) - counts
+        slots = starts[:, None] + torch.arange(most, device=counts.device)[None, :]
+        valid = torch.arange(most, device=counts.device)[None, :] < counts[:, None]
+        self.slot_sample = order[torch.where(valid, slots, torch.zeros_like(slots)).clamp_max(len(order) - 1)]
+        # the valid slots in sample order: sample s sits at flat slot position_of[s]
+        flat = torch.where(valid, slots, torch.full_like(slots, -1)).flatten()
+        position_of = torch.empty(len(order), dtype=torch.long, device=counts.device)
+        where = (flat >= 0).nonzero().flatten()
+        position_of[order[flat[where]]] = where
+        self.slot_index = position_of
+
+    def keep(self, groups: torch.Tensor, group_of_sample: torch.Tensor) -> None:
+        """Continue with these groups only (ascending); roots left without a group drop out."""
+        group_root = self.group_root[groups]
+        roots, group_root = torch.unique(group_root, return_inverse=True)
+        if len(roots) < self.mask.shape[0]:
+            self.keys = [k[roots] for k in self.keys]
+            self.values = [v[roots] for v in self.values]
+            self.mask = self.mask[roots]
+            self.bias = _bias(self.mask)
+        self.group_root = group_root
+        self.arrange(group_of_sample)
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [N, Hkv, rep, D] -> (out [N, Hkv, rep, D], lse [N, Hkv, rep]) against each sample's root: one call per
+        root with its samples' queries side by side (V's K/V read once for them)."""
+        keys, values = self.keys[layer], self.values[layer]
+        roots, kv_heads, rep, dim = keys.shape[0], q.shape[1], q.shape[2], q.shape[3]
+        slots = q[self.slot_sample]  # [R, Smax, Hkv, rep, D]
+        most = slots.shape[1]
+        grouped = slots.permute(0, 2, 1, 3, 4).reshape(roots, kv_heads, most * rep, dim)
+        out, lse = attention_with_lse(grouped, keys, values, self.bias, scale)
+        out = out.reshape(roots, kv_heads, most, rep, dim).permute(0, 2, 1, 3, 4).reshape(roots * most, kv_heads,
+                                                                                         rep, dim)
+        lse = lse.reshape(roots, kv_heads, most, rep).permute(0, 2, 1, 3).reshape(roots * most, kv_heads, rep)
+        return out.index_select(0, self.slot_index), lse.index_select(0, self.slot_index)
+
+
+@dataclass(frozen=True)
+class QuestionPrefill:
+    """The attention plan of the question prefill: each group's root K/V (unmasked but for its left padding), then
+    the question's own K/V causally (``prefill_chunk_attention``)."""
+
+    roots: SharedRoots
+    own_mask: torch.Tensor  # [B, Lq] 0/1, left-padded questions
+
+    def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
+        layer, index = module.layer_idx, self.roots.group_root
+        keys = torch.cat([self.roots.keys[layer].index_select(0, index), key], dim=2)
+        values = torch.cat([self.roots.values[layer].index_select(0, index), value], dim=2)
+        bias = _bias(torch.cat([self.roots.mask.index_select(0, index), self.own_mask], dim=1))
+        return prefill_chunk_attention(PrefillChunk(bias), query, keys, values, scale).transpose(1, 2).contiguous()
+
+
+def shared_prefill(model, prompts: dict, families: Sequence[int], positions: torch.Tensor, *, head,
+                   chunk_size: int = 0, synced: bool = False):
+    """Prefill the roots once and the questions on top: (the questions' cache, their 0/1 mask [B, Lq], the
+    ``SharedRoots``, logits of each group's last prompt position [B, V], roots' prompt tokens processed).
+    ``head``: the decoder's ``DecodingHead`` (installed around both forwards)."""
+    from app.grouping import attention
+    from app.grouping.decoding.prefill import chunked_prefill
+    from app.grouping.families import media_items
+    from app.grouping.modules import set_text_attention
+
+    ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
+    width, device = ids.shape[1], ids.device
+    lengths = mask.sum(1).tolist()
+    roots = rollout_roots(model, prompts, families)
+    items = media_items(model, prompts)
+    root_ids, root_pos, root_items, group_root, q_ids, q_pos, q_types, q_items = [], [], [], {}, {}, {}, {}, {}
+    types = prompts.get("mm_token_type_ids")
+    for r, (members, v) in enumerate(roots):
+        first = width - lengths[members[0]]
+        root_ids.append(ids[members[0], first : first + v])
+        root_pos.append(positions[:, members[0], first : first + v])
+        root_items += [e for e in items[members[0]] if e["first"] < v]
+        for m in members:
+            start = width - lengths[m] + v
+            group_root[m] = r
+            q_ids[m], q_pos[m] = ids[m, start:], positions[:, m, start:]
+            q_types[m] = types[m, start:] if types is not None else None
+            q_items[m] = [e for e in items[m] if e["first"] >= v]
+    order = range(ids.shape[0])
+    root_mask = _left_padded([torch.ones_like(r) for r in root_ids])
+    root_batch = dict(input_ids=_left_padded(root_ids), attention_mask=root_mask,
+                      position_ids=_left_padded([p for p in root_pos]))
+    if types is not None:
+        root_types = [types[members[0], width - lengths[members[0]]:][:v] for members, v in roots]
+        root_batch["mm_token_type_ids"] = _left_padded(root_types)
+    set_text_attention(model, "sdpa")
+    with head.installed(), chunked_prefill(model, chunk_size, synced):
+        pos = root_batch.pop("position_ids")
+        out = model(**root_batch, position_ids=pos if pos.shape[0] > 1 else pos[0], use_cache=True,
+                    logits_to_keep=1, **_vision_of(root_items))
+    layers = out.past_key_values.layers
+    shared = SharedRoots([layer.keys.contiguous() for layer in layers], [layer.values.contiguous() for layer in layers],
+                         root_mask, torch.tensor([group_root[m] for m in order], device=device))
+    del out
+    q_mask = _left_padded([torch.ones_like(q_ids[m]) for m in order])
+    pos = _left_padded([q_pos[m] for m in order])
+    kwargs = _vision_of([e for m in order for e in q_items[m]])
+    if types is not None:
+        kwargs["mm_token_type_ids"] = _left_padded([q_types[m] for m in order])
+    set_text_attention(model, attention.ATTENTION_NAME)
+    with head.installed():
+        out = model(input_ids=_left_padded([q_ids[m] for m in order]), attention_mask=None,
+                    position_ids=pos if pos.shape[0] > 1 else pos[0], use_cache=True, logits_to_keep=1,
+                    **{attention.PLAN_KWARG: QuestionPrefill(shared, q_mask)}, **kwargs)
+    return out.past_key_values, q_mask, shared, out.logits[:, -1], int(root_mask.sum())

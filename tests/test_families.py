@@ -1,0 +1,262 @@
+"""Questions that share a video: one packed row [V; Q1; R1*; Q2; R2*; ...] per family, exact against the
+per-question grouped forward and the repeated layout, on the real transformers classes."""
+
+from __future__ import annotations
+
+import random
+import sys
+import types
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from app.data.prompts import encode_prompts
+from app.data.video import video_element
+from app.grouping import GroupedAttentionPlan, GroupLayout, LayoutError, completion_logprobs, grouped_attention
+from app.grouping.families import (
+    dense_family_mask,
+    family_sizes,
+    family_vision,
+    flash_sequences,
+    shared_prefix_lengths,
+)
+from app.runtime.models import VL_FAMILIES
+from tests.helpers import load, max_rel_diff, patch_size, random_completions, tokenizer_of
+from tests.test_attention import qkv, sdpa_varlen
+
+LOGPROB_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+SHARING_CPU_BACKENDS = ("split", "masked", "flash")
+QUESTIONS = ["Which colour appears first? Answer with a letter.", "How many shapes move?",
+             "Does the red circle move left or right?", "What is in the last frame?"]
+
+
+def family_conversations(family: str, videos, plan: list[int], *, text_first: bool = False, system: bool = True):
+    """``plan``: per prompt, which video it asks about (-1: a text prompt); consecutive equal entries share it."""
+    factor = 2 * patch_size(family)
+    out = []
+    for i, which in enumerate(plan):
+        content = [{"type": "text", "text": QUESTIONS[i % len(QUESTIONS)]}]
+        if which >= 0:
+            media = video_element(videos[which], fps=2.0, min_pixels=factor * factor * 2, max_pixels=factor * factor * 6)
+            content = content + [media] if text_first else [media] + content
+        messages = [{"role": "system", "content": "You answer questions about videos."}] if system else []
+        out.append(messages + [{"role": "user", "content": content}])
+    return out
+
+
+def family_case(family, checkpoints, videos, plan, seed=0, **kwargs):
+    model, processor = load(family, checkpoints)
+    prompts = encode_prompts(processor, family_conversations(family, videos, plan, **kwargs))
+    rng = random.Random(seed)
+    sizes = [rng.randint(1, 3) for _ in plan]
+    lengths = [rng.randint(1, 12) for _ in range(sum(sizes))]
+    tok = tokenizer_of(processor)
+    ids, mask = random_completions(lengths, min(len(tok), tok.vocab_size), tok.pad_token_id, width=max(lengths) + 1,
+                                   seed=seed)
+    return model, prompts, ids, mask, sizes
+
+
+def scores_and_grads(model, prompts, ids, mask, sizes, mode="grouped", backend=None, families=None):
+    model.zero_grad(set_to_none=True)
+    scores = completion_logprobs(model, prompts, ids, mask, sizes, mode=mode, backend=backend, families=families,
+                                 return_entropy=True)
+    weights = torch.linspace(0.5, 1.5, ids.shape[1])[None, :]
+    (scores.logprobs * weights).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return scores, grads
+
+
+def assert_same(scores, grads, ref_scores, ref_grads):
+    assert max_rel_diff(scores.logprobs, ref_scores.logprobs) <= LOGPROB_RTOL
+    assert max_rel_diff(scores.entropy, ref_scores.entropy) <= LOGPROB_RTOL
+    assert set(grads) == set(ref_grads)
+    worst = max(grads, key=lambda n: max_rel_diff(grads[n], ref_grads[n]))
+    assert max_rel_diff(grads[worst], ref_grads[worst]) <= GRAD_RTOL, worst
+
+
+@pytest.mark.parametrize("backend", SHARING_CPU_BACKENDS)
+@pytest.mark.parametrize("family", VL_FAMILIES)
+def test_a_family_equals_its_questions_one_by_one_and_repeated(family, backend, tiny_checkpoints, videos,
+                                                               monkeypatch):
+    """Three questions on one video, one on another, a text prompt: families [3, 1, 1]. Log-probs, entropies and
+    every gradient equal the per-question grouped forward and the repeated layout (fp32)."""
+    if backend == "flash":  # flash-attn's varlen call, played by SDPA per sequence (CPU)
+        monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=sdpa_varlen))
+    model, prompts, ids, mask, sizes = family_case(family, tiny_checkpoints, videos, [0, 0, 0, 1, -1], seed=3)
+    families = [3, 1, 1]
+    shared = shared_prefix_lengths(model, prompts, families)
+    lengths = prompts["attention_mask"].sum(1).tolist()
+    assert 0 < shared[0] < min(lengths[:3]) and shared[1:] == [0, 0]
+    video_tokens = int((prompts["input_ids"][0] == model.config.video_token_id).sum())
+    assert shared[0] > video_tokens  # the system prompt and the whole video are shared
+
+    plain_scores, plain_grads = scores_and_grads(model, prompts, ids, mask, sizes, backend=backend)
+    scores, grads = scores_and_grads(model, prompts, ids, mask, sizes, backend=backend, families=families)
+    ref_scores, ref_grads = scores_and_grads(model, prompts, ids, mask, sizes, mode="repeated")
+    assert scores.layout.shares and scores.layout.shared_tokens == 2 * shared[0]
+    assert scores.layout.total_len == plain_scores.layout.total_len - 2 * shared[0]
+    assert_same(scores, grads, plain_scores, plain_grads)
+    assert_same(scores, grads, ref_scores, ref_grads)
+
+
+@pytest.mark.parametrize("family", VL_FAMILIES)
+def test_the_shared_video_goes_through_the_tower_once(family, tiny_checkpoints, videos):
+    model, prompts, ids, mask, sizes = family_case(family, tiny_checkpoints, videos, [1, 1, 1, 1], seed=1)
+    seen = []
+    handle = model.model.visual.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
+    with torch.no_grad():
+        completion_logprobs(model, prompts, ids, mask, sizes, families=[4])
+    handle.remove()
+    assert sum(seen) == int(prompts["video_grid_thw"][0].prod())  # one video's patches, not four
+
+
+def test_text_before_the_video_shares_less_and_stays_exact(tiny_checkpoints, videos):
+    """A template that writes the question first (TimeZero's): V is the system prompt and the start of the user
+    turn; each question carries its own copy of the video, still exact."""
+    model, prompts, ids, mask, sizes = family_case("qwen2_5_vl", tiny_checkpoints, videos, [0, 0, 0], seed=2,
+                                                   text_first=True)
+    shared = shared_prefix_lengths(model, prompts, [3])[0]
+    first_video = int((prompts["input_ids"][0][prompts["attention_mask"][0].bool()]
+                       == model.config.vision_start_token_id).nonzero()[0, 0])
+    assert 0 < shared < first_video
+    vision = family_vision(model, prompts, GroupLayout.from_masks(prompts["attention_mask"], mask, sizes, [3],
+                                                                  [shared]))
+    assert vision["video_grid_thw"].shape[0] == 3  # every question's own copy
+    scores, grads = scores_and_grads(model, prompts, ids, mask, sizes, families=[3])
+    ref_scores, ref_grads = scores_and_grads(model, prompts, ids, mask, sizes, mode="repeated")
+    assert_same(scores, grads, ref_scores, ref_grads)
+
+
+def test_different_pixels_under_equal_tokens_are_not_shared(tiny_checkpoints, videos):
+    """Two prompts whose placeholder tokens agree but whose pixels do not: V stops before the video."""
+    model, prompts, ids, mask, sizes = family_case("qwen2_vl", tiny_checkpoints, videos, [0, 0], seed=4)
+    half = prompts["pixel_values_videos"].shape[0] // 2
+    prompts["pixel_values_videos"][half:] += 1.0  # the second prompt's video, changed in place
+    shared = shared_prefix_lengths(model, prompts, [2])[0]
+    start = int((prompts["input_ids"][0][prompts["attention_mask"][0].bool()] == model.config.video_token_id)
+                .nonzero()[0, 0])
+    assert shared == start
+    scores, grads = scores_and_grads(model, prompts, ids, mask, sizes, families=[2])
+    ref_scores, ref_grads = scores_and_grads(model, prompts, ids, mask, sizes, mode="repeated")
+    assert_same(scores, grads, ref_scores, ref_grads)
+
+
+def test_packed_and_paper_refuse_a_shared_video_by_name(tiny_checkpoints, videos):
+    model, prompts, ids, mask, sizes = family_case("qwen2_vl", tiny_checkpoints, videos, [0, 0], seed=5)
+    for backend in ("packed", "paper"):
+        with pytest.raises(LayoutError, match=f"{backend}.*does not share a video"):
+            completion_logprobs(model, prompts, ids, mask, sizes, backend=backend, families=[2])
+
+
+def test_family_sizes_are_runs_of_equal_keys():
+    assert family_sizes(["a", "a", "b", None, None, "b", "b"]) == [2, 1, 1, 1, 2]
+    assert family_sizes([]) == []
+
+
+# ---- the attention kernels against a naive reference -----------------------------------------------------------
+def naive_family_attention(layout: GroupLayout, q, k, v):
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    seg, grp = layout.segment_ids.tolist(), layout.group_ids.tolist()
+    fam, shared = layout.family_ids.tolist(), layout.shared_ids.tolist()
+    rows = []
+    for i in range(layout.total_len):
+        allowed = [j for j in range(i + 1) if fam[j] == fam[i]
+                   and (shared[j] > 0 or (grp[j] == grp[i] and (seg[j] == 0 or seg[j] == seg[i])))]
+        scores = q[0, :, i : i + 1] @ k[0, :, allowed].transpose(-1, -2) / q.shape[-1] ** 0.5
+        rows.append(torch.softmax(scores, dim=-1) @ v[0, :, allowed])
+    return torch.cat(rows, dim=1)[None]
+
+
+@st.composite
+def family_layouts(draw):
+    families = [draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 3)))]
+    groups = sum(families)
+    sizes = tuple(draw(st.integers(1, 3)) for _ in range(groups))
+    prefixes, shared, g = [], [], 0
+    for size in families:
+        common = draw(st.integers(0, 6)) if size > 1 else 0
+        shared.append(common)
+        prefixes += [common + draw(st.integers(1, 5)) for _ in range(size)]
+        g += size
+    completions = tuple(draw(st.integers(1, 6)) for _ in range(sum(sizes)))
+    return GroupLayout(sizes, tuple(prefixes), completions, max(prefixes), max(completions), tuple(families),
+                       tuple(shared))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=family_layouts(), heads=st.sampled_from([(2, 2), (4, 2), (4, 1)]), seed=st.integers(0, 2**16))
+def test_sharing_backends_match_the_naive_reference(layout, heads, seed):
+    q, k, v = qkv(layout, *heads, seed=seed)
+    expected = naive_family_attention(layout, q, k, v)
+    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(seed), dtype=expected.dtype)
+    expected_grads = torch.autograd.grad((expected * weight).sum(), (q, k, v))
+    for backend in SHARING_CPU_BACKENDS:
+        plan = GroupedAttentionPlan(layout, backend, varlen_fn=sdpa_varlen if backend == "flash" else None)
+        out = grouped_attention(plan, q, k, v)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10, msg=f"{backend} output")
+        grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+        for name, got, want in zip("qkv", grads, expected_grads):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=f"{backend} d{name}")
+
+
+def test_flex_forward_on_a_family_row_on_cpu():
+    layout = GroupLayout((2, 1, 3), (9, 7, 5), (2, 1, 4, 3, 1, 6), 9, 6, (2, 1), (4, 0))
+    q, k, v = (t.detach() for t in qkv(layout, 4, 2, dim=16, dtype=torch.float32))
+    out = grouped_attention(GroupedAttentionPlan(layout, "flex"), q, k, v)
+    torch.testing.assert_close(out, naive_family_attention(layout, q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_the_plain_layout_is_the_family_of_one():
+    """families all 1 (nothing shared): the same row, masks and flash sequences as a layout without families."""
+    plain = GroupLayout((2, 1, 3), (5, 7, 3), (2, 1, 4, 3, 1, 6), 7, 6)
+    ones = GroupLayout((2, 1, 3), (5, 7, 3), (2, 1, 4, 3, 1, 6), 7, 6, (1, 1, 1), (0, 0, 0))
+    assert not ones.shares and ones.group_spans == plain.group_spans
+    for name in ("pack_index", "predict_index", "segment_ids", "group_ids"):
+        assert torch.equal(getattr(ones, name), getattr(plain, name)), name
+    from app.grouping.attention import dense_group_mask
+
+    assert torch.equal(dense_family_mask(plain, "cpu"), dense_group_mask(plain, "cpu"))
+    first, second = flash_sequences(plain)
+    assert [len(r) for r in first] == [5, 7, 3] and len(second) == 6
+
+
+def test_a_family_must_leave_each_question_a_token():
+    with pytest.raises(LayoutError, match="at least one of its own"):
+        GroupLayout((1, 1), (4, 6), (2, 2), 6, 2, (2,), (4,))
+
+
+# ---- rollouts: the video prefilled once, decode steps reading it once --------------------------------------------
+@pytest.mark.parametrize("decode", ["eager", "static"])
+@pytest.mark.parametrize("family", VL_FAMILIES)
+def test_a_shared_rollout_draws_the_tokens_of_per_question_prompts(family, decode, tiny_checkpoints, videos):
+    """Greedy and seeded sampling: the same tokens as the plain rollout (each question prefilled with its own
+    copy of the video); log-probs within float rounding; the prefill processed the video once."""
+    from app.rollout.generate import SamplingConfig, generate_groups
+
+    model, prompts, _, _, _ = family_case(family, tiny_checkpoints, videos, [0, 0, 0, 1, -1], seed=6)
+    tok = None  # no stop strings: the tokenizer is not needed
+    families = [3, 1, 1]
+    for sampling in (SamplingConfig(temperature=0, max_new_tokens=10),
+                     SamplingConfig(temperature=1.0, max_new_tokens=10, seed=3)):
+        seeds = [11, 12, 13, 14, 15]
+        plain = generate_groups(model, prompts, 3, sampling, tokenizer=tok, eos_ids=[], prompt_seeds=seeds,
+                                decode=decode)
+        shared = generate_groups(model, prompts, 3, sampling, tokenizer=tok, eos_ids=[], prompt_seeds=seeds,
+                                 decode=decode, families=families)
+        assert torch.equal(shared.completion_ids, plain.completion_ids)
+        assert torch.equal(shared.completion_mask, plain.completion_mask)
+        torch.testing.assert_close(shared.logprobs, plain.logprobs, rtol=1e-4, atol=1e-4)
+        video = shared_prefix_lengths(model, prompts, families)[0]
+        assert shared.prefill_tokens < plain.prefill_tokens - video  # V once instead of three times
+        # samples that finish early leave the batch (eager: their question and, once all are gone, the root too)
+        eos = [int(plain.completion_ids[0, 2]), int(plain.completion_ids[7, 1])]
+        plain = generate_groups(model, prompts, 3, sampling, eos_ids=eos, prompt_seeds=seeds, decode=decode)
+        shared = generate_groups(model, prompts, 3, sampling, eos_ids=eos, prompt_seeds=seeds, decode=decode,
+                                 families=families)
+        assert torch.equal(shared.completion_ids, plain.completion_ids) and shared.stop_reasons == plain.stop_reasons
+        assert "eos" in plain.stop_reasons and "length" in plain.stop_reasons
