@@ -330,3 +330,38 @@ def test_each_objective_runs_on_the_demo_and_logs_its_ratios(tmp_path):
     assert ran["gspo"] == {"epsilon_low": 3e-4, "epsilon_high": 4e-4, "loss_type": "grpo"}
     assert ran["sapo"] == {"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05, "loss_type": "grpo"}
     assert (tmp_path / "demo" / "objectives" / "objectives_reward.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_videos_questions_are_prefilled_once_with_the_same_predictions(tmp_path, dtype, monkeypatch):
+    """Video-MME's shape (3 questions on each video): with eval.share_video (the default) each video is decoded
+    and prefilled once for its questions (the tower sees each clip once); greedy predictions equal the per-question
+    prefill's, in float32 and bfloat16."""
+    import app.rollout.local as engine_module
+
+    files = generate(tmp_path / "data", train=0, heldout=9, seed=4, questions_per_video=3)
+    model = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0)
+    seen = []
+    real = engine_module.generate_groups
+
+    def spy(model_, prompts, *args, **kwargs):
+        seen.append((len(kwargs.get("families") or []), int(prompts["input_ids"].shape[0])))
+        patches = []
+        hook = model_.model.visual.register_forward_hook(lambda m, a, o: patches.append(a[0].shape[0]))
+        try:
+            out = real(model_, prompts, *args, **kwargs)
+        finally:
+            hook.remove()
+        seen[-1] += (sum(patches), int(prompts["video_grid_thw"].prod(-1).sum()))
+        return out
+
+    monkeypatch.setattr(engine_module, "generate_groups", spy)
+    shared = in_process(model, files["heldout"], tmp_path / "shared", f"model.dtype={dtype}")
+    assert [s[:2] for s in seen] == [(1, 3)] * 3  # batch_size 3: one video's three questions, one family
+    assert all(s[2] * 3 == s[3] for s in seen)  # the tower ran once per clip, not once per question
+    seen.clear()
+    alone = in_process(model, files["heldout"], tmp_path / "alone", f"model.dtype={dtype}", "eval.share_video=false")
+    assert all(s[2] == s[3] for s in seen)
+    assert shared["overall"] == alone["overall"] and shared["scored_this_run"] == 9
+    mine, theirs = predictions(tmp_path / "shared"), predictions(tmp_path / "alone")
+    assert [r["completions"] for r in mine.values()] == [r["completions"] for r in theirs.values()]

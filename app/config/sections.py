@@ -47,8 +47,7 @@ class ModelConfig:
     gradient_checkpointing: bool = _f(False, "Activation checkpointing in the policy forward.")
     trust_remote_code: bool = _f(False, "Allow code from the checkpoint directory to run. Off by default.")
     freeze_vision_tower: bool = _f(False, "Do not train the vision tower (its blocks; the projector is separate).")
-    freeze_projector: bool = _f(False, "Do not train the projector (the merger that maps vision features into the "
-                                "language model).")
+    freeze_projector: bool = _f(False, "Do not train the projector (the merger from vision into the language model).")
 
 
 @dataclass
@@ -390,6 +389,7 @@ class EvalConfig:
                                 choices=tuple(ANSWER_EXTRACTION))
     max_new_tokens: int = _f(256, "Maximum new tokens per completion.")
     batch_size: int = _f(4, "Questions per generate call on each rank.")
+    share_video: bool = _f(True, "A video's questions in one batch: decoded, and prefilled (engine grouped), once.")
     seed: int = _f(0, "Sampling seed.")
     resume: bool = _f(True, "Keep finished predictions found in output_dir and score only the rest, when they were "
                       "made by the same model, data files and settings (recorded in output_dir/run.json).")

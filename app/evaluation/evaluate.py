@@ -31,7 +31,8 @@ from tqdm import tqdm
 from app.answers.grounding import GROUNDING_TYPES, grounding_metrics
 from app.config.loading import ConfigError, load_config
 from app.data.prompts import image_patch_size
-from app.data.records import check_record, encode_record, media_paths, read_records, where
+from app.data.records import check_record, media_paths, read_records, where
+from app.evaluation.batches import encoded, question_batches, question_runs
 from app.evaluation.runs import RUN_FILE, EvaluationMismatch, choose_output_dir, run_identity
 from app.grouping.vision import cache as vision_cache
 from app.rewards.protocols import ANSWER_EXTRACTION, IOU_SCORING
@@ -214,8 +215,9 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = (), proto
         dist.barrier()
     done = {row["key"] for path in [out / "predictions.jsonl", *out.glob("predictions.rank*.jsonl")]
             for row in _read_jsonl(path)}
-    mine = [r for i, r in enumerate(usable) if i % world == rank and record_key(r) not in done]
-    resumed = sum(1 for i, r in enumerate(usable) if i % world == rank and record_key(r) in done)
+    assigned = [r for i, run in enumerate(question_runs(usable, cfg.eval)) if i % world == rank for r in run]
+    mine = [r for r in assigned if record_key(r) not in done]
+    resumed = len(assigned) - len(mine)
     scored = score_questions(mine, cfg, model_dir, out, rank, world)
     counts = torch.tensor([scored, resumed], dtype=torch.long)
     if dist:
@@ -268,9 +270,9 @@ def usable_records(data_files: list[Path], data_cfg) -> tuple[list[dict], list[d
 
 
 def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, world: int) -> int:
-    """This rank's questions through ``eval.engine``, ``eval.batch_size`` at a time: one prediction line each in
-    predictions.rank{r}.jsonl (a record that cannot be encoded goes to skipped.rank{r}.jsonl with its reason).
-    Returns how many were scored."""
+    """This rank's questions through ``eval.engine``, ``eval.batch_size`` at a time (a video's questions together,
+    ``question_batches``): one prediction line each in predictions.rank{r}.jsonl (a record that cannot be encoded
+    goes to skipped.rank{r}.jsonl with its reason). Returns how many were scored."""
     ev, data_cfg = cfg.eval, cfg.data
     processor = load_processor(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     tokenizer = getattr(processor, "tokenizer", processor)
@@ -285,11 +287,10 @@ def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, worl
     crash_after = int(os.environ.get(CRASH_ENV, "-1"))
     scored = 0
     bar = tqdm(total=len(mine), desc=f"eval rank {rank}", disable=rank != 0, dynamic_ncols=True)
-    for start in range(0, len(mine), ev.batch_size):
+    for runs in question_batches(mine, ev):
         batch, prompts = [], []
-        for record in mine[start : start + ev.batch_size]:
-            prompt, reason = encode_record(processor, record, record["_root"], data_cfg,
-                                           engine_view=needs_engine_views(ev.engine))
+        for record, prompt, reason in encoded(processor, runs, data_cfg, needs_engine_views(ev.engine),
+                                              ev.share_video):
             if prompt is None:  # skipped with its reason, exactly as training does; a resumed run skips it again
                 _append(out / f"skipped.rank{rank}.jsonl", {"where": where(record), "reason": reason,
                                                              "reason_kind": reason.split(":")[0]})
@@ -325,7 +326,7 @@ def score_questions(mine: list[dict], cfg, model_dir, out: Path, rank: int, worl
                 if scored == crash_after:
                     log.error("simulated crash after %d questions (%s)", scored, CRASH_ENV)
                     os._exit(17)
-        bar.update(len(mine[start : start + ev.batch_size]))
+        bar.update(sum(len(run) for run in runs))
     bar.close()
     return scored
 

@@ -11,9 +11,10 @@ A family (``app.grouping.families``) of k prompts [V; Q1] .. [V; Qk] becomes one
 - decode: a sample's query attends to its root (``SharedRoots.attend``: the root's k x G samples side by side, one
   call per root, V read once), its question's K/V and its own tokens, merged exactly by log-sum-exp.
 
-Which prompts share: a family whose V covers at least half of each member's prompt (``ROOT_SHARE``; the video,
-with Video-R1's template). Any other prompt is a root of its own: all but its last token, that token its question,
-so the rollout's work is the plain one. Greedy tokens are those of the plain rollout up to float summation order.
+Which prompts share: a family whose members' own parts (Qi) are at most ``QUESTION_LIMIT`` tokens (the question
+prefill attends each Qi causally under a [Qi, Qi] mask; with Video-R1's template Qi is the question text, and a
+template that writes the video after the question leaves it in Qi). Any other prompt is a root of its own: all
+but its last token, that token its question, so the rollout's work is the plain one. Greedy tokens are those of the plain rollout up to float summation order.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from app.grouping.decoding.prefill import PrefillChunk, attention_with_lse, prefill_chunk_attention
 
-ROOT_SHARE = 0.5  # a family's V must cover at least this fraction of each member's prompt to share in the rollout
+QUESTION_LIMIT = 2048  # a family shares its V in the rollout when each member's own part is at most this long
 
 
 def rollout_roots(model, prompts: dict, families: Sequence[int]) -> list[tuple[list[int], int]]:
@@ -40,7 +41,7 @@ def rollout_roots(model, prompts: dict, families: Sequence[int]) -> list[tuple[l
     for size, v in zip(families, shared):
         members = list(range(g, g + size))
         g += size
-        if size > 1 and v and all(v >= ROOT_SHARE * lengths[m] for m in members):
+        if size > 1 and v and all(lengths[m] - v <= QUESTION_LIMIT for m in members):
             roots.append((members, v))
             continue
         for m in members:

@@ -1,0 +1,119 @@
+"""GRPO with data.questions_per_video > 1, as a user runs it: the same step as k = 1 on the same prompts and
+completions (rollout.engine=replay), fewer tokens, per-question advantages; the shared rollout in a real step."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from app.config.loading import ConfigError, load_config
+from app.data.synthetic import generate
+from app.runtime.models import build_tiny_checkpoint
+from tests.helpers import max_rel_diff, world_of_one
+
+STAGE0 = {"zero_optimization": {"stage": 0}}  # gradients stay on the parameters until the step (compared here)
+
+
+@pytest.fixture(scope="module")
+def shared_assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shared-train")
+    checkpoint = build_tiny_checkpoint(root / "tiny", "qwen2_5_vl", seed=0)
+    files = generate(root / "data", train=8, heldout=0, seed=0, questions_per_video=4)  # 2 clips x 4 questions
+    plugin = root / "varied_reward.py"  # rewards that differ within every group: the weights really move
+    plugin.write_text("def varied(completions, records):\n    return [len(c) % 5 / 4 for c in completions]\n")
+    (root / "stage0.json").write_text(json.dumps(STAGE0))
+    return {"root": root, "checkpoint": checkpoint, "train": files["train"], "plugin": f"{plugin}:varied",
+            "stage0": root / "stage0.json"}
+
+
+def shared_overrides(assets, out, **extra) -> list[str]:
+    base = {
+        "model.path": assets["checkpoint"], "data.train_file": assets["train"], "train.output_dir": out,
+        "data.shuffle": False, "data.max_frames": 4, "train.max_steps": 1, "train.prompts_per_rank": 4,
+        "train.groups_per_micro_batch": 4, "train.learning_rate": 1e-3, "train.save_every": 0,
+        "rollout.group_size": 2, "rollout.max_completion_length": 6, "grpo.beta": 0.04,
+        "logging.progress_bar": False, "logging.wandb_mode": "disabled", "train.export_hf": False,
+        "train.deepspeed_config": assets["stage0"], "rewards.functions": f"[format, accuracy, '{assets['plugin']}']",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def one_step(assets, out, monkeypatch, **extra):
+    """One GRPO step in this process: its metrics, the gradients the optimizer step saw, the rollout."""
+    from app.training.trainer import GRPOTrainer
+
+    cfg = load_config("configs/demo_cpu.yaml", shared_overrides(assets, out, **extra))
+    seen = {}
+    with world_of_one(monkeypatch):
+        trainer = GRPOTrainer(cfg)
+        step = trainer.engine.step
+
+        def capture():
+            seen["grads"] = {n: p.grad.detach().clone() for n, p in trainer.engine.module.named_parameters()
+                             if p.grad is not None}
+            return step()
+
+        trainer.engine.step = capture
+        collected = {}
+        collect = trainer.collect
+
+        def keep(index):
+            collected["t"] = collect(index)
+            return collected["t"]
+
+        trainer.collect = keep
+        metrics = trainer.train_step(0)
+    return metrics, seen["grads"], collected["t"]
+
+
+def test_k4_is_the_k1_step_on_the_same_prompts_and_completions(shared_assets, tmp_path, monkeypatch):
+    """k = 1 records its rollouts; k = 4 replays them (same prompts: the file lists each clip's questions
+    together, unshuffled): the same per-question rewards and advantages, loss and every gradient (fp32), the KL
+    reference through the same families; its policy forward packs each clip once."""
+    base, base_grads, base_t = one_step(shared_assets, tmp_path / "k1", monkeypatch,
+                                        **{"rollout.record": True})
+    shared, grads, t = one_step(shared_assets, tmp_path / "k4", monkeypatch, **{
+        "data.questions_per_video": 4, "rollout.engine": "replay", "rollout.replay_dir": tmp_path / "k1"})
+    assert [p.record["problem_id"] for p in t.prompts] == [p.record["problem_id"] for p in base_t.prompts]
+    assert torch.equal(t.rollout.completion_ids, base_t.rollout.completion_ids)
+    assert torch.equal(t.advantages, base_t.advantages) and base_t.advantages.abs().sum() > 0
+    assert math.isclose(shared["loss"], base["loss"], rel_tol=1e-5, abs_tol=1e-7)
+    assert math.isclose(shared["kl"], base["kl"], rel_tol=1e-4, abs_tol=1e-8)
+    assert set(grads) == set(base_grads) and sum(float(g.abs().sum()) for g in base_grads.values()) > 0
+    worst = max(grads, key=lambda n: max_rel_diff(grads[n], base_grads[n]))
+    assert max_rel_diff(grads[worst], base_grads[worst]) <= 1e-4, worst
+    assert base["tokens/shared_video"] == 0 and shared["tokens/shared_video"] > 0
+    assert shared["tokens/policy_forward"] == base["tokens/policy_forward"] - shared["tokens/shared_video"]
+    fraction = shared["tokens/shared_video"] / sum(p.length for p in t.prompts)  # of the prompts' tokens
+    assert shared["tokens/shared_video_fraction"] == pytest.approx(fraction) and fraction > 0.1
+    assert base["data/media_decoded"] == 4 and shared["data/media_decoded"] == 1
+
+
+def test_a_k4_step_with_the_shared_rollout_trains(shared_assets, tmp_path, monkeypatch):
+    """The grouped engine's shared rollout in a real step (LoRA, so the tower is frozen and the reference is the
+    policy with its adapters off): the video prefilled once, the weights move, the step logs what was shared."""
+    metrics, grads, t = one_step(shared_assets, tmp_path / "run", monkeypatch, **{
+        "data.questions_per_video": 4, "lora.rank": 4})
+    plain_prefill = sum(p.length for p in t.prompts)
+    # one clip's shared tokens prefilled once: what the training forward also left out
+    assert t.rollout.prefill_tokens == plain_prefill - metrics["tokens/shared_video"] < plain_prefill
+    assert metrics["reward/std"] > 0 and math.isfinite(metrics["loss"])
+    assert any(".lora_" in n and float(g.abs().sum()) > 0 for n, g in grads.items())
+    assert metrics["tokens/shared_video"] > 0 and metrics["data/media_decoded"] == 1
+
+
+@pytest.mark.parametrize("override, key", [
+    ({"train.sequence_parallel_size": 2}, "data.questions_per_video"),
+    ({"rollout.tools": "[get_frames]"}, "data.questions_per_video"),
+    ({"forward.attention_backend": "packed"}, "forward.attention_backend"),
+    ({"forward.attention_backend": "paper"}, "forward.attention_backend"),
+    ({"data.questions_per_video": 0}, "data.questions_per_video"),
+])
+def test_what_does_not_share_a_video_is_refused_by_name(shared_assets, tmp_path, override, key):
+    extra = {"data.questions_per_video": 4, **override}
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("configs/demo_cpu.yaml", shared_overrides(shared_assets, tmp_path, **extra))
