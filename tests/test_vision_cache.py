@@ -135,6 +135,33 @@ def test_a_cached_forward_skips_the_tower_and_a_changed_item_misses(tiny_checkpo
     assert "forward" not in model.model.visual.__dict__
 
 
+def test_the_run_cache_outlives_a_step_bounded_and_keyed_by_pixels(tiny_checkpoints, videos):
+    """forward.vision_cache=run: a video seen at one step is served at the next (no tower pass, the same bits); a
+    changed video (other pixels under the same tokens) is encoded anew; past the size bound the least recently
+    used item is dropped."""
+    model, processor = prepared("qwen2_5_vl", "frozen", tiny_checkpoints)
+    prompts = prompt_batch("qwen2_5_vl", processor, videos, ["video", "image"])
+    tok = tokenizer_of(processor)
+    ids, mask = random_completions([3, 4], len(tok), tok.pad_token_id)
+    blocks = []
+    handle = model.model.visual.blocks[0].register_forward_pre_hook(lambda m, a: blocks.append(a[0].shape[0]))
+    cache = vision_cache.install(model, "run", keep_gib=1.0)
+    with torch.no_grad():
+        first = completion_logprobs(model, prompts, ids, mask, 1).logprobs
+        assert cache.clear()["tower_items"] == 2 and len(cache.entries) == 2  # the step ends; the items stay
+        again = completion_logprobs(model, prompts, ids, mask, 1).logprobs
+        assert len(blocks) == 2 and torch.equal(first, again) and cache.counts()["cache_hits"] == 2
+        changed = dict(prompts, pixel_values_videos=prompts["pixel_values_videos"] + 0.5)
+        completion_logprobs(model, changed, ids, mask, 1)
+        assert len(blocks) == 3  # a changed file is never served from the cache
+        video = [k for k in cache.entries if k[1][0] > 1]  # the newest video entry is the last used
+        cache.keep_bytes = max(vision_cache._nbytes(e) for e in cache.entries.values())  # room for one item
+        cache.clear()
+        assert list(cache.entries) == [video[-1]]  # the least recently used went first
+    handle.remove()
+    vision_cache.detach(model)
+
+
 def test_tower_that_trains_is_never_cached(tiny_checkpoints):
     model, _ = load("qwen3_vl", tiny_checkpoints)
     assert vision_cache.plan_for(model.model.visual) == "count"

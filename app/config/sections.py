@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from app.data.prompts import PROMPT_TEMPLATES
 from app.data.video import FRAME_FOLDER_SAMPLING
 from app.grouping import BACKENDS, DECODE_MODES, DEFAULT_CHUNK_SIZE, MODES
+from app.grouping.vision.cache import VISION_CACHE_SETTINGS
 from app.objectives.grpo import (
     DYNAMIC_SAMPLING_METRICS,
     KL_ESTIMATORS,
@@ -195,9 +196,11 @@ class ForwardConfig:
     vision_cache: str = _f("step", "step: when the vision tower is frozen (model.freeze_vision_tower, or LoRA without "
                            "lora.vision_tower), each image/video is encoded once per step and the rollout, reference, "
                            "old-policy and policy forwards reuse it: the same numbers bitwise. With the projector "
-                           "training, what the projector reads is cached and it still trains. off: every forward runs "
-                           "the tower. No effect when the tower trains. The counts are logged as vision/*.",
-                           choices=("step", "off"))
+                           "training, what the projector reads is cached and it still trains. run: kept across steps "
+                           "too (Long-RL's cached embeddings), keyed by the item's pixels, the least recently used "
+                           "dropped past forward.vision_cache_gib. off: every forward runs the tower. No effect when "
+                           "the tower trains. The counts are logged as vision/*.", choices=VISION_CACHE_SETTINGS)
+    vision_cache_gib: float = _f(4.0, "forward.vision_cache=run: GiB of tower outputs kept between steps, at most.")
     vision_chunk_frames: int = _f(0, "Temporal patches (temporal_patch_size frames each: 2 in Qwen-VL) per vision-"
                                   "tower pass while the tower runs without gradient (frozen: model."
                                   "freeze_vision_tower, or LoRA without lora.vision_tower), in every forward and the "
@@ -268,13 +271,10 @@ class GRPOConfig:
             cap = VLLM_DEFAULT_IS_CAP if engine == "vllm" else 0.0
         low, high, loss_type = objective_settings(self.policy_loss, self.epsilon_low, self.epsilon_high,
                                                   self.loss_type)
-        return LossOptions(loss_type=loss_type, beta=self.beta, epsilon_low=low,
-                           epsilon_high=high, delta=self.delta, kl_estimator=self.kl_estimator,
-                           max_completion_length=max_completion_length,
-                           importance_sampling_cap=cap,
-                           mask_truncated_completions=self.mask_truncated_completions,
-                           policy_loss=self.policy_loss, sapo_tau_pos=self.sapo_tau_pos,
-                           sapo_tau_neg=self.sapo_tau_neg)
+        return LossOptions(loss_type=loss_type, beta=self.beta, epsilon_low=low, epsilon_high=high, delta=self.delta,
+                           kl_estimator=self.kl_estimator, max_completion_length=max_completion_length,
+                           importance_sampling_cap=cap, mask_truncated_completions=self.mask_truncated_completions,
+                           policy_loss=self.policy_loss, sapo_tau_pos=self.sapo_tau_pos, sapo_tau_neg=self.sapo_tau_neg)
 
 
 @dataclass

@@ -91,7 +91,8 @@ class Recorded(RolloutEngine):
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         torch.save({"completion_ids": rollout.completion_ids.cpu(), "completion_mask": rollout.completion_mask.cpu(),
                     "logprobs": rollout.logprobs.cpu(), "group_sizes": list(rollout.group_sizes),
-                    "stop_reasons": list(rollout.stop_reasons), "prefill_tokens": int(rollout.prefill_tokens)}, tmp)
+                    "stop_reasons": list(rollout.stop_reasons), "prefill_tokens": int(rollout.prefill_tokens),
+                    "prompt_tokens": int(rollout.prompt_tokens)}, tmp)
         os.replace(tmp, path)  # ranks of one SP group write the same rollout: each replace is whole
         return rollout
 

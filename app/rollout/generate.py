@@ -49,6 +49,7 @@ class Rollout:
     group_sizes: list[int]
     stop_reasons: list[str]  # per completion: "eos", "stop_string" or "length"
     prefill_tokens: int  # prompt tokens the decoder processed in prefill
+    prompt_tokens: int = 0  # the prompts' real tokens, each prompt once (prefill_tokens below it: a prefix reused)
 
 
 STOP_REASONS = ("eos", "length", "stop_string")
@@ -59,12 +60,13 @@ def shared_rollout(rollout: Rollout, share) -> Rollout:
     ``ParallelContext.same_in_group``) makes it: tokens, mask, log-probs, stop reasons, group sizes
     and prefill count go as tensors."""
     codes = torch.tensor([STOP_REASONS.index(r) for r in rollout.stop_reasons], dtype=torch.long)
-    counts = torch.tensor([*rollout.group_sizes, rollout.prefill_tokens], dtype=torch.long)
+    counts = torch.tensor([*rollout.group_sizes, rollout.prefill_tokens, rollout.prompt_tokens], dtype=torch.long)
     ids, mask, logprobs, codes, counts = share([rollout.completion_ids, rollout.completion_mask, rollout.logprobs,
                                                 codes, counts])
     counts = counts.tolist()
-    return Rollout(completion_ids=ids, completion_mask=mask, logprobs=logprobs, group_sizes=counts[:-1],
-                   stop_reasons=[STOP_REASONS[c] for c in codes.tolist()], prefill_tokens=counts[-1])
+    return Rollout(completion_ids=ids, completion_mask=mask, logprobs=logprobs, group_sizes=counts[:-2],
+                   stop_reasons=[STOP_REASONS[c] for c in codes.tolist()], prefill_tokens=counts[-2],
+                   prompt_tokens=counts[-1])
 
 
 def _all_done(done_here: bool, synced: bool, device) -> bool:
@@ -264,6 +266,7 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
         group_sizes=sizes,
         stop_reasons=finish.reasons(),
         prefill_tokens=decoder.prefill_tokens,
+        prompt_tokens=int(prompts["attention_mask"].sum()),
     )
 
 
@@ -340,6 +343,7 @@ def _hf_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id,
         group_sizes=sizes,
         stop_reasons=finish.reasons(),
         prefill_tokens=int(batch["attention_mask"].sum()),
+        prompt_tokens=int(prompts["attention_mask"].sum()),
     )
 
 
@@ -369,4 +373,5 @@ def select_groups(rollouts: Sequence[Rollout], picks: Sequence[tuple[int, int]],
         group_sizes=[b - a for _, a, b in rows],
         stop_reasons=[reason for k, a, b in rows for reason in rollouts[k].stop_reasons[a:b]],
         prefill_tokens=sum(r.prefill_tokens for r in rollouts),
+        prompt_tokens=sum(r.prompt_tokens for r in rollouts),
     )

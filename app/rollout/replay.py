@@ -37,4 +37,4 @@ class ReplayEngine(RolloutEngine):
         saved = torch.load(path, weights_only=True)
         return Rollout(completion_ids=saved["completion_ids"], completion_mask=saved["completion_mask"],
                        logprobs=saved["logprobs"], group_sizes=list(saved["group_sizes"]), stop_reasons=list(saved["stop_reasons"]),
-                       prefill_tokens=int(saved["prefill_tokens"]))
+                       prefill_tokens=int(saved["prefill_tokens"]), prompt_tokens=int(saved.get("prompt_tokens", 0)))

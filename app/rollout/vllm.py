@@ -93,7 +93,8 @@ def stop_reason(finish_reason: str | None, stop_reason_value) -> str:
 def rollout_from_outputs(outputs, group_size: int, pad_id: int, prompt_tokens: int):
     """vLLM's ``RequestOutput`` list (one request per prompt, ``n = group_size``) as the trainer's ``Rollout``:
     completions right-padded with ``pad_id``, mask 1 on every generated token (EOS or the token that completed a
-    stop string included), each token's sampling log-prob, stop reasons."""
+    stop string included), each token's sampling log-prob, stop reasons; ``prefill_tokens``: the prompt tokens
+    vLLM computed, those its prefix cache served (``num_cached_tokens``: a video its questions share) left out."""
     import torch
 
     from app.rollout.generate import Rollout
@@ -116,7 +117,8 @@ def rollout_from_outputs(outputs, group_size: int, pad_id: int, prompt_tokens: i
     return Rollout(completion_ids=ids, completion_mask=mask, logprobs=logprobs,
                    group_sizes=[group_size] * len(outputs),
                    stop_reasons=[stop_reason(c.finish_reason, c.stop_reason) for c in completions],
-                   prefill_tokens=prompt_tokens)
+                   prefill_tokens=prompt_tokens - sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outputs),
+                   prompt_tokens=prompt_tokens)
 
 
 def sampling_params(sampling, group_size: int, eos_ids, seed: int | None, banned_words: Sequence[str] = ()):

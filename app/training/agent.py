@@ -52,7 +52,7 @@ def leaf_rollout(trees, sampled, reasons, pad_id: int) -> Rollout:
     return Rollout(completion_ids=pad(ids, pad_id), completion_mask=pad(masks, 0), logprobs=pad(logprobs, 0.0),
                    group_sizes=[len(t.paths) for t in trees],
                    stop_reasons=[LEAF_STOP[r] for rs in reasons for r in rs],
-                   prefill_tokens=sum(t.prompt_len for t in trees))
+                   prefill_tokens=sum(t.prompt_len for t in trees), prompt_tokens=sum(t.prompt_len for t in trees))
 
 
 def tool_rewards(calls, cost: float, bonus: float) -> dict[str, list[float]]:

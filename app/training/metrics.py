@@ -50,6 +50,11 @@ def step_metrics(t: Trajectory, updates: list[dict], seconds: dict, grouped: boo
     m.sum("tokens/shared_video", float(sum(u.get("shared", 0) for u in updates)))  # V once per family, not per question
     m.fraction("tokens/shared_video_fraction", float(sum(u.get("shared", 0) for u in updates)),
                float(sum(u.get("prompt_tokens", 0) for u in updates)))
+    rollout = t.rollout  # every draw's: the prompt tokens it was given and those it prefilled (a reused prefix not)
+    m.sum("rollout/prompt_tokens", float(rollout.prompt_tokens))
+    m.sum("rollout/prefill_tokens", float(rollout.prefill_tokens))
+    m.fraction("rollout/prefix_cache_hit_rate", float(max(rollout.prompt_tokens - rollout.prefill_tokens, 0)),
+               float(rollout.prompt_tokens))
     m.sum("groups/trained", float(len(t.prompts)))
     for key, value in t.counts.items():
         m.sum(key, value)

@@ -94,7 +94,7 @@ class Recipe:
         self.engine = zero.build_engine(policy, self.ds_config, optimizer, scheduler)
         # the sequence-parallel forward runs the tower frame-sharded, past the cache (config warns)
         self.vision_cache = vision_cache.install(self.engine, "off" if self.parallel.sp.size > 1 else cfg.forward.vision_cache,
-                                                 cfg.forward.vision_chunk_frames)
+                                                 cfg.forward.vision_chunk_frames, cfg.forward.vision_cache_gib)
         if self.vision_cache is not None and self.rank == 0:
             log.info("vision tower: %s", VISION_PLANS[self.vision_cache.plan])
         self.output_dir = Path(cfg.train.output_dir)

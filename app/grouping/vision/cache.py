@@ -53,6 +53,7 @@ from app.grouping.vision.passes import (
 )
 
 ATTRIBUTE = "_prefix_grpo_vision_cache"  # set on the tower module by ``attach``
+VISION_CACHE_SETTINGS = ("step", "run", "off")  # forward.vision_cache
 PROJECTORS = ("merger", "deepstack_merger_list")  # the modules after the blocks (Qwen2/2.5/3-VL)
 PLANS = ("outputs", "blocks", "count")  # what is cached; "count": nothing, the tower's work is only counted
 _INPUTS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
@@ -78,7 +79,7 @@ def plan_for(visual) -> str:
 class VisionCache:
     """Per-item tower results shared by every forward that sees the item, until ``clear``. See the module doc."""
 
-    def __init__(self, plan: str = "outputs", store: bool = True, chunk_frames: int = 0):
+    def __init__(self, plan: str = "outputs", store: bool = True, chunk_frames: int = 0, keep_bytes: int = 0):
         if plan not in PLANS:
             raise ValueError(f"unknown vision cache plan {plan!r}; expected one of {PLANS}")
         if chunk_frames < 0:
@@ -86,7 +87,9 @@ class VisionCache:
         self.plan = plan
         self.store = store  # keep items for later calls (forward.vision_cache=step); else each call encodes its own
         self.chunk_frames = chunk_frames  # temporal patches per item pass; 0: an item in one pass
-        self.entries: dict[tuple, object] = {}
+        # > 0: entries outlive ``clear`` (forward.vision_cache=run), the least recently used dropped past this size
+        self.keep_bytes = keep_bytes
+        self.entries: collections.OrderedDict[tuple, object] = collections.OrderedDict()
         self.encoded = 0  # items the tower computed
         self.chunks = 0  # tower passes those took (more than items with ``chunk_frames``)
         self.served = 0  # items served from the cache
@@ -99,9 +102,17 @@ class VisionCache:
 
     # ---- the step's bookkeeping --------------------------------------------------------------------------------
     def clear(self) -> dict[str, float]:
-        """Forget every entry; returns the counts since the last clear."""
+        """Forget every entry (with ``keep_bytes``: the least recently used past that size); returns the counts
+        since the last clear."""
         counts = self.counts()
-        self.entries.clear()
+        if self.keep_bytes:
+            held = {key: _nbytes(entry) for key, entry in self.entries.items()}
+            total = sum(held.values())
+            while self.entries and total > self.keep_bytes:
+                key, _ = self.entries.popitem(last=False)
+                total -= held[key]
+        else:
+            self.entries.clear()
         self.seen.clear()
         self._keys.clear()
         self.encoded = self.served = self.chunks = 0
@@ -213,6 +224,8 @@ class VisionCache:
         for i, key in enumerate(keys):
             if key in entries:
                 self.served += counting
+                if entries is self.entries:
+                    self.entries.move_to_end(key)  # recently used: dropped last (forward.vision_cache=run)
                 continue
             rows = hidden_states[starts[i] : starts[i + 1]]
             entries[key] = self._encode(visual, rows, grid_thw[i : i + 1], kwargs)
@@ -257,6 +270,17 @@ class VisionCache:
             return original(pixels, grid_thw=grid, **kwargs)
 
 
+def _nbytes(entry) -> int:
+    """Bytes of the tensors an entry holds (a tensor, or tuples / lists / dicts of them)."""
+    if isinstance(entry, torch.Tensor):
+        return entry.numel() * entry.element_size()
+    if isinstance(entry, Mapping):
+        return sum(_nbytes(v) for v in entry.values())
+    if isinstance(entry, (list, tuple)):
+        return sum(_nbytes(v) for v in entry)
+    return 0
+
+
 def _dtype(visual) -> torch.dtype:
     for param in visual.parameters():
         return param.dtype
@@ -291,13 +315,18 @@ def cache_of(model) -> VisionCache | None:
     return getattr(visual, ATTRIBUTE, None) if visual is not None else None
 
 
-def install(model, setting: str, chunk_frames: int = 0) -> VisionCache | None:
-    """The cache for this policy as ``forward.vision_cache`` says (``step``: items kept for the step; ``off``: each
-    call encodes its own items, the same way), attached to its tower; None for a text model. ``chunk_frames``:
-    temporal patches per tower pass (``forward.vision_chunk_frames``)."""
+def install(model, setting: str, chunk_frames: int = 0, keep_gib: float = 0.0) -> VisionCache | None:
+    """The cache for this policy as ``forward.vision_cache`` says (``step``: items kept for the step; ``run``: kept
+    across steps too, at most ``keep_gib`` GiB between them; ``off``: each call encodes its own items, the same
+    way), attached to its tower; None for a text model. ``chunk_frames``: temporal patches per tower pass
+    (``forward.vision_chunk_frames``)."""
     visual = tower_of(model)
     if visual is None:
         return None
-    cache = VisionCache(plan_for(visual), store=setting == "step", chunk_frames=chunk_frames)
+    if setting not in VISION_CACHE_SETTINGS:
+        raise ValueError(f"unknown vision cache setting {setting!r}; expected one of {VISION_CACHE_SETTINGS}")
+    keep = max(1, int(keep_gib * (1 << 30))) if setting == "run" else 0
+    cache = VisionCache(plan_for(visual), store=setting in ("step", "run"), chunk_frames=chunk_frames,
+                        keep_bytes=keep)
     attach(model, cache)
     return cache
