@@ -307,3 +307,55 @@ def test_flash_flops_count_its_tiles_per_sequence():
     assert causal < pairs < causal * 1.05  # long sequences: the tiles' waste is small
     split, _ = flops.attention_pairs(Workload(prefix=p, completion=c, group_size=g), "split")
     assert pairs < 0.8 * split  # the masked half of the prefix is skipped
+
+
+@pytest.mark.slow  # about 45 s on 2 cores (the 2B width's head)
+def test_a_family_of_questions_is_counted_as_the_flop_counter_counts_it(real_width_models):
+    """Questions sharing a video (data.questions_per_video): three prompts sharing 224 of their 256 tokens, G = 2,
+    at the 2B width (one layer). The planner's FLOPs of the family's forward+backward, and of the three groups
+    packed apart, are within 5% of torch's flop counter, and so is the ratio between them."""
+    from app.bench.measure import forward_backward
+
+    model = real_width_models("qwen2_vl_2b", 1)
+    shape = costs.shape_of(model.config)
+    prefix, question, k, group, completion = 256, 32, 3, 2, 16
+    generator = torch.Generator().manual_seed(0)
+    shared = torch.randint(1000, 100000, (1, prefix - question), generator=generator)
+    ids = torch.cat([shared.expand(k, -1), torch.randint(1000, 100000, (k, question), generator=generator)], dim=1)
+    prompts = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": torch.zeros_like(ids)}
+    completions = torch.randint(1000, 100000, (k * group, completion), generator=generator)
+    mask = torch.ones_like(completions)
+    counted = {name: forward_backward(model, prompts, completions, mask, group, backend="split",
+                                      families=families)["flops"]
+               for name, families in (("family", [k]), ("apart", None))}
+    work = {"family": Workload(prefix=prefix, completion=completion, group_size=group, groups=k, questions=k,
+                               question=question),
+            "apart": Workload(prefix=prefix, completion=completion, group_size=group, groups=k)}
+    planned = {name: flops.train_flops(shape, w, "split", checkpointing=False, chunk=1024)["total"]
+               for name, w in work.items()}
+    for name in counted:
+        assert planned[name] == pytest.approx(counted[name], rel=0.05), name
+    ratio = counted["family"] / counted["apart"]
+    assert planned["family"] / planned["apart"] == pytest.approx(ratio, rel=0.05) and ratio < 0.8
+    assert work["family"].grouped_tokens == prefix - question + k * (question + group * completion)
+
+
+@pytest.mark.parametrize("k, shared, question, group, completion", [(2, 8000, 60, 8, 256), (4, 4000, 60, 8, 128),
+                                                                    (8, 300, 17, 3, 9)])
+def test_family_attention_pairs_are_the_split_backends_calls(k, shared, question, group, completion):
+    """The planner's attention pairs of a family ([V; Q1; R1*; ...], split) are the rectangles of the kernel calls
+    the grouping core makes for it (``families.family_parts``), and its causal pairs those of the dense mask."""
+    from app.grouping.families import dense_family_mask, family_parts
+    from app.grouping.layout import GroupLayout
+
+    members = [(question, [completion] * group) for _ in range(k)]
+    calls = sum((q1 - q0) * (k1 - k0) for q0, q1, k0, k1, _ in family_parts(shared, members))
+    work = Workload(prefix=shared + question, completion=completion, group_size=group, groups=k, questions=k,
+                    question=question)
+    pairs, causal = flops.attention_pairs(work, "split")
+    assert pairs == calls
+    if shared < 1000:
+        layout = GroupLayout((group,) * k, (shared + question,) * k, (completion,) * (k * group),
+                             shared + question, completion, (k,), (shared,))
+        assert causal == int(dense_family_mask(layout, "cpu").sum())
+        assert work.grouped_tokens == layout.total_len

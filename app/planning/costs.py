@@ -94,7 +94,10 @@ def shape_of(config) -> Shape:
 @dataclass(frozen=True)
 class Workload:
     """The sequences of one micro-batch on one rank: ``groups`` groups of one prompt (``prefix`` tokens, of which
-    ``visual`` are vision tokens from ``patches`` patches) and ``group_size`` completions of ``completion`` tokens."""
+    ``visual`` are vision tokens from ``patches`` patches) and ``group_size`` completions of ``completion`` tokens.
+    ``questions`` > 1 (data.questions_per_video): groups come in families of that many questions on one video,
+    sharing all of the prompt but its last ``question`` tokens (V = prefix - question: the system prompt and the
+    video), packed [V; Q1; R1*; Q2; R2*; ...] with V and its media once."""
 
     prefix: int
     completion: int
@@ -103,10 +106,23 @@ class Workload:
     visual: int = 0
     patches: int = 0
     temporal: int = 0  # temporal patches of the video (frames / temporal_patch_size)
+    questions: int = 1
+    question: int = 0
+
+    @property
+    def families(self) -> float:
+        """Families of questions sharing a video in the micro-batch (groups when nothing is shared)."""
+        return self.groups / self.questions
+
+    @property
+    def shared(self) -> int:
+        """V: the prompt tokens a family holds once (0 when nothing is shared)."""
+        return self.prefix - self.question if self.questions > 1 else 0
 
     @property
     def grouped_tokens(self) -> int:
-        return self.groups * (self.prefix + self.group_size * self.completion)
+        return int(self.groups * (self.prefix + self.group_size * self.completion)
+                   - (self.groups - self.families) * self.shared)
 
     @property
     def repeated_tokens(self) -> int:
@@ -139,7 +155,7 @@ def attention_saved(shape: Shape, work: Workload, backend: str, dtype_bytes: int
     the responses' q and out, and the gathered [P;Ri] keys/values of every response (kv heads). flex: q, k, v, out
     once (kv heads). repeated (SDPA with GQA): q, k, v over G rows of [P;Ri] (its output is o_proj's input)."""
     qd, kvd, b = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, dtype_bytes
-    p, r, g = work.groups * work.prefix, work.scored, work.group_size
+    p, r, g = work.grouped_tokens - work.scored, work.scored, work.group_size  # prompt tokens in the row
     t = p + r
     lse = 4 * shape.heads
     if backend == "split":

@@ -55,6 +55,8 @@ def attention_pairs(work: Workload, backend: str) -> tuple[float, float]:
     if backend == "repeated":
         rows = g * (p + c)
         return n * g * (p + c) ** 2, n * rows * (p + c + 1) / 2
+    if work.questions > 1 and backend != "masked":
+        return family_pairs(work, backend)
     causal = p * (p + 1) / 2 + g * (c * p + c * (c + 1) / 2)
     if backend == "split":  # P causally (full square), all responses x P, each response x itself
         return n * (p * p + g * c * p + g * c * c), n * causal
@@ -63,6 +65,28 @@ def attention_pairs(work: Workload, backend: str) -> tuple[float, float]:
     if backend == "flex":
         return n * tile * packed_tiles(p, g, c), n * causal
     return n * (p * p + g * c * (p + c)), n * causal  # packed / paper / masked: P, then each [P;Ri]
+
+
+def family_pairs(work: Workload, backend: str) -> tuple[float, float]:
+    """``attention_pairs`` of families of ``questions`` questions sharing V ([V; Q1; R1*; ...]): V causally, every
+    later token against V, each question and its responses against the question, each response against itself
+    (split's calls); flash's varlen calls (V causally, each question against [V; Q], each response against
+    [V; Q; R]) in tiles; flex in tiles as flash's plus each question's rows against V whole (approximate at
+    block edges)."""
+    v, q, c, g, k = work.shared, work.question, work.completion, work.group_size, work.questions
+    tile, families = KERNEL_BLOCK**2, work.families
+    own = q + g * c  # a question and its responses
+    causal = v * (v + 1) / 2 + k * (own * v + q * (q + 1) / 2 + g * (c * q + c * (c + 1) / 2))
+    if backend == "split":
+        return families * (v * v + k * own * v + k * (own * q + g * c * c)), families * causal
+    if backend == "flash":
+        tiles = causal_tiles(v, v) + k * (causal_tiles(q, v + q) + g * causal_tiles(c, v + q + c))
+        return families * tile * tiles, families * causal
+    if backend == "flex":
+        rows = -(-own // KERNEL_BLOCK)
+        tiles = causal_tiles(v, v) + k * (rows * -(-v // KERNEL_BLOCK) + packed_tiles(q, g, c))
+        return families * tile * tiles, families * causal
+    raise ValueError(f"attention backend {backend!r} does not share a video across questions")
 
 
 def forward_flops(shape: Shape, work: Workload, backend: str) -> dict:

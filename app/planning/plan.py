@@ -50,8 +50,12 @@ def report(result: dict, frames_by_size: dict, fixes: list[dict]) -> str:
         f"one prompt: {result['frames']} frames -> {w['visual']} visual tokens ({w['patches']} tower patches) + "
         f"{w['prefix'] - w['visual']} text = prefix {w['prefix']}; G={w['group_size']} x {w['completion']} "
         f"completion tokens; {w['groups']} group(s) per micro-batch",
-        "", "memory per rank (GiB)", "  model states",
     ]
+    if w.get("questions", 1) > 1:  # data.questions_per_video
+        lines.append(f"questions per video k={w['questions']}: each micro-batch's families hold the system prompt and "
+                     f"the video ({w['prefix'] - w['question']} tokens) once for k questions of {w['question']} "
+                     "tokens each; FLOPs below are per question")
+    lines += ["", "memory per rank (GiB)", "  model states"]
     for key in ("weights", "gradients", "optimizer", "reference"):
         lines.append(f"    {key:<22}{_gib(s[key])}")
     if s["host"]:

@@ -15,6 +15,7 @@ from app.planning.costs import GiB, Shape, Workload
 from app.rollout.registry import memory_kind
 
 TEXT_TOKENS = 200  # system prompt, question and template around the video (Video-R1's prompt is about 150)
+QUESTION_TOKENS = 180  # of those, what follows the video (question, options, instruction): a question's own part
 SP_SIZES = (1, 2, 4, 8)
 
 
@@ -105,11 +106,16 @@ def attention_backend(cfg) -> str:
 
 
 def workload(cfg, shape: Shape, frames: int, text_tokens: int = TEXT_TOKENS) -> Workload:
+    """A training micro-batch; with data.questions_per_video = k > 1 its groups in families of k questions (at most
+    the micro-batch's groups) sharing the system prompt and the video."""
     visual, patches, temporal = (costs.video_tokens(shape, frames, cfg.data.max_pixels) if shape.vision_depth
                                  else (0, 0, 0))
+    groups = cfg.train.groups_per_micro_batch
+    questions = max(1, min(getattr(cfg.data, "questions_per_video", 1), groups))
     return Workload(prefix=visual + text_tokens, completion=cfg.rollout.max_completion_length,
-                    group_size=cfg.rollout.group_size, groups=cfg.train.groups_per_micro_batch, visual=visual,
-                    patches=patches, temporal=temporal)
+                    group_size=cfg.rollout.group_size, groups=groups, visual=visual, patches=patches,
+                    temporal=temporal, questions=questions,
+                    question=min(QUESTION_TOKENS, text_tokens - 1) if questions > 1 else 0)
 
 
 def tower_chunk(cfg, work: Workload) -> int:
@@ -198,10 +204,12 @@ def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: in
         gathered = {"full": whole, "layerwise": whole - layer * (shape.layers - 1),
                     "per_step": max(layer, b * shape.vocab * shape.hidden)}[cfg.rollout.zero3_gather]
     shared = kind == "shared_prefix"
-    kv = prompts * kv_token * ((work.prefix + work.group_size * work.completion) if shared
+    k = min(getattr(cfg.data, "questions_per_video", 1), prompts) if shared else 1  # questions sharing a video
+    video = work.prefix - (work.question or QUESTION_TOKENS) if k > 1 else 0  # held once for k questions
+    kv = prompts * kv_token * ((work.prefix - video * (k - 1) / k + work.group_size * work.completion) if shared
                                else work.group_size * (work.prefix + work.completion))
     rows = cfg.rollout.prefill_chunk_size or work.prefix
-    prefill = prompts * (1 if shared else work.group_size) * min(rows, work.prefix) * b * (
+    prefill = prompts / k * (1 if shared else work.group_size) * min(rows, work.prefix) * b * (
         4 * shape.hidden + 3 * shape.intermediate)
     tower = costs.vision_activations(shape, work.patches, training=False, chunk_patches=tower_chunk(cfg, work),
                                      dtype_bytes=b) if work.patches else 0.0
@@ -220,7 +228,7 @@ def training_memory(cfg, shape: Shape, work: Workload, ds: dict, b: int, gpu: fl
                                      checkpointing=cfg.model.gradient_checkpointing,
                                      chunk=cfg.forward.logprob_chunk_size, trains_head=trains_head,
                                      sequence_parallel=size)
-    patches = work.patches * work.groups
+    patches = int(work.patches * work.families)  # a family's video once
     checkpointing = cfg.model.gradient_checkpointing
     if not patches:
         tower, whole = 0.0, act["peak"]
@@ -230,13 +238,13 @@ def training_memory(cfg, shape: Shape, work: Workload, ds: dict, b: int, gpu: fl
         held = costs.vision_held(shape, patches, checkpointing=checkpointing, dtype_bytes=b) / size
         whole = costs.pass_with_trained_tower(shape, act["peak"], tower, held, trains_head=trains_head,
                                               dtype_bytes=b)
-    elif cfg.forward.vision_cache == "step":
-        tower = work.visual * work.groups * shape.hidden * b  # cached outputs, held for the step
+    elif cfg.forward.vision_cache in ("step", "run"):
+        tower = work.visual * work.families * shape.hidden * b  # cached outputs, held for the step
         whole = act["peak"] + tower
     else:  # a frozen tower's no-grad pass is over before the language model's begins
         tower = costs.vision_activations(shape, patches, training=False, chunk_patches=tower_chunk(cfg, work),
                                          dtype_bytes=b) / size
-        whole = max(act["peak"], tower + work.visual * work.groups * shape.hidden * b)
+        whole = max(act["peak"], tower + work.visual * work.families * shape.hidden * b)
     zero3 = b * (ds["prefetch"] + shape.vocab * shape.hidden) if ds["stage"] == 3 else 0.0
     awake = memory_kind(cfg.rollout.engine) == "reserved" and not cfg.rollout.vllm_sleep
     reserved = cfg.rollout.vllm_gpu_memory_utilization * gpu if awake else 0.0
@@ -256,27 +264,29 @@ def layout_activations(cfg, shape: Shape, work: Workload, b: int, *, trains_head
 
 
 def step_flops(cfg, shape: Shape, work: Workload, layout: str) -> dict:
-    """FLOPs of each phase for one group (one prompt and its G completions) in the grouped or repeated layout."""
+    """FLOPs of each phase for one group (one prompt and its G completions) in the grouped or repeated layout; with
+    questions sharing a video (``work.questions`` > 1, grouped), a family's FLOPs over its questions."""
+    k = work.questions if layout == "grouped" else 1
     one = Workload(prefix=work.prefix, completion=work.completion, group_size=work.group_size, visual=work.visual,
-                   patches=work.patches, temporal=work.temporal)
+                   patches=work.patches, temporal=work.temporal, groups=k, questions=k, question=work.question)
     backend = "repeated" if layout == "repeated" else grouped_backend(cfg)
-    prefill_rows = Workload(prefix=work.prefix, completion=0, group_size=1)
+    prefill_rows = Workload(prefix=work.prefix - one.shared * (k - 1) // k, completion=0, group_size=1)
     prefill = flops.forward_flops(shape, prefill_rows, "flash")["total"] * (1 if layout == "grouped" else
                                                                            work.group_size)
-    forward = flops.forward_flops(shape, one, backend)["total"]
+    forward = flops.forward_flops(shape, one, backend)["total"] / k
     train = flops.train_flops(shape, one, backend, checkpointing=cfg.model.gradient_checkpointing,
                               chunk=cfg.forward.logprob_chunk_size,
-                              deepspeed_linear=deepspeed_settings(cfg)["stage"] == 3)["total"]
+                              deepspeed_linear=deepspeed_settings(cfg)["stage"] == 3)["total"] / k
     iterations = cfg.grpo.num_iterations
-    tower = flops.vision_flops(shape, work.patches, work.temporal)  # one forward
-    if cfg.forward.vision_cache == "step" and not tower_trains(cfg):
+    tower = flops.vision_flops(shape, work.patches, work.temporal) / k  # one forward, a video shared by k
+    if cfg.forward.vision_cache in ("step", "run") and not tower_trains(cfg):
         vision = tower  # once a step, its outputs served to every later forward
     else:  # the rollout's prefill, the reference, the old policy, then each policy pass (trained or frozen)
         trained = flops.vision_flops(shape, work.patches, work.temporal, training=True,
-                                     checkpointing=cfg.model.gradient_checkpointing) if tower_trains(cfg) else tower
+                                     checkpointing=cfg.model.gradient_checkpointing) / k if tower_trains(cfg) else tower
         vision = tower * (1 + (cfg.grpo.beta > 0) + (iterations > 1)) + trained * iterations
     return {"vision_tower": vision,
-            "rollout_prefill": prefill, "rollout_decode": flops.decode_flops(shape, one),
+            "rollout_prefill": prefill, "rollout_decode": flops.decode_flops(shape, one) / k,
             "reference": forward if cfg.grpo.beta > 0 else 0.0, "old_policy": forward if iterations > 1 else 0.0,
             "policy": train * iterations}
 
