@@ -25,7 +25,7 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
 @pytest.mark.slow  # smoke runs of the benchmark scripts: make test-all (CI) runs them
 @pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale", "lora",
                                   "vision_cache", "long_video", "long_prefill", "judge", "tree", "real_width", "planner_accuracy",
-                                  "gpu_real_shape"])
+                                  "gpu_real_shape", "shared_video"])
 def test_benchmark_runs_quick(name, tmp_path):
     out = tmp_path / name
     result = subprocess.run(["bash", "scripts/bench.sh", name, "--out", str(out), "--quick"], cwd=ROOT,
@@ -58,6 +58,12 @@ def test_benchmark_runs_quick(name, tmp_path):
         rows = {r["layout"]: r for r in report["rows"]}
         assert rows["tree"]["tokens_computed"] < rows["flat"]["tokens_computed"] < rows["paths"]["tokens_computed"]
         assert all(r["max_logprob_diff_vs_paths"] < 1e-4 for r in rows.values())
+    if name == "shared_video":
+        points = {r["k"]: r for r in report["points"]}
+        assert set(points) == {1, 2} and (out / "shared_video.png").is_file()
+        for phase in ("decode", "tower", "prefill", "reference", "policy"):
+            assert points[2][f"{phase}_family_s"] > 0 and points[2][f"{phase}_apart_s"] > 0, phase
+        assert points[2]["visual_tokens"] == 512 and points[2]["planned_tower"] == 0.5
     if name == "lora":
         full, adapters = report["rows"]
         assert full["separate_reference"] and not adapters["separate_reference"]

@@ -24,7 +24,7 @@ from app.grouping.families import (
 )
 from app.runtime.models import VL_FAMILIES
 from tests.helpers import load, max_rel_diff, patch_size, random_completions, tokenizer_of
-from tests.test_attention import qkv, sdpa_varlen
+from tests.test_attention import check_backends, qkv, sdpa_varlen
 
 LOGPROB_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -191,17 +191,7 @@ def family_layouts(draw):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layout=family_layouts(), heads=st.sampled_from([(2, 2), (4, 2), (4, 1)]), seed=st.integers(0, 2**16))
 def test_sharing_backends_match_the_naive_reference(layout, heads, seed):
-    q, k, v = qkv(layout, *heads, seed=seed)
-    expected = naive_family_attention(layout, q, k, v)
-    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(seed), dtype=expected.dtype)
-    expected_grads = torch.autograd.grad((expected * weight).sum(), (q, k, v))
-    for backend in SHARING_CPU_BACKENDS:
-        plan = GroupedAttentionPlan(layout, backend, varlen_fn=sdpa_varlen if backend == "flash" else None)
-        out = grouped_attention(plan, q, k, v)
-        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10, msg=f"{backend} output")
-        grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
-        for name, got, want in zip("qkv", grads, expected_grads):
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=f"{backend} d{name}")
+    check_backends(layout, heads, seed, SHARING_CPU_BACKENDS, naive_family_attention)
 
 
 def test_flex_forward_on_a_family_row_on_cpu():

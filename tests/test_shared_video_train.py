@@ -117,3 +117,37 @@ def test_what_does_not_share_a_video_is_refused_by_name(shared_assets, tmp_path,
     extra = {"data.questions_per_video": 4, **override}
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("configs/demo_cpu.yaml", shared_overrides(shared_assets, tmp_path, **extra))
+
+
+@pytest.mark.slow  # two 2-process runs of 3 steps and a crash (about 2 minutes on 2 cores)
+@pytest.mark.distributed
+def test_zero3_two_processes_with_k4_killed_and_resumed_end_where_the_straight_run_ends(shared_assets, tmp_path):
+    """scripts/train.sh, 2 ranks, ZeRO-3, data.questions_per_video=4 (16 questions on 4 clips, shuffled runs): a run
+    killed after step 2 and resumed ends bit for bit where the uninterrupted one ends, each rank's runs intact."""
+    from safetensors.torch import load_file
+
+    from tests.test_trainer import run
+
+    files = generate(shared_assets["root"] / "data16", train=16, heldout=0, seed=1, questions_per_video=4)
+    settings = {"data.train_file": files["train"], "data.shuffle": True, "data.questions_per_video": 4,
+                "train.deepspeed_config": "deepspeed_configs/zero3.json", "train.max_steps": 3,
+                "train.save_every": 1, "train.export_hf": True, "train.prompts_per_rank": 4,
+                "train.groups_per_micro_batch": 4}
+    env = {"NPROC_PER_NODE": "2"}
+
+    def launch(out, **extra):
+        return ["bash", "scripts/train.sh", "configs/demo_cpu.yaml",
+                *shared_overrides(shared_assets, out, **settings, **extra)]
+
+    run(launch(tmp_path / "straight"), env=env)
+    crashed = run(launch(tmp_path / "resumed"), env={**env, "PREFIX_GRPO_CRASH_AFTER_STEP": "2"}, check=False)
+    assert crashed.returncode != 0
+    run(launch(tmp_path / "resumed", **{"train.resume": True}), env=env)
+    rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["tokens/shared_video"] > 0 and r["data/media_decoded"] <= 4 for r in rows)
+    straight, resumed = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("straight", "resumed"))
+    initial = load_file(str(shared_assets["checkpoint"] / "model.safetensors"))
+    assert sum(not torch.equal(straight[n], initial[n]) for n in straight) > len(straight) // 2
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name

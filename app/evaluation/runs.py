@@ -14,8 +14,8 @@ RUN_FILE = "run.json"
 DIGEST_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "prefix-grpo" / "sha256.json"
 # Settings that do not change a prediction (where it is written, how many questions share a generate call, how a
 # mismatch is handled, training-only data keys).
-NOT_PREDICTION_SETTINGS = {"eval": {"output_dir", "resume", "batch_size", "if_different"},
-                           "data": {"train_file", "prefetch", "prefetch_workers", "shuffle"}}
+NOT_PREDICTION_SETTINGS = {"eval": {"output_dir", "resume", "batch_size", "if_different", "share_video"},
+                           "data": {"train_file", "prefetch", "prefetch_workers", "shuffle", "questions_per_video"}}
 
 
 class EvaluationMismatch(RuntimeError):

@@ -35,7 +35,7 @@ import torch
 
 from app.grouping.families import family_attention
 from app.grouping.flex import flex
-from app.grouping.kernels import _expand_kv, _PrefixPlusOwnAttention, _sdpa
+from app.grouping.kernels import _expand_kv, _PrefixPlusOwnAttention, _sdpa, varlen_calls
 from app.grouping.layout import GroupLayout
 
 ATTENTION_NAME = "prefix_grouper"
@@ -219,18 +219,7 @@ def _flash(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
             max_sk=max(layout.prefix_lens[g] + n for g, n in zip(layout.group_of_completion, layout.completion_lens)),
         )
 
-    idx = plan.cached("flash", q.device, build)
-    # flash-attn takes [tokens, heads, dim] and handles GQA itself.
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    out = torch.empty_like(qt)
-    p = idx["prefix_idx"]
-    out[p] = fn(qt[p], kt[p], vt[p], idx["cu_p"], idx["cu_p"], idx["max_p"], idx["max_p"], dropout_p=dropout,
-                softmax_scale=scale, causal=True)
-    sq, sk = idx["suffix_q_idx"], idx["suffix_k_idx"]
-    # causal=True aligns the mask bottom-right when keys are longer than queries: Ri sees all of P.
-    out[sq] = fn(qt[sq], kt[sk], vt[sk], idx["cu_sq"], idx["cu_sk"], idx["max_sq"], idx["max_sk"],
-                 dropout_p=dropout, softmax_scale=scale, causal=True)
-    return out.transpose(0, 1)
+    return varlen_calls(fn, plan.cached("flash", q.device, build), q, k, v, scale=scale, dropout=dropout)
 
 
 def _split(plan: GroupedAttentionPlan, q, k, v, scale, dropout):

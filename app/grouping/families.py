@@ -133,9 +133,14 @@ def family_vision(model, prompts: Mapping, layout: GroupLayout) -> dict:
         for m in range(g, g + size):
             chosen += [e for e in items[m] if e["first"] >= shared]
         g += size
+    return vision_of_items(chosen)
+
+
+def vision_of_items(items: list[dict]) -> dict:
+    """The processor's vision tensors of some ``media_items`` entries, per modality in the order given."""
     out: dict = {}
     for kind, _, pixel_key, grid_key in _MEDIA:
-        mine = [e for e in chosen if e["kind"] == kind]
+        mine = [e for e in items if e["kind"] == kind]
         if mine:
             out[pixel_key] = torch.cat([e["pixels"] for e in mine])
             out[grid_key] = torch.stack([e["grid"] for e in mine])
@@ -335,16 +340,9 @@ def family_flash(plan, q, k, v, scale, dropout):
                     cu_sk=torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32).to(dev),
                     max_sq=max(q_lens), max_sk=max(k_lens))
 
-    idx = plan.cached("flash-family", q.device, build)
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    out = torch.empty_like(qt)
-    p = idx["prefix_idx"]
-    out[p] = fn(qt[p], kt[p], vt[p], idx["cu_p"], idx["cu_p"], idx["max_p"], idx["max_p"], dropout_p=dropout,
-                softmax_scale=scale, causal=True)
-    sq, sk = idx["suffix_q_idx"], idx["suffix_k_idx"]
-    out[sq] = fn(qt[sq], kt[sk], vt[sk], idx["cu_sq"], idx["cu_sk"], idx["max_sq"], idx["max_sk"],
-                 dropout_p=dropout, softmax_scale=scale, causal=True)
-    return out.transpose(0, 1)
+    from app.grouping.kernels import varlen_calls
+
+    return varlen_calls(fn, plan.cached("flash-family", q.device, build), q, k, v, scale=scale, dropout=dropout)
 
 
 FAMILY_BACKEND_FNS = {"split": family_split, "masked": family_masked, "flex": family_flex, "flash": family_flash}

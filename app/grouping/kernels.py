@@ -83,3 +83,20 @@ class _PrefixPlusOwnAttention(torch.autograd.Function):
             start += length
         dtype = ctx.dtype
         return dq.to(dtype), torch.cat([dpk, dok], dim=2).to(dtype), torch.cat([dpv, dov], dim=2).to(dtype), None
+
+
+def varlen_calls(fn, idx: dict, q, k, v, *, scale, dropout):
+    """flash-attn's two varlen calls over a packed row (q [H, T, D], k/v [Hkv, T, D] -> [H, T, D]): the rows
+    ``prefix_idx`` causally per sequence (``cu_p``), then the rows ``suffix_q_idx`` against the gathered keys
+    ``suffix_k_idx`` per sequence pair (``cu_sq`` / ``cu_sk``). flash-attn takes [tokens, heads, dim] and handles
+    GQA itself; ``causal=True`` aligns the mask bottom-right when keys are longer than queries (a response sees all
+    of what precedes it)."""
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    out = torch.empty_like(qt)
+    p = idx["prefix_idx"]
+    out[p] = fn(qt[p], kt[p], vt[p], idx["cu_p"], idx["cu_p"], idx["max_p"], idx["max_p"], dropout_p=dropout,
+                softmax_scale=scale, causal=True)
+    sq, sk = idx["suffix_q_idx"], idx["suffix_k_idx"]
+    out[sq] = fn(qt[sq], kt[sk], vt[sk], idx["cu_sq"], idx["cu_sk"], idx["max_sq"], idx["max_sk"],
+                 dropout_p=dropout, softmax_scale=scale, causal=True)
+    return out.transpose(0, 1)

@@ -67,19 +67,6 @@ def _bias(mask: torch.Tensor) -> torch.Tensor | None:
         ~mask.bool(), float("-inf"))[:, None, None, :]
 
 
-def _vision_of(items: list[dict]) -> dict:
-    out: dict = {}
-    for kind, pixel_key, grid_key in (("image", "pixel_values", "image_grid_thw"),
-                                      ("video", "pixel_values_videos", "video_grid_thw")):
-        mine = [e for e in items if e["kind"] == kind]
-        if mine:
-            out[pixel_key] = torch.cat([e["pixels"] for e in mine])
-            out[grid_key] = torch.stack([e["grid"] for e in mine])
-            if kind == "video" and "seconds" in mine[0]:
-                out["second_per_grid_ts"] = torch.stack([e["seconds"] for e in mine])
-    return out
-
-
 @dataclass
 class SharedRoots:
     """The roots' K/V per layer [R, Hkv, Vmax, D] (left-padded: ``bias``), which root each group continues, and
@@ -161,7 +148,7 @@ def shared_prefill(model, prompts: dict, families: Sequence[int], positions: tor
     ``head``: the decoder's ``DecodingHead`` (installed around both forwards)."""
     from app.grouping import attention
     from app.grouping.decoding.prefill import chunked_prefill
-    from app.grouping.families import media_items
+    from app.grouping.families import media_items, vision_of_items
     from app.grouping.modules import set_text_attention
 
     ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
@@ -193,14 +180,14 @@ def shared_prefill(model, prompts: dict, families: Sequence[int], positions: tor
     with head.installed(), chunked_prefill(model, chunk_size, synced):
         pos = root_batch.pop("position_ids")
         out = model(**root_batch, position_ids=pos if pos.shape[0] > 1 else pos[0], use_cache=True,
-                    logits_to_keep=1, **_vision_of(root_items))
+                    logits_to_keep=1, **vision_of_items(root_items))
     layers = out.past_key_values.layers
     shared = SharedRoots([layer.keys.contiguous() for layer in layers], [layer.values.contiguous() for layer in layers],
                          root_mask, torch.tensor([group_root[m] for m in order], device=device))
     del out
     q_mask = _left_padded([torch.ones_like(q_ids[m]) for m in order])
     pos = _left_padded([q_pos[m] for m in order])
-    kwargs = _vision_of([e for m in order for e in q_items[m]])
+    kwargs = vision_of_items([e for m in order for e in q_items[m]])
     if types is not None:
         kwargs["mm_token_type_ids"] = _left_padded([q_types[m] for m in order])
     set_text_attention(model, attention.ATTENTION_NAME)
