@@ -8,12 +8,13 @@ PY=${PYTHON:-$ROOT/.venv/bin/python}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 name=${1:-}
 shift || true
-module_of() {  # benchmark name -> its module (app/bench/, decoding benchmarks in app/bench/decoding/)
+module_of() {  # benchmark name -> its module (app/bench/; decoding/, video/, gpu/ and planning/ under it)
   case "$1" in
     rollout|decode_step|long_prefill) echo "app.bench.decoding.$1" ;;
     gpu_real_shape) echo "app.bench.gpu.real_shape" ;;
     planner_accuracy) echo "app.bench.planning.accuracy" ;;
-    grid|attention|e2e|flex_shapes|scale|lora|vision_cache|long_video|judge|tree|real_width|shared_video) echo "app.bench.$1" ;;
+    vision_cache|shared_video) echo "app.bench.video.$1" ;;
+    grid|attention|e2e|flex_shapes|scale|lora|long_video|judge|tree|real_width) echo "app.bench.$1" ;;
     *) return 1 ;;
   esac
 }

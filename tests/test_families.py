@@ -250,3 +250,53 @@ def test_a_shared_rollout_draws_the_tokens_of_per_question_prompts(family, decod
                                  families=families)
         assert torch.equal(shared.completion_ids, plain.completion_ids) and shared.stop_reasons == plain.stop_reasons
         assert "eos" in plain.stop_reasons and "length" in plain.stop_reasons
+
+
+@pytest.mark.parametrize("family", VL_FAMILIES)
+def test_a_family_in_bf16_is_as_close_to_float32_as_the_repeated_layout(family, tiny_checkpoints, videos):
+    """bfloat16: the family's log-probs and gradients are judged against a float32 forward of the same weights,
+    as every grouped forward is (``precision.compare_to_reference``; gradients within 1.5x of repeated's error)."""
+    import copy
+
+    from app.grouping import compare_to_reference
+    from tests.test_bf16 import GRAD_RATIO, grad_error
+
+    model, prompts, ids, mask, sizes = family_case(family, tiny_checkpoints, videos, [0, 0, 0, 1], seed=7)
+    model32 = model.to(torch.bfloat16).float()
+    model16 = copy.deepcopy(model32).to(torch.bfloat16)
+    for key in ("pixel_values", "pixel_values_videos"):
+        if key in prompts:
+            prompts[key] = prompts[key].to(torch.bfloat16).float()
+    reference, ref_grads = scores_and_grads(model32, prompts, ids, mask, sizes, mode="repeated")
+    repeated, rep_grads = scores_and_grads(model16, prompts, ids, mask, sizes, mode="repeated")
+    shared, grads = scores_and_grads(model16, prompts, ids, mask, sizes, families=[3, 1])
+    comparison = compare_to_reference(shared.logprobs.float(), repeated.logprobs.float(), reference.logprobs, mask)
+    assert comparison.repeated_mean > 1e-4 and comparison.passes(), comparison.describe()
+    ours = grad_error({n: g.float() for n, g in grads.items()}, ref_grads)
+    theirs = grad_error({n: g.float() for n, g in rep_grads.items()}, ref_grads)
+    worst = max(ref_grads, key=lambda n: ours[n] / max(theirs[n], 1e-12))
+    assert ours[worst] / max(theirs[worst], 1e-12) <= GRAD_RATIO, (worst, ours[worst], theirs[worst])
+
+
+@pytest.mark.parametrize("setup", ["lora", "frozen_tower"])
+@pytest.mark.parametrize("family", VL_FAMILIES)
+def test_a_family_with_lora_or_a_frozen_tower_equals_repeated(family, setup, tiny_checkpoints, videos):
+    """LoRA adapters on the language model (the tower frozen, as the LoRA config trains), or a frozen tower with
+    everything else training: the family's log-probs and every trainable gradient equal repeated's."""
+    from app.config.sections import LoRAConfig
+    from app.runtime.lora import apply as apply_lora
+
+    model, prompts, ids, mask, sizes = family_case(family, tiny_checkpoints, videos, [1, 1, 1], seed=8)
+    if setup == "lora":
+        apply_lora(model, LoRAConfig(rank=4, alpha=8))
+        with torch.no_grad():  # non-zero adapters, so their gradients are not trivially equal
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    else:
+        model.model.visual.requires_grad_(False)
+    scores, grads = scores_and_grads(model, prompts, ids, mask, sizes, families=[3])
+    ref_scores, ref_grads = scores_and_grads(model, prompts, ids, mask, sizes, mode="repeated")
+    assert set(grads) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert not any(".visual." in n for n in grads) and (setup != "lora" or all("lora_" in n for n in grads))
+    assert_same(scores, grads, ref_scores, ref_grads)

@@ -226,16 +226,9 @@ def test_planner_matches_a_measured_pass_at_the_2b_width(real_width_models, mode
     _check(real_width_models("qwen2_vl_2b", 1), 256, 4, 32, mode)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layers, prefix, group, completion, mode, checkpointing", [
-    (2, 512, 8, 64, "grouped", False),
-    (2, 512, 8, 64, "repeated", False),  # here the last layer's MLP backward is the high point
-    (2, 1024, 4, 128, "grouped", True),
-    (2, 1024, 4, 128, "repeated", True),
-])
-def test_planner_matches_measured_passes_at_the_3b_width(real_width_models, layers, prefix, group, completion, mode,
-                                                         checkpointing):
-    _check(real_width_models("qwen2_5_vl_3b", layers), prefix, group, completion, mode, checkpointing)
+@pytest.mark.slow  # about 50 s; repeated passes at these widths: the planner_accuracy and real_width benchmarks
+def test_planner_matches_a_measured_pass_at_the_3b_width_under_checkpointing(real_width_models):
+    _check(real_width_models("qwen2_5_vl_3b", 2), 1024, 4, 128, "grouped", checkpointing=True)
 
 
 @pytest.mark.slow
@@ -251,12 +244,9 @@ def test_planner_counts_the_recompute_under_deepspeeds_zero3_linear(real_width_m
     assert deepspeed > plain * 1.05
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("prefix, group, completion, mode", [
-    (512, 8, 64, "grouped"), (512, 8, 64, "repeated"), (1024, 4, 32, "grouped"),
-])
-def test_planner_matches_measured_passes_at_the_7b_width(real_width_models, prefix, group, completion, mode):
-    _check(real_width_models("qwen2_5_vl_7b", 1), prefix, group, completion, mode)
+@pytest.mark.slow  # about 40 s
+def test_planner_matches_a_measured_pass_at_the_7b_width(real_width_models):
+    _check(real_width_models("qwen2_5_vl_7b", 1), 1024, 4, 32, "grouped")
 
 
 def test_grouped_flops_tend_to_one_over_g_of_repeated_as_the_prefix_grows():

@@ -6,7 +6,12 @@ Qwen3-VL-8B), 1-2 decoder layers or 2-5 tower blocks, float32 on this CPU, rando
 Memory within 15% and FLOPs within 5%, for the policy forward+backward as the trainer runs it (the chunked head with
 the entropy of the first pass) in both layouts, with LoRA and activation checkpointing, and for the vision tower
 trained (with and without checkpointing) and frozen; and issue 47's proof: a video the planner refused before its
-tower term was corrected runs within a budget the corrected planner accepts. Slow: about 10 minutes on 2 cores.
+tower term was corrected runs within a budget the corrected planner accepts.
+
+The suite asserts 8 of the benchmark's 15 points (about 5 minutes on 2 cores; all 15 took 13): every kind of point
+(both layouts' language pass with LoRA and checkpointing, towers trained with and without checkpointing, a frozen
+tower, the video) at the cheaper shapes; the other 7 (Qwen2.5-VL-3B at 2 layers and 1,536 tokens, Qwen3-VL-4B, the
+32B tower, ...) run in the benchmark (``python -m app.bench.planning.accuracy``), whose report says each one's ratio.
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ from app.bench.planning import accuracy as points
 
 pytestmark = pytest.mark.slow
 MEMORY, FLOPS = 0.15, 0.05
+LANGUAGE = [c for c in points.LANGUAGE if c[0] in ("qwen2_vl_2b", "qwen2_5_vl_7b", "qwen3_vl_8b")]
+TOWERS = [c for c in points.TOWERS if c[:2] in (("qwen3_vl_4b", 2), ("qwen2_vl_7b", 2), ("qwen3_vl_8b", 4))]
+FROZEN = [c for c in points.FROZEN if c[0] == "qwen3_vl_8b"]
 
 
-@pytest.mark.parametrize("case", points.LANGUAGE, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", LANGUAGE, ids=lambda c: "-".join(map(str, c)))
 def test_the_language_models_pass_is_planned_within_bounds(case):
     *shape, checkpointing, lora = case
     result = points.language_point(*shape, checkpointing=checkpointing, lora=lora)
@@ -28,14 +36,14 @@ def test_the_language_models_pass_is_planned_within_bounds(case):
         assert result["planned_flops"] == pytest.approx(result["measured_flops"], rel=FLOPS), (case, result)
 
 
-@pytest.mark.parametrize("case", points.TOWERS, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", TOWERS, ids=lambda c: "-".join(map(str, c)))
 def test_a_trained_tower_is_planned_within_bounds(case):
     result = points.tower_point(*case)
     assert result["planned"] == pytest.approx(result["measured"], rel=MEMORY), (case, result)
     assert result["planned_flops"] == pytest.approx(result["measured_flops"], rel=FLOPS), (case, result)
 
 
-@pytest.mark.parametrize("case", points.FROZEN, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", FROZEN, ids=lambda c: "-".join(map(str, c)))
 def test_a_frozen_tower_is_planned_within_bounds(case):
     result = points.frozen_point(*case)
     assert result["planned"] == pytest.approx(result["measured"], rel=MEMORY), (case, result)

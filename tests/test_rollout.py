@@ -307,7 +307,7 @@ def test_engines_per_step_sampling_logprobs_agree_on_the_real_vocabulary(real_ch
 
 def test_a_rollout_travels_as_tensors():
     """What the sequence-parallel group shares (``shared_rollout`` over tensor broadcasts): tokens, mask, log-probs,
-    stop reasons, group sizes and the prefill count, exactly; a share that hands back another rank's tensors gives
+    stop reasons, group sizes, the prefill and prompt counts, exactly; a share that hands back another rank's tensors gives
     that rank's rollout."""
     from app.rollout.generate import Rollout, shared_rollout
 
@@ -316,18 +316,19 @@ def test_a_rollout_travels_as_tensors():
         return Rollout(completion_ids=torch.randint(0, 50, (5, 7), generator=g),
                        completion_mask=torch.ones(5, 7, dtype=torch.long), logprobs=-torch.rand(5, 7, generator=g),
                        group_sizes=[3, 2], stop_reasons=["eos", "length", "stop_string", "eos", "length"],
-                       prefill_tokens=41 + seed)
+                       prefill_tokens=41 + seed, prompt_tokens=60 + seed)
 
     mine, first = make(0), make(1)
     same = shared_rollout(mine, lambda tensors: tensors)
     assert torch.equal(same.completion_ids, mine.completion_ids) and torch.equal(same.logprobs, mine.logprobs)
-    assert (same.group_sizes, same.stop_reasons, same.prefill_tokens) == ([3, 2], mine.stop_reasons, 41)
+    assert (same.group_sizes, same.stop_reasons, same.prefill_tokens, same.prompt_tokens) == (
+        [3, 2], mine.stop_reasons, 41, 60)
     theirs = shared_rollout(mine, lambda tensors: [
         first.completion_ids, first.completion_mask, first.logprobs, torch.tensor([0, 0, 1, 2, 1]),
-        torch.tensor([4, 1, 42])])
+        torch.tensor([4, 1, 42, 61])])
     assert torch.equal(theirs.completion_ids, first.completion_ids)
     assert theirs.stop_reasons == ["eos", "eos", "length", "stop_string", "length"]
-    assert theirs.group_sizes == [4, 1] and theirs.prefill_tokens == 42
+    assert theirs.group_sizes == [4, 1] and (theirs.prefill_tokens, theirs.prompt_tokens) == (42, 61)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

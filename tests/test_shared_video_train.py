@@ -106,6 +106,26 @@ def test_a_k4_step_with_the_shared_rollout_trains(shared_assets, tmp_path, monke
     assert metrics["tokens/shared_video"] > 0 and metrics["data/media_decoded"] == 1
 
 
+def test_t_grpo_keeps_working_with_k4(shared_assets, tmp_path, monkeypatch):
+    """rewards.temporal with k = 4: each question's shuffled-frame prompt is another video, encoded and rolled out on
+    its own (nothing shared, nothing cached); the step's own prompts still share theirs."""
+    from app.training.trainer import GRPOTrainer
+
+    shuffled = []
+    real = GRPOTrainer.shuffled_texts
+
+    def spy(self, step, prompts):
+        out = real(self, step, prompts)
+        shuffled.append(len(out))
+        return out
+
+    monkeypatch.setattr(GRPOTrainer, "shuffled_texts", spy)
+    metrics, _, t = one_step(shared_assets, tmp_path / "run", monkeypatch, **{
+        "data.questions_per_video": 4, "rewards.temporal": True})
+    assert shuffled == [4] and "reward/temporal" in metrics and math.isfinite(metrics["loss"])
+    assert metrics["tokens/shared_video"] > 0
+
+
 @pytest.mark.parametrize("override, key", [
     ({"train.sequence_parallel_size": 2}, "data.questions_per_video"),
     ({"rollout.tools": "[get_frames]"}, "data.questions_per_video"),

@@ -568,3 +568,37 @@ def test_video_rollouts_with_seeds_never_chunk_a_seeded_request(tmp_path):
                           timeout=600, env={k: v for k, v in os.environ.items() if not k.startswith("VLLM_")})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["overall"]["count"] == 6
+
+
+@pytest.mark.slow  # a vLLM start and two rollouts (about a minute on 2 cores)
+def test_questions_on_one_video_are_served_by_vllms_prefix_cache(tmp_path):
+    """data.questions_per_video's runs reach vLLM in one call, a video's questions side by side: its prefix cache
+    serves part of their prompts (``num_cached_tokens``), and the Rollout says how much (prefill below prompt); the
+    samples are those of the same requests sent one question at a time."""
+    import json
+
+    from app.config.loading import Config
+    from app.data.records import encode_run
+    from app.data.synthetic import generate
+    from app.rollout.generate import SamplingConfig
+    from app.rollout.vllm import VLLMEngine
+    from app.runtime.models import load_processor
+
+    require_vllm()
+    checkpoint = vllm_checkpoint(tmp_path / "tiny")
+    files = generate(tmp_path / "data", train=8, heldout=0, seed=3, frames=16, size=224, questions_per_video=4)
+    records = [json.loads(line) for line in files["train"].read_text().splitlines()]
+    cfg = Config()
+    cfg.data.max_frames, cfg.data.min_pixels, cfg.data.max_pixels = 16, 3136, 50176
+    processor = load_processor(checkpoint)
+    prompts = [p for run in (records[:4], records[4:])
+               for p, _ in encode_run(processor, run, files["train"].parent, cfg.data, engine_view=True)[0]]
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=6)
+    engine = VLLMEngine(str(checkpoint), cfg.rollout, "float32", max_model_len=1100, seed=0, device_type="cpu",
+                        sampling=sampling, eos_ids=[], pad_id=0)
+    together = engine.generate(prompts, 2, list(range(8)))
+    assert together.prompt_tokens == sum(p.length for p in prompts)
+    assert together.prefill_tokens < 0.75 * together.prompt_tokens  # measured: 926 of 1,950
+    engine.llm.reset_prefix_cache()
+    apart = [engine.generate([p], 2, [seed]) for seed, p in enumerate(prompts)]
+    assert torch.equal(together.completion_ids, torch.cat([a.completion_ids for a in apart]))

@@ -270,9 +270,10 @@ def step_flops(cfg, shape: Shape, work: Workload, layout: str) -> dict:
     one = Workload(prefix=work.prefix, completion=work.completion, group_size=work.group_size, visual=work.visual,
                    patches=work.patches, temporal=work.temporal, groups=k, questions=k, question=work.question)
     backend = "repeated" if layout == "repeated" else grouped_backend(cfg)
-    prefill_rows = Workload(prefix=work.prefix - one.shared * (k - 1) // k, completion=0, group_size=1)
-    prefill = flops.forward_flops(shape, prefill_rows, "flash")["total"] * (1 if layout == "grouped" else
-                                                                           work.group_size)
+    prefill_rows = Workload(prefix=work.prefix, completion=0, group_size=1, groups=k, questions=k,
+                            question=work.question)  # V once, each question on top of it (attending to V)
+    prefill = flops.forward_flops(shape, prefill_rows, "flash")["total"] / k * (1 if layout == "grouped" else
+                                                                               work.group_size)
     forward = flops.forward_flops(shape, one, backend)["total"] / k
     train = flops.train_flops(shape, one, backend, checkpointing=cfg.model.gradient_checkpointing,
                               chunk=cfg.forward.logprob_chunk_size,

@@ -114,16 +114,8 @@ def prefill_chunk_attention(plan: PrefillChunk, query, key, value, scale: float 
     rep, past = heads // kv_heads, key.shape[2] - count
     scale = dim**-0.5 if scale is None else scale
     bias = plan.key_bias
-    causal = torch.full((count, count), float("-inf"), device=query.device, dtype=query.dtype).triu(1)
-    own_mask = causal[None, None] if bias is None else causal + bias[..., past : past + count].to(query.dtype)
-    own_k = key[:, :, past:].repeat_interleave(rep, dim=1)
-    own_v = value[:, :, past:].repeat_interleave(rep, dim=1)
-    out_b, lse_b = attention_with_lse(query, own_k, own_v, own_mask.expand(batch, 1, count, count), scale)
-    # A query that sees no key: the CPU kernel returns 0 with lse 0; mark it -inf (the lse of an empty sum).
-    none = torch.tensor(float("-inf"), device=query.device)
-    if bias is not None:  # [B, c]: some real key at or before the query within the chunk
-        seen_own = (bias[:, 0, 0, past : past + count] == 0).cumsum(-1) > 0
-        lse_b = torch.where(seen_own[:, None, :], lse_b, none)
+    out_b, lse_b = own_causal_attention(query, key[:, :, past:], value[:, :, past:],
+                                        None if bias is None else bias[..., past : past + count], scale)
     if past == 0:
         return torch.where(torch.isfinite(lse_b)[..., None], out_b, torch.zeros_like(out_b))
     grouped = query.reshape(batch, kv_heads, rep * count, dim)
@@ -132,15 +124,37 @@ def prefill_chunk_attention(plan: PrefillChunk, query, key, value, scale: float 
     out_a, lse_a = out_a.reshape(batch, heads, count, dim), lse_a.reshape(batch, heads, count)
     if bias is not None:  # [B]: some real key before the chunk
         seen_past = (bias[:, 0, 0, :past] == 0).any(-1)
-        lse_a = torch.where(seen_past[:, None, None], lse_a, none)
+        lse_a = torch.where(seen_past[:, None, None], lse_a, torch.tensor(float("-inf"), device=query.device))
+    return merge_parts(out_a, lse_a, out_b, lse_b, query.dtype)
+
+
+def own_causal_attention(query, key, value, bias: torch.Tensor | None, scale: float):
+    """q [B, H, c, D] against its own keys k/v [B, Hkv, c, D] causally, under an additive key ``bias`` [B, 1, 1, c]
+    (left padding) or None -> (out [B, H, c, D], lse [B, H, c]); a query that sees no key (a pad before the first
+    real position) gets lse -inf (the CPU kernel returns 0 with lse 0 for it: read off the padding instead)."""
+    batch, heads, count, _ = query.shape
+    rep = heads // key.shape[1]
+    causal = torch.full((count, count), float("-inf"), device=query.device, dtype=query.dtype).triu(1)
+    own_mask = causal[None, None] if bias is None else causal + bias.to(query.dtype)
+    own_k, own_v = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    out, lse = attention_with_lse(query, own_k, own_v, own_mask.expand(batch, 1, count, count), scale)
+    if bias is not None:  # [B, c]: some real key at or before the query
+        seen = (bias[:, 0, 0, :] == 0).cumsum(-1) > 0
+        lse = torch.where(seen[:, None, :], lse, torch.tensor(float("-inf"), device=query.device))
+    return out, lse
+
+
+def merge_parts(out_a, lse_a, out_b, lse_b, dtype) -> torch.Tensor:
+    """Two attention parts over disjoint keys merged exactly by their log-sum-exps (either may be -inf: no key);
+    a query that saw no key at all gets 0."""
     lse = torch.logaddexp(lse_a, lse_b)
     seen = torch.isfinite(lse)
     lse = torch.where(seen, lse, torch.zeros_like(lse))
     weight_a = torch.where(torch.isfinite(lse_a), torch.exp(lse_a - lse), torch.zeros_like(lse))
     weight_b = torch.where(torch.isfinite(lse_b), torch.exp(lse_b - lse), torch.zeros_like(lse))
-    out_a = torch.where(torch.isfinite(lse_a)[..., None], out_a.float(), torch.zeros((), device=query.device))
-    out_b = torch.where(torch.isfinite(lse_b)[..., None], out_b.float(), torch.zeros((), device=query.device))
-    return (weight_a[..., None] * out_a + weight_b[..., None] * out_b).to(query.dtype)
+    out_a = torch.where(torch.isfinite(lse_a)[..., None], out_a.float(), torch.zeros((), device=out_a.device))
+    out_b = torch.where(torch.isfinite(lse_b)[..., None], out_b.float(), torch.zeros((), device=out_b.device))
+    return (weight_a[..., None] * out_a + weight_b[..., None] * out_b).to(dtype)
 
 
 def _prefill_cache(config, width: int):

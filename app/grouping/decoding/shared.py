@@ -5,9 +5,9 @@ A family (``app.grouping.families``) of k prompts [V; Q1] .. [V; Qk] becomes one
 
 - root prefill: the roots of the batch (left-padded) in one ordinary forward, their media through the tower once
   (chunked like any prefill with ``rollout.prefill_chunk_size``); only their K/V is kept (``SharedRoots``);
-- question prefill: each group's Qi (left-padded) in one forward whose attention (``QuestionPrefill``) puts the
-  group's root K/V before its own (``prefill.prefill_chunk_attention``: the root unmasked, Qi causally), at Qi's
-  own positions in [V; Qi]; its last position gives the group's first logits;
+- question prefill: each group's Qi (left-padded) in one forward whose attention (``QuestionPrefill``) sees the
+  group's root K/V (one call per root, its questions side by side) and Qi's own causally, at Qi's own positions in
+  [V; Qi]; its last position gives the group's first logits;
 - decode: a sample's query attends to its root (``SharedRoots.attend``: the root's k x G samples side by side, one
   call per root, V read once), its question's K/V and its own tokens, merged exactly by log-sum-exp.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.grouping.decoding.prefill import PrefillChunk, attention_with_lse, prefill_chunk_attention
+from app.grouping.decoding.prefill import attention_with_lse, merge_parts, own_causal_attention
 
 QUESTION_LIMIT = 2048  # a family shares its V in the rollout when each member's own part is at most this long
 
@@ -82,21 +82,8 @@ class SharedRoots:
         self.bias = _bias(self.mask)
 
     def arrange(self, group_of_sample: torch.Tensor) -> None:
-        """Slots [R, Smax] -> sample, as ``GroupedKVCache._arrange`` makes them for prompts."""
-        root_of_sample = self.group_root[group_of_sample]
-        counts = torch.bincount(root_of_sample, minlength=self.mask.shape[0])
-        order = torch.argsort(root_of_sample, stable=True)
-        most = int(counts.max()) if counts.numel() else 0
-        starts = torch.cumsum(counts, 0) - counts
-        slots = starts[:, None] + torch.arange(most, device=counts.device)[None, :]
-        valid = torch.arange(most, device=counts.device)[None, :] < counts[:, None]
-        self.slot_sample = order[torch.where(valid, slots, torch.zeros_like(slots)).clamp_max(len(order) - 1)]
-        # the valid slots in sample order: sample s sits at flat slot position_of[s]
-        flat = torch.where(valid, slots, torch.full_like(slots, -1)).flatten()
-        position_of = torch.empty(len(order), dtype=torch.long, device=counts.device)
-        where = (flat >= 0).nonzero().flatten()
-        position_of[order[flat[where]]] = where
-        self.slot_index = position_of
+        """The decode step's slots (``slots``): per root, the samples that read it."""
+        self.slot_sample, self.slot_index = slots(self.group_root[group_of_sample], self.mask.shape[0])
 
     def keep(self, groups: torch.Tensor, group_of_sample: torch.Tensor) -> None:
         """Continue with these groups only (ascending); roots left without a group drop out."""
@@ -110,35 +97,64 @@ class SharedRoots:
         self.group_root = group_root
         self.arrange(group_of_sample)
 
-    def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [N, Hkv, rep, D] -> (out [N, Hkv, rep, D], lse [N, Hkv, rep]) against each sample's root: one call per
-        root with its samples' queries side by side (V's K/V read once for them)."""
+    def attend(self, layer: int, q: torch.Tensor, scale: float, members: tuple | None = None):
+        """q [n, Hkv, rows, D] -> (out [n, Hkv, rows, D], lse [n, Hkv, rows]) against each member's root: one call
+        per root with its members' queries side by side (V's K/V read once for them). Members: the decode step's
+        samples (``arrange``), or ``members`` = ``slots(...)`` of other owners (the questions of the prefill)."""
+        slot_member, slot_index = members if members is not None else (self.slot_sample, self.slot_index)
         keys, values = self.keys[layer], self.values[layer]
-        roots, kv_heads, rep, dim = keys.shape[0], q.shape[1], q.shape[2], q.shape[3]
-        slots = q[self.slot_sample]  # [R, Smax, Hkv, rep, D]
-        most = slots.shape[1]
-        grouped = slots.permute(0, 2, 1, 3, 4).reshape(roots, kv_heads, most * rep, dim)
+        roots, kv_heads, rows, dim = keys.shape[0], q.shape[1], q.shape[2], q.shape[3]
+        most = slot_member.shape[1]
+        grouped = q[slot_member].permute(0, 2, 1, 3, 4).reshape(roots, kv_heads, most * rows, dim)
         out, lse = attention_with_lse(grouped, keys, values, self.bias, scale)
-        out = out.reshape(roots, kv_heads, most, rep, dim).permute(0, 2, 1, 3, 4).reshape(roots * most, kv_heads,
-                                                                                         rep, dim)
-        lse = lse.reshape(roots, kv_heads, most, rep).permute(0, 2, 1, 3).reshape(roots * most, kv_heads, rep)
-        return out.index_select(0, self.slot_index), lse.index_select(0, self.slot_index)
+        out = out.reshape(roots, kv_heads, most, rows, dim).permute(0, 2, 1, 3, 4).reshape(roots * most, kv_heads,
+                                                                                          rows, dim)
+        lse = lse.reshape(roots, kv_heads, most, rows).permute(0, 2, 1, 3).reshape(roots * most, kv_heads, rows)
+        return out.index_select(0, slot_index), lse.index_select(0, slot_index)
+
+
+def slots(root_of: torch.Tensor, roots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Members (samples or questions) each reading root ``root_of[i]``, laid out side by side per root: the member
+    in each slot [R, Mmax] (pads point at a real one, their results dropped) and each member's place in the
+    flattened slots (an index made once, so a step selects without a host sync)."""
+    counts = torch.bincount(root_of, minlength=roots)
+    order = torch.argsort(root_of, stable=True)
+    most = int(counts.max()) if counts.numel() else 0
+    starts = torch.cumsum(counts, 0) - counts
+    taken = starts[:, None] + torch.arange(most, device=counts.device)[None, :]
+    valid = torch.arange(most, device=counts.device)[None, :] < counts[:, None]
+    member = order[torch.where(valid, taken, torch.zeros_like(taken)).clamp_max(len(order) - 1)]
+    flat = torch.where(valid, taken, torch.full_like(taken, -1)).flatten()
+    place = torch.empty(len(order), dtype=torch.long, device=counts.device)
+    where = (flat >= 0).nonzero().flatten()
+    place[order[flat[where]]] = where
+    return member, place
 
 
 @dataclass(frozen=True)
 class QuestionPrefill:
-    """The attention plan of the question prefill: each group's root K/V (unmasked but for its left padding), then
-    the question's own K/V causally (``prefill_chunk_attention``)."""
+    """The attention plan of the question prefill: each question's queries against its root's K/V (one call per
+    root, its questions side by side: V read once and never copied), and against the question's own K/V causally;
+    merged by log-sum-exp."""
 
     roots: SharedRoots
     own_mask: torch.Tensor  # [B, Lq] 0/1, left-padded questions
+    members: tuple = field(init=False)  # ``slots`` of the questions over their roots, made once for every layer
+    own_bias: torch.Tensor | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "members", slots(self.roots.group_root, self.roots.mask.shape[0]))
+        object.__setattr__(self, "own_bias", _bias(self.own_mask))
 
     def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
-        layer, index = module.layer_idx, self.roots.group_root
-        keys = torch.cat([self.roots.keys[layer].index_select(0, index), key], dim=2)
-        values = torch.cat([self.roots.values[layer].index_select(0, index), value], dim=2)
-        bias = _bias(torch.cat([self.roots.mask.index_select(0, index), self.own_mask], dim=1))
-        return prefill_chunk_attention(PrefillChunk(bias), query, keys, values, scale).transpose(1, 2).contiguous()
+        batch, heads, count, dim = query.shape
+        kv_heads = key.shape[1]
+        scale = dim**-0.5 if scale is None else scale
+        out_a, lse_a = self.roots.attend(module.layer_idx, query.reshape(batch, kv_heads, heads // kv_heads * count,
+                                                                         dim), scale, self.members)
+        out_a, lse_a = out_a.reshape(batch, heads, count, dim), lse_a.reshape(batch, heads, count)
+        out_b, lse_b = own_causal_attention(query, key, value, self.own_bias, scale)
+        return merge_parts(out_a, lse_a, out_b, lse_b, query.dtype).transpose(1, 2).contiguous()
 
 
 def shared_prefill(model, prompts: dict, families: Sequence[int], positions: torch.Tensor, *, head,

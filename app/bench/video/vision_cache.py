@@ -1,6 +1,6 @@
 """A GRPO step with the frozen vision tower's cache on and off (``forward.vision_cache``), 64-frame videos.
 
-    python -m app.bench.vision_cache --out outputs/bench/vision_cache [--quick]
+    python -m app.bench.video.vision_cache --out outputs/bench/vision_cache [--quick]
 
 Runs the real trainer (`python -m app.training.trainer`, one process) four times on the same data and seed: the tower and
 projector frozen (what LoRA runs do; the cache keeps the tower's outputs) and the tower frozen with the projector

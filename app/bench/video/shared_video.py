@@ -2,7 +2,7 @@
 one video against the same k questions as k separate groups, in one run, as ratios, with the planner's FLOP ratio
 beside each.
 
-    python -m app.bench.shared_video --out outputs/bench/shared_video [--quick] [--sizes tiny,7b]
+    python -m app.bench.video.shared_video --out outputs/bench/shared_video [--quick] [--sizes tiny,7b]
         [--prefixes 4096,8192] [--ks 1,2,4,8] [--long-video]                      (scripts/bench.sh shared_video)
 
 A point is one model size, one video (a prefix of about P visual tokens: an mp4 of P / 128 frames at 448 x 448,
@@ -36,12 +36,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app.bench.common import attempt, exit_if_failed, failed_points, markdown_table, write_report
+from app.bench.common import attempt, exit_if_failed
+from app.bench.video.shared_report import GROUP, PHASES, plot, write
 
-GROUP, COMPLETION, QUESTION_WORDS = 8, 128, 40
+COMPLETION, QUESTION_WORDS = 128, 20
 SIDE = 448  # frame side in pixels: (448 / 28)^2 = 256 visual tokens per temporal patch of 2 frames
-PHASES = ("decode", "tower", "prefill", "reference", "policy")
-GOALS = {"policy": 0.45, "prefill": 0.30, "decode": 0.30, "tower": 0.30}  # at k = 4, an 8k-token video
 WORDS = ("colour shape square circle moves left right up down first last frame video scene object count "
          "how many which where when does appear before after between during large small bright dark").split()
 
@@ -67,10 +66,15 @@ def assets(root: Path, prefix: int, k: int) -> tuple[Path, list[dict]]:
     return video, records
 
 
-def data_config(prefix: int):
+def data_config(prefix: int, size: str = "7b"):
+    """The data settings of a point: 2 fps, every frame, 448 x 448 pixels; the tiny size with the project's shorter
+    template (its 640-token tokenizer makes Video-R1's instruction 400 tokens; this one about 200, what Qwen's
+    tokenizer makes of Video-R1's)."""
     from app.config.sections import DataConfig
 
     cfg = DataConfig()
+    if size == "tiny":
+        cfg.prompt_template = "prefix_grpo"
     cfg.fps, cfg.max_frames = 2.0, 2 * max(1, prefix // (SIDE // 28) ** 2)
     cfg.min_pixels = cfg.max_pixels = SIDE * SIDE
     cfg.max_prompt_length = 1 << 20
@@ -80,7 +84,7 @@ def data_config(prefix: int):
 TINY = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512)  # long_video's tiny shape
 
 
-def build_model(size: str, root: Path):
+def build_model(size: str, root: Path, layers: int = 1):
     """(model, processor). ``tiny``: a checkpoint of hidden 256 with the project's 640-token tokenizer (a head of
     Qwen's 151,936 rows at this width made every phase a page-faulting memory walk whose time varied 3x between
     identical runs). ``7b``: the 7B layer shape with a tiny checkpoint's processor that carries Qwen's real tokenizer
@@ -94,7 +98,7 @@ def build_model(size: str, root: Path):
     if size == "tiny":
         model = load_model(checkpoint)
     else:
-        config = shapes.hf_config("qwen2_5_vl_7b", layers=1, vision_layers=1)
+        config = shapes.hf_config("qwen2_5_vl_7b", layers=layers, vision_layers=1)
         torch.manual_seed(0)
         model = model_class(config).from_config(config, dtype=torch.float32)
     model.requires_grad_(True)
@@ -140,8 +144,9 @@ def _once(fn) -> float:
     return time.perf_counter() - start
 
 
-def point(size: str, prefix: int, k: int, root: str, completion: int = COMPLETION, repeats: int = 3) -> dict:
-    """One (size, video, k): every phase for the family and for k separate groups."""
+def point(size: str, prefix: int, k: int, root: str, *, completion: int = COMPLETION, repeats: int = 3,
+          layers: int = 1) -> dict:
+    """One (size, video, k): every phase for the family and for k separate groups (``layers``: the 7B shape's)."""
     from app.data.prompts import collate_prompts
     from app.data.records import encode_record, encode_run
     from app.grouping import completion_logprobs
@@ -151,10 +156,10 @@ def point(size: str, prefix: int, k: int, root: str, completion: int = COMPLETIO
     torch.manual_seed(0)
     root = Path(root)
     video, records = assets(root, prefix, k)
-    cfg = data_config(prefix)
-    model, processor = build_model(size, root / size)
+    cfg = data_config(prefix, size)
+    model, processor = build_model(size, root / size, layers)
     pad = processor.tokenizer.pad_token_id
-    out: dict = {"size": size, "prefix": prefix, "k": k}
+    out: dict = {"size": size, "prefix": prefix, "k": k, "layers": model.config.get_text_config().num_hidden_layers}
     runs = {}
 
     def decode_family():
@@ -165,7 +170,7 @@ def point(size: str, prefix: int, k: int, root: str, completion: int = COMPLETIO
 
     encode_record(processor, records[0], root, cfg)  # warm-up: the file in the page cache, the readers loaded
     times = {"family": [], "apart": []}
-    for _ in range(repeats):  # alternately, as the other phases
+    for _ in range(max(repeats, 3)):  # alternately, as the other phases (seconds each: at least 3 rounds)
         for name, fn in (("family", decode_family), ("apart", decode_apart)):
             times[name].append(_once(fn))
     for name, values in times.items():
@@ -216,7 +221,10 @@ def point(size: str, prefix: int, k: int, root: str, completion: int = COMPLETIO
         for name in ("family", "apart"):
             out[f"{phase}_{name}_s"] = measured[f"{name}_s"]
             out[f"{phase}_{name}_peak_mb"] = measured[f"{name}_peak"] / 2**20
-    out.update(planned_ratios(model.config, prefix=out["prompt_tokens"], question=question_tokens(prompts), k=k,
+    # a question's own tokens (k = 1: as in a family of two on the same video, so every row counts alike)
+    pair = prompts if k > 1 else [p for p, _ in encode_run(processor, assets(root, prefix, 2)[1], root, cfg)[0]]
+    out["question_tokens"] = question_tokens(pair)
+    out.update(planned_ratios(model.config, prefix=out["prompt_tokens"], question=out["question_tokens"], k=k,
                               completion=completion, visual=out["visual_tokens"], patches=int(grid.prod()),
                               temporal=int(grid[0, 0])))
     return out
@@ -225,8 +233,6 @@ def point(size: str, prefix: int, k: int, root: str, completion: int = COMPLETIO
 def question_tokens(prompts) -> int:
     """A question's own tokens: what follows the tokens every prompt of the family shares."""
     ids = [p.inputs["input_ids"][0] for p in prompts]
-    if len(ids) == 1:
-        return 60
     common = min(len(i) for i in ids)
     for row in ids[1:]:
         differ = (row[:common] != ids[0][:common]).nonzero()
@@ -250,11 +256,11 @@ def planned_ratios(config, *, prefix: int, question: int, k: int, completion: in
              for w, work in (("single", single), ("family", fam))}
     forward = {w: flops.forward_flops(shape, work, "split")["total"] for w, work in (("single", single),
                                                                                       ("family", fam))}
+    # the prefill: V once and each question on top of it (its queries against V too), as the split kernel counts
     prefill_single = flops.forward_flops(shape, costs.Workload(prefix=prefix, completion=0, group_size=1),
-                                         "flash")["total"]
-    prefill_family = flops.forward_flops(shape, costs.Workload(prefix=prefix - question, completion=0, group_size=1),
-                                         "flash")["total"] + k * flops.forward_flops(
-        shape, costs.Workload(prefix=question, completion=0, group_size=1), "flash")["total"]
+                                         "split")["total"]
+    prefill_family = flops.forward_flops(shape, costs.Workload(prefix=prefix, completion=0, group_size=1, groups=k,
+                                                               questions=k, question=question), "split")["total"]
     return {"planned_policy": train["family"] / (k * train["single"]),
             "planned_reference": forward["family"] / (k * forward["single"]),
             "planned_prefill": prefill_family / (k * prefill_single), "planned_tower": 1 / k, "planned_decode": 1 / k}
@@ -298,92 +304,39 @@ def long_video(root: str, ks: list[int]) -> dict:
     return out
 
 
-def run(out: Path, quick: bool, sizes=("tiny", "7b"), prefixes=(4096, 8192), ks=(1, 2, 4, 8),
-        with_long_video: bool = False) -> dict:
+def run(out: Path, quick: bool, *, sizes=("tiny", "7b"), prefixes=(4096, 8192), ks=(1, 2, 4, 8),
+        with_long_video: bool = False, layers=(1,), keep: bool = False) -> dict:
+    """``layers``: the 7B shape's depths; ``keep``: add to the points already in ``out``'s report (a point measured
+    again replaces its row)."""
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     if quick:
         sizes, prefixes, ks = ("tiny",), (512,), (1, 2)
-    plan_points = [(s, p, k) for s in sizes for p in prefixes for k in ks
+    plan_points = [(s, p, k, n) for s in sizes for p in prefixes for k in ks for n in (layers if s == "7b" else (2,))
                    if s != "7b" or k == 4]  # the 7B shape at k = 4 only (a point takes many minutes on 2 cores)
-    rows, failed = [], []
-    for size, prefix, k in plan_points:
-        result = attempt("app.bench.shared_video:point", size=size, prefix=prefix, k=k, root=str(work),
-                         completion=16 if quick else COMPLETION, repeats=1 if size == "7b" or quick else 5)
+    report = out / "shared_video.json"
+    before = json.loads(report.read_text()) if keep and report.exists() else {}
+    rows = [r for r in before.get("points", [])  # a point measured again replaces its earlier row
+            if (r["size"], r["prefix"], r["k"], r.get("layers")) not in set(plan_points)]
+    failed: list[str] = []
+    for size, prefix, k, depth in plan_points:
+        result = attempt("app.bench.video.shared_video:point", size=size, prefix=prefix, k=k, root=str(work),
+                         completion=16 if quick else COMPLETION, repeats=1 if size == "7b" or quick else 5,
+                         layers=depth)
         if "error" in result:
-            failed.append(f"{size} P={prefix} k={k}: {result['error']}")
-            rows.append({"size": size, "prefix": prefix, "k": k})
+            failed.append(f"{size} P={prefix} k={k} layers={depth}: {result['error']}")
+            rows.append({"size": size, "prefix": prefix, "k": k, "layers": depth})
         else:
             rows.append(result)
         write(out, rows, failed, None)
-    long = attempt("app.bench.shared_video:long_video", root=str(work), ks=[2, 4, 8]) if with_long_video else None
+    long = attempt("app.bench.video.shared_video:long_video", root=str(work), ks=[2, 4, 8]) if with_long_video else \
+        before.get("long_video")
     if long is not None and "error" in long:
         failed.append(f"long video: {long['error']}")
     payload = write(out, rows, failed, long)
     plot(out, rows)
     exit_if_failed(len(failed), len(plan_points) + bool(with_long_video), out)
     return payload
-
-
-def table_rows(rows: list[dict]) -> list[dict]:
-    out = []
-    for r in rows:
-        line = {"size": r["size"], "video tokens": r.get("visual_tokens", ""), "k": r["k"]}
-        for phase in PHASES:
-            if f"{phase}_family_s" in r:
-                line[f"{phase} time"] = r[f"{phase}_family_s"] / max(r[f"{phase}_apart_s"], 1e-9)
-                line[f"{phase} plan"] = r.get(f"planned_{phase}", "")
-            if f"{phase}_family_peak_mb" in r:
-                line[f"{phase} peak"] = r[f"{phase}_family_peak_mb"] / max(r[f"{phase}_apart_peak_mb"], 1e-9)
-        out.append(line)
-    return out
-
-
-def write(out: Path, rows: list[dict], failed: list[str], long: dict | None) -> dict:
-    columns = ["size", "video tokens", "k"] + [f"{p} {what}" for p in PHASES for what in ("time", "plan", "peak")
-                                              if p != "decode" or what != "peak"]
-    table = ("Family of k questions on one video over k separate groups (time ratio; the planner's FLOP ratio; peak "
-             "memory of the family over one separate group's)\n\n"
-             + markdown_table(table_rows(rows), columns, {c: ".3f" for c in columns[3:]}))
-    if long and "runs" in long:
-        table += (f"\n\nA 10-minute video at 1 fps ({long['frames']} frames, {long['visual_tokens']} visual tokens) "
-                  f"through the data path: {long['seconds_one_question']:.1f} s for one question; k questions as one "
-                  "run: " + ", ".join(f"k={k} {v['seconds']:.1f} s ({v['seconds'] / v['seconds_apart']:.2f}x of "
-                                     f"{v['seconds_apart']:.1f} s apart)" for k, v in long["runs"].items()))
-    table += failed_points(failed)
-    payload = {"group_size": GROUP, "goals_at_k4_8k": GOALS, "points": rows, "long_video": long}
-    write_report(out, "shared_video", payload, table, quiet=True)
-    return payload
-
-
-def plot(out: Path, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series = sorted({(r["size"], r.get("visual_tokens", r["prefix"])) for r in rows if "policy_family_s" in r})
-    if not series:
-        return
-    fig, axes = plt.subplots(1, len(series), figsize=(4.5 * len(series), 3.6), squeeze=False)
-    for ax, (size, tokens) in zip(axes[0], series):
-        mine = sorted((r for r in rows if r["size"] == size and r.get("visual_tokens", r["prefix"]) == tokens
-                       and "policy_family_s" in r), key=lambda r: r["k"])
-        ks = [r["k"] for r in mine]
-        for phase, colour in zip(PHASES, ("C0", "C1", "C2", "C3", "C4")):
-            ax.plot(ks, [r[f"{phase}_family_s"] / r[f"{phase}_apart_s"] for r in mine], "o-", color=colour,
-                    label=phase)
-            ax.plot(ks, [r[f"planned_{phase}"] for r in mine], "--", color=colour, alpha=0.5)
-        ax.plot(ks, [1 / k for k in ks], ":", color="grey", label="1/k")
-        ax.set_title(f"{size}, {tokens} video tokens")
-        ax.set_xlabel("questions per video k")
-        ax.set_ylabel("time vs k separate groups")
-        ax.set_xticks(ks)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("Questions sharing a video: measured (solid) and planned FLOPs (dashed)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "shared_video.png", dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -396,10 +349,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefixes", default="4096,8192")
     parser.add_argument("--ks", default="1,2,4,8")
     parser.add_argument("--long-video", action="store_true", help="also a 10-minute video through the data path")
+    parser.add_argument("--layers", default="1", help="decoder layers of the 7B shape (1-2 on this CPU)")
+    parser.add_argument("--keep", action="store_true", help="add the points to the report already in --out")
     args = parser.parse_args(argv)
-    payload = run(Path(args.out), args.quick, tuple(args.sizes.split(",")),
-                  tuple(int(p) for p in args.prefixes.split(",")), tuple(int(k) for k in args.ks.split(",")),
-                  args.long_video)
+    payload = run(Path(args.out), args.quick, sizes=tuple(args.sizes.split(",")),
+                  prefixes=tuple(int(p) for p in args.prefixes.split(",")), ks=tuple(int(k) for k in args.ks.split(",")),
+                  with_long_video=args.long_video, layers=tuple(int(n) for n in args.layers.split(",")),
+                  keep=args.keep)
     print((Path(args.out) / "shared_video.md").read_text())
     print(json.dumps({"points": len(payload["points"])}))
 
