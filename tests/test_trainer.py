@@ -428,7 +428,8 @@ def test_two_process_sequence_parallel_grpo_under_zero2_trains_like_one_process(
 
 SP_VARIANTS = {  # settings, and which exported tensors can move
     # the paths the 7B configs take: activation checkpointing with a frozen tower (the one-process run caches the
-    # tower's outputs per step; the S=2 run encodes its share of the frames in every forward)
+    # tower's outputs per step; the S=2 run encodes its share of the frames in every forward), under ZeRO-3 in the
+    # kill-and-resume test below
     "checkpointing+frozen tower+cache": ({"model.gradient_checkpointing": True, "model.freeze_vision_tower": True,
                                           "forward.vision_cache": "step"},
                                          lambda n: "visual" not in n or "merger" in n),
@@ -440,7 +441,7 @@ SP_VARIANTS = {  # settings, and which exported tensors can move
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("variant", list(SP_VARIANTS))
+@pytest.mark.parametrize("variant", ["lora"])
 def test_sequence_parallel_grpo_on_the_7b_config_paths_trains_like_one_process(assets, tmp_path, variant):
     """S=2 on two processes under ZeRO-2 against one process, with the settings the 7B configs use: same rollouts
     (rewards that differ within every group), loss, KL, gradient norm and entropy within 1e-4, and the weights
@@ -481,19 +482,21 @@ def test_sequence_parallel_sft_trains_like_one_process(assets, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # 60-76 s; make test keeps the ZeRO-2 two-process sequence-parallel run
+@pytest.mark.slow  # 2-2.5 minutes; make test keeps the ZeRO-2 two-process sequence-parallel run
 def test_sequence_parallel_under_zero3_trains_like_one_process_and_resumes_bit_for_bit(assets, tmp_path):
-    """Under ZeRO-3, 3 steps: S=2 on two processes ends at the one-process weights (as above); the same S=2 run
-    killed after step 2 and resumed ends bitwise equal to the uninterrupted one, one metrics row per step; a resume
-    with another sequence_parallel_size is refused by name."""
+    """Under ZeRO-3 on the 7B configs' paths (activation checkpointing, a frozen tower, the per-step vision cache),
+    3 steps: S=2 on two processes ends at the one-process weights (as above); the same S=2 run killed after step 2
+    and resumed ends bitwise equal to the uninterrupted one, one metrics row per step; a resume with another
+    sequence_parallel_size is refused by name."""
+    extra, trains = SP_VARIANTS["checkpointing+frozen tower+cache"]
     settings = {"train.deepspeed_config": "deepspeed_configs/zero3.json", "train.max_steps": 3,
-                "train.save_every": 1}
+                "train.save_every": 1, **extra}
     sp = {**settings, "train.sequence_parallel_size": 2}
     env = {"NPROC_PER_NODE": "2"}
     launch = ["bash", "scripts/train.sh", "configs/demo_cpu.yaml"]
     run(trainer(assets, tmp_path / "one", **settings))
     run([*launch, *overrides(assets, tmp_path / "straight", **sp)], env=env)
-    assert_sequence_parallel_matches(tmp_path / "one", tmp_path / "straight", assets["checkpoint"])
+    assert_sequence_parallel_matches(tmp_path / "one", tmp_path / "straight", assets["checkpoint"], trains)
     crashed = run([*launch, *overrides(assets, tmp_path / "resumed", **sp)],
                   env={**env, "PREFIX_GRPO_CRASH_AFTER_STEP": "2"}, check=False)
     assert crashed.returncode != 0
@@ -503,4 +506,7 @@ def test_sequence_parallel_under_zero3_trains_like_one_process_and_resumes_bit_f
     assert refused.returncode != 0 and "train.sequence_parallel_size=2, this run has 1" in refused.stderr
     run([*launch, *overrides(assets, tmp_path / "resumed", **sp, **{"train.resume": True})], env=env)
     assert [m["step"] for m in _metrics(tmp_path / "resumed")] == [1, 2, 3]
-    assert_trained_and_equal(tmp_path / "resumed" / "final", tmp_path / "straight" / "final", assets["checkpoint"])
+    resumed, straight = weights(tmp_path / "resumed" / "final"), weights(tmp_path / "straight" / "final")
+    assert resumed.keys() == straight.keys()  # the straight run trained (assert_sequence_parallel_matches says so)
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0, msg=name)
