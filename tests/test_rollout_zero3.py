@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.distributed
 
 
+@pytest.mark.slow  # about 50 s (2 processes under ZeRO-3): make test keeps the in-process rollout tests
 def test_zero3_rollouts_with_uneven_lengths(tmp_path):
     checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0)
     frames = np.random.default_rng(0).integers(0, 255, (8, 56, 56, 3), dtype=np.uint8)

@@ -283,6 +283,7 @@ def test_temporal_grpo_and_dapo_settings_run(assets, tmp_path, monkeypatch):
     assert metrics["mismatch/mean_abs_logprob_diff"] < 1e-4 and metrics["mismatch/max_ratio"] < 1.001
 
 
+@pytest.mark.slow  # about 50 s (2 processes through scripts/train.sh): make test-all and CI run it
 def test_dynamic_sampling_skips_flat_groups_and_keeps_the_step_full(assets, tmp_path):
     """grpo.dynamic_sampling with 2 processes: groups whose reward does not vary (here half the problem_ids, on both ranks) are
     dropped and counted, more prompts are drawn, and each step still trains prompts_per_rank groups per rank."""

@@ -15,7 +15,7 @@ GOALS = {"policy": 0.45, "prefill": 0.30, "decode": 0.30, "tower": 0.30}  # at k
 def table_rows(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
-        line = {"size": r["size"], "layers": r.get("layers", ""), "video tokens": r.get("visual_tokens", ""),
+        line = {"size": r["size"], "layers": f"{r.get('layers', '')}{' ckpt' if r.get('checkpointing') else ''}", "video tokens": r.get("visual_tokens", ""),
                 "question tokens": r.get("question_tokens", ""), "k": r["k"]}
         for phase in PHASES:
             if f"{phase}_family_s" in r:
@@ -65,9 +65,11 @@ def plot(out: Path, rows: list[dict]) -> None:
                        and "policy_family_s" in r), key=lambda r: r["k"])
         ks = [r["k"] for r in mine]
         for phase, colour in zip(PHASES, ("C0", "C1", "C2", "C3", "C4")):
-            ax.plot(ks, [r[f"{phase}_family_s"] / r[f"{phase}_apart_s"] for r in mine], "o-", color=colour,
-                    label=phase)
-            ax.plot(ks, [r[f"planned_{phase}"] for r in mine], "--", color=colour, alpha=0.5)
+            measured = [r for r in mine if f"{phase}_family_s" in r]  # a run of some phases only leaves gaps
+            ax.plot([r["k"] for r in measured], [r[f"{phase}_family_s"] / r[f"{phase}_apart_s"] for r in measured],
+                    "o-", color=colour, label=phase)
+            ax.plot([r["k"] for r in measured], [r[f"planned_{phase}"] for r in measured], "--", color=colour,
+                    alpha=0.5)
         ax.plot(ks, [1 / k for k in ks], ":", color="grey", label="1/k")
         ax.set_title(f"{size}, {tokens} video tokens")
         ax.set_xlabel("questions per video k")

@@ -3,10 +3,12 @@ one video against the same k questions as k separate groups, in one run, as rati
 beside each.
 
     python -m app.bench.video.shared_video --out outputs/bench/shared_video [--quick] [--sizes tiny,7b]
-        [--prefixes 4096,8192] [--ks 1,2,4,8] [--long-video]                      (scripts/bench.sh shared_video)
+        [--prefixes 4096,8192] [--ks 1,2,4,8] [--long-video] [--layers 1,2] [--phases policy,...]
+        [--checkpointing] [--keep]                                                (scripts/bench.sh shared_video)
 
 A point is one model size, one video (a prefix of about P visual tokens: an mp4 of P / 128 frames at 448 x 448,
-decoded at 2 fps through the data path) and k questions of about 60 tokens, G = 8 completions each. Measured for the
+decoded at 2 fps through the data path) and k questions of 20 words and 4 options, each followed by the template's
+instruction (about 200 tokens of its own), G = 8 completions each. Measured for the
 family (the k prompts marked as sharing the video, as the data stream marks a run) and for k separate groups (each
 question alone, one after another: k micro-batches, k rollouts):
 
@@ -20,9 +22,12 @@ question alone, one after another: k micro-batches, k rollouts):
 
 Times are wall seconds (the median of a few runs at the tiny size, one run at the 7B shape); peaks are the CPU
 allocator's (``measure.allocator_peak``) for one family against the largest of the k separate groups. Sizes: ``tiny``
-(the test suite's Qwen2.5-VL with Qwen's real vocabulary) and ``7b`` (Qwen2.5-VL-7B's layer shape: one decoder
-layer, one vision block, the real vocabulary and head, float32; the tower and the token embeddings frozen, as a long
-video is trained). The planner's ratio is its FLOPs for the family over k single groups (``app.planning``).
+(hidden 256, 2 layers, the project's 640-token tokenizer) and ``7b`` (Qwen2.5-VL-7B's layer shape: ``--layers``
+decoder layers, one vision block, the real vocabulary and head, float32; the tower and the token embeddings frozen,
+as a long video is trained; ``--checkpointing``: activation checkpointing, as the 7B configs train, which is what
+lets 2 layers at an 8k video fit 24 GiB). ``--phases``: measure only these (the file's decode always runs);
+``--keep``: add to the report in ``--out``, a point measured again replacing its row. The planner's ratio is its
+FLOPs for the family over k single groups (``app.planning``).
 ``--long-video``: a 10-minute 640x360 H.264 video at 1 fps (600 frames) through the data path, once and for k
 questions.
 """
@@ -145,21 +150,26 @@ def _once(fn) -> float:
 
 
 def point(size: str, prefix: int, k: int, root: str, *, completion: int = COMPLETION, repeats: int = 3,
-          layers: int = 1) -> dict:
-    """One (size, video, k): every phase for the family and for k separate groups (``layers``: the 7B shape's)."""
+          layers: int = 1, phases: tuple = PHASES, checkpointing: bool = False) -> dict:
+    """One (size, video, k): each of ``phases`` for the family and for k separate groups (``layers``: the 7B
+    shape's; ``checkpointing``: activation checkpointing in the policy pass, as the 7B configs train)."""
     from app.data.prompts import collate_prompts
     from app.data.records import encode_record, encode_run
     from app.grouping import completion_logprobs
     from app.grouping.decoding.decode import GroupedDecoder
     from app.grouping.modules import attention_restored
+    from app.runtime.models import enable_activation_checkpointing
 
     torch.manual_seed(0)
     root = Path(root)
     video, records = assets(root, prefix, k)
     cfg = data_config(prefix, size)
     model, processor = build_model(size, root / size, layers)
+    if checkpointing:
+        enable_activation_checkpointing(model)
     pad = processor.tokenizer.pad_token_id
-    out: dict = {"size": size, "prefix": prefix, "k": k, "layers": model.config.get_text_config().num_hidden_layers}
+    out: dict = {"size": size, "prefix": prefix, "k": k, "layers": model.config.get_text_config().num_hidden_layers,
+                 "checkpointing": checkpointing}
     runs = {}
 
     def decode_family():
@@ -216,7 +226,7 @@ def point(size: str, prefix: int, k: int, root: str, *, completion: int = COMPLE
         "reference": (lambda: reference([family], [[k]], [whole]), lambda: reference(alone, [None] * k, rows)),
         "policy": (lambda: policy([family], [[k]], [whole]), lambda: policy(alone, [None] * k, rows)),
     }
-    for phase, (shared, apart) in plan.items():  # the k separate groups' peak: the largest of theirs
+    for phase, (shared, apart) in ((p, plan[p]) for p in phases if p in plan):  # apart's peak: the largest group's
         measured = measure_pair(shared, apart, repeats)
         for name in ("family", "apart"):
             out[f"{phase}_{name}_s"] = measured[f"{name}_s"]
@@ -226,7 +236,7 @@ def point(size: str, prefix: int, k: int, root: str, *, completion: int = COMPLE
     out["question_tokens"] = question_tokens(pair)
     out.update(planned_ratios(model.config, prefix=out["prompt_tokens"], question=out["question_tokens"], k=k,
                               completion=completion, visual=out["visual_tokens"], patches=int(grid.prod()),
-                              temporal=int(grid[0, 0])))
+                              temporal=int(grid[0, 0]), checkpointing=checkpointing))
     return out
 
 
@@ -241,7 +251,7 @@ def question_tokens(prompts) -> int:
 
 
 def planned_ratios(config, *, prefix: int, question: int, k: int, completion: int, visual: int, patches: int,
-                   temporal: int) -> dict:
+                   temporal: int, checkpointing: bool = False) -> dict:
     """The planner's FLOPs of each phase for the family over k single groups."""
     from app.planning import costs, flops
 
@@ -252,7 +262,7 @@ def planned_ratios(config, *, prefix: int, question: int, k: int, completion: in
                             temporal=temporal)
     fam = costs.Workload(prefix=prefix, completion=completion, group_size=GROUP, groups=k, questions=k,
                          question=question, visual=visual, patches=patches, temporal=temporal)
-    train = {w: flops.train_flops(shape, work, "split", checkpointing=False, chunk=1024)["total"]
+    train = {w: flops.train_flops(shape, work, "split", checkpointing=checkpointing, chunk=1024)["total"]
              for w, work in (("single", single), ("family", fam))}
     forward = {w: flops.forward_flops(shape, work, "split")["total"] for w, work in (("single", single),
                                                                                       ("family", fam))}
@@ -305,7 +315,7 @@ def long_video(root: str, ks: list[int]) -> dict:
 
 
 def run(out: Path, quick: bool, *, sizes=("tiny", "7b"), prefixes=(4096, 8192), ks=(1, 2, 4, 8),
-        with_long_video: bool = False, layers=(1,), keep: bool = False) -> dict:
+        with_long_video: bool = False, layers=(1,), keep: bool = False, phases=PHASES, checkpointing=False) -> dict:
     """``layers``: the 7B shape's depths; ``keep``: add to the points already in ``out``'s report (a point measured
     again replaces its row)."""
     work = out / "work"
@@ -322,7 +332,7 @@ def run(out: Path, quick: bool, *, sizes=("tiny", "7b"), prefixes=(4096, 8192), 
     for size, prefix, k, depth in plan_points:
         result = attempt("app.bench.video.shared_video:point", size=size, prefix=prefix, k=k, root=str(work),
                          completion=16 if quick else COMPLETION, repeats=1 if size == "7b" or quick else 5,
-                         layers=depth)
+                         layers=depth, phases=list(phases), checkpointing=checkpointing)
         if "error" in result:
             failed.append(f"{size} P={prefix} k={k} layers={depth}: {result['error']}")
             rows.append({"size": size, "prefix": prefix, "k": k, "layers": depth})
@@ -351,11 +361,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-video", action="store_true", help="also a 10-minute video through the data path")
     parser.add_argument("--layers", default="1", help="decoder layers of the 7B shape (1-2 on this CPU)")
     parser.add_argument("--keep", action="store_true", help="add the points to the report already in --out")
+    parser.add_argument("--phases", default=",".join(PHASES), help="which of decode,tower,prefill,reference,policy "
+                        "(the file's decode always runs: it makes the prompts)")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (the 7B configs')")
     args = parser.parse_args(argv)
     payload = run(Path(args.out), args.quick, sizes=tuple(args.sizes.split(",")),
                   prefixes=tuple(int(p) for p in args.prefixes.split(",")), ks=tuple(int(k) for k in args.ks.split(",")),
                   with_long_video=args.long_video, layers=tuple(int(n) for n in args.layers.split(",")),
-                  keep=args.keep)
+                  keep=args.keep, phases=tuple(args.phases.split(",")), checkpointing=args.checkpointing)
     print((Path(args.out) / "shared_video.md").read_text())
     print(json.dumps({"points": len(payload["points"])}))
 
