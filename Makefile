@@ -21,7 +21,7 @@ test: lint
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-all: lint
-	@echo "make test-all: the whole suite, slow tests included (89m35s here and 80 min in CI at 6746b46; about 66 min here after the trims that followed, estimated from per-test times; CI's limit is 90 min)"
+	@echo "make test-all: the whole suite, slow tests included (89m35s here and 80 min in CI at 6746b46; about 67 min here after the trims that followed, estimated from per-test times; CI's limit is 90 min)"
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
