@@ -68,8 +68,14 @@ def test_kills_at_random_moments_resume_to_the_uninterrupted_result(assets, tmp_
         assert torch.equal(final[name], straight[name]), (name, kills)
     assert sum("exit 19" in k for k in kills) >= 2 and any("exit -9" in k for k in kills), kills
 
-    # Resuming the finished run re-saves its last step: killed after the live copy was moved aside and before the
-    # new one is renamed in, `latest` dangles; the next resume falls back to step 5 and ends the same.
+    # Resuming the finished run only exports again (nothing to train, nothing re-saved). With its newest checkpoint
+    # damaged, a resume falls back to step 5 and saves step 6 again, moving the damaged copy aside first: killed
+    # right after that move, `latest` dangles; the next resume falls back to step 5 and ends the same.
+    again = run(args)
+    assert "resumed from" in again.stderr and f"step-{steps:07d}" in again.stderr
+    assert metrics_steps(out) == list(range(1, steps + 1))
+    state = out / "checkpoints" / f"step-{steps:07d}" / "trainer_state_rank0.json"
+    state.write_text(state.read_text()[:10])
     killed = run(args, env={CRASH_POINT_ENV: f"moved_aside@{steps}"}, check=False)
     assert killed.returncode == 19, killed.stderr[-2000:]
     again = run(args)

@@ -258,7 +258,7 @@ def test_evaluation_runs_in_the_configured_dtype_on_the_ranks_device(small, tmp_
 def test_resume_identity_reads_the_whole_weight_file(tmp_path, monkeypatch):
     """A re-export that changes only middle bytes of a large weight file (a LoRA merge with a frozen tower) is
     another model; an unchanged file is hashed once and then served from the digest cache."""
-    import app.evaluation.runs as evaluate_module
+    import app.common.identity as evaluate_module
 
     monkeypatch.setattr(evaluate_module, "DIGEST_CACHE", tmp_path / "cache" / "sha256.json")
     big = tmp_path / "model.safetensors"

@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from app.config.evaluation import EvalConfig
+from app.config.fields import ConfigError, _f
+
 # Every choice list comes from the module that defines the choice (one source of truth).
 from app.data.prompts import PROMPT_TEMPLATES
 from app.data.video import FRAME_FOLDER_SAMPLING
@@ -22,21 +25,14 @@ from app.objectives.grpo import (
     LossOptions,
     objective_settings,
 )
-from app.rewards.protocols import ANSWER_EXTRACTION
 from app.rewards.rules import BONUS_RULES, REGRESSION_METRICS
 from app.rollout.generate import SamplingConfig
 from app.rollout.registry import ENGINE_NAMES
 from app.runtime.zero import GATHER_MODES
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot run, with the offending key named."""
+__all__ = ["SECTIONS", "Config", "ConfigError", "EvalConfig"]
 
 
-def _f(default, help: str, **kwargs):
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kwargs})
-    return field(default=default, metadata={"help": help, **kwargs})
 
 
 @dataclass
@@ -136,10 +132,13 @@ class RolloutConfig:
     top_k: int = _f(0, "Top-k filter; 0 disables it.")
     max_completion_length: int = _f(768, "Maximum new tokens per completion.")
     stop_strings: list = _f([], "Extra strings that end a completion (EOS always does).")
-    record: bool = _f(False, "Write every rollout to train.output_dir/rollouts (named by its prompt seeds) for a later "
-                      "run with rollout.engine=replay.")
-    replay_dir: str = _f("", "rollout.engine=replay: a recorded run's train.output_dir (or its rollouts folder); that "
-                         "run's config, data, seed and number of ranks are needed.")
+    record: bool = _f(False, "Write every prompt's rollout to train.output_dir/rollouts, named by the prompt's "
+                      "identity (its tokens and media hashed, with the group size) and the epoch it was drawn in, "
+                      "for a later run with rollout.engine=replay.")
+    replay_dir: str = _f("", "rollout.engine=replay: a recorded run's train.output_dir (or its rollouts folder). Each "
+                         "prompt gets the completions recorded for the very same prompt, whatever the order it comes "
+                         "in (another data.questions_per_video, train.prompts_per_rank or shuffle); a prompt the "
+                         "record lacks stops the run with its name.")
     prefill_chunk_size: int = _f(0, "rollout.engine=grouped: prompt positions per decoder call in the prefill "
                                  "(chunked prefill): each call attends to the K/V of the positions before it, so a "
                                  "long video's prefill holds one chunk's activations, not the prompt's; the prompt's "
@@ -350,7 +349,13 @@ class TrainConfig:
     deepspeed_config: str = _f("deepspeed_configs/zero3.json", "DeepSpeed JSON (ZeRO stage, offload).")
     save_every: int = _f(50, "Checkpoint every N steps (and at the end); 0 saves only at the end.")
     keep_checkpoints: int = _f(2, "How many recent checkpoints to keep.")
-    resume: bool = _f(False, "Continue from the latest checkpoint in output_dir (same data order and steps).")
+    resume: bool = _f(False, "Continue from the latest checkpoint in output_dir (same data order and steps). The "
+                      "checkpoint's fingerprint must match this run's: the settings that define the data order and "
+                      "the objective, the data file's content and the model (docs/grpo.md, Resume).")
+    resume_if_different: str = _f("stop", "train.resume=true when the checkpoint was written with other data, model "
+                                  "or settings that define the data order or the objective: stop (name each "
+                                  "difference) or continue (resume anyway, on purpose; each difference is logged).",
+                                  choices=("stop", "continue"))
     export_hf: bool = _f(True, "Write the final model + processor in Hugging Face format to output_dir/final.")
 
 
@@ -363,39 +368,6 @@ class LoggingConfig:
     log_every: int = _f(1, "Log metrics every N steps.")
     sample_table_every: int = _f(10, "Log a table of sample completions every N steps (0 disables).")
     progress_bar: bool = _f(True, "Show a progress bar on rank 0.")
-
-
-@dataclass
-class EvalConfig:
-    output_dir: str = _f("outputs/eval", "Where predictions.jsonl, summary.json and summary.md go.")
-    samples: int = _f(1, "Completions per question (k). 1 with temperature 0 is greedy; k > 1 reports pass@k "
-                      "and mean accuracy, all k drawn from one shared prefill.")
-    engine: str = _f("grouped", "grouped: this project's shared-prefill decoder; hf: plain HF generate; vllm: a "
-                     "vLLM engine in each evaluation process (its settings: rollout.vllm_*), fed the same prompts and "
-                     "media. (replay is for training only.)", choices=ENGINE_NAMES)
-    temperature: float = _f(0.0, "0 for greedy; > 0 samples.")
-    top_p: float = _f(1.0, "Nucleus sampling threshold when sampling.")
-    repetition_penalty: float = _f(1.0, "> 1 makes tokens already in the prompt or the output less likely (HF's and "
-                                   "vLLM's rule: a seen token's logit divided by it when positive, multiplied when "
-                                   "negative); Qwen2.5-VL-Instruct's generation_config.json sets 1.05, which HF "
-                                   "generate applies unless told otherwise (TimeZero's protocol).")
-    answer_extraction: str = _f("project", "How an output is scored: project (the trainer's reward code: the last "
-                                "closed <answer>, option letters in the forms models write, regression by MRA) or "
-                                "video_r1 (Video-R1's evaluation script: the first <answer> or the whole output, "
-                                "exact string match for options, OCR and free-form scored 0), to reproduce its "
-                                "published numbers; timezero, videochat_r1_track, videochat_r1_gqa and vlm_r1_rec: "
-                                "those scripts' grounding scores (videochat_r1_gqa and vlm_r1_rec also report IoUs "
-                                "beside their accuracy).",
-                                choices=tuple(ANSWER_EXTRACTION))
-    max_new_tokens: int = _f(256, "Maximum new tokens per completion.")
-    batch_size: int = _f(4, "Questions per generate call on each rank.")
-    share_video: bool = _f(True, "A video's questions in one batch: decoded, and prefilled (engine grouped), once.")
-    seed: int = _f(0, "Sampling seed.")
-    resume: bool = _f(True, "Keep finished predictions found in output_dir and score only the rest, when they were "
-                      "made by the same model, data files and settings (recorded in output_dir/run.json).")
-    if_different: str = _f("stop", "When output_dir holds predictions of another model, other data files or other "
-                           "settings: stop (say what differs) or new_dir (evaluate into output_dir-2, -3, ...: the "
-                           "first that is empty or holds this very evaluation).", choices=("stop", "new_dir"))
 
 
 @dataclass

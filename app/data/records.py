@@ -199,6 +199,9 @@ class EncodedPrompt:
     # questions that share a video (data.questions_per_video > 1): prompts with the same key were encoded from the
     # same decoded media, so the forward and the rollout may hold it once (``media_key``); None: shares nothing
     share: tuple | None = None
+    # the epoch of the data stream this prompt was drawn in: with its identity (``app.rollout.base.prompt_identity``)
+    # it names one draw of one record, whatever the order (a replayed run finds its recorded completions by both)
+    epoch: int = 0
 
     @property
     def length(self) -> int:

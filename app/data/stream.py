@@ -16,7 +16,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from app.data.records import (
@@ -176,12 +176,19 @@ class PromptStream:
                 f"more than data.max_skip_fraction={self.data_cfg.max_skip_fraction}; last: {where(record)}: {reason}"
             )
 
-    def encode(self, record: dict, shuffle_frames_seed: int | None = None) -> EncodedPrompt | None:
+    def encode(self, record: dict, shuffle_frames_seed: int | None = None, epoch: int = 0) -> EncodedPrompt | None:
         prompt, reason = encode_record(self.processor, record, self.data_root, self.data_cfg, shuffle_frames_seed,
                                        self.engine_views)
         if prompt is None:
             self.skip(record, reason)
-        return prompt
+        return None if prompt is None else replace(prompt, epoch=epoch)
+
+    def epoch_of(self, position: int) -> int:
+        """The epoch the stream position ``position`` falls in (each usable record once per epoch over all ranks)."""
+        if self.questions_per_video > 1:
+            return self._locate(position)[0]
+        cached = self._epoch_order[0]
+        return position // max(1, len(self._order(0 if cached is None else cached)))
 
     def _run_results(self, run: tuple, records: list[dict]) -> list:
         """k > 1: a run's encoded prompts, from the run at hand, its prefetch, or encoded now (its decodes counted
@@ -211,9 +218,10 @@ class PromptStream:
             if prompt is None:
                 self.skip(records[i], reason)
             else:
-                out.append(prompt)
+                out.append(replace(prompt, epoch=run[0]))
         while len(out) < count:
             record = self._record_at(self.position)
+            epoch = self.epoch_of(self.position)
             ahead: Future | None = self._pending.pop(self.position, None)
             self.position += 1
             with self._lock:
@@ -225,7 +233,7 @@ class PromptStream:
                 if prompt is None:
                     self.skip(record, reason)
             if prompt is not None:
-                out.append(prompt)
+                out.append(replace(prompt, epoch=epoch))
         self.prefetch()
         self.wait_seconds += time.perf_counter() - start
         return out

@@ -22,10 +22,10 @@ sequence-parallel group the first rank's rollout (tensor collectives), ``Recorde
 
 from __future__ import annotations
 
-from app.rollout.base import EngineSetup, Recorded, RolloutEngine, SharedInGroup, rollout_key
+from app.rollout.base import EngineSetup, Recorded, RolloutEngine, SharedInGroup, prompt_identity
 
 __all__ = ["ENGINE_NAMES", "EngineSetup", "Recorded", "RolloutEngine", "SharedInGroup", "build_rollout_engine",
-           "memory_kind", "needs_engine_views", "rollout_key"]
+           "memory_kind", "needs_engine_views", "prompt_identity"]
 
 ENGINE_NAMES = ("grouped", "hf", "vllm", "replay")  # rollout.engine and eval.engine: the one list
 TRAINING_ONLY = ("replay",)  # engines evaluation cannot use (nothing was recorded for held-out questions)
@@ -64,5 +64,5 @@ def build_rollout_engine(name: str, setup: EngineSetup) -> RolloutEngine:
     if name == "replay":
         from app.rollout.replay import ReplayEngine
 
-        return ReplayEngine(setup.replay_dir)
+        return ReplayEngine(setup.replay_dir, setup.pad_id, setup.sampling)
     raise ValueError(f"unknown rollout engine {name!r}; expected one of {ENGINE_NAMES}")

@@ -59,7 +59,73 @@ def _jsonable(value):
     return value
 
 
-def save_checkpoint(engine, output_dir: str | Path, step: int, trainer_state: dict, keep: int = 2) -> Path:
+class SaveError(RuntimeError):
+    """A checkpoint or the export could not be written (no space, a file-size limit, an unwritable folder)."""
+
+
+FILE_LIMIT_ENV = "PREFIX_GRPO_FILE_LIMIT_AT_SAVE"  # tests: "BYTES@STEP" caps this process's file size at that save
+
+
+def save_bytes(parameters: int, trainable: int, dtype_bytes: int, zero_stage: int, *, adapter: int = 0,
+               save_adapter: bool = False) -> dict:
+    """Bytes on disk of one checkpoint and of the final export, over all ranks (measured on DeepSpeed 0.19's files):
+    a checkpoint holds the weights in their dtype (under ZeRO-3 only the frozen ones: the trained ones live in the
+    optimizer's float32 copy) and 12 bytes per trained parameter (float32 copy and two Adam moments); the export
+    holds the model's weights in their dtype (``parameters``, the adapters merged into them) and, with
+    ``save_adapter``, the ``adapter`` parameters alone."""
+    held = parameters + adapter - (trainable if zero_stage == 3 else 0)
+    return {"checkpoint": held * dtype_bytes + 12 * trainable,
+            "export": (parameters + (adapter if save_adapter else 0)) * dtype_bytes}
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the filesystem that holds ``path`` (its nearest existing parent)."""
+    path = Path(path).resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _file_limit() -> int | None:
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        return None if soft == resource.RLIM_INFINITY else soft
+    except (ImportError, OSError, ValueError):
+        return None
+
+
+def _test_file_limit(moment: int | str) -> None:
+    """Tests: cap the file size from this save (a step, or "export") on (``FILE_LIMIT_ENV``), as a full disk would
+    stop the writes."""
+    spec = os.environ.get(FILE_LIMIT_ENV, "")
+    if spec.endswith(f"@{moment}"):
+        import resource
+
+        limit = int(spec.split("@")[0])
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def space_report(what: str, path: Path, need: int, error: BaseException | None) -> str:
+    """One line: what failed where, the bytes it needs and the bytes free (and a file-size limit, if any)."""
+    reason = f" ({type(error).__name__}: {str(error).strip().splitlines()[0][:160] if str(error).strip() else ''})" \
+        if error is not None else ""
+    limit = _file_limit()
+    capped = f"; this process may not write files over {limit} bytes (ulimit -f)" if limit is not None else ""
+    return (f"{what} {path} failed{reason}: it needs about {need} bytes ({need / 2**30:.2f} GiB) and "
+            f"{free_bytes(path)} bytes ({free_bytes(path) / 2**30:.2f} GiB) are free there{capped}")
+
+
+def _agree_failed(failed: bool) -> bool:
+    """Whether any rank failed (every rank learns it, so none waits for another at a barrier)."""
+    from app.runtime.parallel import all_reduce_max
+
+    return all_reduce_max([float(failed)])[0] > 0
+
+
+def save_checkpoint(engine, output_dir: str | Path, step: int, trainer_state: dict, keep: int = 2,
+                    need_bytes: int = 0) -> Path:
     root = Path(output_dir) / "checkpoints"
     tag = f"step-{step:07d}"
     incoming = root / ".incoming"
@@ -68,9 +134,22 @@ def save_checkpoint(engine, output_dir: str | Path, step: int, trainer_state: di
         shutil.rmtree(incoming / tag, ignore_errors=True)  # leftovers of a save that crashed
         incoming.mkdir(parents=True, exist_ok=True)
     distributed.barrier()
-    engine.save_checkpoint(str(incoming), tag=tag, save_latest=False)
-    state = _jsonable({**trainer_state, "rng": rng_state()})
-    _atomic_write(incoming / tag / f"trainer_state_rank{rank}.json", json.dumps(state))
+    _test_file_limit(step)
+    failure = None
+    try:
+        engine.save_checkpoint(str(incoming), tag=tag, save_latest=False)
+        state = _jsonable({**trainer_state, "rng": rng_state()})
+        _atomic_write(incoming / tag / f"trainer_state_rank{rank}.json", json.dumps(state))
+    except Exception as error:  # noqa: BLE001 - torch reports a short write as RuntimeError ("unexpected pos")
+        failure = error
+    if _agree_failed(failure is not None):
+        report = space_report(f"rank {rank}: saving checkpoint", root / tag, need_bytes, failure)
+        if rank == 0:
+            shutil.rmtree(incoming / tag, ignore_errors=True)  # its partial files: the space back
+        latest = root / "latest"
+        kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no earlier checkpoint"
+        raise SaveError(f"{report}. Nothing older was touched ({kept}): free space (or point train.output_dir "
+                        "elsewhere, copying checkpoints/), then resume with train.resume=true")
     distributed.barrier()
     _crash_point("written", step)
     final = root / tag
@@ -177,6 +256,15 @@ def latest_checkpoint(output_dir: str | Path, world_size: int = 1) -> tuple[Path
     return None, passed_over
 
 
+def trainer_state_of(path: Path, rank: int | None = None) -> dict:
+    """A checkpoint's trainer state as this rank (or ``rank``) wrote it, without loading any tensor."""
+    state_file = path / f"trainer_state_rank{distributed.rank() if rank is None else rank}.json"
+    try:
+        return json.loads(state_file.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{state_file} cannot be read ({error})") from error
+
+
 def load_checkpoint(engine, path: Path) -> dict:
     """Restore engine (weights, optimizer, scheduler) and return this rank's trainer state."""
     loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
@@ -194,7 +282,7 @@ def load_checkpoint(engine, path: Path) -> dict:
 
 
 def export_hf(engine, processor, out_dir: str | Path, source_path: str | Path, dtype: torch.dtype,
-              lora_cfg=None) -> Path:
+              lora_cfg=None, *, need_bytes: int = 0) -> Path:
     """Write model + processor in Hugging Face format (loadable by from_pretrained); rank 0 writes.
 
     With ``lora_cfg`` (a LoRA policy) the adapters are merged into the base weights, so ``out_dir`` loads without
@@ -202,33 +290,50 @@ def export_hf(engine, processor, out_dir: str | Path, source_path: str | Path, d
 
     The trained weights go into an unsharded copy loaded from the source checkpoint, so the file keeps the source's
     key naming whatever the ZeRO stage (a ZeRO-3 module records no load-time key conversions to revert).
+    A write that fails (no space, a file-size limit) ends with ``SaveError`` naming the path and the bytes.
     """
+    out = Path(out_dir)
+    state = zero.gathered_state_dict(engine)
+    _test_file_limit("export")
+    failure = None
+    try:
+        if distributed.rank() == 0:
+            _export(state, out, processor, source_path, dtype, lora_cfg)
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own SafetensorError on a short write
+        failure = error
+        shutil.rmtree(out.with_name(f".{out.name}.incoming"), ignore_errors=True)
+    if _agree_failed(failure is not None):
+        raise SaveError(f"{space_report('exporting to', out, need_bytes, failure)}. The final checkpoint is saved: "
+                        "free space, then redo the export with the same command and train.resume=true (no step "
+                        "runs again)")
+    distributed.barrier()
+    return out
+
+
+def _export(state: dict, out: Path, processor, source_path, dtype, lora_cfg) -> None:
+    """Rank 0's half of ``export_hf``: the merged (LoRA) state loaded into a plain copy of the source model, written
+    to a hidden folder and renamed into place."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     from app.runtime.models import load_model
 
-    out = Path(out_dir)
-    state = zero.gathered_state_dict(engine)
-    if distributed.rank() == 0:
-        if lora_cfg is not None:
-            from app.runtime import lora
+    if lora_cfg is not None:
+        from app.runtime import lora
 
-            if lora_cfg.save_adapter:
-                lora.save_adapter(state, lora_cfg, out.with_name(f"{out.name}-adapter"), str(source_path))
-            state = lora.merged_state_dict(state, lora.scaling(lora_cfg))
-        tmp = out.with_name(f".{out.name}.incoming")
-        shutil.rmtree(tmp, ignore_errors=True)
-        saved_ref = hf_deepspeed._hf_deepspeed_config_weak_ref
-        hf_deepspeed.unset_hf_deepspeed_config()
-        try:
-            plain = load_model(source_path, dtype=dtype)
-        finally:
-            hf_deepspeed._hf_deepspeed_config_weak_ref = saved_ref
-        plain.load_state_dict(state, strict=True)
-        plain.save_pretrained(tmp, safe_serialization=True)
-        processor.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    distributed.barrier()
-    return out
+        if lora_cfg.save_adapter:
+            lora.save_adapter(state, lora_cfg, out.with_name(f"{out.name}-adapter"), str(source_path))
+        state = lora.merged_state_dict(state, lora.scaling(lora_cfg))
+    tmp = out.with_name(f".{out.name}.incoming")
+    shutil.rmtree(tmp, ignore_errors=True)
+    saved_ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        plain = load_model(source_path, dtype=dtype)
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved_ref
+    plain.load_state_dict(state, strict=True)
+    plain.save_pretrained(tmp, safe_serialization=True)
+    processor.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)

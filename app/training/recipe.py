@@ -35,6 +35,7 @@ from app.runtime.models import (
     load_processor,
 )
 from app.runtime.tracking import StepMetrics, Tracker, configure_logging
+from app.training import fingerprint
 from app.training.scoring import GroupScorer, without_grad
 
 log = logging.getLogger("app.training.recipe")
@@ -48,14 +49,17 @@ VISION_PLANS = {
 }
 
 
-def cosine_with_warmup(optimizer, warmup: int, total: int, min_ratio: float):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total - warmup)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+def schedule_factor(update: int, warmup: int, total: int, min_ratio: float) -> float:
+    """The learning rate's share of its peak at optimizer update ``update``: linear warmup, then cosine."""
+    if update < warmup:
+        return (update + 1) / (warmup + 1)
+    progress = (update - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+def cosine_with_warmup(optimizer, warmup: int, total: int, min_ratio: float):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: schedule_factor(update, warmup, total,
+                                                                                        min_ratio))
 
 
 class Recipe:
@@ -74,6 +78,9 @@ class Recipe:
             cfg.train.deepspeed_config, gradient_accumulation_steps=self.gas,
             max_grad_norm=cfg.train.max_grad_norm, dtype=cfg.model.dtype)
         self._hf_ds = zero.hf_deepspeed_config(self.ds_config)  # must outlive from_pretrained (weakref)
+        self.output_dir = Path(cfg.train.output_dir)
+        self.fingerprint = fingerprint.run_fingerprint(cfg)  # written into every checkpoint, checked on resume
+        self.resume_from = self._checked_checkpoint() if cfg.train.resume else None  # before any model is loaded
 
         from transformers.utils import logging as hf_logging
 
@@ -92,12 +99,12 @@ class Recipe:
         total_updates = cfg.train.max_steps * self.updates_per_step(cfg)
         scheduler = cosine_with_warmup(optimizer, cfg.train.warmup_steps, total_updates, cfg.train.min_lr_ratio)
         self.engine = zero.build_engine(policy, self.ds_config, optimizer, scheduler)
+        self.save_sizes = disk_check(self.engine, cfg, zero.zero_stage(self.ds_config), self.output_dir)
         # the sequence-parallel forward runs the tower frame-sharded, past the cache (config warns)
         self.vision_cache = vision_cache.install(self.engine, "off" if self.parallel.sp.size > 1 else cfg.forward.vision_cache,
                                                  cfg.forward.vision_chunk_frames, cfg.forward.vision_cache_gib)
         if self.vision_cache is not None and self.rank == 0:
             log.info("vision tower: %s", VISION_PLANS[self.vision_cache.plan])
-        self.output_dir = Path(cfg.train.output_dir)
         self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.parallel.dp_rank, self.parallel.dp_size,
                                   lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank,
                                   skip_log=self.output_dir / "logs" / "skipped_at_load.jsonl",
@@ -105,8 +112,8 @@ class Recipe:
         self.start_step = 0
         self.scorer = GroupScorer(cfg.forward, self.parallel.sp)  # a recipe whose groups are trees sets a TreeScorer
         self.setup()
-        if cfg.train.resume:
-            self._resume()
+        if self.resume_from is not None:
+            self._resume(*self.resume_from)
         if self.rank == 0:
             log.info("batch: %s", self.batch_plan())
         self.tracker = Tracker(cfg.logging, self.output_dir, cfg.to_dict(), self.rank == 0, cfg.train.max_steps,
@@ -164,11 +171,13 @@ class Recipe:
                 log.error("simulated crash after step %d (%s)", step + 1, CRASH_ENV)
                 os._exit(17)
         self.stream.close()
-        self.save(last)
+        if self.start_step < last or self.resume_from is None:  # resumed at the end: only the export is left to do
+            self.save(last)
         final = None
         if cfg.train.export_hf:
             final = checkpoint.export_hf(self.engine, self.processor, self.output_dir / "final", cfg.model.path,
-                                         self.dtype, lora_cfg=cfg.lora if cfg.lora.rank else None)
+                                         self.dtype, lora_cfg=cfg.lora if cfg.lora.rank else None,
+                                         need_bytes=self.save_sizes["export"])
         self.tracker.close()
         return final
 
@@ -246,21 +255,47 @@ class Recipe:
     def trainer_state(self, step: int) -> dict:
         return {"step": step, "stream_position": self.stream.position, "skipped": dict(self.stream.skipped),
                 "world_size": self.world, "zero_stage": zero.zero_stage(self.ds_config),
-                "sequence_parallel_size": self.cfg.train.sequence_parallel_size}
+                "sequence_parallel_size": self.cfg.train.sequence_parallel_size, "fingerprint": self.fingerprint}
 
     def save(self, step: int) -> None:
         checkpoint.save_checkpoint(self.engine, self.output_dir, step, self.trainer_state(step),
-                                   keep=self.cfg.train.keep_checkpoints)
+                                   keep=self.cfg.train.keep_checkpoints, need_bytes=self.save_sizes["checkpoint"])
 
-    def _resume(self) -> None:
-        """Continue from the newest checkpoint that is complete and loads; fall back to older ones with a warning;
-        refuse (never restart from step 0) when checkpoints exist but none can be used."""
+    def _checked_checkpoint(self) -> tuple[Path, dict] | None:
+        """train.resume: the newest checkpoint that is complete (older ones with a warning; none at all refused when
+        checkpoints exist), and its fingerprint checked against this run's (``fingerprint.resume_problems``):
+        a difference stops the run with one line naming each, unless train.resume_if_different=continue."""
         path, passed_over = checkpoint.latest_checkpoint(self.output_dir, self.world)
         for reason in passed_over:
             log.warning("resume: passing over a checkpoint: %s", reason)
         if path is None:
             log.warning("train.resume=true but %s has no checkpoint yet; starting from step 0", self.output_dir)
-            return
+            return None
+        old = checkpoint.trainer_state_of(path).get("fingerprint")
+        if old is None:
+            log.warning("resume: %s was written before checkpoints recorded their data, settings and model: "
+                        "not checked against this run", path)
+            return path, {}
+        problems = fingerprint.resume_problems(old, self.fingerprint)
+        if problems and self.cfg.train.resume_if_different == "stop":
+            raise checkpoint.CheckpointError(
+                f"{path} was written by a run with other data, settings or model: {'; '.join(problems)}. These define "
+                "the data order or the objective, so its stream position would count other prompts. Resume with "
+                "the settings it was written with, start a new train.output_dir, or set "
+                "train.resume_if_different=continue to resume anyway")
+        for problem in problems:
+            log.warning("resume despite a difference (train.resume_if_different=continue): %s", problem)
+        return path, old
+
+    def rate_at(self, step: int, schedule: dict) -> float:
+        """The learning rate of the first update of step ``step`` under a schedule (a fingerprint's)."""
+        per_step = self.updates_per_step(self.cfg)
+        return schedule["learning_rate"] * schedule_factor(step * per_step, schedule["warmup_steps"],
+                                                           schedule["max_steps"] * per_step, schedule["min_lr_ratio"])
+
+    def _resume(self, path: Path, old: dict) -> None:
+        """Continue from ``path``: weights, optimizer, data position, random state; a changed schedule (max_steps,
+        warmup, learning rate) goes on from here under this run's settings, said in one line."""
         state = checkpoint.load_checkpoint(self.engine, path)
         if state["world_size"] != self.world:
             raise RuntimeError(f"{path} was written by {state['world_size']} ranks, this run has {self.world}")
@@ -271,7 +306,44 @@ class Recipe:
         self.start_step = state["step"]
         self.stream.position = state["stream_position"]
         self.stream.skipped.update(state["skipped"])
+        notes = fingerprint.schedule_notes(old, self.fingerprint, self.start_step, self.rate_at)
+        for note in notes:
+            log.info("%s", note)
+        if notes:
+            self.follow_schedule()
         log.info("resumed from %s at step %d", path, self.start_step)
+
+    def follow_schedule(self) -> None:
+        """This run's schedule from the resumed update on (the checkpoint's scheduler keeps its own peak rate)."""
+        scheduler, cfg = self.engine.lr_scheduler, self.cfg.train
+        scheduler.base_lrs = [cfg.learning_rate] * len(scheduler.base_lrs)
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = cfg.learning_rate * scheduler.lr_lambdas[0](scheduler.last_epoch)
+
+
+def disk_check(engine, cfg: Config, stage: int, output_dir: Path) -> dict:
+    """What a checkpoint and the export of this run take on disk (``checkpoint.save_bytes``, from the engine's
+    parameters), warned at start when ``output_dir``'s filesystem cannot hold one more checkpoint (a save writes the
+    new one before it removes the oldest) plus the export."""
+    total = trainable = adapter = 0
+    size = 2
+    for name, p in engine.module.named_parameters():
+        count = int(getattr(p, "ds_numel", p.numel()))
+        total += count
+        trainable += count if p.requires_grad else 0
+        adapter += count if ".lora_" in name else 0
+        size = p.element_size()
+    sizes = checkpoint.save_bytes(total - adapter, trainable, size, stage, adapter=adapter,
+                                  save_adapter=bool(cfg.lora.rank and cfg.lora.save_adapter))
+    need = sizes["checkpoint"] + (sizes["export"] if cfg.train.export_hf else 0)
+    free = checkpoint.free_bytes(output_dir)
+    if distributed.rank() == 0 and need > free:
+        log.warning("train.output_dir %s has %d bytes (%.2f GiB) free, but a checkpoint takes about %d bytes (%.2f "
+                    "GiB)%s: a save or the export will fail (free space or choose another train.output_dir)",
+                    output_dir, free, free / 2**30, sizes["checkpoint"], sizes["checkpoint"] / 2**30,
+                    f" and the export {sizes['export']} bytes ({sizes['export'] / 2**30:.2f} GiB)"
+                    if cfg.train.export_hf else "")
+    return sizes
 
 
 def run(recipe: Callable[[Config], Recipe], doc: str, argv: list[str] | None = None) -> None:
@@ -301,6 +373,8 @@ def run(recipe: Callable[[Config], Recipe], doc: str, argv: list[str] | None = N
         raise SystemExit(f"config error: {error}") from None
     except checkpoint.CheckpointError as error:
         raise SystemExit(f"resume error: {error}") from None
+    except checkpoint.SaveError as error:
+        raise SystemExit(f"save error: {error}") from None
     except (DataError, SettingError) as error:  # named in one line, like a config error (details in logs/)
         raise SystemExit(f"data error: {error}") from None
     distributed.shutdown()

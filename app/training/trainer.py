@@ -115,8 +115,8 @@ class GRPOTrainer(Recipe):
 
     def shuffled_texts(self, step: int, prompts: list[EncodedPrompt]) -> dict[int, list[str]]:
         video = [i for i, p in enumerate(prompts) if p.record.get("data_type") == "video"]
-        encoded = {i: self.stream.encode(prompts[i].record, shuffle_frames_seed=derive_seed(self.cfg.train.seed,
-                                                                                          step, i)) for i in video}
+        encoded = {i: self.stream.encode(prompts[i].record, derive_seed(self.cfg.train.seed, step, i),
+                                         epoch=prompts[i].epoch) for i in video}
         video = [i for i in video if encoded[i] is not None]
         collective = zero.forwards_are_collective(self.engine)
         if collective and parallel.all_reduce_max([float(bool(video))])[0] > 0 and not video:
@@ -233,7 +233,7 @@ def training_rollout_engine(t: GRPOTrainer):
     engine = build_rollout_engine(cfg.rollout.engine, setup)
     engine = SharedInGroup(engine, t.parallel.same_in_group)  # S = 1: each rank keeps its own
     if cfg.rollout.record:
-        engine = Recorded(engine, t.output_dir / "rollouts")
+        engine = Recorded(engine, t.output_dir / "rollouts", sampling=setup.sampling)
     return engine
 
 
