@@ -20,7 +20,7 @@ def test_a_world_of_one_is_one_replica_with_a_group_of_one():
     assert ctx.agree_max([4.0, -1.0]) == [4.0, -1.0]
     assert ctx.all_done(True) and not ctx.all_done(False)
     tensors = [torch.arange(3), torch.ones(2, 2)]
-    assert all(a is b for a, b in zip(ctx.same_in_group(tensors), tensors))
+    assert all(a is b for a, b in zip(ctx.gather_in_group(tensors)[0], tensors))
 
 
 def test_replica_arithmetic_follows_the_group():

@@ -118,7 +118,8 @@ def test_bad_input_is_named(args, message, tmp_path, capsys, monkeypatch):
 
 def test_a_config_that_does_not_fit_gets_a_change_that_does(tmp_path):
     from app.config.loading import load_config
-    from app.planning.planner import World, plan, remedies
+    from app.planning.planner import World, plan
+    from app.planning.remedies import remedies
 
     cfg = load_config(ROOT / "configs/qwen2_5_vl_7b_video.yaml", ["data.max_frames=1024",
                                                                   "data.max_prompt_length=131072"])
@@ -131,9 +132,54 @@ def test_a_config_that_does_not_fit_gets_a_change_that_does(tmp_path):
     assert plan(cfg, World(gpus_per_node=8, gpu_memory_gib=1000), "qwen2_5_vl_7b")["fits"]
 
 
+HOUR = ["data.max_frames=3600", "data.fps=1", "data.max_prompt_length=262144", "rollout.prefill_chunk_size=4096",
+        "forward.vision_chunk_frames=64", "model.freeze_vision_tower=true"]
+REMEDY_SCENARIOS = {  # config, overrides, world (nodes, GPUs per node, GiB)
+    "an hour at 1 fps, k = 6, one 8 x 80 GB node": ("configs/qwen2_5_vl_7b_video.yaml", HOUR + [
+        "data.questions_per_video=6", "train.prompts_per_rank=6", "train.groups_per_micro_batch=6"], (1, 8, 80)),
+    "an hour at 1 fps, k = 1": ("configs/qwen2_5_vl_7b_video.yaml", HOUR, (1, 8, 80)),
+    "2,048 frames, LoRA, one 80 GB GPU": ("configs/qwen2_5_vl_7b_video_lora.yaml", [
+        "data.max_frames=2048", "data.max_prompt_length=262144"], (1, 1, 80)),
+    "512 frames with tools (no sequence parallelism for trees)": ("configs/qwen2_5_vl_7b_video.yaml", [
+        "data.max_frames=512", "data.max_prompt_length=65536", "rollout.tools=[get_frames]"], (1, 8, 40)),
+    "2,048 frames, k = 4, two nodes": ("configs/qwen2_5_vl_7b_video.yaml", [
+        "data.max_frames=2048", "data.max_prompt_length=262144", "data.questions_per_video=4",
+        "train.prompts_per_rank=4", "train.groups_per_micro_batch=4"], (2, 8, 80)),
+}
+
+
+@pytest.mark.parametrize("scenario", list(REMEDY_SCENARIOS))
+def test_every_remedy_the_planner_prints_is_a_config_the_trainer_accepts(scenario):
+    """Each printed change, applied with the ones above it as key=value overrides, loads through the trainer's own
+    config checks; a change the checks refuse is printed as refused in the checks' own words (and not applied)."""
+    from app.config.fields import ConfigError
+    from app.config.loading import load_config
+    from app.planning.planner import World, plan
+    from app.planning.remedies import remedies
+
+    config, overrides, (nodes, gpus, gib) = REMEDY_SCENARIOS[scenario]
+    cfg = load_config(ROOT / config, overrides)
+    world = World(nodes=nodes, gpus_per_node=gpus, gpu_memory_gib=gib)
+    assert not plan(cfg, world, "qwen2_5_vl_7b")["fits"], scenario
+    fixes = remedies(cfg, world, "qwen2_5_vl_7b")
+    applied = list(overrides)
+    for fix in fixes:
+        change = [f"{k}={v}" for k, v in fix["overrides"].items()]
+        if "refused" in fix:
+            with pytest.raises(ConfigError) as refused:
+                load_config(ROOT / config, applied + change)
+            assert str(refused.value) == fix["refused"], (scenario, fix)
+            continue
+        applied += change
+        load_config(ROOT / config, applied)  # accepted by the trainer's checks
+    assert any("refused" in f for f in fixes) == ("tools" in scenario), (scenario, fixes)
+    if "tools" in scenario:  # the refusal is the config's own: trees have no sequence-parallel forward
+        assert all("rollout.tools" in f["refused"] for f in fixes if "refused" in f)
+
+
 def test_fit_suggestions_name_only_changes_not_already_in_the_config():
     from app.config.loading import load_config
-    from app.planning.planner import already_done
+    from app.planning.remedies import already_done
 
     cfg = load_config(ROOT / "configs/qwen2_5_vl_7b_video.yaml", ["train.sequence_parallel_size=2",
                                                                   "rollout.prefill_chunk_size=2048"])

@@ -305,30 +305,52 @@ def test_engines_per_step_sampling_logprobs_agree_on_the_real_vocabulary(real_ch
     assert parted <= 0.05 * total, f"{parted} of {total} samples parted"
 
 
-def test_a_rollout_travels_as_tensors():
-    """What the sequence-parallel group shares (``shared_rollout`` over tensor broadcasts): tokens, mask, log-probs,
-    stop reasons, group sizes, the prefill and prompt counts, exactly; a share that hands back another rank's tensors gives
-    that rank's rollout."""
-    from app.rollout.generate import Rollout, shared_rollout
+def test_a_sequence_parallel_group_spreads_whole_families_and_gets_the_rollout_in_prompt_order():
+    """``SharedInGroup`` over S ranks, played in one process: each rank samples whole families (balanced by
+    tokens), what the ranks gather is put back in prompt order, tokens, mask, log-probs, stop reasons, group sizes
+    and counts equal to the rollout of all prompts at once, widths padded with the pad id."""
+    from types import SimpleNamespace
 
-    def make(seed):
-        g = torch.Generator().manual_seed(seed)
-        return Rollout(completion_ids=torch.randint(0, 50, (5, 7), generator=g),
-                       completion_mask=torch.ones(5, 7, dtype=torch.long), logprobs=-torch.rand(5, 7, generator=g),
-                       group_sizes=[3, 2], stop_reasons=["eos", "length", "stop_string", "eos", "length"],
-                       prefill_tokens=41 + seed, prompt_tokens=60 + seed)
+    from app.rollout.base import SharedInGroup, spread
+    from app.rollout.generate import Rollout
 
-    mine, first = make(0), make(1)
-    same = shared_rollout(mine, lambda tensors: tensors)
-    assert torch.equal(same.completion_ids, mine.completion_ids) and torch.equal(same.logprobs, mine.logprobs)
-    assert (same.group_sizes, same.stop_reasons, same.prefill_tokens, same.prompt_tokens) == (
-        [3, 2], mine.stop_reasons, 41, 60)
-    theirs = shared_rollout(mine, lambda tensors: [
-        first.completion_ids, first.completion_mask, first.logprobs, torch.tensor([0, 0, 1, 2, 1]),
-        torch.tensor([4, 1, 42, 61])])
-    assert torch.equal(theirs.completion_ids, first.completion_ids)
-    assert theirs.stop_reasons == ["eos", "eos", "length", "stop_string", "length"]
-    assert theirs.group_sizes == [4, 1] and (theirs.prefill_tokens, theirs.prompt_tokens) == (42, 61)
+    class PerPrompt:  # each prompt's samples depend on it alone (its seed), as the real engines' do
+        name = "fake"
+
+        def generate(self, prompts, group_size, seeds, sampling=None):
+            rows = [(p.length, s) for p, s in zip(prompts, seeds) for _ in range(group_size)]
+            width = max(n % 5 + 1 for n, _ in rows)
+            ids = torch.full((len(rows), width), 99)
+            mask = torch.zeros(len(rows), width, dtype=torch.long)
+            for r, (n, s) in enumerate(rows):
+                ids[r, : n % 5 + 1] = torch.arange(n % 5 + 1) + s
+                mask[r, : n % 5 + 1] = 1
+            return Rollout(ids, mask, -mask.float() * 0.5, [group_size] * len(prompts),
+                           ["eos" if n % 2 else "length" for n, _ in rows], 10 * len(prompts), 7 * len(prompts))
+
+    prompts = [SimpleNamespace(length=n, share=key) for n, key in
+               [(40, "a"), (41, "a"), (42, "a"), (30, "b"), (9, None), (33, "c"), (34, "c")]]
+    seeds = list(range(100, 107))
+    assert spread(prompts, 2) == [0, 0, 0, 1, 1, 1, 1]  # a (123 tokens); then b, the text prompt, c: 106
+    whole = PerPrompt().generate(prompts, 2, seeds)
+    for size in (2, 3):
+        owners = spread(prompts, size)
+        share = {r: PerPrompt().generate([p for p, o in zip(prompts, owners) if o == r], 2,
+                                         [s for s, o in zip(seeds, owners) if o == r]) for r in range(size)}
+        from app.rollout.generate import STOP_REASONS
+
+        def gathered(tensors, share=share, size=size):
+            return [[share[r].completion_ids, share[r].completion_mask, share[r].logprobs,
+                     torch.tensor([STOP_REASONS.index(x) for x in share[r].stop_reasons]),
+                     torch.tensor([*share[r].group_sizes, share[r].prefill_tokens, share[r].prompt_tokens])]
+                    for r in range(size)]
+
+        group = SimpleNamespace(sp=SimpleNamespace(size=size, rank=0), gather_in_group=gathered)
+        got = SharedInGroup(PerPrompt(), group, pad_id=99).generate(prompts, 2, seeds)
+        assert torch.equal(got.completion_ids, whole.completion_ids), size
+        assert torch.equal(got.completion_mask, whole.completion_mask) and torch.equal(got.logprobs, whole.logprobs)
+        assert got.stop_reasons == whole.stop_reasons and got.group_sizes == whole.group_sizes
+        assert (got.prefill_tokens, got.prompt_tokens) == (whole.prefill_tokens, whole.prompt_tokens)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

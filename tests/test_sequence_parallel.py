@@ -76,12 +76,40 @@ def test_sequence_parallel_with_a_frozen_tower_and_a_text_model(tiny_checkpoints
         assert ".visual." not in r["worst"]
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize(("family", "size", "variant"), [
+    ("qwen2_5_vl", 2, "full"),
+    pytest.param("qwen2_vl", 2, "lora", marks=pytest.mark.slow),  # each: one 2-process launch, 25-40 s
+    pytest.param("qwen3_vl", 2, "frozen tower", marks=pytest.mark.slow),
+    pytest.param("qwen2_5_vl", 4, "lora", marks=pytest.mark.slow),
+    pytest.param("qwen3_vl", 4, "full", marks=pytest.mark.slow),
+])
+def test_questions_sharing_a_video_under_sequence_parallelism(family, size, variant, tiny_checkpoints, long_videos,
+                                                              tmp_path):
+    """A family [V; Q1; R1*; Q2; R2*; Q3; R3*] (three questions on one video), a question on another video and a
+    text prompt (families [3, 1, 1]), the row sharded over S ranks: log-probs equal the one-rank forward of the same
+    families and the one-rank per-question forward (k = 1) to 1e-5, every gradient summed over the ranks to 1e-4,
+    on every backend that shares a video (split, masked, flash played by SDPA; flex's backward needs CUDA); LoRA
+    (adapters only) and a frozen tower as variants. The family's video is in the row once."""
+    report = run_ranks(tmp_path, size, family=family, checkpoint=str(tiny_checkpoints[family]), videos=long_videos,
+                       plan=[0, 0, 0, 1, -1], families=[3, 1, 1], group_sizes=[2, 3, 1, 2, 1],
+                       backends=["split", "masked", "flash"], freeze_tower=variant == "frozen tower",
+                       lora=4 if variant == "lora" else 0)
+    for backend, r in report.items():
+        assert r["logprob"] <= 1e-5 and r["entropy"] <= 1e-5 and r["grad"] <= 1e-4, (backend, r)
+        assert r["k1_logprob"] <= 1e-5 and r["k1_grad"] <= 1e-4, (backend, r)
+        assert r["masked_zero"] and not r["no_grad"] and r["shared_tokens"] > 0, (backend, r)
+        assert (r["adapters"] == r["params"]) if variant == "lora" else not r["adapters"], (backend, r)
+        if variant == "frozen tower":
+            assert ".visual." not in r["worst"]
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_vision_tower_split_by_temporal_patches_equals_the_whole(family, tiny_checkpoints, long_videos):
     """Why frame sharding is exact: the tower run on temporal patches [0, a) and [a, t) of a video gives exactly
     the rows of the whole video's output (and Qwen3-VL's deepstack features): no block attends across temporal
     patches and the position embeddings repeat per temporal patch."""
-    from app.grouping.sequence_parallel import _tower_output
+    from app.grouping.vision.frames import _tower_output
     from tests.helpers import load, max_rel_diff, prompt_batch
 
     model, processor = load(family, tiny_checkpoints)
@@ -110,3 +138,26 @@ def test_shards_are_contiguous_and_cover_the_row():
     with pytest.raises(LayoutError, match="cannot be split"):
         shard_bounds(3, 4)
 
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("chunk", [0, 24])
+def test_a_sequence_parallel_groups_rollout_prefills_each_family_once(chunk, tiny_checkpoints, long_videos,
+                                                                      tmp_path):
+    """S = 2 ranks sample a family of three questions on one video, a question on another and a text prompt
+    (families [3, 1, 1]) as one group: whole families spread over the ranks, each video prefilled once in the group
+    (as many prompt tokens prefilled over both ranks as one rank sampling all, which holds each video once), chunked
+    prefill too; the greedy tokens, masks and stop reasons equal one rank's rollout of every prompt."""
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps({"family": "qwen2_5_vl", "checkpoint": str(tiny_checkpoints["qwen2_5_vl"]),
+                                     "videos": long_videos, "plan": [0, 0, 0, 1, -1], "chunk": chunk,
+                                     "out": str(tmp_path / "out.json")}))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "tests.workers.sp_rollout", str(spec_file)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-5000:]
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert r["tokens_equal"] and r["mask_equal"] and r["reasons_equal"] and r["sizes"] == [2] * 5, r
+    assert r["logprob"] <= 1e-5, r
+    assert all(p > 0 for p in r["prefilled_per_rank"]), r  # both ranks sampled a share
+    assert sum(r["prefilled_per_rank"]) == r["prefill_whole"] == r["prefill_group"] < r["prompt_tokens"], str(r)

@@ -52,8 +52,6 @@ def _validate_shared_video(config: Config, need) -> None:
     k = config.data.questions_per_video
     if k == 1:
         return
-    need(config.train.sequence_parallel_size == 1, "data.questions_per_video", f"={k} needs "
-         "train.sequence_parallel_size=1 (the sequence-parallel forward packs one prompt per group)")
     need(not config.rollout.tools, "data.questions_per_video", f"={k} is not available with rollout.tools (a "
          "multi-turn group is a prefix tree of its own; trees of one video are not joined)")
     need(config.forward.attention_backend not in ("packed", "paper"), "forward.attention_backend",

@@ -195,23 +195,27 @@ def make_video_questions(index: int, clip_index: int, count: int, rng: random.Ra
 
 def generate(out: str | Path, train: int, heldout: int, seed: int = 0, tasks: tuple[str, ...] = TASKS, *,
              frames: int = 8, size: int = 56, fps: int = 4, shuffle_options: bool = True,
-             heldout_tasks: tuple[str, ...] | None = None, questions_per_video: int = 1) -> dict[str, Path]:
+             heldout_tasks: tuple[str, ...] | None = None,
+             questions_per_video: int | tuple[int, ...] = 1) -> dict[str, Path]:
     """``tasks`` alternate over the training records, ``heldout_tasks`` (default: the same) over the held-out ones.
     ``questions_per_video`` > 1: ``train`` / ``heldout`` records asked of clips of their own, that many per clip
-    (``make_video_questions``; ``tasks`` then unused)."""
+    (``make_video_questions``; ``tasks`` then unused); a tuple gives each clip's count in turn (uneven runs)."""
     out = Path(out)
     (out / "videos").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     files = {}
     index = 0
+    counts = tuple(questions_per_video) if isinstance(questions_per_video, (tuple, list)) else (questions_per_video,)
+    shared = isinstance(questions_per_video, (tuple, list)) or questions_per_video > 1
     for split, count in (("train", train), ("heldout", heldout)):
         records = []
         kinds = tasks if split == "train" else (heldout_tasks or tasks)
-        while questions_per_video > 1 and len(records) < count:
-            many = min(questions_per_video, count - len(records))
+        clips = 0
+        while shared and len(records) < count:
+            many = min(counts[clips % len(counts)], count - len(records))
             records += make_video_questions(index, index, many, rng, out, frames=frames, size=size, fps=fps)
-            index += many
-        for i in range(count if questions_per_video == 1 else 0):
+            index, clips = index + many, clips + 1
+        for i in range(0 if shared else count):
             records.append(make_item(index, kinds[i % len(kinds)], rng, out, frames=frames, size=size, fps=fps,
                                      shuffle_options=shuffle_options))
             index += 1
@@ -222,7 +226,8 @@ def generate(out: str | Path, train: int, heldout: int, seed: int = 0, tasks: tu
                                                "tasks": list(tasks), "heldout_tasks": list(heldout_tasks or tasks),
                                                "frames": frames, "size": size, "fps": fps,
                                                "shuffle_options": shuffle_options,
-                                               "questions_per_video": questions_per_video}))
+                                               "questions_per_video": questions_per_video if isinstance(questions_per_video, int)
+                                               else list(questions_per_video)}))
     return files
 
 

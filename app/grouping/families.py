@@ -136,6 +136,16 @@ def family_vision(model, prompts: Mapping, layout: GroupLayout) -> dict:
     return vision_of_items(chosen)
 
 
+def family_layout(model, prompts: Mapping, completion_mask, group_sizes, families: Sequence[int] | None):
+    """The packed row's ``GroupLayout`` and, when its families share media, the row's vision inputs (V's items once,
+    ``family_vision``; None: the prompts' own). No family of more than one prompt: the plain grouped layout."""
+    if families is None or not any(size > 1 for size in families):
+        return GroupLayout.from_masks(prompts["attention_mask"], completion_mask, group_sizes), None
+    shared = shared_prefix_lengths(model, prompts, families)
+    layout = GroupLayout.from_masks(prompts["attention_mask"], completion_mask, group_sizes, families, shared)
+    return layout, (family_vision(model, prompts, layout) if layout.shares else None)
+
+
 def vision_of_items(items: list[dict]) -> dict:
     """The processor's vision tensors of some ``media_items`` entries, per modality in the order given."""
     out: dict = {}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from app.grouping import attention
-from app.grouping.families import check_shared_positions, family_vision, shared_prefix_lengths
+from app.grouping.families import check_shared_positions, family_layout
 from app.grouping.layout import GroupLayout, LayoutError
 from app.grouping.logprobs import CompletionScores, head_returns_logprobs
 from app.grouping.modules import keeps_attention_unless_grad, set_text_attention, text_config, unwrap
@@ -236,7 +236,8 @@ def completion_logprobs(
     this rank alone.
     ``families``: runs of consecutive prompts that may share their first tokens (questions on one video,
     ``families.family_sizes``): grouped mode packs each run as [V; Q1; R1*; Q2; R2*; ...] with V (what they really
-    share: ``families.shared_prefix_lengths``) and its media once; the same numbers as without. None: none share.
+    share: ``families.shared_prefix_lengths``) and its media once; the same numbers as without, sequence-parallel
+    too (the family's row is sharded like any other). None: none share.
     Repeated mode ignores it (its rows are [P;Ri] either way).
     """
     if mode not in MODES:
@@ -257,9 +258,6 @@ def completion_logprobs(
     _refuse_placeholders_in_completions(model, completion_ids, completion_mask)
     sharing = mode == "grouped" and families is not None and any(size > 1 for size in families)
     if sequence_parallel is not None and sequence_parallel.size > 1:
-        if sharing:
-            raise ValueError("the sequence-parallel forward packs one prompt per group; it does not share a video "
-                             "across questions (data.questions_per_video=1 with train.sequence_parallel_size > 1)")
         if mode != "grouped" or return_logits or forward_kwargs:
             raise ValueError("the sequence-parallel forward is grouped only and returns log-probs (and entropy), "
                              f"not mode={mode!r}, return_logits={return_logits}, or {sorted(forward_kwargs)}")
@@ -268,14 +266,8 @@ def completion_logprobs(
         return sequence_parallel_scores(model, prompts, completion_ids, completion_mask, group_sizes,
                                         sequence_parallel, backend=backend, temperature=temperature,
                                         return_entropy=return_entropy, vision_calls=vision_calls,
-                                        chunk_size=chunk_size)
-    vision = None
-    if sharing:
-        shared = shared_prefix_lengths(model, prompts, families)
-        layout = GroupLayout.from_masks(prompts["attention_mask"], completion_mask, group_sizes, families, shared)
-        vision = family_vision(model, prompts, layout) if layout.shares else None
-    else:
-        layout = GroupLayout.from_masks(prompts["attention_mask"], completion_mask, group_sizes)
+                                        chunk_size=chunk_size, families=families)
+    layout, vision = family_layout(model, prompts, completion_mask, group_sizes, families if sharing else None)
     with aligned_vision_calls(model, prompts if vision is None else vision, vision_calls):
         settings = dict(temperature=temperature, return_logits=return_logits, return_entropy=return_entropy,
                         extra_forward_kwargs=forward_kwargs, chunk_size=chunk_size)

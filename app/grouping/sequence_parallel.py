@@ -9,13 +9,10 @@ a contiguous 1/S shard of it, and together give the log-probs the one-rank group
   to the longest for the exchange and the padding is dropped on arrival (never attended to).
 - **Positions.** The packed row's ids (M-RoPE included) are computed once for the whole row, as on one rank, and
   each rank takes its slice: they are exact by construction.
-- **Vision tower.** Each video's temporal patches are split across the S ranks (contiguous ranges; whole images go
-  round-robin), each rank runs the tower on its share, and the embeddings are summed into the full table on every
-  rank (the pieces are disjoint). Exact because Qwen's vision attention never crosses a temporal patch: Qwen2-VL and
-  Qwen3-VL blocks attend within one temporal patch (``cu_seqlens`` = h*w per t), Qwen2.5-VL's windowed blocks within
-  a window of one temporal patch and its full-attention blocks (``fullatt_block_indexes``) within one temporal
-  patch too; their 2-D rotary / learned position embeddings repeat per temporal patch. Tested: a split tower equals
-  the whole one. A frozen tower (no parameter needing a gradient) runs under ``no_grad``.
+- **Vision tower.** Split by frames across the S ranks and summed into the full table on every rank
+  (``vision.frames``): exact because Qwen's vision attention never crosses a temporal patch.
+- **Families** (questions sharing a video, ``families``): the row is the family's [V; Q1; R1*; ...] as on one rank,
+  its layout, positions and vision inputs (V's media once) the whole row's; the shards cut it like any other row.
 - **Scores.** Each rank computes the output head only for the positions in its shard; the per-token log-probs
   are then summed across the group (each token is scored by exactly one rank), so every rank holds all of them and
   computes the same loss. Backward sends each rank's share of the gradient to the tokens it scored, so a rank's
@@ -34,9 +31,14 @@ import torch
 import torch.distributed as dist
 
 from app.grouping import attention
+from app.grouping.families import check_shared_positions, family_layout
 from app.grouping.layout import GroupLayout, LayoutError
 from app.grouping.modules import patched, set_text_attention, text_config, unwrap
 from app.grouping.positions import check_max_positions, packed_positions, prompt_positions
+from app.grouping.vision.frames import insert_vision, shard_bounds
+
+__all__ = ["SequenceParallel", "SequenceParallelPlan", "check_heads", "sequence_parallel_logprobs",
+           "sequence_parallel_scores", "shard_bounds"]
 
 
 @dataclass(frozen=True)
@@ -70,27 +72,12 @@ def check_heads(config, size: int) -> None:
                          f"{heads} query heads and {kv_heads} KV heads (train.sequence_parallel_size={size})")
 
 
-def shard_bounds(total: int, size: int) -> list[tuple[int, int]]:
-    """Contiguous near-equal shards of ``total`` tokens over ``size`` ranks (the first ones one longer)."""
-    if total < size:
-        raise LayoutError(f"a packed row of {total} tokens cannot be split over {size} sequence-parallel ranks")
-    base, extra = divmod(total, size)
-    bounds, start = [], 0
-    for r in range(size):
-        end = start + base + (r < extra)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
 # ---- collectives with the gradients each one needs -----------------------------------------------------------
 
 
 def _exchange(pieces: list[torch.Tensor], receive_lens: list[int], dim: int, sp: SequenceParallel) -> list[torch.Tensor]:
     """all-to-all of ``pieces`` (piece j to rank j) that may differ in length along ``dim``: padded to the
     longest for the exchange (gloo needs equal sizes), cut back to ``receive_lens[j]`` on arrival. Differentiable."""
-    from torch.distributed.nn.functional import all_to_all
-
     longest = max(max(p.shape[dim] for p in pieces), max(receive_lens))
 
     def pad(x):
@@ -100,10 +87,27 @@ def _exchange(pieces: list[torch.Tensor], receive_lens: list[int], dim: int, sp:
         shape[dim] = longest - x.shape[dim]
         return torch.cat([x, x.new_zeros(shape)], dim=dim).contiguous()
 
-    padded = [pad(p) for p in pieces]
-    outputs = [torch.empty_like(padded[0]) for _ in range(sp.size)]
-    got = all_to_all(outputs, padded, group=sp.group)
+    got = _AllToAll.apply(sp.group, *[pad(p) for p in pieces])
     return [g.narrow(dim, 0, n) for g, n in zip(got, receive_lens)]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Piece j to rank j of ``group``, on any backend (``dist.all_to_all``: gloo runs it too). torch's own
+    ``torch.distributed.nn.functional.all_to_all`` plays it with ``scatter`` under gloo and passes group ranks
+    where global ones are due, so it fails in any group but the one holding rank 0 (two replicas of S = 2)."""
+
+    @staticmethod
+    def forward(ctx, group, *pieces):
+        ctx.group = group
+        out = [torch.empty_like(p) for p in pieces]
+        dist.all_to_all(out, list(pieces), group=group)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        back = [torch.empty_like(g) for g in grads]
+        dist.all_to_all(back, [g.contiguous() for g in grads], group=ctx.group)
+        return (None, *back)
 
 
 class _SumScored(torch.autograd.Function):
@@ -121,24 +125,6 @@ class _SumScored(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (grad * ctx.scale if ctx.scale != 1.0 else grad), None, None
-
-
-class _SumPieces(torch.autograd.Function):
-    """Forward: the SP group's sum of disjoint pieces (each rank's tower output placed in the full table).
-    Backward: the SUM of every rank's gradient of the table, since each rank used a different part of it."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 # ---- attention -------------------------------------------------------------------------------------------------
@@ -179,86 +165,6 @@ class SequenceParallelPlan:
         return torch.cat(back, dim=1)
 
 
-# ---- vision tower sharded by frames ----------------------------------------------------------------------------
-
-
-def _tower_output(result):
-    """(merged embeddings, deepstack list or None) from a vision tower's output (transformers 5.x or a tuple)."""
-    if hasattr(result, "pooler_output"):
-        return result.pooler_output, getattr(result, "deepstack_features", None)
-    if isinstance(result, tuple):
-        return result[0], (list(result[1]) if len(result) > 1 else None)
-    return result, None
-
-
-def _modality_embeddings(model, pixels, grid, sp: SequenceParallel, split_time: bool):
-    """The tower's embeddings of every item of one modality (and Qwen3-VL's deepstack features), computed with
-    each rank running its share: temporal patches split across ranks for videos, whole items for images."""
-    visual = unwrap(model).model.visual
-    merge = visual.spatial_merge_size
-    grid_rows = grid.tolist()
-    patch_start, token_start = [], []
-    p = k = 0
-    for t, h, w in grid_rows:
-        patch_start.append(p)
-        token_start.append(k)
-        p += t * h * w
-        k += t * h * w // (merge * merge)
-    total_tokens = k
-    pieces = []  # (patch rows, sub-grid, token rows) of this rank
-    for i, (t, h, w) in enumerate(grid_rows):
-        if split_time:
-            start, end = shard_bounds(t, sp.size)[sp.rank] if t >= sp.size else \
-                ((0, t) if sp.rank == i % sp.size else (0, 0))
-        else:
-            start, end = (0, t) if sp.rank == i % sp.size else (0, 0)
-        if end > start:
-            per_t = h * w
-            rows = slice(patch_start[i] + start * per_t, patch_start[i] + end * per_t)
-            tokens = slice(token_start[i] + start * per_t // (merge * merge), token_start[i] + end * per_t // (merge * merge))
-            pieces.append((rows, [end - start, h, w], tokens))
-    trains = any(p.requires_grad for p in visual.parameters())
-    hidden = text_config(model).hidden_size
-    dtype = next(visual.parameters()).dtype
-    table = pixels.new_zeros(total_tokens, hidden, dtype=dtype)
-    deep_tables = None
-    with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
-        if pieces:
-            local_pixels = torch.cat([pixels[r] for r, _, _ in pieces]).to(dtype)
-            local_grid = torch.tensor([g for _, g, _ in pieces], dtype=grid.dtype, device=grid.device)
-            embeds, deep = _tower_output(visual(local_pixels, grid_thw=local_grid))
-        else:  # no share here (fewer temporal patches or images than ranks): the tower still runs once, on a
-            # minimal dummy input whose output enters as exactly 0, so every rank makes the same module calls
-            # (ZeRO-3 gathers parameters per call) and the backward reaches the tower on every rank
-            from app.grouping.vision.calls import _zero_of
-            from app.grouping.vision.passes import dummy_vision_input
-
-            dummy_pixels, dummy_grid = dummy_vision_input(visual)
-            zero = _zero_of(visual(dummy_pixels.to(pixels.device, dtype), grid_thw=dummy_grid.to(grid.device)))
-            if zero is not None:
-                table = table + zero.to(table.dtype)
-    if pieces:
-        table = table.to(embeds.dtype)
-        index = torch.cat([torch.arange(t.start, t.stop, device=embeds.device) for _, _, t in pieces])
-        table = table.index_copy(0, index, embeds)
-        if deep is not None:
-            deep_tables = [table.new_zeros(total_tokens, d.shape[-1]).index_copy(0, index, d) for d in deep]
-    deep_count = _deepstack_count(visual)
-    if deep_tables is None and deep_count:
-        deep_tables = [table.new_zeros(total_tokens, hidden) for _ in range(deep_count)]
-    if trains and torch.is_grad_enabled():  # a rank without frames still joins the backward's all-reduce
-        table = table if table.requires_grad else table.requires_grad_()
-        deep_tables = deep_tables and [d if d.requires_grad else d.requires_grad_() for d in deep_tables]
-    table = _SumPieces.apply(table, sp.group)
-    if deep_tables is not None:
-        deep_tables = [_SumPieces.apply(d, sp.group) for d in deep_tables]
-    return table, deep_tables
-
-
-def _deepstack_count(visual) -> int:
-    return len(getattr(visual, "deepstack_visual_indexes", None) or getattr(visual.config, "deepstack_visual_indexes", None) or [])
-
-
 # ---- the forward ---------------------------------------------------------------------------------------------
 
 
@@ -274,20 +180,26 @@ def sequence_parallel_logprobs(model, prompts: Mapping, completion_ids: torch.Te
 def sequence_parallel_scores(model, prompts: Mapping, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                              group_sizes: Sequence[int] | int, sp: SequenceParallel, *, backend: str | None = None,
                              temperature: float = 1.0, return_entropy: bool = False,
-                             vision_calls: Sequence[str] | None = None, chunk_size: int = 1024):
+                             vision_calls: Sequence[str] | None = None, chunk_size: int = 1024,
+                             families: Sequence[int] | None = None):
     """``completion_logprobs``'s ``CompletionScores`` (log-probs, mask, layout, entropy on request), computed
     sequence-parallel: equal on every rank of ``sp``. ``vision_calls``: as ``completion_logprobs`` (the tower
     calls agreed over the world under ZeRO-3; each rank of ``sp`` makes one call per modality either way).
-    ``chunk_size``: as ``completion_logprobs`` (> 0: the output head never holds [tokens, vocab] logits)."""
+    ``chunk_size``: as ``completion_logprobs`` (> 0: the output head never holds [tokens, vocab] logits).
+    ``families``: as ``completion_logprobs`` (questions sharing a video: the family's row, V and its media once)."""
+    from app.grouping.layout import normalize_group_sizes
     from app.grouping.logprobs import CompletionScores
     from app.grouping.vision.calls import aligned_vision_calls
 
-    def work():
-        return _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, group_sizes, sp=sp,
-                                          backend=backend, temperature=temperature, return_entropy=return_entropy,
-                                          chunk_size=chunk_size)
+    sizes = normalize_group_sizes(group_sizes, prompts["input_ids"].shape[0], completion_ids.shape[0])
+    layout, vision = family_layout(unwrap(model), prompts, completion_mask, sizes, families)
 
-    with aligned_vision_calls(model, prompts, vision_calls):
+    def work():
+        return _sequence_parallel_forward(model, prompts, completion_ids, layout, sp=sp, backend=backend,
+                                          temperature=temperature, return_entropy=return_entropy,
+                                          chunk_size=chunk_size, vision=vision)
+
+    with aligned_vision_calls(model, prompts if vision is None else vision, vision_calls):
         logprobs, entropy, layout = _through_wrapper(model, work)
     return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), layout=layout, entropy=entropy)
 
@@ -311,13 +223,9 @@ def _through_wrapper(model, work):
     return (logprobs, *kept["result"][1:])
 
 
-def _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, group_sizes, *, sp, backend,
-                               temperature, return_entropy, chunk_size):
-    from app.grouping.layout import normalize_group_sizes
-
+def _sequence_parallel_forward(model, prompts, completion_ids, layout: GroupLayout, *, sp, backend, temperature,
+                               return_entropy, chunk_size, vision):
     inner = unwrap(model)
-    sizes = normalize_group_sizes(group_sizes, prompts["input_ids"].shape[0], completion_ids.shape[0])
-    layout = GroupLayout.from_masks(prompts["attention_mask"], completion_mask, sizes)
     device = completion_ids.device
     set_text_attention(model, attention.ATTENTION_NAME)
     total = layout.total_len
@@ -326,15 +234,18 @@ def _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, 
     plan = SequenceParallelPlan(attention.GroupedAttentionPlan(layout, backend or attention.default_backend(device)),
                                 sp, bounds)
     input_ids = layout.pack(prompts["input_ids"], completion_ids)
-    positions = packed_positions(layout, prompt_positions(inner, prompts["input_ids"], prompts["attention_mask"],
-                                                          prompts))
+    prompt_pos = prompt_positions(inner, prompts["input_ids"], prompts["attention_mask"], prompts)
+    if layout.shares:
+        check_shared_positions(layout, prompt_pos)
+    positions = packed_positions(layout, prompt_pos)
     check_max_positions(positions, getattr(text_config(model), "max_position_embeddings", None), layout)
     local_ids = input_ids[start:end]
     embeds = inner.get_input_embeddings()(local_ids[None])
     extra = {}
     config = inner.config
     if getattr(config, "vision_config", None) is not None:
-        embeds, extra = _insert_vision(model, prompts, input_ids, (start, end), embeds, sp)
+        embeds, extra = insert_vision(model, prompts if vision is None else vision, input_ids, (start, end), embeds,
+                                      sp)
     local_positions = positions[..., start:end]
     if local_positions.shape[0] == 1:
         local_positions = local_positions[0]
@@ -367,45 +278,3 @@ def _sequence_parallel_forward(model, prompts, completion_ids, completion_mask, 
             dist.all_reduce(entropy, group=sp.group)
             entropy = layout.unpack_completion_tokens(entropy)
     return logprobs, entropy, layout
-
-
-def _insert_vision(model, prompts, input_ids, shard: tuple[int, int], embeds, sp):
-    """The shard's placeholder tokens (positions ``shard`` = (start, end) of the row) replaced by their tower
-    embeddings (computed frame-sharded); for Qwen3-VL also the shard's deepstack inputs."""
-    start, end = shard
-    inner = unwrap(model)
-    config = inner.config
-    local = input_ids[start:end]
-    masks, deep_parts = {}, {}
-    embeds = embeds[0]
-    for kind, token_key, pixel_key, grid_key in (("image", "image_token_id", "pixel_values", "image_grid_thw"),
-                                                 ("video", "video_token_id", "pixel_values_videos", "video_grid_thw")):
-        if prompts.get(grid_key) is None:
-            continue
-        table, deep = _modality_embeddings(model, prompts[pixel_key], prompts[grid_key], sp, split_time=kind == "video")
-        token = getattr(config, token_key)
-        before = int((input_ids[:start] == token).sum())
-        mask = local == token
-        count = int(mask.sum())
-        if int((input_ids == token).sum()) != table.shape[0]:
-            raise LayoutError(f"the packed row has {int((input_ids == token).sum())} {kind} tokens but the tower "
-                              f"gave {table.shape[0]} embeddings")
-        rows = table[before : before + count].to(embeds.dtype)
-        embeds = embeds.masked_scatter(mask[:, None], rows)
-        masks[kind] = mask
-        if deep is not None:
-            deep_parts[kind] = [d[before : before + count] for d in deep]
-    extra = {}
-    if deep_parts:
-        visual = torch.zeros_like(local, dtype=torch.bool)
-        for mask in masks.values():
-            visual = visual | mask
-        layers = len(next(iter(deep_parts.values())))
-        joint = []
-        for layer in range(layers):
-            rows = embeds.new_zeros(int(visual.sum()), embeds.shape[-1])
-            for kind, parts in deep_parts.items():
-                rows[masks[kind][visual]] = parts[layer].to(rows.dtype)
-            joint.append(rows)
-        extra = {"visual_pos_masks": visual[None], "deepstack_visual_embeds": joint}
-    return embeds[None], extra

@@ -102,10 +102,12 @@ def forward_flops(shape: Shape, work: Workload, backend: str) -> dict:
 
 
 def train_flops(shape: Shape, work: Workload, backend: str, *, checkpointing: bool, chunk: int,
-                deepspeed_linear: bool = False) -> dict:
+                deepspeed_linear: bool = False, weight_grads: bool = True) -> dict:
     """Forward+backward FLOPs of the policy update over one micro-batch: the backward is twice the forward for
     matmuls and 2.5 times for fused attention; checkpointing runs each layer's forward again but its last matmul
     (all of it with ``deepspeed_linear``); the chunked head (``chunk`` > 0) recomputes its logits in the backward.
+    ``weight_grads`` False (LoRA: the base weights frozen): the matmuls' backward computes the input's gradient
+    only, once the forward (the adapters' own FLOPs are rank / hidden of it: left out).
 
     ``deepspeed_linear``: ``torch.nn.functional.linear`` is DeepSpeed's ZeRO-3 replacement, which loading a model
     under ZeRO-3 installs for the rest of the process (``app.runtime.zero``)."""
@@ -116,7 +118,8 @@ def train_flops(shape: Shape, work: Workload, backend: str, *, checkpointing: bo
     # linear is an autograd function that saves its inputs AFTER its matmul, so under it that matmul runs again too.
     last = 0.0 if deepspeed_linear else shape.hidden * shape.intermediate / shape.layer_matmul_params
     recompute = f["linear"] * (1 - last) if checkpointing else 0.0
-    linear = 3 * f["linear"] + recompute + (4 if chunk else 3) * f["head"]
+    backward = 2 if weight_grads else 1
+    linear = (1 + backward) * f["linear"] + recompute + (backward + (2 if chunk else 1)) * f["head"]
     # fused attention backward recomputes the scores: 5 matmuls against the forward's 2 (torch's flop_counter)
     attention = 3.5 + again
     return {"total": linear + attention * f["attention"], "total_causal": linear + attention * f["attention_causal"]}

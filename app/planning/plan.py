@@ -1,7 +1,8 @@
 """Plan a run before launching it: memory per rank, FLOPs and time per step, and whether it fits.
 
     scripts/plan.sh CONFIG.yaml [section.key=value ...] [--nodes 1] [--gpus-per-node 8] [--gpu-memory-gib 80]
-                    [--peak-tflops 989] [--efficiency 0.4] [--model PRESET|DIR] [--frames N] [--out DIR]
+                    [--peak-tflops 989] [--bandwidth-tbs 3.35] [--calibration KEY=VALUE ...] [--videos N]
+                    [--model PRESET|PRESET@LAYERS|DIR] [--frames N] [--out DIR]
 
 It reads the config the trainer reads (same keys, same errors) and the model's shape from ``model.path`` when that
 is a checkpoint here, else from the preset its name matches (``configs/models``), or ``--model``. Nothing is
@@ -20,16 +21,27 @@ from pathlib import Path
 from app.config.loading import ConfigError, load_config
 from app.planning import shapes
 from app.planning.costs import GiB
-from app.planning.planner import (
-    PlanError,
-    World,
-    largest_frames,
-    model_of,
-    model_source,
-    plan,
-    remedies,
-    sequence_parallel_sizes,
-)
+from app.planning.planner import PlanError, World, model_of, model_source, plan, sequence_parallel_sizes
+from app.planning.remedies import largest_frames, remedies
+
+
+def calibration_of(pairs: list[str]):
+    """--calibration KEY=VALUE ... -> a Calibration (an unknown key or a bad value named)."""
+    from app.planning.timing import calibration_from
+
+    values = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        try:
+            values[key] = float(value) if sep else None
+        except ValueError:
+            values[key] = None
+        if values[key] is None:
+            raise PlanError(f"--calibration {pair!r}: expected KEY=NUMBER")
+    try:
+        return calibration_from(values)
+    except ValueError as error:
+        raise PlanError(f"--calibration: {error}") from None
 
 
 def _gib(value: float) -> str:
@@ -81,17 +93,53 @@ def report(result: dict, frames_by_size: dict, fixes: list[dict]) -> str:
         lines.append(f"    {phase:<18}{g / 1e12:10.1f}TF{rep / 1e12:10.1f}TF{ratio}")
     total_g, total_r = sum(grouped.values()), sum(repeated.values())
     lines.append(f"    {'total':<18}{total_g / 1e12:10.1f}TF{total_r / 1e12:10.1f}TF{total_g / total_r:8.3f}")
-    sec = result["step_seconds"]
-    lines.append(f"  step time per rank at {result['world']['peak_tflops']:g} TFLOP/s x {result['world']['efficiency']:.0%}: "
-                 f"grouped {sec['grouped']:.1f} s, repeated {sec['repeated']:.1f} s "
-                 f"({result['prompts_per_rank']} prompt(s) per rank)")
+    lines += [f"WARNING: {w}" for w in result.get("warnings", [])]
+    lines += ["", *time_table(result)]
+    lines += ["", *disk_lines(result["disk"])]
     lines += ["", "largest video that fits (frames at data.max_pixels), by sequence-parallel size S:"]
     lines.append("    " + ", ".join(f"S={size}: {frames if frames else 'none'}" for size, frames in frames_by_size.items()))
     if not result["fits"]:
         lines += ["", "to fit, change (each on top of the ones above it):"]
-        lines += [f"    {fix['change']:<58} peak {fix['peak_gib']:.1f} GiB{'  <- fits' if fix['fits'] else ''}"
+        lines += [f"    {fix['change']:<58} not available here: {fix['refused']}" if "refused" in fix else
+                  f"    {fix['change']:<58} peak {fix['peak_gib']:.1f} GiB{'  <- fits' if fix['fits'] else ''}"
                   for fix in fixes] or ["    nothing in the list fits; use more GPUs or fewer frames"]
+        if not any(fix.get("fits") for fix in fixes):
+            lines.append("    nothing in the list fits; use more GPUs or fewer frames")
     return "\n".join(lines)
+
+
+BOUNDS = {"tower": "FLOPs + attention calls", "prefill": "FLOPs", "decode": "bandwidth + launches",
+          "rollout_overhead": "fixed", "reference": "FLOPs", "old_policy": "FLOPs", "update": "FLOPs + per layer",
+          "weight_sync": "bandwidth", "rollout": "", "step": ""}
+
+
+def time_table(result: dict) -> list[str]:
+    """Seconds per phase on one rank, this layout against the TRL-style one ([P;Ri] rows, HF generate), and the
+    time per question (per group)."""
+    w = result["world"]
+    sec, other = result["phase_seconds"]["grouped"], result["phase_seconds"]["repeated"]
+    lines = [f"step time per rank, by phase (at {w['peak_tflops']:g} TFLOP/s and {w['bandwidth_tbs']:g} TB/s, the "
+             "calibration's efficiencies: docs/planner.md)",
+             f"    {'phase':<20}{'bound':<24}{'this config':>12}{'TRL-style':>12}"]
+    for phase in (*("tower", "prefill", "decode", "rollout_overhead"), "rollout", "reference", "old_policy", "update",
+                  "weight_sync", "step"):
+        if phase in ("rollout", "step") or sec[phase] or other[phase]:
+            label = f"  {phase}" if phase in ("tower", "prefill", "decode", "rollout_overhead") else phase
+            lines.append(f"    {label:<20}{BOUNDS[phase]:<24}{sec[phase]:>10.2f} s{other[phase]:>10.2f} s")
+    prompts = result["prompts_per_rank"]
+    lines.append(f"  per question ({prompts} per replica, k={result['questions']}): {sec['step'] / prompts:.2f} s "
+                 f"(TRL-style {other['step'] / prompts:.2f} s, {sec['step'] / other['step']:.2f}x)")
+    return lines
+
+
+def disk_lines(disk: dict) -> list[str]:
+    """What a checkpoint and the export take on disk, beside the free space where they go."""
+    gib = 2**30
+    free = f"{disk['free'] / gib:.1f} GiB free there" if disk["free"] is not None else "its disk could not be read"
+    verdict = "" if disk["free"] is None else ("  <- does not fit" if disk["need"] > disk["free"] else "  (fits)")
+    return [f"disk: a checkpoint {disk['checkpoint'] / gib:.1f} GiB, the export {disk['export'] / gib:.1f} GiB; "
+            f"train.output_dir {disk['output_dir']}: {disk['keep']} checkpoints kept + 1 being written + the export "
+            f"= {disk['need'] / gib:.1f} GiB, {free}{verdict}"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,8 +152,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-memory-gib", type=float, default=defaults.gpu_memory_gib)
     parser.add_argument("--peak-tflops", type=float, default=defaults.peak_tflops,
                         help="the device's dense bf16 peak (H100 SXM 989, H200 989, A100 312)")
-    parser.add_argument("--efficiency", type=float, default=defaults.efficiency,
-                        help="the share of the peak a step reaches (MFU)")
+    parser.add_argument("--bandwidth-tbs", type=float, default=defaults.bandwidth_tbs,
+                        help="the device's memory bandwidth in TB/s (H100 SXM 3.35, H200 4.8, A100-80GB 2.0)")
+    parser.add_argument("--link-tbs", type=float, default=defaults.link_tbs,
+                        help="between GPUs in TB/s, per direction (ZeRO-3 gathers during a rollout)")
+    parser.add_argument("--calibration", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="set step-time constants (app/planning/timing.py Calibration; each with its source in "
+                             "docs/planner.md), e.g. train_efficiency=0.35 rollout_s=0.5")
+    parser.add_argument("--videos", type=int, default=0,
+                        help="distinct videos among one replica's prompts of a step when fewer than its prompts "
+                             "(data asking a video several questions at k = 1; default: one per family)")
     parser.add_argument("--headroom", type=float, default=defaults.headroom,
                         help="the share of GPU memory a plan may fill")
     parser.add_argument("--model", default="", help="a preset (configs/models) or checkpoint folder")
@@ -115,12 +171,12 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     try:
         cfg = load_config(args.config, args.overrides)
-        world = World(args.nodes, args.gpus_per_node, args.gpu_memory_gib, args.peak_tflops, args.efficiency,
-                      args.headroom)
+        world = World(args.nodes, args.gpus_per_node, args.gpu_memory_gib, args.peak_tflops, args.bandwidth_tbs,
+                      args.link_tbs, args.headroom, calibration_of(args.calibration))
         if args.frames < 0:
             raise PlanError(f"--frames must be >= 0, got {args.frames}")
         source = model_source(cfg, args.model)
-        result = plan(cfg, world, source, frames=args.frames or None)
+        result = plan(cfg, world, source, frames=args.frames or None, videos=args.videos or None)
         sizes = sequence_parallel_sizes(model_of(source)[0], world.ranks)
         frames_by_size = {s: largest_frames(cfg, world, source, s) for s in sizes}
         fixes = [] if result["fits"] else remedies(cfg, world, source)

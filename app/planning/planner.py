@@ -1,6 +1,7 @@
 """The planner's model of a run: a training config and a world in, memory per rank, FLOPs per phase, step time
-and a verdict out (``plan``); the largest video that fits (``largest_frames``) and the changes that make a plan fit
-(``remedies``). The formulas are in ``app/planning/costs.py``; the command line is ``app/planning/plan.py``."""
+by phase, disk and a verdict out (``plan``). The memory formulas are ``app/planning/costs.py``, the step time's
+``app/planning/timing.py``, what to change when it does not fit ``app/planning/remedies.py``; the command line is
+``app/planning/plan.py``."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from app.planning import costs, flops, shapes
+from app.planning import costs, flops, shapes, timing
 from app.planning.costs import GiB, Shape, Workload
-from app.rollout.registry import memory_kind
+from app.rollout.registry import BASELINE_ENGINE, memory_kind
 
 TEXT_TOKENS = 200  # system prompt, question and template around the video (Video-R1's prompt is about 150)
 QUESTION_TOKENS = 180  # of those, what follows the video (question, options, instruction): a question's own part
@@ -28,9 +29,11 @@ class World:
     nodes: int = 1
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0
-    peak_tflops: float = 989.0  # H100 SXM dense bf16
-    efficiency: float = 0.4  # model FLOPs utilisation the step time assumes
+    peak_tflops: float = 989.0  # H100 SXM / H200 dense bf16
+    bandwidth_tbs: float = 3.35  # HBM bandwidth: H100 SXM 3.35, H200 4.8, A100-80GB 2.0
+    link_tbs: float = 0.45  # between GPUs (ZeRO-3 gathers): NVLink 4 on H100 / H200 about 0.45 per direction
     headroom: float = 0.9  # the share of GPU memory a plan may fill (CUDA context, fragmentation)
+    calibration: timing.Calibration = timing.CALIBRATION  # efficiencies and overheads (timing.SOURCES)
 
     @property
     def ranks(self) -> int:
@@ -40,18 +43,25 @@ class World:
         for name in ("nodes", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise PlanError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("gpu_memory_gib", "peak_tflops", "efficiency", "headroom"):
+        for name in ("gpu_memory_gib", "peak_tflops", "bandwidth_tbs", "link_tbs", "headroom"):
             if not getattr(self, name) > 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        for name, value in asdict(self.calibration).items():
+            if not value > 0:
+                raise PlanError(f"--calibration {name} must be > 0, got {value}")
 
 
 @lru_cache(maxsize=8)
 def model_of(source: str):
-    """(transformers config, parameter counts, the model on the meta device) of a preset name or checkpoint folder."""
+    """(transformers config, parameter counts, the model on the meta device) of a preset name, a preset cut to N
+    decoder layers and N vision blocks (``preset@N``: what a rehearsal at full width runs) or a checkpoint folder."""
     from transformers import AutoConfig
 
     if Path(source).is_dir():
         config = AutoConfig.from_pretrained(source)
+    elif "@" in source:
+        name, layers = source.split("@", 1)
+        config = shapes.hf_config(name, layers=int(layers), vision_layers=int(layers))
     else:
         config = shapes.hf_config(source)
     return config, shapes.count_parameters(config), shapes.meta_model(config)
@@ -60,10 +70,11 @@ def model_of(source: str):
 def model_source(cfg, override: str = "") -> str:
     """``--model``, else ``model.path`` when it is a checkpoint folder here, else the preset its name matches."""
     if override:
-        if Path(override).is_dir() or override in shapes.preset_names():
+        name, _, layers = override.partition("@")
+        if Path(override).is_dir() or (name in shapes.preset_names() and (not layers or layers.isdigit())):
             return override
-        raise PlanError(f"--model {override!r} is neither a checkpoint folder nor a preset; presets: "
-                        f"{', '.join(shapes.preset_names())}")
+        raise PlanError(f"--model {override!r} is neither a checkpoint folder nor a preset (or PRESET@LAYERS); "
+                        f"presets: {', '.join(shapes.preset_names())}")
     if (Path(cfg.model.path) / "config.json").is_file():
         return cfg.model.path
     preset = shapes.preset_for_path(cfg.model.path)
@@ -151,8 +162,10 @@ def sequence_parallel_sizes(config, ranks: int) -> list[int]:
     return allowed
 
 
-def plan(cfg, world: World, source: str, frames: int | None = None) -> dict:
-    """The whole prediction for one config, as a dict of bytes (per rank), FLOPs (per rank and step), seconds."""
+def plan(cfg, world: World, source: str, frames: int | None = None, videos: int | None = None) -> dict:
+    """The whole prediction for one config, as a dict of bytes (per rank), FLOPs (per rank and step), seconds per
+    phase (``timing``) and disk. ``videos``: distinct videos among a step's prompts of one replica when fewer than
+    its families (data that asks a video several questions at k = 1: the vision cache encodes each once)."""
     world.check()
     config, counts, meta = model_of(source)
     shape = costs.shape_of(config)
@@ -171,38 +184,77 @@ def plan(cfg, world: World, source: str, frames: int | None = None) -> dict:
         ranks=world.ranks, dtype_bytes=b, offload_optimizer=ds["offload_optimizer"],
         offload_param=ds["offload_param"]))
     gpu = world.gpu_memory_gib * GiB
-    rollout = rollout_memory(cfg, shape, counts, work, ds=ds, b=b, gpu=gpu)
+    rollout = rollout_memory(cfg, shape, counts, work, ds=ds, b=b, gpu=gpu, ranks=world.ranks)
     training = training_memory(cfg, shape, work, ds, b, gpu, tower_trains=tower_trains(cfg), trains_head=not lora)
     peak = states["total"] + max(rollout["total"], training["total"])
     usable = world.headroom * gpu
     flops = {layout: step_flops(cfg, shape, work, layout) for layout in ("grouped", "repeated")}
-    rate = world.peak_tflops * 1e12 * world.efficiency
-    per_rank = cfg.train.prompts_per_rank / size
-    seconds = {layout: sum(f.values()) * per_rank / rate for layout, f in flops.items()}
+    terms = {layout: timing.phase_terms(layout_cfg(cfg, layout), shape, counts, work, world, ds=ds, lora=lora,
+                                        tower_trains=tower_trains(cfg), backend=attention_backend(layout_cfg(cfg, layout)),
+                                        videos=videos) for layout in ("grouped", "repeated")}
+    seconds = {layout: timing.seconds(t, world.calibration) for layout, t in terms.items()}
     return {"model": source, "parameters": asdict(counts), "trainable": trainable, "shape": asdict(shape),
             "world": asdict(world), "ranks": world.ranks, "sequence_parallel": size, "zero": ds,
             "dtype_bytes": b, "frames": frames, "workload": asdict(work), "attention": attention_backend(cfg),
             "states": states, "rollout": rollout, "training": training, "peak": peak, "usable": usable,
-            "fits": peak <= usable, "flops_per_group": flops, "step_seconds": seconds,
+            "fits": peak <= usable, "flops_per_group": flops, "phase_seconds": seconds, "phase_terms": terms,
             "activations_by_layout": layout_activations(cfg, shape, work, b, trains_head=not lora),
-            "prompts_per_rank": cfg.train.prompts_per_rank}
+            "prompts_per_rank": cfg.train.prompts_per_rank, "questions": timing.rank_work(cfg, work).questions,
+            "disk": disk(cfg, counts, trainable, b, ds["stage"], lora), "warnings": plan_warnings(cfg, work)}
 
 
-def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: int, gpu: float) -> dict:
+def plan_warnings(cfg, work: Workload) -> list[str]:
+    """What the planned run would do that its author likely does not want."""
+    out = []
+    if work.prefix > cfg.data.max_prompt_length:
+        out.append(f"a prompt of about {work.prefix} tokens is over data.max_prompt_length="
+                   f"{cfg.data.max_prompt_length}: the trainer would skip every such record (raise it)")
+    return out
+
+
+def layout_cfg(cfg, layout: str):
+    """``cfg`` as the A/B's other side runs it: the repeated layout trains [P;Ri] rows and samples with HF generate
+    (each sample its own copy of the prompt; no questions share a video)."""
+    if layout == "grouped":
+        return cfg
+    return with_overrides(cfg, {"forward.grouping": "repeated", "rollout.engine": BASELINE_ENGINE,
+                                "data.questions_per_video": 1})
+
+
+def disk(cfg, counts, trainable: int, b: int, stage: int, lora: bool) -> dict:
+    """What a checkpoint and the final export take on disk (``checkpoint.save_bytes``, the trainer's own
+    estimate), and the free bytes where train.output_dir is (or would be)."""
+    from app.runtime.checkpoint import free_bytes, save_bytes
+
+    adapter = trainable if lora else 0
+    sizes = save_bytes(counts.total, trainable, b, stage, adapter=adapter, save_adapter=lora and cfg.lora.save_adapter)
+    try:
+        free = free_bytes(cfg.train.output_dir)
+    except OSError:
+        free = None
+    need = sizes["checkpoint"] * (cfg.train.keep_checkpoints + 1) + (sizes["export"] if cfg.train.export_hf else 0)
+    return {**sizes, "keep": cfg.train.keep_checkpoints, "need": need, "free": free,
+            "output_dir": cfg.train.output_dir}
+
+
+def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: int, gpu: float, ranks: int = 1) -> dict:
     """Bytes the rollout adds on one rank: gathered weights (ZeRO-3), the K/V cache, the prefill's working set, the
-    vision tower's pass, the sampling logits; or the share an engine reserves (vLLM)."""
-    prompts = cfg.train.prompts_per_rank
+    vision tower's pass, the sampling logits; or the share an engine reserves (vLLM). Under sequence parallelism a
+    rank samples its share of the replica's families (``timing.rank_work``: whole families spread over S)."""
+    rank = timing.rank_work(cfg, work)
+    prompts = min(rank.prompts, rank.families_here * rank.questions)
     kv_token = 2 * shape.kv_heads * shape.head_dim * shape.layers * b
     kind = memory_kind(cfg.rollout.engine)
     if kind in ("reserved", "none"):
         share = cfg.rollout.vllm_gpu_memory_utilization * gpu if kind == "reserved" else 0.0
         return {"engine_reserved": share, "total": share}
     gathered = 0.0
-    if ds["stage"] == 3:
+    if ds["stage"] == 3:  # what the gather adds to the rank's own partition (which the states count already)
         layer = b * counts.decoder_layer
         whole = b * counts.total
-        gathered = {"full": whole, "layerwise": whole - layer * (shape.layers - 1),
-                    "per_step": max(layer, b * shape.vocab * shape.hidden)}[cfg.rollout.zero3_gather]
+        held = {"full": whole, "layerwise": whole - layer * (shape.layers - 1),
+                "per_step": max(layer, b * shape.vocab * shape.hidden)}[cfg.rollout.zero3_gather]
+        gathered = max(0.0, held - whole / ranks)
     shared = kind == "shared_prefix"
     k = min(getattr(cfg.data, "questions_per_video", 1), prompts) if shared else 1  # questions sharing a video
     video = work.prefix - (work.question or QUESTION_TOKENS) if k > 1 else 0  # held once for k questions
@@ -303,72 +355,3 @@ def with_overrides(cfg, overrides: dict):
         section, name = key.split(".")
         setattr(getattr(cfg, section), name, value)
     return cfg
-
-
-def largest_frames(cfg, world: World, source: str, size: int, limit: int = 4096) -> int:
-    """The most frames (even, at the config's max_pixels) that fit with sequence parallelism ``size``; 0 if none."""
-    cfg = with_overrides(cfg, {"train.sequence_parallel_size": size})
-    if not plan(cfg, world, source, frames=2)["fits"]:
-        return 0
-    low, high = 1, limit // 2  # in temporal pairs of frames
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if plan(cfg, world, source, frames=2 * mid)["fits"] else (low, mid - 1)
-    return 2 * low
-
-
-REMEDIES = (  # (what to change, overrides), cheapest first
-    ("activation checkpointing", {"model.gradient_checkpointing": True}),
-    ("chunked prefill of 4096 positions", {"rollout.prefill_chunk_size": 4096}),
-    ("layer-by-layer ZeRO-3 gather in the rollout", {"rollout.zero3_gather": "layerwise"}),
-    ("sequence parallelism S=2", {"train.sequence_parallel_size": 2}),
-    ("sequence parallelism S=4", {"train.sequence_parallel_size": 4}),
-    ("sequence parallelism S=8", {"train.sequence_parallel_size": 8}),
-    ("frozen vision tower, 4 temporal patches per tower pass",
-     {"model.freeze_vision_tower": True, "forward.vision_chunk_frames": 4}),
-    ("LoRA rank 64", {"lora.rank": 64}),
-    ("ZeRO-3 with CPU offload", {"train.deepspeed_config": "deepspeed_configs/zero3_offload.json"}),
-)
-
-
-def already_done(cfg, overrides: dict) -> bool:
-    """Whether the config already has this change, or one that saves at least as much: the setting itself, a
-    sequence-parallel size as large, any LoRA rank (a larger one saves nothing), a prefill chunk as small, a
-    ZeRO-3 gather at most layer by layer."""
-    for key, value in overrides.items():
-        section, name = key.split(".")
-        current = getattr(getattr(cfg, section), name)
-        if key == "train.sequence_parallel_size":
-            done = current >= value
-        elif key == "lora.rank":
-            done = current > 0
-        elif key == "rollout.prefill_chunk_size":
-            done = 0 < current <= value
-        elif key == "rollout.zero3_gather":
-            done = current in ("layerwise", "per_step")
-        elif key == "forward.vision_chunk_frames":
-            done = 0 < current <= value
-        else:
-            done = current == value
-        if not done:
-            return False
-    return True
-
-
-def remedies(cfg, world: World, source: str) -> list[dict]:
-    """Each single change of ``REMEDIES`` that the config does not already have (``already_done``), applied on top
-    of the ones before it that were not enough, with the peak it gives; the first that fits ends the list."""
-    found, current = [], cfg
-    for name, overrides in REMEDIES:
-        if already_done(current, overrides):
-            continue
-        trial = with_overrides(current, overrides)
-        try:
-            result = plan(trial, world, source)
-        except PlanError:
-            continue
-        found.append({"change": name, "overrides": overrides, "peak_gib": result["peak"] / GiB, "fits": result["fits"]})
-        if result["fits"]:
-            break
-        current = trial
-    return found

@@ -54,20 +54,88 @@ class RolloutEngine:
 
 # ---- adapters ----------------------------------------------------------------------------------------------------
 class SharedInGroup(RolloutEngine):
-    """The ranks of a sequence-parallel group sample the same prompts with the same seeds; this makes sure they
-    train on the very same tokens: every rank gets the group's first rank's rollout, through ``share`` (a list of
-    tensors -> the first rank's, ``ParallelContext.same_in_group``)."""
+    """The ranks of a sequence-parallel group train on one rollout of the group's prompts. With ``group`` (a
+    ``ParallelContext`` of S > 1) the prompts are spread over the S ranks by whole families of questions sharing a
+    video (``spread``: balanced by prompt tokens), so each family's video is prefilled once in the group; each rank
+    samples its share and every rank gets the whole rollout in prompt order (``group.gather_in_group``). Every
+    sample draws from its prompt's own seed, so the tokens are those one rank would draw. Under ZeRO-3
+    (``collective``: the rollout's parameter gathers are collective) a rank left without a family samples the first
+    one again, discarded, to make the same collective calls. S = 1: the engine's own rollout."""
 
-    def __init__(self, inner: RolloutEngine, share: Callable[[list[torch.Tensor]], list[torch.Tensor]]):
-        self.inner, self.share, self.name = inner, share, inner.name
+    def __init__(self, inner: RolloutEngine, group=None, *, pad_id: int = 0, collective: bool = False):
+        self.inner, self.group, self.name = inner, group, inner.name
+        self.pad_id, self.collective = pad_id, collective
 
     def generate(self, prompts, group_size, seeds, sampling=None):
-        from app.rollout.generate import shared_rollout
+        from app.rollout.generate import STOP_REASONS, Rollout
 
-        return shared_rollout(self.inner.generate(prompts, group_size, seeds, sampling), self.share)
+        if self.group is None or self.group.sp.size == 1:
+            return self.inner.generate(prompts, group_size, seeds, sampling)
+        size, me = self.group.sp.size, self.group.sp.rank
+        owners = spread(prompts, size)
+        mine = [i for i, owner in enumerate(owners) if owner == me]
+        if mine:
+            rollout = self.inner.generate([prompts[i] for i in mine], group_size, [seeds[i] for i in mine], sampling)
+        else:
+            if self.collective:  # the same collective calls as the others: the first family again, discarded
+                first = [i for i, owner in enumerate(owners) if owner == owners[0]]
+                self.inner.generate([prompts[i] for i in first], group_size, [seeds[i] for i in first], sampling)
+            rollout = Rollout(torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long),
+                              torch.zeros(0, 0), [], [], 0, 0)
+        device = rollout.completion_ids.device
+        codes = torch.tensor([STOP_REASONS.index(r) for r in rollout.stop_reasons], dtype=torch.long, device=device)
+        counts = torch.tensor([*rollout.group_sizes, rollout.prefill_tokens, rollout.prompt_tokens], device=device)
+        parts = self.group.gather_in_group([rollout.completion_ids, rollout.completion_mask, rollout.logprobs, codes,
+                                            counts])
+        return _in_prompt_order(parts, owners, self.pad_id)
 
     def sync_weights(self, policy) -> int:
         return self.inner.sync_weights(policy)
+
+
+def spread(prompts, size: int) -> list[int]:
+    """Which rank of a sequence-parallel group of ``size`` samples each prompt: whole families (consecutive prompts
+    on the same media, ``EncodedPrompt.share``), the largest first to the least loaded rank (by prompt tokens)."""
+    from app.grouping.families import family_sizes
+
+    families, start = [], 0
+    for n in family_sizes([getattr(p, "share", None) for p in prompts]):
+        families.append(range(start, start + n))
+        start += n
+    load = [0] * size
+    owners = [0] * len(prompts)
+    weight = [sum(getattr(prompts[i], "length", 1) for i in f) for f in families]
+    for f in sorted(range(len(families)), key=lambda j: (-weight[j], j)):
+        rank = min(range(size), key=lambda r: (load[r], r))
+        load[rank] += weight[f]
+        for i in families[f]:
+            owners[i] = rank
+    return owners
+
+
+def _in_prompt_order(parts: list[list[torch.Tensor]], owners: list[int], pad_id: int):
+    """One ``Rollout`` from each rank's (ids, mask, log-probs, stop codes, counts), its groups back in prompt order."""
+    from app.rollout.generate import STOP_REASONS, Rollout
+
+    width = max(part[0].shape[1] if part[0].dim() == 2 else 0 for part in parts)
+    sizes = [part[4].tolist()[:-2] for part in parts]
+    taken = [0] * len(parts)
+    ids, mask, logprobs, reasons, group_sizes = [], [], [], [], []
+    for rank in owners:
+        k = taken[rank]
+        start = sum(sizes[rank][:k])
+        rows = slice(start, start + sizes[rank][k])
+        taken[rank] += 1
+        pad = width - parts[rank][0].shape[1]
+        ids.append(torch.nn.functional.pad(parts[rank][0][rows], (0, pad), value=pad_id))
+        mask.append(torch.nn.functional.pad(parts[rank][1][rows], (0, pad), value=0))
+        logprobs.append(torch.nn.functional.pad(parts[rank][2][rows], (0, pad), value=0.0))
+        reasons += [STOP_REASONS[c] for c in parts[rank][3][rows].tolist()]
+        group_sizes.append(sizes[rank][k])
+    return Rollout(completion_ids=torch.cat(ids), completion_mask=torch.cat(mask), logprobs=torch.cat(logprobs),
+                   group_sizes=group_sizes, stop_reasons=reasons,
+                   prefill_tokens=sum(int(part[4][-2]) for part in parts),
+                   prompt_tokens=sum(int(part[4][-1]) for part in parts))
 
 
 def prompt_identity(prompt) -> str:

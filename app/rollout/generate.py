@@ -55,20 +55,6 @@ class Rollout:
 STOP_REASONS = ("eos", "length", "stop_string")
 
 
-def shared_rollout(rollout: Rollout, share) -> Rollout:
-    """``rollout`` as ``share`` (a list of tensors -> the same list as one rank has it, e.g.
-    ``ParallelContext.same_in_group``) makes it: tokens, mask, log-probs, stop reasons, group sizes
-    and prefill count go as tensors."""
-    codes = torch.tensor([STOP_REASONS.index(r) for r in rollout.stop_reasons], dtype=torch.long)
-    counts = torch.tensor([*rollout.group_sizes, rollout.prefill_tokens, rollout.prompt_tokens], dtype=torch.long)
-    ids, mask, logprobs, codes, counts = share([rollout.completion_ids, rollout.completion_mask, rollout.logprobs,
-                                                codes, counts])
-    counts = counts.tolist()
-    return Rollout(completion_ids=ids, completion_mask=mask, logprobs=logprobs, group_sizes=counts[:-2],
-                   stop_reasons=[STOP_REASONS[c] for c in codes.tolist()], prefill_tokens=counts[-2],
-                   prompt_tokens=counts[-1])
-
-
 def _all_done(done_here: bool, synced: bool, device) -> bool:
     """True when every rank is done; ranks keep stepping together (ZeRO-3 gathers parameters collectively)."""
     if not synced:

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from app.rollout.base import EngineSetup, Recorded, RolloutEngine, SharedInGroup, prompt_identity
 
-__all__ = ["ENGINE_NAMES", "EngineSetup", "Recorded", "RolloutEngine", "SharedInGroup", "build_rollout_engine",
+__all__ = ["BASELINE_ENGINE", "ENGINE_NAMES", "EngineSetup", "Recorded", "RolloutEngine", "SharedInGroup", "build_rollout_engine",
            "memory_kind", "needs_engine_views", "prompt_identity"]
 
 ENGINE_NAMES = ("grouped", "hf", "vllm", "replay")  # rollout.engine and eval.engine: the one list
+BASELINE_ENGINE = "hf"  # what TRL-style trainers sample with (each sample its own copy of the prompt): the A/B's
 TRAINING_ONLY = ("replay",)  # engines evaluation cannot use (nothing was recorded for held-out questions)
 OWN_PROCESSOR = ("vllm",)  # engines that take the unexpanded prompt and the decoded media (EncodedPrompt.engine_view)
 # What an engine's rollout holds in GPU memory, for the planner (app/planning/plan.py): shared_prefix (one K/V of each prompt,

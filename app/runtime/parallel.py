@@ -110,27 +110,30 @@ class ParallelContext:
         """True on every rank once every rank is done (one collective)."""
         return self.agree_max([0.0 if done_here else 1.0])[0] == 0.0
 
-    def same_in_group(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``tensors`` as the SP group's first rank has them, on every rank of the group (rollouts: each rank
-        samples the same prompts with the same seeds, and this makes sure they train on the very same tokens).
-        Tensor collectives only (first the shapes, then each tensor on the backend's device: the GPU under nccl),
-        each result on its input's device and in its dtype; the other ranks' shapes may differ. A group of one
-        rank keeps its own."""
+    def gather_in_group(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Every rank's ``tensors`` (the same count on each, shapes and sizes free), per rank of the SP group in
+        group order, on every rank of it: shapes first, then each tensor padded to the largest and cut back. Tensor
+        collectives on the backend's device (the GPU under nccl); results on the input's device and dtype."""
         sp = self.sp
         if sp.size == 1:
-            return tensors
-        src = dist.get_global_rank(sp.group, 0)
+            return [tensors]
         device = local_device() if dist.get_backend() == "nccl" else torch.device("cpu")
         most = 4
         if any(t.dim() > most for t in tensors):
-            raise ValueError(f"same_in_group takes tensors of at most {most} dimensions")
+            raise ValueError(f"gather_in_group takes tensors of at most {most} dimensions")
         shapes = torch.tensor([[t.dim(), *t.shape, *[0] * (most - t.dim())] for t in tensors], dtype=torch.long,
                               device=device)
-        dist.broadcast(shapes, src=src, group=sp.group)
-        out = []
-        for t, row in zip(tensors, shapes.tolist()):
-            shape = row[1 : 1 + row[0]]
-            buffer = t.to(device).contiguous() if sp.rank == 0 else torch.empty(shape, dtype=t.dtype, device=device)
-            dist.broadcast(buffer, src=src, group=sp.group)
-            out.append(buffer.to(t.device))
+        every = [torch.empty_like(shapes) for _ in range(sp.size)]
+        dist.all_gather(every, shapes, group=sp.group)
+        rows = [s.tolist() for s in every]
+        out: list[list[torch.Tensor]] = [[] for _ in range(sp.size)]
+        for i, t in enumerate(tensors):
+            dims = rows[0][i][0]
+            largest = [max(r[i][1 + d] for r in rows) for d in range(dims)]
+            padded = torch.zeros(largest, dtype=t.dtype, device=device)
+            padded[tuple(slice(0, n) for n in t.shape)] = t.to(device)
+            parts = [torch.empty_like(padded) for _ in range(sp.size)]
+            dist.all_gather(parts, padded, group=sp.group)
+            for r, part in enumerate(parts):
+                out[r].append(part[tuple(slice(0, n) for n in rows[r][i][1 : 1 + dims])].to(t.device))
         return out

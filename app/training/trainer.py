@@ -231,7 +231,8 @@ def training_rollout_engine(t: GRPOTrainer):
         sleep_level=choose_sleep_level(cfg.rollout.vllm_sleep, t.device.type, everything_trains),
         vision_calls=lambda inputs: t.vision_calls(inputs, t.engine), replay_dir=cfg.rollout.replay_dir)
     engine = build_rollout_engine(cfg.rollout.engine, setup)
-    engine = SharedInGroup(engine, t.parallel.same_in_group)  # S = 1: each rank keeps its own
+    engine = SharedInGroup(engine, t.parallel, pad_id=t.tokenizer.pad_token_id,  # S = 1: each rank keeps its own
+                           collective=zero.zero_stage(t.ds_config) == 3)
     if cfg.rollout.record:
         engine = Recorded(engine, t.output_dir / "rollouts", sampling=setup.sampling)
     return engine

@@ -2,10 +2,13 @@
 forward on the same inputs, for every CPU attention backend.
 
 Argument: a JSON file {"family", "checkpoint", "videos", "kinds", "group_sizes", "out", "freeze_tower",
-"backends", "chunk_size"} (backends: default every CPU backend; chunk_size: the output head's, default 1024, 0 =
-whole logits). Every rank
-builds the same prompts and completions; rank 0 writes the largest relative log-prob and gradient differences
-(gradients: the SP ranks' parts summed) per backend, and which parameters got no gradient.
+"backends", "chunk_size", "plan", "families", "lora"} (backends: default every CPU backend; chunk_size: the output
+head's, default 1024, 0 = whole logits; plan + families: questions sharing a video, ``tests.test_families``'s
+prompts (per prompt the video it asks about, -1 text) packed as families, each compared with the one-rank forward of
+the same families AND the one-rank per-question forward (k = 1), under "k1_logprob" / "k1_grad"; lora: a LoRA rank,
+the base frozen; "flash" among the backends runs flash-attn's varlen call played by SDPA). Every rank builds the
+same prompts and completions; rank 0 writes the largest relative log-prob and gradient differences (gradients: the
+SP ranks' parts summed) per backend, and which parameters got no gradient.
 """
 
 from __future__ import annotations
@@ -31,23 +34,49 @@ def main(spec_path: str) -> None:
     if spec.get("freeze_tower"):
         for p in model.model.visual.parameters():
             p.requires_grad_(False)
-    prompts = prompt_batch(spec["family"], processor, spec["videos"], spec["kinds"])
+    if spec.get("lora"):
+        from app.config.sections import LoRAConfig
+        from app.runtime.lora import apply
+
+        apply(model, LoRAConfig(rank=spec["lora"], alpha=2.0 * spec["lora"]))
+        for p in model.parameters():  # adapters start at B = 0: give them values, so their gradients are not trivial
+            if p.requires_grad:
+                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(p.numel()))
+    families = spec.get("families")
     sizes = spec["group_sizes"]
-    lengths = [5, 9, 3, 7, 4, 8, 6, 2][: sum(sizes)]
+    if families:
+        from app.data.prompts import encode_prompts
+        from tests.test_families import family_conversations
+
+        prompts = encode_prompts(processor, family_conversations(spec["family"], spec["videos"], spec["plan"]))
+    else:
+        prompts = prompt_batch(spec["family"], processor, spec["videos"], spec["kinds"])
+    if "flash" in (spec.get("backends") or ()):
+        import types
+
+        from tests.test_attention import sdpa_varlen
+
+        sys.modules["flash_attn"] = types.SimpleNamespace(flash_attn_varlen_func=sdpa_varlen)
+    lengths = [5, 9, 3, 7, 4, 8, 6, 2, 5, 3, 7, 4][: sum(sizes)]
     ids, mask = random_completions(lengths, model.config.get_text_config().vocab_size, 0, seed=2)
     weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(3))
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     sp = SequenceParallel(rank=rank, size=size)
+
+    def one_rank(backend, families):
+        model.zero_grad(set_to_none=True)
+        scores = completion_logprobs(model, prompts, ids, mask, sizes, backend=backend, return_entropy=True,
+                                     families=families)
+        (scores.logprobs * weights).sum().backward()
+        return scores, {n: p.grad.clone() for n, p in params.items()}
+
     report = {}
     for backend in spec.get("backends") or usable_backends("cpu"):
-        model.zero_grad(set_to_none=True)
-        scores = completion_logprobs(model, prompts, ids, mask, sizes, backend=backend, return_entropy=True)
+        scores, ref_grads = one_rank(backend, families)
         ref = scores.logprobs
-        (ref * weights).sum().backward()
-        ref_grads = {n: p.grad.clone() for n, p in params.items()}
         model.zero_grad(set_to_none=True)
         mine = sequence_parallel_scores(model, prompts, ids, mask, sizes, sp, backend=backend, return_entropy=True,
-                                        chunk_size=spec.get("chunk_size", 1024))
+                                        chunk_size=spec.get("chunk_size", 1024), families=families)
         got = mine.logprobs
         (got * weights).sum().backward()
         grads = {}
@@ -61,7 +90,14 @@ def main(spec_path: str) -> None:
                            "grad": max_rel_diff(grads[worst], ref_grads[worst]), "worst": worst,
                            "no_grad": sorted(n for n in params if params[n].grad is None and
                                              ref_grads[n].abs().sum() > 0 and rank == 0),
-                           "masked_zero": bool((got.detach()[~mask.bool()] == 0).all())}
+                           "masked_zero": bool((got.detach()[~mask.bool()] == 0).all()),
+                           "shared_tokens": int(getattr(mine.layout, "shared_tokens", 0)),
+                           "adapters": sum(".lora_" in n for n in params), "params": len(params)}
+        if families:  # against the one-rank forward of each question on its own (k = 1)
+            k1, k1_grads = one_rank(backend if backend in ("split", "masked", "flash") else "split", None)
+            worst = max(params, key=lambda n: max_rel_diff(grads[n], k1_grads[n]))
+            report[backend].update(k1_logprob=max_rel_diff(got.detach(), k1.logprobs.detach()),
+                                   k1_grad=max_rel_diff(grads[worst], k1_grads[worst]), k1_worst=worst)
     if rank == 0:
         with open(spec["out"], "w") as f:
             json.dump({"size": size, "report": report}, f)

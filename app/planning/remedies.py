@@ -1,0 +1,94 @@
+"""What to change when a plan does not fit (``remedies``: cheapest first, each checked by the trainer's own config
+checks, so every printed change is one the trainer accepts), and the largest video that fits (``largest_frames``)."""
+
+from __future__ import annotations
+
+from app.planning.costs import GiB
+from app.planning.planner import PlanError, World, plan, with_overrides
+
+
+def largest_frames(cfg, world: World, source: str, size: int, limit: int = 4096) -> int:
+    """The most frames (even, at the config's max_pixels) that fit with sequence parallelism ``size``; 0 if none."""
+    cfg = with_overrides(cfg, {"train.sequence_parallel_size": size})
+    if not plan(cfg, world, source, frames=2)["fits"]:
+        return 0
+    low, high = 1, limit // 2  # in temporal pairs of frames
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if plan(cfg, world, source, frames=2 * mid)["fits"] else (low, mid - 1)
+    return 2 * low
+
+
+REMEDIES = (  # (what to change, overrides), cheapest first
+    ("activation checkpointing", {"model.gradient_checkpointing": True}),
+    ("chunked prefill of 4096 positions", {"rollout.prefill_chunk_size": 4096}),
+    ("layer-by-layer ZeRO-3 gather in the rollout", {"rollout.zero3_gather": "layerwise"}),
+    ("sequence parallelism S=2", {"train.sequence_parallel_size": 2}),
+    ("sequence parallelism S=4", {"train.sequence_parallel_size": 4}),
+    ("sequence parallelism S=8", {"train.sequence_parallel_size": 8}),
+    ("frozen vision tower, 4 temporal patches per tower pass",
+     {"model.freeze_vision_tower": True, "forward.vision_chunk_frames": 4}),
+    ("LoRA rank 64", {"lora.rank": 64}),
+    ("ZeRO-3 with CPU offload", {"train.deepspeed_config": "deepspeed_configs/zero3_offload.json"}),
+)
+
+
+def already_done(cfg, overrides: dict) -> bool:
+    """Whether the config already has this change, or one that saves at least as much: the setting itself, a
+    sequence-parallel size as large, any LoRA rank (a larger one saves nothing), a prefill chunk as small, a
+    ZeRO-3 gather at most layer by layer."""
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        current = getattr(getattr(cfg, section), name)
+        if key == "train.sequence_parallel_size":
+            done = current >= value
+        elif key == "lora.rank":
+            done = current > 0
+        elif key == "rollout.prefill_chunk_size":
+            done = 0 < current <= value
+        elif key == "rollout.zero3_gather":
+            done = current in ("layerwise", "per_step")
+        elif key == "forward.vision_chunk_frames":
+            done = 0 < current <= value
+        else:
+            done = current == value
+        if not done:
+            return False
+    return True
+
+
+def refusal(cfg) -> str | None:
+    """What the config checks (``app.config.checks.validate``, the trainer's own) say against ``cfg``, or None."""
+    from app.config.checks import validate
+    from app.config.fields import ConfigError
+
+    try:
+        validate(cfg)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def remedies(cfg, world: World, source: str) -> list[dict]:
+    """Each single change of ``REMEDIES`` that the config does not already have (``already_done``), applied on top
+    of the ones before it that were not enough, with the peak it gives; the first that fits ends the list. A change
+    the config checks refuse (sequence parallelism with rollout.tools, say) is listed with the checks' own words and
+    not applied: every change printed as a remedy is one the trainer accepts."""
+    found, current = [], cfg
+    for name, overrides in REMEDIES:
+        if already_done(current, overrides):
+            continue
+        trial = with_overrides(current, overrides)
+        refused = refusal(trial)
+        if refused is not None:
+            found.append({"change": name, "overrides": overrides, "refused": refused})
+            continue
+        try:
+            result = plan(trial, world, source)
+        except PlanError:
+            continue
+        found.append({"change": name, "overrides": overrides, "peak_gib": result["peak"] / GiB, "fits": result["fits"]})
+        if result["fits"]:
+            break
+        current = trial
+    return found

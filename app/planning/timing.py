@@ -1,0 +1,203 @@
+"""Step time by phase, each phase with the bound that limits it, from the model's shape, the run's settings and a
+calibration measured on GPUs (``Calibration``: every constant names its source).
+
+- **FLOP-bound** (at a share of the card's peak): the vision tower and the prefill in the rollout, the reference
+  and old-policy forwards, the policy update (LoRA's frozen weights get no weight gradient: its backward is one
+  forward of matmuls, not two).
+- **The tower's attention calls**: without flash-attn, transformers' Qwen vision attention runs one SDPA call per
+  window (Qwen2.5-VL) or per frame (Qwen2-VL, Qwen3-VL) of every block, a fixed cost per call: at 448 x 448 and 64
+  frames, 12,896 calls per pass of Qwen2.5-VL-7B's tower cut to 28 blocks.
+- **Bandwidth-bound decode**: each step reads the weights (at the card's measured copy bandwidth) and the K/V of
+  the prefixes and of the completions so far (our decode attention reads K/V at a lower share), plus a launch
+  cost per layer (a replayed CUDA graph, or eager steps where ZeRO-3 gathers during the rollout). HF generate
+  (rollout.engine=hf, the TRL-style A/B) prefills and reads G copies of each prompt and steps eagerly: planned with
+  the same constants, not fitted to a measured HF rollout.
+- **Overheads**: a fixed cost per rollout (gather, graph capture, collation, sampling), and per decoder layer of
+  every update pass (ZeRO-3's hooks, the optimizer step).
+
+Each phase is a sum of terms, a feature of the workload times one calibration constant (``phase_terms``), so the
+constants are fitted to the committed GPU points by ``app/bench/planning/calibrate.py`` (``docs/gpu/points.json``)
+and ``tests/test_planner_timing.py`` checks the fit at every point. Phases run per rank; under sequence
+parallelism the training forwards split over S ranks and the rollout's families spread over them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+from app.planning import flops
+from app.planning.costs import Shape, Workload
+from app.rollout.registry import memory_kind
+
+PHASES = ("tower", "prefill", "decode", "rollout_overhead", "reference", "old_policy", "update", "weight_sync")
+ROLLOUT_PHASES = ("tower", "prefill", "decode", "rollout_overhead")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Efficiencies (shares of the card's peak FLOP/s or bandwidth) and fixed costs of the step's phases."""
+
+    prefill_efficiency: float = 0.404  # the rollout's tower and prefill: share of peak FLOP/s
+    forward_efficiency: float = 0.226  # reference and old-policy forwards (the packed row, no gradient)
+    train_efficiency: float = 0.427  # the policy's forward and backward
+    tower_call_ms: float = 0.204  # one attention call of the vision tower (per window or frame of a block)
+    update_layer_s: float = 0.043  # per decoder layer and update pass: ZeRO-3 hooks, the optimizer step
+    rollout_s: float = 0.211  # per rollout: gather, graph capture, collation, sampling
+    weight_efficiency: float = 0.88  # decode: weights read at this share of the card's bandwidth
+    kv_efficiency: float = 0.0962  # decode: the prefixes' and completions' K/V read at this share
+    graph_launch_ms: float = 0.188  # decode: per layer and step, a replayed CUDA graph of the step
+    eager_launch_ms: float = 1.1  # decode: per layer and step, eager steps (ZeRO-3 gathering during the rollout)
+    link_efficiency: float = 0.7  # ZeRO-3 gathers during a rollout: share of the link's bandwidth (not measured)
+
+    def changed(self, **values) -> Calibration:
+        return replace(self, **values)
+
+
+SOURCES = {  # where each constant comes from (docs/gpu/points.json holds the numbers; calibrate.py fits them)
+    "prefill_efficiency": "fitted to the rollouts of the 4 H200 points (docs/gpu/points.json)",
+    "forward_efficiency": "fitted to the reference phases of the 4 H200 points",
+    "train_efficiency": "fitted to the update phases of the 4 H200 points",
+    "tower_call_ms": "fitted to the rollouts, references and updates of the 4 H200 points (the 4-layer full-model "
+                     "rehearsal runs the tower in every pass)",
+    "update_layer_s": "fitted to the update phases of the 4 H200 points (4 and 28 layers)",
+    "rollout_s": "fitted to the rollouts of the 4 H200 points",
+    "weight_efficiency": "the H200's measured copy bandwidth, 4.22 of 4.8 TB/s (docs/gpu/2026-11-26_h200_run2, "
+                         "decode part)",
+    "kv_efficiency": "the decode step at 8k and 16k prefixes, 9.64 and 10.66 ms (docs/gpu/2026-11-26_h200_run2): "
+                     "0.47 GB more K/V read per step cost 1.02 ms",
+    "graph_launch_ms": "the 8k decode step captured as a CUDA graph, 9.64 ms, less its weights and K/V reads, over "
+                       "28 layers (docs/gpu/2026-11-26_h200_run2)",
+    "eager_launch_ms": "the 8k decode step stepped eagerly, 36.3 ms, less its reads, over 28 layers (same run)",
+    "link_efficiency": "an assumption (nothing gathered across GPUs has been measured): NCCL all-gathers reach about "
+                       "70% of NVLink's bandwidth",
+}
+CALIBRATION = Calibration()
+
+
+def calibration_from(values: dict | None) -> Calibration:
+    """``CALIBRATION`` with ``values`` ({field: number}) set; an unknown field is named."""
+    names = {f.name for f in fields(Calibration)}
+    unknown = sorted(set(values or {}) - names)
+    if unknown:
+        raise ValueError(f"unknown calibration key(s) {unknown}; known: {sorted(names)}")
+    return CALIBRATION.changed(**{k: float(v) for k, v in (values or {}).items()})
+
+
+@dataclass(frozen=True)
+class Rank:
+    """What one rank does in a step (``rank_work``)."""
+
+    prompts: int  # the replica's prompts (train.prompts_per_rank)
+    questions: int  # k: questions per family
+    families_here: int  # families this rank samples (spread over the S ranks of its replica)
+    videos_here: int  # tower passes of this rank's rollout (a family's video once; the cache: each video once)
+    micro_batches: int
+    size: int  # S
+
+
+def rank_work(cfg, work: Workload, videos: int | None = None) -> Rank:
+    """This rank's share: the replica's prompts in families of k, whole families spread over its S ranks."""
+    prompts = cfg.train.prompts_per_rank
+    k = max(1, min(getattr(cfg.data, "questions_per_video", 1), prompts))
+    families = math.ceil(prompts / k)
+    size = cfg.train.sequence_parallel_size
+    here = math.ceil(families / size)
+    distinct = min(videos, families) if videos else families
+    cached = size == 1 and cfg.forward.vision_cache in ("step", "run")
+    video_passes = math.ceil(distinct / size) if cached else here
+    return Rank(prompts=prompts, questions=k, families_here=here, videos_here=video_passes if work.patches else 0,
+                micro_batches=max(1, prompts // cfg.train.groups_per_micro_batch), size=size)
+
+
+def tower_calls(shape: Shape, work: Workload, vision_attention: str) -> float:
+    """Attention calls of one pass of the tower over one video: one per block with flash-attn (varlen), else one
+    per window (Qwen2.5-VL's windowed blocks) or per frame of every block."""
+    if not work.patches or not shape.vision_depth:
+        return 0.0
+    if "flash" in vision_attention:
+        return float(shape.vision_depth)
+    temporal = max(1, work.temporal)
+    if shape.vision_full_blocks < 0:
+        return float(shape.vision_depth * temporal)
+    side = math.sqrt(work.patches / temporal) / shape.merge  # merged tokens on a frame's side
+    per_window = max(1, shape.vision_window // shape.merge // shape.patch)
+    windows = math.ceil(side / per_window) ** 2
+    full = shape.vision_full_blocks
+    return float(full * temporal + (shape.vision_depth - full) * temporal * windows)
+
+
+def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, lora: bool, tower_trains: bool,
+                backend: str, videos: int | None = None) -> dict:
+    """Per phase, {calibration constant: its coefficient} (seconds = sum of coefficient x constant, with the
+    efficiencies entering as their inverses: ``seconds``). FLOPs per rank over the card's peak, bytes over its
+    bandwidth, counts of calls, layers and rollouts."""
+    rank = rank_work(cfg, work, videos)
+    k, peak, bandwidth = rank.questions, world.peak_tflops * 1e12, world.bandwidth_tbs * 1e12
+    b = 2 if cfg.model.dtype == "bfloat16" else 4
+    calls = tower_calls(shape, work, cfg.model.vision_attention)
+    tower = flops.vision_flops(shape, work.patches, work.temporal)
+    family = Workload(prefix=work.prefix, completion=0, group_size=1, groups=k, questions=k,
+                      question=work.question if k > 1 else 0)
+    prefill = flops.forward_flops(shape, family, "flash")["total"] * rank.families_here
+    prompts_here = min(rank.prompts, rank.families_here * k)
+    samples, steps = prompts_here * work.group_size, work.completion
+    kv_token = 2 * shape.kv_heads * shape.head_dim * shape.layers * b
+    shared = work.prefix - work.question if k > 1 else 0
+    prefixes = rank.families_here * shared + prompts_here * (work.prefix - shared)
+    kind = memory_kind(cfg.rollout.engine)
+    copies = work.group_size if kind == "per_sample" else 1  # HF generate: every sample its own prompt copy
+    weights = b * (shape.layers * counts.decoder_layer + shape.vocab * shape.hidden)
+    kv = kv_token * (prefixes * copies + samples * steps / 2)  # the completions' own K/V: half their length
+    graph = (ds["stage"] != 3 or cfg.rollout.zero3_gather == "full") and copies == 1
+    tower_copies = 1 if cfg.forward.vision_cache in ("step", "run") and not tower_trains else copies
+    # ZeRO-3 gathering during the rollout (layerwise: each decoder layer per step; per_step: everything per step),
+    # what the other ranks hold crossing the link; "full" gathers once, before the rollout
+    share = 1 - 1 / world.ranks
+    gathered = {"full": weights, "layerwise": b * shape.layers * counts.decoder_layer,
+                "per_step": weights}.get(cfg.rollout.zero3_gather, 0.0) * share if ds["stage"] == 3 else 0.0
+    per_step_gather = 0.0 if cfg.rollout.zero3_gather == "full" else gathered
+    # the training forwards: every micro-batch's packed row, split over the S ranks
+    batches, size, mu = rank.micro_batches, rank.size, cfg.grpo.num_iterations
+    forward = flops.forward_flops(shape, work, backend)["total"] * batches / size
+    train = flops.train_flops(shape, work, backend, checkpointing=cfg.model.gradient_checkpointing,
+                              chunk=cfg.forward.logprob_chunk_size, deepspeed_linear=ds["stage"] == 3,
+                              weight_grads=not lora)["total"] * batches * mu / size
+    families_step = max(1.0, work.families) * batches / size  # tower passes of a training forward (no cache)
+    cached = cfg.forward.vision_cache in ("step", "run") and not tower_trains and size == 1
+    forward_calls = 0.0 if cached else calls * families_step
+    terms = {
+        "tower": {"prefill_efficiency": tower * rank.videos_here * tower_copies / peak,
+                  "tower_call_ms": calls * rank.videos_here * tower_copies / 1e3},
+        "prefill": {"prefill_efficiency": prefill * copies / peak},
+        "decode": {"weight_efficiency": steps * weights / bandwidth, "kv_efficiency": steps * kv / bandwidth,
+                   ("graph_launch_ms" if graph else "eager_launch_ms"): steps * shape.layers / 1e3,
+                   "link_efficiency": steps * per_step_gather / (world.link_tbs * 1e12)},
+        "rollout_overhead": {"rollout_s": 1.0, "link_efficiency": (gathered - per_step_gather) / (world.link_tbs * 1e12)},
+        "reference": ({"forward_efficiency": forward / peak, "tower_call_ms": forward_calls / 1e3}
+                      if cfg.grpo.beta > 0 else {}),
+        "old_policy": ({"forward_efficiency": forward / peak * mu, "tower_call_ms": forward_calls * mu / 1e3}
+                       if mu > 1 else {}),
+        "update": {"train_efficiency": train / peak,
+                   "tower_call_ms": (3 if tower_trains else 0 if cached else 1) * calls * families_step * mu / 1e3,
+                   "update_layer_s": shape.layers * batches * mu},
+        "weight_sync": {},
+    }
+    if kind == "reserved":  # vLLM: the weights pushed into the engine (LoRA: merged, whole), a device copy
+        terms["weight_sync"] = {"weight_efficiency": b * counts.total / bandwidth}
+    return terms
+
+
+def seconds(terms: dict, calibration: Calibration = CALIBRATION) -> dict:
+    """Seconds per phase (and ``rollout`` and ``step`` totals) from ``phase_terms``."""
+    values = asdict(calibration)
+    out = {}
+    for phase, parts in terms.items():
+        total = 0.0
+        for name, coefficient in parts.items():
+            value = values[name]
+            total += coefficient / value if name.endswith("efficiency") else coefficient * value
+        out[phase] = total
+    out["rollout"] = sum(out[p] for p in ROLLOUT_PHASES)
+    out["step"] = sum(out[p] for p in PHASES)
+    return out
