@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU acceptance in one command (also `make gpu-check`), within a time budget (default 6 minutes): the GPU-only tests,
-# training at real width (Qwen2.5-VL-7B / Qwen3-VL-8B layers), decoding at real width against HF generate and the
-# bandwidth limit, a rehearsal of the first real run through the launchers, and HF generate compiled. Each part has
+# GPU acceptance in one command (also `make gpu-check`), within a time budget (default 9 minutes): the 7B LoRA config
+# at all 28 layers through train.sh / plan.sh / eval.sh with the rollout's parts, against the TRL-style run and with
+# questions sharing a video, the planner beside each; decoding at real width (graph, compiled, eager) against HF
+# generate and the bandwidth limit. --parts also names: tests, train, rehearsal, hf_compiled. Each part has
 # its own time limit and prints one line of progress; docs/gpu/latest/report.json + report.md are written after every
 # part (docs/gpu/report.md indexes the runs).
 #   scripts/gpu_check.sh [--quick] [--budget SECONDS] [--parts tests,train,...] [--report DIR] [--raw DIR]

@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.grouping.decoding.decode import GroupedKVCache, decode_attention, decode_mode
+from app.grouping.decoding.decode import GroupedKVCache, decode_attention
 from app.grouping.decoding.prefill import attention_with_lse, attention_with_lse_matmul
+from app.grouping.decoding.static import decode_mode
 from app.rollout.generate import SamplingConfig, generate_groups
 from tests.helpers import load, prompt_batch, tokenizer_of
 
@@ -232,6 +233,6 @@ def test_a_static_step_never_waits_for_the_device(family, tiny_checkpoints, vide
         decoder.step(tokens)
         spy = _HostSyncs()
         with spy:
-            decoder._static_step()
+            decoder._runner()()
         decoder.close()
     assert spy.calls == [], f"the static step syncs with the host: {spy.calls}"

@@ -158,12 +158,15 @@ class RolloutConfig:
     tool_max_pixels: int = _f(50176, "get_frames: pixels per frame at most (min: data.min_pixels).")
     tool_zoom_max_pixels: int = _f(200704, "zoom: pixels of the cropped frame at most.")
     decode: str = _f("auto", "rollout.engine=grouped: the decode step. auto: on CUDA a static-shape step (own K/V "
-                     "in fixed buffers, finished samples stepping on masked) captured once per rollout as a CUDA "
-                     "graph and replayed (one launch per token instead of several per layer), eager steps on CPU and "
-                     "wherever DeepSpeed's hooks gather parameters during the rollout (ZeRO-3 with zero3_gather "
-                     "layerwise or per_step); graph: that, or an error where it cannot run; static: the static step "
-                     "without the graph; eager: steps whose batch shrinks as samples finish. Same samples in every "
-                     "mode, log-probs to float rounding.", choices=DECODE_MODES)
+                     "in fixed buffers, finished samples stepping on masked) captured as a CUDA graph once per shape "
+                     "bucket of the run (prompts' K/V capacity rounded up to 512 positions) and replayed in every "
+                     "later rollout, eager steps on CPU and wherever DeepSpeed's hooks gather parameters during the "
+                     "rollout (ZeRO-3 with zero3_gather layerwise or per_step); graph: that, or an error where it "
+                     "cannot run; compiled: the static step through torch.compile first (norms, rotary, activations "
+                     "and adds fused), compiled once per bucket, then captured on CUDA (not yet measured on a GPU, "
+                     "so not the default); static: the static step uncompiled and uncaptured; eager: steps whose "
+                     "batch shrinks as samples finish. Same samples in every mode, log-probs to float rounding.",
+                     choices=DECODE_MODES)
     zero3_gather: str = _f("full", "ZeRO-3 only: full gathers the policy's (and reference's) parameters once per "
                            "rollout and decodes with no collectives (fastest, needs the whole model in memory); "
                            "layerwise gathers all but the decoder layers once and each layer (one collective) when it "

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -98,6 +99,8 @@ class PromptStream:
     _runs: dict = field(default_factory=dict, repr=False)  # epoch -> (record indices, per index its run's bounds)
     _run_cache: tuple = field(default=(None, None), repr=False)  # (run id, its encoded results)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # held by every prefetch job while it works and by ``paused`` (a CUDA graph capture): no job runs meanwhile
+    _quiet: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def _order(self, epoch: int) -> list[int]:
         """This rank's record indices for ``epoch``; the last epoch's is kept (a shuffle of Video-R1-260k takes
@@ -256,16 +259,27 @@ class PromptStream:
                 self._pending.pop(stale).cancel()
             for run, records, _ in ahead:
                 if run not in self._pending and run != self._run_cache[0]:
-                    self._pending[run] = self._pool.submit(encode_run, self.processor, records, self.data_root,
-                                                           self.data_cfg, self.engine_views)
+                    self._pending[run] = self._pool.submit(self._quietly, encode_run, self.processor, records,
+                                                           self.data_root, self.data_cfg, self.engine_views)
             return
         for stale in [p for p in self._pending if p < self.position]:
             self._pending.pop(stale).cancel()
         for position in range(self.position, self.position + self.lookahead):
             if position not in self._pending:
                 self._pending[position] = self._pool.submit(
-                    encode_record, self.processor, self._record_at(position), self.data_root, self.data_cfg, None,
-                    self.engine_views)
+                    self._quietly, encode_record, self.processor, self._record_at(position), self.data_root,
+                    self.data_cfg, None, self.engine_views)
+
+    def _quietly(self, work, *args):
+        with self._quiet:
+            return work(*args)
+
+    @contextmanager
+    def paused(self):
+        """While inside, no prefetch job runs (the one under way is waited for): a CUDA graph being captured on this
+        process's device sees no other thread's device work (decoders, processors and libraries they call)."""
+        with self._quiet:
+            yield
 
     def close(self) -> None:
         """Stop the background workers (waiting for the encodes under way)."""

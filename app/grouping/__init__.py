@@ -24,7 +24,8 @@ from app.grouping.attention import (
     register,
     usable_backends,
 )
-from app.grouping.decoding.decode import DECODE_MODES, GroupedDecoder, decode_mode, idle_forward
+from app.grouping.decoding.decode import GroupedDecoder, idle_forward
+from app.grouping.decoding.static import DECODE_MODES, StaticSteps, decode_mode
 from app.grouping.forward import (
     DEFAULT_CHUNK_SIZE,
     MODES,
@@ -44,7 +45,7 @@ from app.grouping.vision.calls import MODALITIES, aligned_vision_calls, present_
 
 __all__ = [
     "ATTENTION_NAME", "BACKENDS", "attention_restored", "DECODE_MODES", "DEFAULT_CHUNK_SIZE", "MODALITIES", "MODES", "CompletionScores", "GroupLayout",
-    "GroupedAttentionPlan", "GroupedDecoder", "GroupingMismatchError", "LayoutError", "PrecisionComparison",
+    "GroupedAttentionPlan", "GroupedDecoder", "StaticSteps", "GroupingMismatchError", "LayoutError", "PrecisionComparison",
     "SelfCheck", "aligned_vision_calls", "compare_to_reference", "completion_logprobs", "continue_after_media",
     "decode_mode", "default_backend",
     "float32_forward", "grouped_attention", "idle_forward", "normalize_group_sizes", "present_vision_calls",

@@ -33,6 +33,7 @@ class EngineSetup:
     sleep_level: int = 0  # vLLM on a GPU (``vllm.choose_sleep_level``)
     vision_calls: Callable[[dict], Any] | None = None  # batch -> the vision calls every rank makes (ZeRO-3)
     replay_dir: str = ""
+    capture_guard: Callable[[], Any] | None = None  # a context manager factory: no other thread works on the device
     extra: dict = field(default_factory=dict)
 
 
@@ -87,7 +88,9 @@ class SharedInGroup(RolloutEngine):
         counts = torch.tensor([*rollout.group_sizes, rollout.prefill_tokens, rollout.prompt_tokens], device=device)
         parts = self.group.gather_in_group([rollout.completion_ids, rollout.completion_mask, rollout.logprobs, codes,
                                             counts])
-        return _in_prompt_order(parts, owners, self.pad_id)
+        whole = _in_prompt_order(parts, owners, self.pad_id)
+        whole.parts = dict(rollout.parts)  # where this rank's time went
+        return whole
 
     def sync_weights(self, policy) -> int:
         return self.inner.sync_weights(policy)

@@ -11,7 +11,7 @@ with grouped attention: the prompt's K/V is held once and each sample appends on
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,8 @@ from app.grouping import (
     unwrap,
     use_qwen_positions,
 )
+from app.grouping.decoding.clock import PartClock
+from app.grouping.decoding.static import dynamo_frames
 from app.rollout.sampling import (
     SamplingConfig,
     derive_seed,
@@ -50,6 +52,9 @@ class Rollout:
     stop_reasons: list[str]  # per completion: "eos", "stop_string" or "length"
     prefill_tokens: int  # prompt tokens the decoder processed in prefill
     prompt_tokens: int = 0  # the prompts' real tokens, each prompt once (prefill_tokens below it: a prefix reused)
+    # where the time went (``app.grouping.decoding.clock.PARTS``: seconds), the decode steps, the bytes one step
+    # reads, and what the kept static step did (captures, compiles, replays, recaptures): summed over draws
+    parts: dict = field(default_factory=dict)
 
 
 STOP_REASONS = ("eos", "length", "stop_string")
@@ -106,6 +111,8 @@ def generate_groups(
     prefill_chunk_size: int = 0,
     decode: str = "auto",
     families: Sequence[int] | None = None,
+    static_steps=None,
+    clock=None,
 ) -> Rollout:
     """Sample ``group_sizes[b]`` completions for each prompt b of a processor batch (left-padded).
 
@@ -120,6 +127,8 @@ def generate_groups(
     graph of a static-shape step on CUDA (unless ranks step in lock step under ZeRO-3), eager steps elsewhere.
     ``families``: runs of consecutive prompts that share a video (``app.grouping.families``): the grouped engine
     prefills it once for them and its decode steps read it once (``app.grouping.decoding.shared``); hf ignores it.
+    ``static_steps``: a run's ``app.grouping.StaticSteps`` (the static step captured or compiled once per shape bucket);
+    ``clock``: a ``PartClock`` the rollout's parts are timed on (``Rollout.parts``).
     """
     if engine not in DECODERS:
         raise ValueError(f"unknown generation engine {engine!r}; expected one of {ENGINES}")
@@ -139,7 +148,7 @@ def generate_groups(
     with aligned_vision_calls(model, prompts, vision_calls):  # acts on the first forward only: the prefill
         return DECODERS[engine](model, prompts, sizes, sampling, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id,
                                 synced=synced, generators=generators, prefill_chunk_size=prefill_chunk_size,
-                                decode=decode, families=families)
+                                decode=decode, families=families, static_steps=static_steps, clock=clock)
 
 
 class _Finish:
@@ -182,7 +191,7 @@ class _Finish:
 
 
 def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id, synced, generators,
-                      prefill_chunk_size=0, decode="auto", families=None) -> Rollout:
+                      prefill_chunk_size=0, decode="auto", families=None, static_steps=None, clock=None) -> Rollout:
     """Decode all samples together, each prompt prefilled once. The host looks at which samples finished only
     every ``CHECK_EVERY`` steps: finished samples then leave the batch (``GroupedDecoder.keep``) and, under ZeRO-3,
     the ranks agree whether all are done (every rank steps, idly once done, until all are).
@@ -198,8 +207,10 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
     ids = torch.full((count, limit), pad_id, dtype=torch.long, device=device)
     logprobs_out = torch.zeros(count, limit, device=device)
     rows = torch.arange(count, device=device)  # the decoder's batch -> sample index
-    decoder = GroupedDecoder(model, prompts, sizes, limit, prefill_chunk_size=prefill_chunk_size,
-                             synced=synced, decode=decode, families=families)  # each prompt (and its video) once
+    clock = clock if clock is not None else PartClock(device)
+    frames = dynamo_frames()
+    decoder = GroupedDecoder(model, prompts, sizes, limit, prefill_chunk_size=prefill_chunk_size, synced=synced,
+                             decode=decode, families=families, keep=static_steps, clock=clock)  # each prompt once
     logits, step, tick, done_here = decoder.logits, 0, 0, False
     seen = None  # the tokens of each sample's prompt and completion so far, for the repetition penalty
     if sampling.repetition_penalty != 1.0:
@@ -217,6 +228,7 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
                 ids[rows, step] = tokens
                 logprobs_out[rows, step] = torch.where(alive, logprobs, torch.zeros_like(logprobs))
                 finish.record(rows, tokens, step)
+                clock.lap("sampling")
                 step += 1
                 done_here = step == limit  # a local decision: this rank's limit
             # Every rank steps once per tick (really, or idly once done), so a schedule of looks by tick lines up
@@ -241,10 +253,17 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
                 decoder.idle_step()  # this rank is done; the others still gather parameters (ZeRO-3)
             else:
                 logits = decoder.step(tokens)
+                clock.count("decode_steps")
+            clock.lap("decode")
     finally:
         decoder.close()
     mask = finish.mask()
     width = mask.shape[1]
+    parts = {**clock.seconds(), "decode_steps": float(clock.counts["decode_steps"]),
+             "decode_bytes_per_step": decoder.bytes_per_step, "graph_replayed": float(decoder.replayed),
+             "compiled_frames": float(dynamo_frames() - frames),  # a new step's frames, or recompiles of a kept one
+             "recompiles": float(dynamo_frames() - frames) if decoder.mode == "compiled" and not decoder.made else 0.0,
+             **({f"kept/{k}": float(v) for k, v in static_steps.take().items()} if static_steps is not None else {})}
     return Rollout(
         completion_ids=ids[:, :width],
         completion_mask=mask,
@@ -253,6 +272,7 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
         stop_reasons=finish.reasons(),
         prefill_tokens=decoder.prefill_tokens,
         prompt_tokens=int(prompts["attention_mask"].sum()),
+        parts=parts,
     )
 
 
@@ -280,7 +300,8 @@ class _PenaliseRepeats:
         return repetition_penalised(scores, seen_tokens(input_ids, mask, scores.shape[-1]), self.penalty)
 
 
-def _hf_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id, generators, **_) -> Rollout:
+def _hf_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id, generators, clock=None,
+                 **_) -> Rollout:
     """Plain HF generate on the repeated batch (prompt and video copied per sample): the A/B baseline. The grouped
     decoder's own settings (lock step, chunked prefill, decode step) do not apply to it."""
     device = prompts["input_ids"].device
@@ -308,10 +329,12 @@ def _hf_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id,
         kwargs["logits_processor"] = processors
     if sampling.stop_strings:
         kwargs.update(stop_strings=list(sampling.stop_strings), tokenizer=tokenizer)
+    clock = clock if clock is not None else PartClock(device)
     try:
-        out = model.generate(**batch, **kwargs)
+        out = model.generate(**batch, **kwargs)  # prefill and decode in one call: timed as the decode
     finally:
         set_text_attention(model, previous)
+    clock.lap("decode")
     prompt_width = batch["input_ids"].shape[1]
     ids = out.sequences[:, prompt_width:]
     raw = torch.stack(out.logits, dim=1).float()
@@ -330,6 +353,7 @@ def _hf_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id,
         stop_reasons=finish.reasons(),
         prefill_tokens=int(batch["attention_mask"].sum()),
         prompt_tokens=int(prompts["attention_mask"].sum()),
+        parts={**clock.seconds(), "decode_steps": float(ids.shape[1])},
     )
 
 
@@ -360,4 +384,16 @@ def select_groups(rollouts: Sequence[Rollout], picks: Sequence[tuple[int, int]],
         stop_reasons=[reason for k, a, b in rows for reason in rollouts[k].stop_reasons[a:b]],
         prefill_tokens=sum(r.prefill_tokens for r in rollouts),
         prompt_tokens=sum(r.prompt_tokens for r in rollouts),
+        parts=summed_parts(rollouts),
     )
+
+
+def summed_parts(rollouts: Sequence[Rollout]) -> dict:
+    """Several rollouts' parts (a step's draws) added up; a decode step's bytes and whether a graph replayed are
+    the largest."""
+    out: dict = {}
+    for r in rollouts:
+        for key, value in r.parts.items():
+            out[key] = max(out.get(key, 0.0), value) if key in ("decode_bytes_per_step", "graph_replayed") else \
+                out.get(key, 0.0) + value
+    return out

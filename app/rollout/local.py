@@ -8,6 +8,8 @@ agreed across ranks) and the ranks decode in lock step (``synced``).
 from __future__ import annotations
 
 from app.data.prompts import collate_prompts
+from app.grouping import StaticSteps
+from app.grouping.decoding.clock import PartClock
 from app.grouping.families import family_sizes
 from app.rollout.base import EngineSetup, RolloutEngine
 from app.rollout.generate import Rollout, generate_groups
@@ -15,23 +17,36 @@ from app.runtime import zero
 
 
 class LocalEngine(RolloutEngine):
+    """The engine keeps, for the whole run, its static decode steps (``StaticSteps``: captured as a CUDA graph or
+    compiled once per shape bucket, replayed in every later rollout; captures run inside ``setup.capture_guard``,
+    the trainer's pause of its data-prefetch threads), and times each rollout's parts (``Rollout.parts``)."""
+
     def __init__(self, name: str, setup: EngineSetup):
         self.name, self.setup = name, setup
+        self.kept = StaticSteps(guard=setup.capture_guard)
 
     def generate(self, prompts, group_size: int, seeds, sampling=None) -> Rollout:
         s = self.setup
+        clock = PartClock(s.device)
         inputs = collate_prompts([p.inputs for p in prompts], s.pad_id, s.device)
         mode = getattr(s.rollout, "zero3_gather", "full")
         per_step = mode == "per_step"  # DeepSpeed's hooks stay on: the ranks' tower calls must agree
         vision_calls = s.vision_calls(inputs) if per_step and s.vision_calls is not None else None
         decode = decode_step(getattr(s.rollout, "decode", "auto"), zero.parameters_stay_put(s.policy, mode), mode)
         s.policy.eval()
+        clock.lap("prefill")  # collating the prompts
         with zero.gathered_for_inference(s.policy, mode) as (model, collective):
-            return generate_groups(model, inputs, group_size, sampling or s.sampling, tokenizer=s.tokenizer,
-                                   eos_ids=s.eos_ids, pad_id=s.pad_id, engine=self.name, synced=collective,
-                                   vision_calls=vision_calls, prompt_seeds=list(seeds),
-                                   prefill_chunk_size=getattr(s.rollout, "prefill_chunk_size", 0), decode=decode,
-                                   families=family_sizes([getattr(p, "share", None) for p in prompts]))
+            clock.lap("gather")
+            rollout = generate_groups(model, inputs, group_size, sampling or s.sampling, tokenizer=s.tokenizer,
+                                      eos_ids=s.eos_ids, pad_id=s.pad_id, engine=self.name, synced=collective,
+                                      vision_calls=vision_calls, prompt_seeds=list(seeds),
+                                      prefill_chunk_size=getattr(s.rollout, "prefill_chunk_size", 0), decode=decode,
+                                      families=family_sizes([getattr(p, "share", None) for p in prompts]),
+                                      static_steps=self.kept, clock=clock)
+            release = PartClock(s.device)
+        release.lap("gather")  # the parameters released (ZeRO-3: partitioned again)
+        rollout.parts["gather"] = rollout.parts.get("gather", 0.0) + release.seconds().get("gather", 0.0)
+        return rollout
 
 
 def decode_step(requested: str, parameters_stay_put: bool, gather_mode: str) -> str:
@@ -40,7 +55,7 @@ def decode_step(requested: str, parameters_stay_put: bool, gather_mode: str) -> 
     addresses)."""
     if parameters_stay_put:
         return requested
-    if requested in ("static", "graph"):
+    if requested in ("static", "graph", "compiled"):
         raise ValueError(f"rollout.decode={requested} needs the policy's parameters in place during the rollout; "
                          f"ZeRO-3 with rollout.zero3_gather={gather_mode} gathers them during every forward. Use "
                          "rollout.zero3_gather=full or rollout.decode=auto")

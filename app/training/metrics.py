@@ -1,5 +1,6 @@
-"""What a GRPO step measured (``step_metrics``: each value declared with its reduction over ranks), the samples
-table, the groups' counts, and the stage timer (``timed``: wall seconds; on CUDA also the allocator's peak).
+"""What a GRPO step measured (``step_metrics``: each value declared with its reduction over ranks), the rollout's
+parts (``rollout_parts``), the samples table, the groups' counts, and the stage timers (``timed``: wall seconds; on
+CUDA also the allocator's peak; ``part_timer``: seconds added to a dict).
 """
 
 from __future__ import annotations
@@ -109,3 +110,45 @@ def timed(seconds: dict, key: str):
         seconds[key] = time.perf_counter() - start
         if cuda:
             seconds[f"peak_gib/{key}"] = torch.cuda.max_memory_allocated() / 2**30
+
+
+ROLLOUT_PARTS = ("gather", "tower", "prefill", "capture", "decode", "sampling", "scoring")  # engine's, then trainer's
+
+
+@contextmanager
+def part_timer(parts: dict, key: str):
+    """Adds the block's wall seconds to ``parts[key]`` (on CUDA after the device finished its work)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if cuda:
+            torch.cuda.synchronize()
+        parts[key] = parts.get(key, 0.0) + time.perf_counter() - start
+
+
+def rollout_parts(m: StepMetrics, parts: dict, seconds: dict, bandwidth_tb_s: float | None) -> None:
+    """Where ``time/rollout`` went: the engine's parts (weight gathering, the tower, the prefill, graph capture or
+    compilation, decode steps, sampling with the host's bookkeeping), the trainer's (waiting for data, scoring), and
+    ``rollout/other_s``, what none of them covers; the decode steps and their milliseconds; on CUDA the bytes a step
+    reads over its time against the card's nominal bandwidth; whether the step replayed a kept graph, and what the
+    kept steps did (captures, compiles, recompiles)."""
+    if not parts:
+        return
+    for name in ROLLOUT_PARTS:
+        m.mean(f"rollout/{name}_s", parts.get(name, 0.0))
+    accounted = sum(parts.get(name, 0.0) for name in ROLLOUT_PARTS) + seconds.get("data_wait", 0.0)
+    m.mean("rollout/other_s", seconds["rollout"] - accounted)
+    steps = parts.get("decode_steps", 0.0)
+    m.mean("rollout/decode_steps", steps)
+    per_step = parts.get("decode", 0.0) / steps if steps else 0.0
+    m.mean("rollout/decode_ms_per_step", 1e3 * per_step)
+    m.mean("rollout/graph_replayed", parts.get("graph_replayed", 0.0))
+    for key in ("captures", "compiles", "recaptures"):
+        m.sum(f"rollout/{key}", parts.get(f"kept/{key}", 0.0))
+    m.sum("rollout/recompiles", parts.get("recompiles", 0.0))
+    if bandwidth_tb_s and per_step and parts.get("decode_bytes_per_step"):
+        achieved = parts["decode_bytes_per_step"] / per_step / 1e12
+        m.mean("rollout/decode_tb_s", achieved)
+        m.mean("rollout/decode_vs_bandwidth_limit", bandwidth_tb_s / achieved)  # 1.0: at the card's bandwidth

@@ -24,6 +24,7 @@ import torch
 from app.config.loading import Config, ConfigError
 from app.data.records import EncodedPrompt
 from app.grouping import text_before_media, verify_grouping
+from app.grouping.decoding.clock import nominal_bandwidth
 from app.grouping.vision.cache import attach as attach_vision_cache
 from app.objectives.grpo import (
     GRPOLoss,
@@ -37,7 +38,7 @@ from app.rewards.rules import RewardSet
 from app.rollout.generate import Rollout, derive_seed, eos_token_ids
 from app.runtime import lora, parallel, zero
 from app.runtime.models import load_model
-from app.training.metrics import group_counts, sample_rows, step_metrics, timed
+from app.training.metrics import group_counts, part_timer, rollout_parts, sample_rows, step_metrics, timed
 from app.training.recipe import Recipe, run
 from app.training.trajectory import MicroBatch, Trajectory
 
@@ -99,11 +100,12 @@ class GRPOTrainer(Recipe):
         and batch positions), decoded and scored; with T-GRPO the video prompts again on shuffled frames."""
         seeds = [derive_seed(self.cfg.train.seed, step, self.parallel.dp_rank, draw, i) for i in range(len(prompts))]
         rollout = self.generate(prompts, seeds)
-        texts = self.decode(rollout.completion_ids, rollout.completion_mask)
-        shuffled = self.shuffled_rollouts(step, prompts) if self.cfg.rewards.temporal else None
-        records = [p.record for p, size in zip(prompts, rollout.group_sizes) for _ in range(size)]
-        scored = self.rewards.score(texts, records, rollout.group_sizes, rollout.completion_mask.sum(1).tolist(),
-                                    shuffled)
+        with part_timer(rollout.parts, "scoring"):  # texts, rewards (and T-GRPO's rollout on shuffled frames)
+            texts = self.decode(rollout.completion_ids, rollout.completion_mask)
+            shuffled = self.shuffled_rollouts(step, prompts) if self.cfg.rewards.temporal else None
+            records = [p.record for p, size in zip(prompts, rollout.group_sizes) for _ in range(size)]
+            scored = self.rewards.score(texts, records, rollout.group_sizes, rollout.completion_mask.sum(1).tolist(),
+                                        shuffled)
         return Trajectory(prompts, rollout, texts, scored.accuracy, scored.rewards,
                           torch.tensor(scored.total, dtype=torch.float32))
 
@@ -206,6 +208,7 @@ class GRPOTrainer(Recipe):
         self.data_metrics(m)
         m.mean("weight_sync/tensors", float(self.pushed_tensors))  # vLLM: all at the first push, then what changes
         self.vision_metrics(m)
+        rollout_parts(m, t.rollout.parts, seconds, nominal_bandwidth(self.device))
         values = m.reduce(self.parallel.dp_gather)
         values["tokens_per_second"] = values["tokens/policy_forward"] / max(seconds["policy"], 1e-9)
         every = self.cfg.logging.sample_table_every
@@ -229,7 +232,8 @@ def training_rollout_engine(t: GRPOTrainer):
         rollout=cfg.rollout, model_path=cfg.model.path, dtype=cfg.model.dtype, world=t.world,
         seed=cfg.train.seed, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_completion_length,
         sleep_level=choose_sleep_level(cfg.rollout.vllm_sleep, t.device.type, everything_trains),
-        vision_calls=lambda inputs: t.vision_calls(inputs, t.engine), replay_dir=cfg.rollout.replay_dir)
+        vision_calls=lambda inputs: t.vision_calls(inputs, t.engine), replay_dir=cfg.rollout.replay_dir,
+        capture_guard=t.stream.paused)
     engine = build_rollout_engine(cfg.rollout.engine, setup)
     engine = SharedInGroup(engine, t.parallel, pad_id=t.tokenizer.pad_token_id,  # S = 1: each rank keeps its own
                            collective=zero.zero_stage(t.ds_config) == 3)

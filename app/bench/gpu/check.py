@@ -3,13 +3,15 @@ line of progress per part, and the report (report.json + report.md) written afte
 
     scripts/gpu_check.sh [--quick] [--budget SECONDS] [--parts a,b] [--report DIR] [--raw DIR]
 
-Parts, in order (limits in seconds; a part never runs past what is left of ``--budget``, default 360):
+Parts, in order (limits in seconds; a part never runs past what is left of ``--budget``, default 540); without
+``--parts`` it runs ``full_depth`` and ``decode``:
 
 | part | what | limit |
 |---|---|---|
+| full_depth | app.bench.gpu.full_depth: the 7B LoRA config at 28 layers through train.sh (6 steps, the rollout's parts per step), plan.sh and eval.sh; the TRL-style run (repeated + HF generate, 2 steps); k = 4 against k = 1; the planner beside each | 420 |
 | tests | tests/test_gpu.py (GPU-only tests, wandb not needed) | 150 |
 | train | app.bench.gpu.real_shape: Qwen2.5-VL-7B / Qwen3-VL-8B width, 4 layers, 8k/16k prefixes | 75 |
-| decode | app.bench.gpu.decode: 7B width, 28 layers: decode step vs the bandwidth limit, rollouts vs HF | 90 |
+| decode | app.bench.gpu.decode: 7B width, 28 layers: the decode step (graph, compiled, eager) vs the bandwidth limit, rollouts vs HF | 90 |
 | rehearsal | app.bench.gpu.rehearsal: train.sh 3 GRPO steps + plan.sh + eval.sh at 7B width, 4 layers | 150 |
 | hf_compiled | app.bench.gpu.decode --hf-compiled-only --layers 4: HF generate, static cache + torch.compile | 70 |
 
@@ -43,6 +45,7 @@ class Part:
 
 
 PARTS = (
+    Part("full_depth", 420, ("app.bench.gpu.full_depth", "--out", "{raw}/full_depth"), quick_limit=900),
     Part("tests", 150, ("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py", "-rA",
                        "--junitxml", "{raw}/tests.xml")),
     Part("train", 75, ("app.bench.gpu.real_shape", "--out", "{raw}/gpu_real_shape")),
@@ -51,7 +54,8 @@ PARTS = (
     Part("hf_compiled", 70, ("app.bench.gpu.decode", "--hf-compiled-only", "--layers", "4", "--out",
                              "{raw}/gpu_decode_hf_compiled")),
 )
-DEFAULT_BUDGET = 360
+DEFAULT_BUDGET = 540  # 9 minutes: full_depth and decode (the others when named in --parts)
+DEFAULT_PARTS = ("full_depth", "decode")
 
 
 def last_error_line(log: Path) -> str:
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = Path(args.raw or ("outputs/gpu_quick" if args.quick else "outputs/gpu")).resolve()
     report = Path(args.report or ("outputs/gpu_quick/report" if args.quick else "docs/gpu/latest")).resolve()
     raw.mkdir(parents=True, exist_ok=True)
-    chosen = [p for p in PARTS if not args.parts or p.name in args.parts.split(",")]
+    chosen = [p for p in PARTS if p.name in (args.parts.split(",") if args.parts else DEFAULT_PARTS)]
     unknown = set(filter(None, args.parts.split(","))) - {p.name for p in PARTS}
     if unknown:
         parser.error(f"unknown part(s) {sorted(unknown)}; known: {[p.name for p in PARTS]}")

@@ -7,8 +7,9 @@ memory-bandwidth limit.
 The Qwen2.5-VL-7B class at full width (random weights made on the GPU), ``--layers`` decoder layers (default all
 28), bfloat16; one prompt of 8k or 16k tokens, G = 8 samples of exactly 64 or 256 new tokens, temperature 1:
 
-- **step**: one decode step of the grouped engine alone (no sampling), CUDA events over 64 steps after 3, for the
-  step captured as a CUDA graph (``decode="graph"``, the CUDA default) and for eager steps, beside the
+- **step**: one decode step of the grouped engine alone (no sampling), CUDA events over 64 steps after 3 (their
+  time, the capture or compilation, apart), for the step captured as a CUDA graph (``decode="graph"``, the CUDA
+  default), compiled then captured (``compiled``) and eager steps, beside the
   bandwidth limit of the same depth: the bytes a step must read (every weight the text model uses, the prefix K/V
   once for the group, the samples' own K/V) over the GPU's nominal bandwidth, and over the bandwidth a device copy
   measured here;
@@ -100,15 +101,17 @@ def step_time(model, prompts: dict, group: int, decode: str, steps: int) -> dict
     prefill = time.perf_counter() - start
     tokens = torch.full((group,), 1000, dtype=torch.long, device=dev)
     try:
+        start = time.perf_counter()
         for _ in range(3):
             decoder.step(tokens)
         sync(dev)
+        warmup = time.perf_counter() - start  # the graph's capture, the compiled step's compilation
         start = time.perf_counter()
         for _ in range(steps):
             decoder.step(tokens)
         sync(dev)
         per_step = (time.perf_counter() - start) / steps
-        return {"prefill_s": prefill, "step_ms": per_step * 1e3, "mode": decoder.mode,
+        return {"prefill_s": prefill, "warmup_s": warmup, "step_ms": per_step * 1e3, "mode": decoder.mode,
                 "graph": decoder.graph is not None, "graph_error": decoder.graph_error or ""}
     finally:
         decoder.close()
@@ -192,7 +195,7 @@ def run(out: Path, quick: bool = False, layers: int | None = None, hf_compiled: 
     for prefix in prefixes:
         prompts = prompt_of(prefix, dev)
         need = step_bytes(model, prefix, group, steps + 3)
-        for mode in (graph, "eager"):
+        for mode in (graph, "compiled", "eager"):  # compiled: fused by torch.compile, then captured on CUDA
             row = {"prefix": prefix, "decode": mode, **step_time(model, prompts, group, mode, steps),
                    "bytes_gb": need["total"] / 1e9}
             for key in ("nominal", "copy"):
@@ -261,11 +264,12 @@ def table(payload: dict) -> str:
              f"{payload['device']} (G={payload['group']}; nominal {bw['nominal_tb_s']:.2f} TB/s, a device copy "
              f"measured {bw['copy_tb_s']:.2f} TB/s)", "", "### One decode step (no sampling) against the bandwidth "
              "limit of the same depth", "",
-             markdown_table(payload["steps"], ["prefix", "decode", "graph", "prefill_s", "step_ms", "bytes_gb",
-                                               "limit_nominal_ms", "vs_limit_nominal", "limit_copy_ms",
+             markdown_table(payload["steps"], ["prefix", "decode", "graph", "prefill_s", "warmup_s", "step_ms",
+                                               "bytes_gb", "limit_nominal_ms", "vs_limit_nominal", "limit_copy_ms",
                                                "vs_limit_copy", "graph_error"],
-                            {k: ".3f" for k in ("prefill_s", "step_ms", "bytes_gb", "limit_nominal_ms",
+                            {k: ".3f" for k in ("prefill_s", "warmup_s", "step_ms", "bytes_gb", "limit_nominal_ms",
                                                 "vs_limit_nominal", "limit_copy_ms", "vs_limit_copy")}),
+             "", "warmup_s: the first 3 steps (the graph's capture; the compiled step's compilation).",
              "", "### Whole rollouts (prefill + sampling every token): grouped engine vs HF generate", "",
              markdown_table(payload["rollouts"], ["prefix", "G", "new_tokens", "grouped_s", "hf_s", "grouped_vs_hf",
                                                   "hf_vs_grouped", "hf_error"],

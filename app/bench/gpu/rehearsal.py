@@ -106,9 +106,14 @@ def phases(metrics_file: Path, group: int) -> list[dict]:
 
 
 def planned(out: Path, config: str, args: list[str], env: dict) -> dict:
+    from app.grouping.decoding.clock import nominal_bandwidth
+
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    bandwidth = nominal_bandwidth("cuda") if torch.cuda.is_available() else None
+    card = ["--bandwidth-tbs", str(bandwidth)] if bandwidth else []
+    out.mkdir(parents=True, exist_ok=True)
     result = launch("plan", ["bash", "scripts/plan.sh", config, *args, "--gpus-per-node", "1", "--gpu-memory-gib",
-                             f"{gib:.0f}", "--out", str(out / "plan")], out / "plan.log", env)
+                             f"{gib:.0f}", *card, "--out", str(out / "plan")], out / "plan.log", env)
     path = out / "plan" / "plan.json"
     if path.is_file():
         plan = json.loads(path.read_text())

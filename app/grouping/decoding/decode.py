@@ -10,46 +10,39 @@ copied) and to the keys it generated itself, as two attention calls merged exact
 - own: each sample's queries against its own keys so far (at most max_new_tokens of them);
 - merge: out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b, lse = logaddexp(lse_a, lse_b), in float32.
 
-Memory for the prefix does not grow with G. Finished samples leave the batch (``GroupedKVCache.keep``), and a
-group whose samples have all finished drops its prefix from the step.
+Memory for the prefix does not grow with G. Finished samples leave the batch (``GroupedKVCache.keep``).
 
-Static shapes (``decode="static"``/``"graph"``): the own K/V live in buffers of a fixed capacity (max_new_tokens
-rounded up to ``STATIC_BUCKET``), written at the step held in a device tensor, and attended under a key bias that
-hides the slots not written yet; no sample leaves the batch (a finished one steps on with pad tokens, masked out).
-Every tensor of a step then keeps its shape and address, so on CUDA the step is captured once as a CUDA graph and
-replayed (``decode="graph"``): one launch per step instead of a few per layer, the eager path's numbers.
+Static shapes (``decode="static"``/``"graph"``/``"compiled"``): the own K/V live in buffers of a fixed capacity,
+written at the step held in a device tensor, attended under a key bias that hides the slots not written yet; no
+sample leaves the batch. Every tensor of a step keeps its shape and address, so on CUDA the step is captured as a
+CUDA graph and replayed (one launch per step), or compiled first; with ``keep`` (``static.StaticSteps``) once per
+shape bucket for the whole run. Where the time goes is ``clock.PartClock``'s.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
+from app.grouping.decoding.clock import PartClock
 from app.grouping.decoding.head import DecodingHead
 from app.grouping.decoding.prefill import attention_with_lse, chunked_prefill
+from app.grouping.decoding.static import (
+    StaticSteps,
+    capturable,
+    capture_graph,
+    decode_mode,
+    static_step,
+    step_bytes,
+    weight_pointers,
+)
 
 log = logging.getLogger("app.grouping.decoding.decode")
-DECODE_MODES = ("auto", "eager", "static", "graph")
 STATIC_BUCKET = 64  # own-K/V capacity is max_new_tokens rounded up to this (fewer distinct shapes)
-
-
-def decode_mode(requested: str, device, synced: bool) -> str:
-    """The decode step's form: ``auto`` is ``graph`` on CUDA unless the ranks step in lock step under ZeRO-3
-    (``synced``: DeepSpeed's hooks gather parameters in every forward, which a graph cannot replay), else
-    ``eager``. ``static`` is the graph's static-shape step run eagerly (any device; what tests compare)."""
-    if requested not in DECODE_MODES:
-        raise ValueError(f"unknown decode mode {requested!r}; expected one of {DECODE_MODES}")
-    on_cuda = torch.device(device).type == "cuda"
-    if requested == "auto":
-        return "graph" if on_cuda and not synced else "eager"
-    if requested in ("static", "graph") and synced:
-        raise ValueError(f"decode mode {requested!r} cannot run with ranks in lock step under ZeRO-3 hooks "
-                         "(rollout.zero3_gather=per_step); use rollout.decode=eager or zero3_gather=full")
-    if requested == "graph" and not on_cuda:
-        raise ValueError("decode mode 'graph' captures CUDA graphs and needs a CUDA device; use static or eager")
-    return requested
 
 
 class GroupedKVCache:
@@ -158,8 +151,7 @@ class GroupedKVCache:
         return keys[:, :, :end], values[:, :, :end]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """The prompt's width plus the steps taken (static: the prompt's width; positions are passed explicitly,
-        and a static step must not read its step back to the host)."""
+        """The prompt's width plus the steps taken (static: the prompt's width; positions are explicit)."""
         return self.prompt_width + (0 if self.static else self.steps)
 
     def __len__(self) -> int:
@@ -217,17 +209,18 @@ class GroupedDecoder:
     ``synced``: the ranks' forwards are collective (ZeRO-3 hooks on), so they agree on the number of chunks.
     ``idle_step`` runs the same modules without a real step (a rank that finished while others still decode under
     ZeRO-3 joins their parameter gathers). ``decode`` (``decode_mode``): ``eager`` steps whose batch shrinks as
-    samples finish (``keep``); ``static`` fixed shapes, every sample kept (``compacts`` is False); ``graph`` the
-    static step captured as a CUDA graph after its first (eager) run and replayed. A static step's logits are a
-    buffer the next step overwrites.
-    """
+    samples finish (``keep``); ``static`` fixed shapes, every sample kept; ``graph`` / ``compiled`` the static step
+    captured (compiled first) and replayed, with ``keep`` (a run's ``StaticSteps``) once per shape bucket of the run.
+    ``clock``: where the prefill (the tower apart), capture and steps' time goes. A static step's logits are a buffer
+    the next step overwrites."""
 
     def __init__(self, model, prompts: dict, group_sizes: Sequence[int], max_new_tokens: int, *,
                  prefill_chunk_size: int = 0, synced: bool = False, decode: str = "eager",
-                 families: Sequence[int] | None = None):
+                 families: Sequence[int] | None = None, keep: StaticSteps | None = None,
+                 clock: PartClock | None = None):
         from app.grouping import attention
         from app.grouping.modules import set_text_attention, text_config
-        from app.grouping.positions import VISION_KEYS, prompt_positions
+        from app.grouping.positions import prompt_positions
 
         self.model = model
         self._previous = text_config(model)._attn_implementation
@@ -235,6 +228,8 @@ class GroupedDecoder:
         device = prompts["input_ids"].device
         self.mode = decode_mode(decode, device, synced)
         self.graph, self.graph_error = None, None
+        self.clock = clock if clock is not None else PartClock(device)
+        self.kept_steps, self.kept, self.replayed, self.compiled_now, self.made = keep, None, False, False, False
         sizes = torch.tensor(list(group_sizes), device=device)
         group_of_sample = torch.repeat_interleave(torch.arange(len(group_sizes), device=device), sizes)
         set_text_attention(model, "sdpa")
@@ -245,30 +240,47 @@ class GroupedDecoder:
         try:
             positions = prompt_positions(model, prompts["input_ids"], prompts["attention_mask"], prompts)
             self.head = DecodingHead(model, rows_hint=max(32, len(group_of_sample)))
-            if self.shares:
-                from app.grouping.decoding.shared import shared_prefill
-
-                past, mask, roots, logits, root_tokens = shared_prefill(
-                    model, prompts, families, positions, head=self.head, chunk_size=prefill_chunk_size, synced=synced)
-                self.prefill_tokens = root_tokens + int(mask.sum())
-            else:
-                vision = {k: prompts[k] for k in VISION_KEYS if prompts.get(k) is not None}
-                with self.head.installed(), chunked_prefill(model, prefill_chunk_size, synced):
-                    out = model(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
-                                position_ids=positions if positions.shape[0] > 1 else positions[0], use_cache=True,
-                                logits_to_keep=1, **vision)
-                past, mask, roots, logits = out.past_key_values, prompts["attention_mask"], None, out.logits[:, -1]
-                del out
+            self.clock.lap("prefill")  # what came before (positions, the head's packing) counts as the prefill
+            with self.clock.tower_hooks(model):
+                past, mask, roots, logits = self._prefill(model, prompts, families, positions, prefill_chunk_size,
+                                                          synced)
+            self.clock.lap("prefill")
         except BaseException:
             self.close()
             raise
-        self.cache = GroupedKVCache(past, mask, group_sizes, max_new_tokens, static=self.mode != "eager", roots=roots)
+        last_position = positions[:, :, -1][:, group_of_sample]  # [axes, N]
+        if self.mode != "eager" and keep is not None:  # the bucket's kept buffers (and its step made once)
+            self.kept, _ = keep.claim(past.layers, mask, group_sizes, max_new_tokens, roots, last_position,
+                                      make_cache=GroupedKVCache)
+            self.cache, self._last_position, self._tokens = self.kept.cache, self.kept.last_position, self.kept.tokens
+        else:
+            self.cache = GroupedKVCache(past, mask, group_sizes, max_new_tokens, static=self.mode != "eager",
+                                        roots=roots)
+            self._last_position = last_position
+            self._tokens = torch.zeros(len(group_of_sample), dtype=torch.long, device=device)  # the static input
         self.logits = logits[group_of_sample]  # [N, V]: a group's samples start from one distribution
-        self._last_position = positions[:, :, -1][:, group_of_sample]  # [axes, N]
         self._plan_kwarg = attention.PLAN_KWARG
-        self._tokens = torch.zeros(len(group_of_sample), dtype=torch.long, device=device)  # the static step's input
         self.steps = 0
+        self.bytes_per_step = step_bytes(model, self.cache)
         set_text_attention(model, attention.ATTENTION_NAME)
+
+    def _prefill(self, model, prompts, families, positions, chunk_size: int, synced: bool):
+        """The prompts' K/V (or the shared roots' and the questions'), their mask, and each group's first logits."""
+        from app.grouping.positions import VISION_KEYS
+
+        if self.shares:
+            from app.grouping.decoding.shared import shared_prefill
+
+            past, mask, roots, logits, root_tokens = shared_prefill(
+                model, prompts, families, positions, head=self.head, chunk_size=chunk_size, synced=synced)
+            self.prefill_tokens = root_tokens + int(mask.sum())
+            return past, mask, roots, logits
+        vision = {k: prompts[k] for k in VISION_KEYS if prompts.get(k) is not None}
+        with self.head.installed(), chunked_prefill(model, chunk_size, synced):
+            out = model(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
+                        position_ids=positions if positions.shape[0] > 1 else positions[0], use_cache=True,
+                        logits_to_keep=1, **vision)
+        return out.past_key_values, prompts["attention_mask"], None, out.logits[:, -1]
 
     @property
     def compacts(self) -> bool:
@@ -286,43 +298,94 @@ class GroupedDecoder:
             logits = out.logits[:, -1]
         else:
             self._tokens.copy_(tokens)
-            if self.graph is not None:
-                self.graph.replay()
-                logits = self._graph_logits
-            else:
-                logits = self._static_step()
-                if self.mode == "graph" and self.graph_error is None:
-                    self._capture()
+            logits = self._static_logits()
         self.steps += 1
         return logits
 
-    def _static_step(self) -> torch.Tensor:
-        """One static-shape step on ``self._tokens``: only device tensors change between steps (the step number
-        lives in ``cache.written``), so a CUDA graph of it replays every later step."""
-        cache = self.cache
-        cache.begin_step()
-        positions = (self._last_position + 1 + cache.written)[:, :, None]  # [axes, N, 1]
-        with self.head.installed():
-            out = self.model(input_ids=self._tokens[:, None], attention_mask=None,
-                             position_ids=positions if positions.shape[0] > 1 else positions[0],
-                             past_key_values=cache, use_cache=True, **{self._plan_kwarg: cache})
-        cache.end_step()
-        return out.logits[:, -1]
+    def _static_logits(self) -> torch.Tensor:
+        """One static-shape step: the kept graph replayed (its weights where they were at capture), else the step
+        run (compiled in ``compiled`` mode) and, on CUDA in ``graph`` / ``compiled`` mode, captured after its first
+        run for the rest of the rollout and, with ``keep``, for every later rollout of the bucket."""
+        kept, steps = self.kept, self.kept_steps
+        if kept is not None and kept.graph is not None:
+            if kept.pointers == weight_pointers(self.model):
+                kept.graph.replay()
+                self.replayed = True
+                return kept.logits
+            kept.graph, kept.logits = None, None
+            steps.stats["recaptures"] += 1
+            steps.eager_because("the weights moved since the step was captured (a ZeRO-3 gather put them "
+                                "elsewhere): it is captured again for this rollout")
+        if self.graph is not None:
+            self.graph.replay()
+            return self._graph_logits
+        run = self._runner()
+        logits = run()
+        if self.compiled_now:  # the first call of a new compiled step: its compile time is the capture part
+            self.clock.lap("capture")
+            self.compiled_now = False
+        if self.mode in ("graph", "compiled") and capturable(self.cache) and self.graph_error is None:
+            self._capture(run)
+        return logits
 
-    def _capture(self) -> None:
-        """Record the static step as a CUDA graph (after one eager run of it, the warm-up); nothing runs while it
-        records, so the cache's step is untouched. If capture fails the steps stay eager (``graph_error``, warned)."""
-        graph = torch.cuda.CUDAGraph()
+    def _runner(self):
+        """The static step as a callable: plain (the CPU head packed around it) or compiled (once per kept bucket:
+        its tensors are the same objects every rollout: dynamo's guards hold, nothing recompiles)."""
+        if self.mode != "compiled":
+            def plain():
+                with self.head.installed():
+                    return static_step(self.model, self.cache, self._last_position, self._tokens, self._plan_kwarg)
+            return plain
+        holder = self.kept if self.kept is not None else self
+        if getattr(holder, "compiled", None) is None:
+            step = functools.partial(static_step, self.model, self.cache, self._last_position, self._tokens,
+                                     self._plan_kwarg)
+            compiled = torch.compile(step, dynamic=False)
+
+            def guarded():
+                try:
+                    return compiled()
+                except Exception as error:  # noqa: BLE001 - a step that cannot compile falls back, said once
+                    reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error) else ''}"
+                    self._eagerly(f"the decode step could not be compiled ({reason})")
+                    holder.compiled = step
+                    return step()
+
+            holder.compiled = guarded
+            self.compiled_now = self.made = True
+            self.clock.lap("decode")
+            if self.kept_steps is not None:
+                self.kept_steps.stats["compiles"] += 1
+        return holder.compiled
+
+    def _capture(self, run) -> None:
+        """Record the static step as a CUDA graph (after one run of it, the warm-up); nothing runs while it records,
+        so the cache's step is untouched. It records inside the kept steps' ``guard`` (the trainer pauses its data
+        prefetch threads: no other thread works on the device meanwhile). If capture fails the steps stay eager
+        (``graph_error``, warned once)."""
+        self.clock.lap("decode")
+        guard = self.kept_steps.guard if self.kept_steps is not None else nullcontext
         try:
-            # thread_local: only this thread's CUDA calls are held to capture's rules (in the trainer, data
-            # prefetch threads run alongside; with the default "global" mode a capture at step 3 of a run failed)
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self._graph_logits = self._static_step()
+            graph, logits = capture_graph(run, guard)
         except Exception as error:  # noqa: BLE001 - any capture failure leaves the eager static step
             self.graph_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            log.warning("decode step not captured as a CUDA graph (%s); stepping eagerly", self.graph_error)
+            self._eagerly(f"the decode step could not be captured as a CUDA graph ({self.graph_error})")
+            self.clock.lap("capture")
             return
-        self.graph = graph
+        if self.kept is not None:
+            self.kept.graph, self.kept.logits = graph, logits
+            self.kept.pointers = weight_pointers(self.model)
+            self.kept_steps.stats["captures"] += 1
+        else:
+            self.graph, self._graph_logits = graph, logits
+        self.clock.lap("capture")
+
+    def _eagerly(self, reason: str) -> None:
+        """Say why the steps run eagerly: once per run through the kept steps, else each time."""
+        if self.kept_steps is not None:
+            self.kept_steps.eager_because(reason)
+        else:
+            log.warning("decode steps run eagerly: %s", reason)
 
     def keep(self, rows: torch.Tensor) -> None:
         """Continue with these samples only (indices into the current batch, ascending): finished samples leave,
