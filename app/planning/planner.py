@@ -185,7 +185,8 @@ def plan(cfg, world: World, source: str, frames: int | None = None, videos: int 
         offload_param=ds["offload_param"]))
     gpu = world.gpu_memory_gib * GiB
     rollout = rollout_memory(cfg, shape, counts, work, ds=ds, b=b, gpu=gpu, ranks=world.ranks)
-    training = training_memory(cfg, shape, work, ds, b, gpu, tower_trains=tower_trains(cfg), trains_head=not lora)
+    training = training_memory(cfg, shape, work, ds, b, gpu, tower_trains=tower_trains(cfg), trains_head=not lora,
+                               parameters=counts.total)
     peak = states["total"] + max(rollout["total"], training["total"])
     usable = world.headroom * gpu
     flops = {layout: step_flops(cfg, shape, work, layout) for layout in ("grouped", "repeated")}
@@ -267,13 +268,13 @@ def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: in
                                      dtype_bytes=b) if work.patches else 0.0
     logits = prompts * work.group_size * shape.vocab * 4 * 2
     parts = {"gathered_weights": gathered, "kv_cache": kv, "prefill": prefill, "vision_tower": tower,
-             "sampling_logits": logits}
+             "sampling_logits": logits, "inputs": pixel_bytes(shape, work.patches) * prompts}
     parts["total"] = sum(parts.values())
     return parts
 
 
 def training_memory(cfg, shape: Shape, work: Workload, ds: dict, b: int, gpu: float, *, tower_trains: bool,
-                    trains_head: bool) -> dict:
+                    trains_head: bool, parameters: int = 0) -> dict:
     """Bytes the policy forward+backward adds on one rank (and what stays of the rollout: vLLM awake)."""
     size = cfg.train.sequence_parallel_size
     act = costs.training_activations(shape, work, backend=attention_backend(cfg), dtype_bytes=b,
@@ -297,13 +298,24 @@ def training_memory(cfg, shape: Shape, work: Workload, ds: dict, b: int, gpu: fl
         tower = costs.vision_activations(shape, patches, training=False, chunk_patches=tower_chunk(cfg, work),
                                          dtype_bytes=b) / size
         whole = max(act["peak"], tower + work.visual * work.families * shape.hidden * b)
-    zero3 = b * (ds["prefetch"] + shape.vocab * shape.hidden) if ds["stage"] == 3 else 0.0
+    # ZeRO-3's prefetch bucket (at most the model itself) and the head gathered for the output's chunks
+    bucket = min(ds["prefetch"], parameters) if parameters else ds["prefetch"]
+    zero3 = b * (bucket + shape.vocab * shape.hidden) if ds["stage"] == 3 else 0.0
     awake = memory_kind(cfg.rollout.engine) == "reserved" and not cfg.rollout.vllm_sleep
     reserved = cfg.rollout.vllm_gpu_memory_utilization * gpu if awake else 0.0
+    # every micro-batch's prompts are collated on the device once for the step: their pixels (float32, as the
+    # processor gives them; each question of a family its own copy) stay while the step runs
+    batches = max(1, cfg.train.prompts_per_rank // cfg.train.groups_per_micro_batch)
+    inputs = pixel_bytes(shape, work.patches) * work.groups * batches
     parts = {"activations": act["peak"], "saved": act["saved"], "vision_tower": tower, "whole_pass": whole,
-             "zero3_buffers": zero3, "engine_awake": reserved}
-    parts["total"] = whole + zero3 + reserved
+             "zero3_buffers": zero3, "engine_awake": reserved, "inputs": inputs}
+    parts["total"] = whole + zero3 + reserved + inputs
     return parts
+
+
+def pixel_bytes(shape: Shape, patches: int) -> float:
+    """A video's pixel values as the processor gives them: float32, 3 x temporal_patch x patch^2 per patch."""
+    return float(patches * 3 * shape.temporal_patch * shape.patch**2 * 4)
 
 
 def layout_activations(cfg, shape: Shape, work: Workload, b: int, *, trains_head: bool) -> dict:

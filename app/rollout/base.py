@@ -78,11 +78,13 @@ class SharedInGroup(RolloutEngine):
         if mine:
             rollout = self.inner.generate([prompts[i] for i in mine], group_size, [seeds[i] for i in mine], sampling)
         else:
+            spent = {}
             if self.collective:  # the same collective calls as the others: the first family again, discarded
                 first = [i for i, owner in enumerate(owners) if owner == owners[0]]
-                self.inner.generate([prompts[i] for i in first], group_size, [seeds[i] for i in first], sampling)
+                spent = self.inner.generate([prompts[i] for i in first], group_size, [seeds[i] for i in first],
+                                            sampling).parts  # where this rank's time went
             rollout = Rollout(torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long),
-                              torch.zeros(0, 0), [], [], 0, 0)
+                              torch.zeros(0, 0), [], [], 0, 0, parts=spent)
         device = rollout.completion_ids.device
         codes = torch.tensor([STOP_REASONS.index(r) for r in rollout.stop_reasons], dtype=torch.long, device=device)
         counts = torch.tensor([*rollout.group_sizes, rollout.prefill_tokens, rollout.prompt_tokens], device=device)

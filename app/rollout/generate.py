@@ -394,6 +394,7 @@ def summed_parts(rollouts: Sequence[Rollout]) -> dict:
     out: dict = {}
     for r in rollouts:
         for key, value in r.parts.items():
-            out[key] = max(out.get(key, 0.0), value) if key in ("decode_bytes_per_step", "graph_replayed") else \
+            out[key] = max(out.get(key, 0.0), value) if key in ("decode_bytes_per_step", "graph_replayed",
+                                                                "engine_above_gib") else \
                 out.get(key, 0.0) + value
     return out

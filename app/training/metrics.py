@@ -5,12 +5,14 @@ CUDA also the allocator's peak; ``part_timer``: seconds added to a dict).
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 
 import torch
 
 from app.objectives.grpo import zero_variance_groups
+from app.rollout.local import ALLOCATOR_PEAK_ENV, allocator_peak_of
 from app.runtime.tracking import StepMetrics
 from app.training.trajectory import Trajectory
 
@@ -45,6 +47,8 @@ def step_metrics(t: Trajectory, updates: list[dict], seconds: dict, grouped: boo
     for key, value in seconds.items():  # CUDA: the allocator's peak per stage, the largest over ranks
         if key.startswith("peak_gib/"):
             m.max(f"memory/{key.removeprefix('peak_gib/')}_peak_gib", value)
+        elif key.startswith("above_gib/"):  # CPU, a benchmark's switch: above what the stage began with
+            m.max(f"memory/{key.removeprefix('above_gib/')}_above_start_gib", value)
     m.sum("tokens/policy_forward", float(sum(u["tokens"] for u in updates)))
     saved = sum(p.length * (size - 1) for p, size in zip(t.prompts, t.group_sizes))  # prefix tokens not re-encoded
     m.sum("tokens/prefix_saved_by_grouping", float(saved if grouped else 0))
@@ -99,10 +103,19 @@ def mean_of(metrics: list[dict], key: str) -> float:
 @contextmanager
 def timed(seconds: dict, key: str):
     """``seconds[key]``: the block's wall time; on CUDA also ``seconds["peak_gib/" + key]``, the allocator's peak
-    during the block (``torch.cuda.max_memory_allocated``, everything this process holds)."""
+    during the block (``torch.cuda.max_memory_allocated``, everything this process holds). On CPU with
+    ``ALLOCATOR_PEAK_ENV`` set (a benchmark's switch: it slows the block), ``seconds["above_gib/" + key]``: the CPU
+    allocator's peak above what it held when the block began (the profiler's record of every allocation), what the
+    planner calls a stage's memory on top of the states."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    record = None
+    if not cuda and os.environ.get(ALLOCATOR_PEAK_ENV) == "1" and key != "rollout":  # the engine records its own
+        from torch.profiler import ProfilerActivity, profile
+
+        record = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        record.__enter__()
     start = time.perf_counter()
     try:
         yield
@@ -110,8 +123,9 @@ def timed(seconds: dict, key: str):
         seconds[key] = time.perf_counter() - start
         if cuda:
             seconds[f"peak_gib/{key}"] = torch.cuda.max_memory_allocated() / 2**30
-
-
+        if record is not None:
+            record.__exit__(None, None, None)
+            seconds[f"above_gib/{key}"] = allocator_peak_of(record) / 2**30
 ROLLOUT_PARTS = ("gather", "tower", "prefill", "capture", "decode", "sampling", "scoring")  # engine's, then trainer's
 
 
@@ -134,9 +148,7 @@ def rollout_parts(m: StepMetrics, parts: dict, seconds: dict, bandwidth_tb_s: fl
     ``rollout/other_s``, what none of them covers; the decode steps and their milliseconds; on CUDA the bytes a step
     reads over its time against the card's nominal bandwidth; whether the step replayed a kept graph, and what the
     kept steps did (captures, compiles, recompiles)."""
-    if not parts:
-        return
-    for name in ROLLOUT_PARTS:
+    for name in ROLLOUT_PARTS:  # every rank declares the same metrics (a rank that sampled nothing: zeros)
         m.mean(f"rollout/{name}_s", parts.get(name, 0.0))
     accounted = sum(parts.get(name, 0.0) for name in ROLLOUT_PARTS) + seconds.get("data_wait", 0.0)
     m.mean("rollout/other_s", seconds["rollout"] - accounted)
@@ -148,7 +160,10 @@ def rollout_parts(m: StepMetrics, parts: dict, seconds: dict, bandwidth_tb_s: fl
     for key in ("captures", "compiles", "recaptures"):
         m.sum(f"rollout/{key}", parts.get(f"kept/{key}", 0.0))
     m.sum("rollout/recompiles", parts.get("recompiles", 0.0))
-    if bandwidth_tb_s and per_step and parts.get("decode_bytes_per_step"):
-        achieved = parts["decode_bytes_per_step"] / per_step / 1e12
-        m.mean("rollout/decode_tb_s", achieved)
-        m.mean("rollout/decode_vs_bandwidth_limit", bandwidth_tb_s / achieved)  # 1.0: at the card's bandwidth
+    if os.environ.get(ALLOCATOR_PEAK_ENV) == "1":  # CPU benchmarks: the engine's allocator peak above its start
+        m.max("memory/rollout_engine_above_start_gib", parts.get("engine_above_gib", 0.0))
+    if bandwidth_tb_s:  # the fastest rank's decode step against the card's bandwidth (1.0: at the bandwidth)
+        achieved = parts["decode_bytes_per_step"] / per_step / 1e12 if per_step and \
+            parts.get("decode_bytes_per_step") else 0.0
+        m.max("rollout/decode_tb_s", achieved)
+        m.min("rollout/decode_vs_bandwidth_limit", bandwidth_tb_s / achieved if achieved else 1e9)

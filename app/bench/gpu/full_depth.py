@@ -47,7 +47,7 @@ def metrics_of(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def train(out: Path, name: str, ckpt: Path, data: dict, s: dict, extra: list[str], env: dict) -> dict:
+def train(out: Path, name: str, ckpt: Path, data: dict, s: dict, extra: list[str], *, env: dict) -> dict:
     """One run through scripts/train.sh; its metrics per step, the launch's exit and seconds."""
     run_dir = out / name
     args = rehearsal.overrides(out, ckpt, data, s) + [f"train.output_dir={run_dir}", "train.save_every=0",
@@ -119,7 +119,7 @@ def run(out: Path, quick: bool = False, steps: int = 6) -> dict:
     report["stages"]["checkpoint"] = {"seconds": time.perf_counter() - start, "exit": 0}
     data = generate(out / "data", train=4, heldout=2, seed=0, frames=s["frames"], size=s["size"], fps=rehearsal.FPS)
     save()
-    main = train(out, "rehearsal", ckpt, data, s, ["train.export_hf=true"], env)
+    main = train(out, "rehearsal", ckpt, data, s, ["train.export_hf=true"], env=env)
     report["rehearsal"] = {"launch": main["launch"], "rollouts": rollout_rows(main["steps"])}
     report["rehearsal"]["plan"] = plan = planned(out, "rehearsal", main["args"], env)
     report["rehearsal"]["beside_planner"] = beside(main, plan)
@@ -140,7 +140,7 @@ def run(out: Path, quick: bool = False, steps: int = 6) -> dict:
         shutil.rmtree(out / "rehearsal" / "checkpoints", ignore_errors=True)
     save()
     trl = train(out, "trl_style", ckpt, data, {**s, "steps": 2}, ["forward.grouping=repeated", "rollout.engine=hf",
-                                                                   "train.export_hf=false"], env)
+                                                                   "train.export_hf=false"], env=env)
     report["trl_style"] = {"launch": trl["launch"], "rollouts": rollout_rows(trl["steps"])}
     if len(trl["steps"]) > 1 and len(main["steps"]) > 1:
         report["trl_style"]["step_vs_grouped"] = trl["steps"][1]["time/step"] / main["steps"][1]["time/step"]
@@ -153,7 +153,7 @@ def run(out: Path, quick: bool = False, steps: int = 6) -> dict:
         name = f"k{k}"
         got = train(out, name, ckpt, shared, {**s, "steps": 2, "completion": 8 if quick else 128},
                     [f"data.questions_per_video={k}", "train.prompts_per_rank=4", "train.groups_per_micro_batch=4",
-                     "data.shuffle=false", "train.export_hf=false"], env)
+                     "data.shuffle=false", "train.export_hf=false"], env=env)
         report[name] = {"launch": got["launch"], "rollouts": rollout_rows(got["steps"])}
         report[name]["plan"] = plan = planned(out, name, got["args"], env)
         report[name]["beside_planner"] = beside(got, plan)

@@ -130,7 +130,33 @@ def run(out: Path, points: str = "docs/gpu/points.json") -> dict:
               "rows_committed": ratios(results, data["points"], CALIBRATION),
               "rows_fitted": ratios(results, data["points"], fitted)}
     write_report(out, "planner_calibration", report, table(report))
+    plot(out, report["rows_committed"])
     return report
+
+
+def plot(out: Path, rows: list[dict]) -> None:
+    """Planned over measured for every phase and memory of every point, against the asserted bands."""
+    import matplotlib.pyplot as plt
+
+    from app.runtime import plots  # noqa: F401 - selects matplotlib's Agg backend
+
+    points = list(dict.fromkeys(r["point"] for r in rows))
+    phases = list(dict.fromkeys(r["phase"] for r in rows))
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    width = 0.8 / len(points)
+    for i, point in enumerate(points):
+        values = [next(r["ratio"] for r in rows if r["point"] == point and r["phase"] == phase) for phase in phases]
+        ax.bar([x + i * width for x in range(len(phases))], values, width, label=point[:48])
+    for band, style in ((0.25, ":"), (0.20, "--"), (0.15, "-.")):
+        ax.axhline(1 + band, color="grey", linestyle=style, linewidth=0.8)
+        ax.axhline(1 - band, color="grey", linestyle=style, linewidth=0.8)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(phases))], phases)
+    ax.set_ylabel("planned / measured (H200)")
+    ax.set_ylim(0.5, 1.5)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out / "planner_calibration.png", dpi=120)
+    plt.close(fig)
 
 
 def table(report: dict) -> str:
@@ -155,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="docs/bench/planner_calibration")
     parser.add_argument("--points", default="docs/gpu/points.json")
+    parser.add_argument("--quick", action="store_true", help="the same (it takes seconds)")
     args = parser.parse_args(argv)
     report = run(Path(args.out), args.points)
     print(json.dumps({k: round(v, 5) for k, v in report["fitted"].items()}))

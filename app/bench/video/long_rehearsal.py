@@ -1,0 +1,213 @@
+"""The hour-long plan rehearsed at reduced width: questions sharing a long video under sequence parallelism, through
+``scripts/train.sh`` on 4 processes.
+
+    python -m app.bench.video.long_rehearsal --out docs/bench/long_rehearsal [--quick]     (scripts/bench.sh long_rehearsal)
+
+Generated videos of 640 frames at 224 x 224 (2 fps: 320 temporal patches x 64 = 20,480 visual tokens a prompt), each
+asked 6 questions; a tiny Qwen2.5-VL (hidden 256, 2 layers, 4 query / 2 KV heads of 64; a 2-block tower of width 64)
+whose tower is frozen; chunked prefill (``rollout.prefill_chunk_size=4096``) and vision chunking
+(``forward.vision_chunk_frames=16``); G = 2, completions of 8; ZeRO-3 over 4 ranks, fp32, the split backend. For
+S = 2 (2 replicas) and S = 4 (1 replica), at k = 6 (one family a replica: the video once) and at k = 1 (each question
+its own prompt, one a micro-batch), two runs each:
+
+- **time**: 2 GRPO steps; step 2's time per question (its questions: 6 a replica), and ``data/media_decoded``;
+- **memory**: 1 step with the CPU allocator's record on (``PREFIX_GRPO_ALLOCATOR_PEAK=1``: the profiler notes every
+  allocation, which slows the run, hence apart): the rollout engine's peak and the policy update's, each above
+  what it began with, the largest over the ranks, beside what ``scripts/plan.sh`` plans on top of the states for the
+  same configuration and world (4 ranks).
+
+Data prefetch is off in both (a prefetch thread's allocations would land in the stage it overlaps). Writes JSON,
+the table and a plot. ``--quick``: 64 frames, 1 question pair, S = 2 only (what the suite's smoke test runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from app.bench.common import ROOT, child_env, markdown_table, write_report
+
+SIZES = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=512, vision_hidden=64,
+             vision_depth=2, vision_heads=2, max_positions=65536)
+FRAMES, SIZE, FPS, QUESTIONS, CLIPS = 640, 224, 2, 6, 4
+
+
+def assets(out: Path, quick: bool) -> dict:
+    """The tiny checkpoint (64 merged tokens a temporal patch), the long clips and their questions, a reward."""
+    from app.data.synthetic import generate
+    from app.runtime.models import TinySizes, build_tiny_checkpoint
+
+    ckpt = out / "checkpoint"
+    if not (ckpt / "config.json").is_file():
+        build_tiny_checkpoint(ckpt, "qwen2_5_vl", seed=0, sizes=TinySizes(**SIZES), max_pixels=SIZE * SIZE)
+    frames, questions = (64, 2) if quick else (FRAMES, QUESTIONS)
+    data = out / "data"
+    if not (data / "train.jsonl").is_file():
+        generate(data, train=questions * CLIPS, heldout=0, seed=0, frames=frames, size=SIZE, fps=FPS,
+                 questions_per_video=questions)
+    plugin = out / "varied_reward.py"
+    plugin.write_text("def varied(completions, records):\n    return [len(c) % 5 / 4 for c in completions]\n")
+    return {"checkpoint": ckpt, "train": data / "train.jsonl", "plugin": f"{plugin}:varied", "frames": frames,
+            "questions": questions}
+
+
+def overrides(a: dict, run: Path, size: int, k: int, steps: int) -> list[str]:
+    values = {
+        "model.path": a["checkpoint"], "model.freeze_vision_tower": True, "data.train_file": a["train"],
+        "data.shuffle": False, "data.fps": float(FPS), "data.max_frames": a["frames"], "data.min_pixels": SIZE * SIZE,
+        "data.max_pixels": SIZE * SIZE, "data.max_prompt_length": 65536, "data.prefetch": 0,
+        "data.questions_per_video": k, "train.sequence_parallel_size": size, "train.prompts_per_rank": a["questions"],
+        "train.groups_per_micro_batch": a["questions"] if k > 1 else 1, "train.max_steps": steps,
+        "train.save_every": 0, "train.export_hf": False, "train.output_dir": run, "train.learning_rate": 1e-3,
+        "train.deepspeed_config": "deepspeed_configs/zero3.json", "rollout.group_size": 2,
+        "rollout.max_completion_length": 8, "rollout.prefill_chunk_size": 4096, "forward.vision_chunk_frames": 16,
+        "forward.attention_backend": "split", "forward.self_check": False, "logging.wandb_mode": "disabled",
+        "logging.progress_bar": False, "rewards.functions": f"[format, accuracy, '{a['plugin']}']",
+    }
+    return [f"{key}={value}" for key, value in values.items()]
+
+
+def launch(args: list[str], log: Path, **env: str) -> tuple[int, float]:
+    start = time.perf_counter()
+    with log.open("w") as f:
+        code = subprocess.run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *args], cwd=ROOT, stdout=f,
+                              stderr=subprocess.STDOUT,
+                              env=child_env(NPROC_PER_NODE="4", PYTHONUNBUFFERED="1", **env)).returncode
+    return code, time.perf_counter() - start
+
+
+def planned(a: dict, out: Path, size: int, k: int) -> dict:
+    """What plan.sh plans on top of the states, per rank, for the same configuration on 4 ranks."""
+    target = out / f"plan-S{size}-k{k}"
+    args = overrides(a, out / "unused", size, k, 1)
+    done = subprocess.run(["bash", "scripts/plan.sh", "configs/demo_cpu.yaml", *args, "--gpus-per-node", "4",
+                           "--gpu-memory-gib", "24", "--out", str(target)], cwd=ROOT, capture_output=True, text=True,
+                          env=child_env())
+    if done.returncode != 0:
+        return {"error": done.stderr[-500:]}
+    plan = json.loads((target / "plan.json").read_text())
+    # the update's peak is measured above what it began with: the step's inputs, collated before it, are not in it
+    training = plan["training"]["total"] - plan["training"].get("inputs", 0.0)
+    return {"rollout_gib": plan["rollout"]["total"] / 2**30, "training_gib": training / 2**30,
+            "states_gib": plan["states"]["total"] / 2**30, "visual_tokens": plan["workload"]["visual"]}
+
+
+def metrics_rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def point(a: dict, out: Path, size: int, k: int) -> dict:
+    row = {"S": size, "k": k, "questions_a_replica": a["questions"]}
+    timed = out / f"S{size}-k{k}"
+    if len(metrics_rows(timed)) < 2:  # a point already measured is read back (re-planning costs nothing)
+        code, seconds = launch(overrides(a, timed, size, k, 2), out / f"S{size}-k{k}.log")
+        row.update(exit=code, launch_s=seconds)
+    else:
+        row.update(exit=0)
+    rows = metrics_rows(timed)
+    if len(rows) == 2:
+        step = rows[1]
+        row.update(steps=2, step_s=step["time/step"], per_question_s=step["time/step"] / a["questions"],
+                   rollout_s=step["time/rollout"], policy_s=step["time/policy"], reference_s=step["time/reference"],
+                   media_decoded=step["data/media_decoded"], shared_video_tokens=step["tokens/shared_video"],
+                   prefill_tokens=step["rollout/prefill_tokens"], prompt_tokens=step["rollout/prompt_tokens"])
+    memory = out / f"S{size}-k{k}-memory"
+    if not metrics_rows(memory):
+        launch(overrides(a, memory, size, k, 1), out / f"S{size}-k{k}-memory.log", PREFIX_GRPO_ALLOCATOR_PEAK="1")
+    mrows = metrics_rows(memory)
+    if mrows:
+        row["rollout_above_gib"] = mrows[0].get("memory/rollout_engine_above_start_gib")
+        row["policy_above_gib"] = mrows[0].get("memory/policy_above_start_gib")
+    plan = planned(a, out, size, k)
+    row.update({f"planned_{key}": value for key, value in plan.items()})
+    for measured, planned_key in (("rollout_above_gib", "planned_rollout_gib"),
+                                  ("policy_above_gib", "planned_training_gib")):
+        if row.get(measured) and row.get(planned_key):
+            row[f"{measured.split('_')[0]}_planned_vs_measured"] = row[planned_key] / row[measured]
+    return row
+
+
+def run(out: Path, quick: bool = False) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    a = assets(out, quick)
+    report = {"settings": {"frames": a["frames"], "size": SIZE, "fps": FPS, "questions": a["questions"],
+                           "model": SIZES, "ranks": 4}, "rows": []}
+    for size in ((2,) if quick else (2, 4)):
+        for k in (a["questions"], 1):
+            report["rows"].append(point(a, out, size, k))
+            ratios(report)
+            write_report(out, "long_rehearsal", report, table(report), quiet=True)
+    plot(out, report)
+    write_report(out, "long_rehearsal", report, table(report))
+    return report
+
+
+def ratios(report: dict) -> None:
+    """Per S: step time per question at k = questions over k = 1."""
+    by = {(r["S"], r["k"]): r for r in report["rows"]}
+    for r in report["rows"]:
+        one = by.get((r["S"], 1))
+        if r["k"] > 1 and one and r.get("per_question_s") and one.get("per_question_s"):
+            r["per_question_vs_k1"] = r["per_question_s"] / one["per_question_s"]
+
+
+def table(report: dict) -> str:
+    s = report["settings"]
+    rows = report["rows"]
+    columns = ["S", "k", "exit", "step_s", "per_question_s", "per_question_vs_k1", "media_decoded",
+               "shared_video_tokens", "rollout_above_gib", "planned_rollout_gib", "rollout_planned_vs_measured",
+               "policy_above_gib", "planned_training_gib", "policy_planned_vs_measured"]
+    fmt = {c: ".3f" for c in columns[3:] if c not in ("media_decoded", "shared_video_tokens")}
+    tokens = next((r.get("planned_visual_tokens") for r in rows if r.get("planned_visual_tokens")), "?")
+    return "\n".join([
+        f"## A long video's questions under sequence parallelism: {s['frames']} frames at {s['size']}x{s['size']} "
+        f"({tokens} visual tokens a prompt), {s['questions']} questions a video, 4 processes (ZeRO-3, fp32, CPU)", "",
+        markdown_table(rows, columns, fmt), "",
+        "step_s / per_question_s: step 2 of a 2-step run (6 questions a replica). The memory columns: the rollout "
+        "engine's and the policy update's allocator peaks above what each began with (the largest rank, from a 1-step "
+        "run with the allocator's record on), and what plan.sh plans on top of the states for the same run (the "
+        "update's without the step's inputs, which were collated before it began)."])
+
+
+def plot(out: Path, report: dict) -> None:
+    import matplotlib.pyplot as plt
+
+    from app.runtime import plots  # noqa: F401 - selects the Agg backend
+
+    rows = [r for r in report["rows"] if r.get("per_question_s")]
+    if not rows:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    labels = [f"S={r['S']} k={r['k']}" for r in rows]
+    axes[0].bar(labels, [r["per_question_s"] for r in rows], color=["C0" if r["k"] > 1 else "C7" for r in rows])
+    axes[0].set_ylabel("seconds per question (step 2)")
+    width = 0.4
+    xs = range(len(rows))
+    axes[1].bar([x - width / 2 for x in xs], [r.get("policy_above_gib") or 0 for r in rows], width, label="measured")
+    axes[1].bar([x + width / 2 for x in xs], [r.get("planned_training_gib") or 0 for r in rows], width,
+                label="planned")
+    axes[1].set_xticks(list(xs), labels)
+    axes[1].set_ylabel("update GiB above the states, per rank")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(out / "long_rehearsal.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="outputs/bench/long_rehearsal")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run(Path(args.out), args.quick)
+
+
+if __name__ == "__main__":
+    main()
