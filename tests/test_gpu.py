@@ -188,6 +188,32 @@ def test_decode_attention_on_cuda_equals_a_dense_softmax(static):
     check_decode_attention(static, "cuda")
 
 
+def test_a_kept_and_a_compiled_step_draw_what_eager_steps_draw_in_bf16(tiny_checkpoints, videos):
+    """On CUDA in bf16, seeded: the graph kept across rollouts (one capture over three rollouts of prompts of other
+    lengths, replayed from the first step of the later ones) and the compiled step (compiled once, no recompile, then
+    captured) draw the eager steps' tokens, log-probs within bf16 rounding."""
+    from app.grouping import StaticSteps
+    from app.rollout.generate import SamplingConfig, generate_groups
+    from tests.helpers import load, prompt_batch, tokenizer_of
+
+    model, processor = load("qwen2_5_vl", tiny_checkpoints)
+    model = model.cuda().to(torch.bfloat16)
+    tok = tokenizer_of(processor)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=24, seed=5)
+    kept = {"graph": StaticSteps(), "compiled": StaticSteps()}
+    for i, kinds in enumerate((["video", "text"], ["text", "video"], ["video", "video"])):
+        prompts = {k: v.cuda() if isinstance(v, torch.Tensor) else v
+                   for k, v in prompt_batch("qwen2_5_vl", processor, videos, kinds).items()}
+        eager = generate_groups(model, prompts, [3, 2], sampling, tokenizer=tok, eos_ids=[], decode="eager")
+        for mode, keep in kept.items():
+            got = generate_groups(model, prompts, [3, 2], sampling, tokenizer=tok, eos_ids=[], decode=mode,
+                                  static_steps=keep)
+            assert torch.equal(got.completion_ids, eager.completion_ids), (mode, i)
+            torch.testing.assert_close(got.logprobs, eager.logprobs, rtol=0, atol=0.05)  # bf16 rounding
+            assert got.parts["graph_replayed"] == 1.0 and got.parts["kept/captures"] == float(i == 0), (mode, i)
+            assert got.parts["recompiles"] == 0, (mode, i)
+
+
 def test_a_captured_decode_step_draws_what_eager_steps_draw(tiny_checkpoints, videos):
     """decode="graph" (the CUDA default: the static step captured as a CUDA graph and replayed) against eager steps:
     the same tokens, masks and stop reasons, log-probs to float rounding, with groups of unequal sizes, prompts of

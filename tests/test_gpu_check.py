@@ -57,14 +57,14 @@ def test_without_cuda_nothing_runs_unless_quick(tmp_path):
 @pytest.mark.slow  # the default parts at toy sizes on this CPU (about 2 minutes): make test-all (CI) runs it
 def test_the_whole_acceptance_runs_quick_here(tmp_path):
     """scripts/gpu_check.sh --quick: the full-depth part (the rehearsal through the launchers with the rollout's parts
-    per step, the TRL-style run, k = 4 against k = 1, the planner beside each) and the decode part (graph or static,
-    compiled, eager), their report written."""
+    per step, the TRL-style run, k = 4 against k = 1, the planner beside each), the decode part (graph or static,
+    compiled, eager) and HF generate compiled, their report written."""
     result = subprocess.run(["bash", "scripts/gpu_check.sh", "--quick", "--raw", str(tmp_path / "raw"), "--report",
                              str(tmp_path / "report")], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     payload = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert [r["part"] for r in payload["parts"]] == ["full_depth", "decode"]
-    assert [r["status"] for r in payload["parts"]] == ["ok", "ok"]
+    assert [r["part"] for r in payload["parts"]] == ["full_depth", "decode", "hf_compiled"]
+    assert [r["status"] for r in payload["parts"]] == ["ok", "ok", "ok"]
     full = payload["results"]["full_depth"]
     assert full["stages"]["eval"]["exit"] == 0
     for name in ("rehearsal", "trl_style", "k1", "k4"):
@@ -77,4 +77,6 @@ def test_the_whole_acceptance_runs_quick_here(tmp_path):
     assert not (tmp_path / "raw" / "full_depth" / "rehearsal" / "checkpoints").exists()  # the disk given back
     md = (tmp_path / "report" / "report.md").read_text()
     assert "Full depth" in md and "beside the planner" in md
-    assert result.stdout.count("[gpu_check") == 4  # one line when each part starts, one when it ends
+    compiled = payload["results"]["hf_compiled"]["hf_static_compiled"]
+    assert compiled["grouped_s"] > 0 and ("hf_static_s" in compiled or compiled["error"])  # a time, or why not
+    assert result.stdout.count("[gpu_check") == 6  # one line when each part starts, one when it ends

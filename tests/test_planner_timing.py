@@ -66,3 +66,26 @@ def test_a_user_sets_the_constants_and_an_unknown_one_is_named(tmp_path):
     bad = subprocess.run(["bash", *base, "--calibration", "trian_efficiency=0.3"], cwd=ROOT, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "unknown calibration key(s) ['trian_efficiency']" in bad.stderr
+
+
+def test_k_with_s_the_hour_long_plan_fits_one_node_and_k6_costs_a_third_per_question():
+    """The hour at 1 fps with 6 questions a video on 8 x 80 GB (LoRA, S = 4, chunked prefill, vision chunking): both k
+    fit; a rank samples its share of the replica's families (at k = 1 two of its six prompts, at k = 6 the one
+    family); k = 6 plans 0.21x the FLOPs and about a third of the time per question of k = 1."""
+    from app.config.loading import load_config
+    from app.planning.planner import World, plan
+
+    hour = ["data.max_frames=3600", "data.fps=1", "data.max_prompt_length=262144", "rollout.prefill_chunk_size=4096",
+            "forward.vision_chunk_frames=64", "train.sequence_parallel_size=4", "train.prompts_per_rank=6"]
+    results = {}
+    for k, per_batch in ((1, 1), (6, 6)):
+        cfg = load_config(ROOT / "configs/qwen2_5_vl_7b_video_lora.yaml",
+                          [*hour, f"data.questions_per_video={k}", f"train.groups_per_micro_batch={per_batch}"])
+        results[k] = plan(cfg, World(), "qwen2_5_vl_7b")
+        assert results[k]["fits"], k
+    flops = {k: sum(r["flops_per_group"]["grouped"].values()) for k, r in results.items()}
+    assert flops[6] / flops[1] == pytest.approx(0.21, abs=0.01)
+    per_question = {k: r["phase_seconds"]["grouped"]["step"] / 6 for k, r in results.items()}
+    assert 0.25 < per_question[6] / per_question[1] < 0.4
+    kv = {k: r["rollout"]["kv_cache"] for k, r in results.items()}
+    assert kv[6] < kv[1]  # one family's video K/V on the rank, against two prompts' own

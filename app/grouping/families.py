@@ -151,8 +151,8 @@ def vision_of_items(items: list[dict]) -> dict:
     out: dict = {}
     for kind, _, pixel_key, grid_key in _MEDIA:
         mine = [e for e in items if e["kind"] == kind]
-        if mine:
-            out[pixel_key] = torch.cat([e["pixels"] for e in mine])
+        if mine:  # one item: its rows of the batch's pixels as they are (a view: a long video is not copied)
+            out[pixel_key] = mine[0]["pixels"] if len(mine) == 1 else torch.cat([e["pixels"] for e in mine])
             out[grid_key] = torch.stack([e["grid"] for e in mine])
             if kind == "video" and "seconds" in mine[0]:
                 out["second_per_grid_ts"] = torch.stack([e["seconds"] for e in mine])

@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="the device's memory bandwidth in TB/s (H100 SXM 3.35, H200 4.8, A100-80GB 2.0)")
     parser.add_argument("--link-tbs", type=float, default=defaults.link_tbs,
                         help="between GPUs in TB/s, per direction (ZeRO-3 gathers during a rollout)")
+    parser.add_argument("--device", default=defaults.device, choices=("cuda", "cpu"),
+                        help="plan a run on GPUs (the default) or on this machine's CPUs (a rehearsal)")
     parser.add_argument("--calibration", nargs="*", default=[], metavar="KEY=VALUE",
                         help="set step-time constants (app/planning/timing.py Calibration; each with its source in "
                              "docs/planner.md), e.g. train_efficiency=0.35 rollout_s=0.5")
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.overrides)
         world = World(args.nodes, args.gpus_per_node, args.gpu_memory_gib, args.peak_tflops, args.bandwidth_tbs,
-                      args.link_tbs, args.headroom, calibration_of(args.calibration))
+                      args.link_tbs, args.device, args.headroom, calibration_of(args.calibration))
         if args.frames < 0:
             raise PlanError(f"--frames must be >= 0, got {args.frames}")
         source = model_source(cfg, args.model)

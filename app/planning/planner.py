@@ -32,6 +32,7 @@ class World:
     peak_tflops: float = 989.0  # H100 SXM / H200 dense bf16
     bandwidth_tbs: float = 3.35  # HBM bandwidth: H100 SXM 3.35, H200 4.8, A100-80GB 2.0
     link_tbs: float = 0.45  # between GPUs (ZeRO-3 gathers): NVLink 4 on H100 / H200 about 0.45 per direction
+    device: str = "cuda"  # what runs it: cuda, or cpu (a rehearsal here: its attention kernels hold other buffers)
     headroom: float = 0.9  # the share of GPU memory a plan may fill (CUDA context, fragmentation)
     calibration: timing.Calibration = timing.CALIBRATION  # efficiencies and overheads (timing.SOURCES)
 
@@ -46,6 +47,8 @@ class World:
         for name in ("gpu_memory_gib", "peak_tflops", "bandwidth_tbs", "link_tbs", "headroom"):
             if not getattr(self, name) > 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.device not in ("cuda", "cpu"):
+            raise PlanError(f"--device must be cuda or cpu, got {self.device!r}")
         for name, value in asdict(self.calibration).items():
             if not value > 0:
                 raise PlanError(f"--calibration {name} must be > 0, got {value}")
@@ -184,7 +187,7 @@ def plan(cfg, world: World, source: str, frames: int | None = None, videos: int 
         ranks=world.ranks, dtype_bytes=b, offload_optimizer=ds["offload_optimizer"],
         offload_param=ds["offload_param"]))
     gpu = world.gpu_memory_gib * GiB
-    rollout = rollout_memory(cfg, shape, counts, work, ds=ds, b=b, gpu=gpu, ranks=world.ranks)
+    rollout = rollout_memory(cfg, shape, counts, work, ds=ds, b=b, gpu=gpu, ranks=world.ranks, device=world.device)
     training = training_memory(cfg, shape, work, ds, b, gpu, tower_trains=tower_trains(cfg), trains_head=not lora,
                                parameters=counts.total)
     peak = states["total"] + max(rollout["total"], training["total"])
@@ -238,7 +241,8 @@ def disk(cfg, counts, trainable: int, b: int, stage: int, lora: bool) -> dict:
             "output_dir": cfg.train.output_dir}
 
 
-def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: int, gpu: float, ranks: int = 1) -> dict:
+def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: int, gpu: float, ranks: int = 1,
+                   device: str = "cuda") -> dict:
     """Bytes the rollout adds on one rank: gathered weights (ZeRO-3), the K/V cache, the prefill's working set, the
     vision tower's pass, the sampling logits; or the share an engine reserves (vLLM). Under sequence parallelism a
     rank samples its share of the replica's families (``timing.rank_work``: whole families spread over S)."""
@@ -262,10 +266,20 @@ def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: in
     kv = prompts * kv_token * ((work.prefix - video * (k - 1) / k + work.group_size * work.completion) if shared
                                else work.group_size * (work.prefix + work.completion))
     rows = cfg.rollout.prefill_chunk_size or work.prefix
-    prefill = prompts / k * (1 if shared else work.group_size) * min(rows, work.prefix) * b * (
-        4 * shape.hidden + 3 * shape.intermediate)
+    batch = prompts / k * (1 if shared else work.group_size)  # the rows prefilled together (a family's video once)
+    prefill = batch * min(rows, work.prefix) * b * (4 * shape.hidden + 3 * shape.intermediate)
+    chunk = cfg.rollout.prefill_chunk_size
+    if chunk and chunk < work.prefix:  # each chunk's causal attention to itself (app.grouping.decoding.prefill)
+        if device == "cuda":  # two batched products: float32 scores per query head
+            prefill += batch * shape.heads * chunk * chunk * 4
+        elif batch > 1:  # CPU: the fused kernel's causal mask, but a padded batch needs its own [B, 1, c, c] mask
+            prefill += (batch + 1) * chunk * chunk * 4
     tower = costs.vision_activations(shape, work.patches, training=False, chunk_patches=tower_chunk(cfg, work),
                                      dtype_bytes=b) if work.patches else 0.0
+    # the prefill embeds each prompt (a family's video once) whole before its decoder runs, chunked or not: the
+    # token embeddings and their copy with the tower's outputs scattered in, and those outputs (its chunks' and
+    # their concatenation)
+    prefill += batch / (1 if shared else work.group_size) * (2 * work.prefix + 2 * work.visual) * shape.hidden * b
     logits = prompts * work.group_size * shape.vocab * 4 * 2
     parts = {"gathered_weights": gathered, "kv_cache": kv, "prefill": prefill, "vision_tower": tower,
              "sampling_logits": logits, "inputs": pixel_bytes(shape, work.patches) * prompts}

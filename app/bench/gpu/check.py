@@ -4,16 +4,16 @@ line of progress per part, and the report (report.json + report.md) written afte
     scripts/gpu_check.sh [--quick] [--budget SECONDS] [--parts a,b] [--report DIR] [--raw DIR]
 
 Parts, in order (limits in seconds; a part never runs past what is left of ``--budget``, default 540); without
-``--parts`` it runs ``full_depth`` and ``decode``:
+``--parts`` it runs ``full_depth``, ``decode`` and ``hf_compiled``:
 
 | part | what | limit |
 |---|---|---|
 | full_depth | app.bench.gpu.full_depth: the 7B LoRA config at 28 layers through train.sh (6 steps, the rollout's parts per step), plan.sh and eval.sh; the TRL-style run (repeated + HF generate, 2 steps); k = 4 against k = 1; the planner beside each | 420 |
 | tests | tests/test_gpu.py (GPU-only tests, wandb not needed) | 150 |
 | train | app.bench.gpu.real_shape: Qwen2.5-VL-7B / Qwen3-VL-8B width, 4 layers, 8k/16k prefixes | 75 |
-| decode | app.bench.gpu.decode: 7B width, 28 layers: the decode step (graph, compiled, eager) vs the bandwidth limit, rollouts vs HF | 90 |
+| decode | app.bench.gpu.decode: 7B width, 28 layers: the decode step (graph, compiled, eager) vs the bandwidth limit, rollouts vs HF | 75 |
 | rehearsal | app.bench.gpu.rehearsal: train.sh 3 GRPO steps + plan.sh + eval.sh at 7B width, 4 layers | 150 |
-| hf_compiled | app.bench.gpu.decode --hf-compiled-only --layers 4: HF generate, static cache + torch.compile | 70 |
+| hf_compiled | app.bench.gpu.decode --hf-compiled-only --layers 4: HF generate, static cache + torch.compile, its compile time apart | 45 |
 
 A part that fails or runs out of time is a row saying so, with its last error line; its own report (JSON + table)
 holds every point it measured before that. ``--quick`` runs every part on this machine at toy sizes (each module's
@@ -49,13 +49,13 @@ PARTS = (
     Part("tests", 150, ("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py", "-rA",
                        "--junitxml", "{raw}/tests.xml")),
     Part("train", 75, ("app.bench.gpu.real_shape", "--out", "{raw}/gpu_real_shape")),
-    Part("decode", 90, ("app.bench.gpu.decode", "--out", "{raw}/gpu_decode")),
+    Part("decode", 75, ("app.bench.gpu.decode", "--out", "{raw}/gpu_decode")),
     Part("rehearsal", 150, ("app.bench.gpu.rehearsal", "--out", "{raw}/rehearsal")),
-    Part("hf_compiled", 70, ("app.bench.gpu.decode", "--hf-compiled-only", "--layers", "4", "--out",
+    Part("hf_compiled", 45, ("app.bench.gpu.decode", "--hf-compiled-only", "--layers", "4", "--out",
                              "{raw}/gpu_decode_hf_compiled")),
 )
-DEFAULT_BUDGET = 540  # 9 minutes: full_depth and decode (the others when named in --parts)
-DEFAULT_PARTS = ("full_depth", "decode")
+DEFAULT_BUDGET = 540  # 9 minutes: full_depth, decode and hf_compiled (the others when named in --parts)
+DEFAULT_PARTS = ("full_depth", "decode", "hf_compiled")
 
 
 def last_error_line(log: Path) -> str:

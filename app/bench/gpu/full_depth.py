@@ -55,6 +55,7 @@ def train(out: Path, name: str, ckpt: Path, data: dict, s: dict, extra: list[str
                                                       f"train.max_steps={s['steps']}", *extra]
     launched = rehearsal.launch(name, ["bash", "scripts/train.sh", "configs/qwen2_5_vl_7b_video.yaml", *args],
                                 out / f"{name}.log", env)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # measured: the disk back (the final save is 17 GB)
     return {"launch": launched, "steps": metrics_of(run_dir), "args": args}
 
 

@@ -8,9 +8,9 @@ asked 6 questions; a tiny Qwen2.5-VL (hidden 256, 2 layers, 4 query / 2 KV heads
 whose tower is frozen; chunked prefill (``rollout.prefill_chunk_size=4096``) and vision chunking
 (``forward.vision_chunk_frames=16``); G = 2, completions of 8; ZeRO-3 over 4 ranks, fp32, the split backend. For
 S = 2 (2 replicas) and S = 4 (1 replica), at k = 6 (one family a replica: the video once) and at k = 1 (each question
-its own prompt, one a micro-batch), two runs each:
+its own prompt, one a micro-batch, 3 a replica a step: 6 do not fit this machine's 24 GiB), two runs each:
 
-- **time**: 2 GRPO steps; step 2's time per question (its questions: 6 a replica), and ``data/media_decoded``;
+- **time**: 2 GRPO steps; step 2's time per question, and ``data/media_decoded``;
 - **memory**: 1 step with the CPU allocator's record on (``PREFIX_GRPO_ALLOCATOR_PEAK=1``: the profiler notes every
   allocation, which slows the run, hence apart): the rollout engine's peak and the policy update's, each above
   what it began with, the largest over the ranks, beside what ``scripts/plan.sh`` plans on top of the states for the
@@ -59,8 +59,9 @@ def overrides(a: dict, run: Path, size: int, k: int, steps: int) -> list[str]:
         "model.path": a["checkpoint"], "model.freeze_vision_tower": True, "data.train_file": a["train"],
         "data.shuffle": False, "data.fps": float(FPS), "data.max_frames": a["frames"], "data.min_pixels": SIZE * SIZE,
         "data.max_pixels": SIZE * SIZE, "data.max_prompt_length": 65536, "data.prefetch": 0,
-        "data.questions_per_video": k, "train.sequence_parallel_size": size, "train.prompts_per_rank": a["questions"],
-        "train.groups_per_micro_batch": a["questions"] if k > 1 else 1, "train.max_steps": steps,
+        "data.questions_per_video": k, "train.sequence_parallel_size": size,
+        "train.prompts_per_rank": prompts_of(a, k), "train.groups_per_micro_batch": a["questions"] if k > 1 else 1,
+        "train.max_steps": steps,
         "train.save_every": 0, "train.export_hf": False, "train.output_dir": run, "train.learning_rate": 1e-3,
         "train.deepspeed_config": "deepspeed_configs/zero3.json", "rollout.group_size": 2,
         "rollout.max_completion_length": 8, "rollout.prefill_chunk_size": 4096, "forward.vision_chunk_frames": 16,
@@ -68,6 +69,12 @@ def overrides(a: dict, run: Path, size: int, k: int, steps: int) -> list[str]:
         "logging.progress_bar": False, "rewards.functions": f"[format, accuracy, '{a['plugin']}']",
     }
     return [f"{key}={value}" for key, value in values.items()]
+
+
+def prompts_of(a: dict, k: int) -> int:
+    """A replica's questions a step: a family of them at k > 1; at k = 1 half as many (each its own prompt, its video's
+    pixels collated once per question: 6 of them on 4 processes do not fit this 24 GiB machine)."""
+    return a["questions"] if k > 1 else max(1, a["questions"] // 2)
 
 
 def launch(args: list[str], log: Path, **env: str) -> tuple[int, float]:
@@ -84,14 +91,17 @@ def planned(a: dict, out: Path, size: int, k: int) -> dict:
     target = out / f"plan-S{size}-k{k}"
     args = overrides(a, out / "unused", size, k, 1)
     done = subprocess.run(["bash", "scripts/plan.sh", "configs/demo_cpu.yaml", *args, "--gpus-per-node", "4",
-                           "--gpu-memory-gib", "24", "--out", str(target)], cwd=ROOT, capture_output=True, text=True,
+                           "--gpu-memory-gib", "24", "--device", "cpu", "--out", str(target)], cwd=ROOT,
+                          capture_output=True, text=True,
                           env=child_env())
     if done.returncode != 0:
         return {"error": done.stderr[-500:]}
     plan = json.loads((target / "plan.json").read_text())
-    # the update's peak is measured above what it began with: the step's inputs, collated before it, are not in it
+    # each peak is measured above what its stage began with: the prompts' pixels, collated before (the update's) or
+    # as the engine begins (the rollout's), are not in it
     training = plan["training"]["total"] - plan["training"].get("inputs", 0.0)
-    return {"rollout_gib": plan["rollout"]["total"] / 2**30, "training_gib": training / 2**30,
+    rollout = plan["rollout"]["total"] - plan["rollout"].get("inputs", 0.0)
+    return {"rollout_gib": rollout / 2**30, "training_gib": training / 2**30,
             "states_gib": plan["states"]["total"] / 2**30, "visual_tokens": plan["workload"]["visual"]}
 
 
@@ -101,7 +111,7 @@ def metrics_rows(run: Path) -> list[dict]:
 
 
 def point(a: dict, out: Path, size: int, k: int) -> dict:
-    row = {"S": size, "k": k, "questions_a_replica": a["questions"]}
+    row = {"S": size, "k": k, "questions_a_replica": prompts_of(a, k)}
     timed = out / f"S{size}-k{k}"
     if len(metrics_rows(timed)) < 2:  # a point already measured is read back (re-planning costs nothing)
         code, seconds = launch(overrides(a, timed, size, k, 2), out / f"S{size}-k{k}.log")
@@ -111,7 +121,7 @@ def point(a: dict, out: Path, size: int, k: int) -> dict:
     rows = metrics_rows(timed)
     if len(rows) == 2:
         step = rows[1]
-        row.update(steps=2, step_s=step["time/step"], per_question_s=step["time/step"] / a["questions"],
+        row.update(steps=2, step_s=step["time/step"], per_question_s=step["time/step"] / prompts_of(a, k),
                    rollout_s=step["time/rollout"], policy_s=step["time/policy"], reference_s=step["time/reference"],
                    media_decoded=step["data/media_decoded"], shared_video_tokens=step["tokens/shared_video"],
                    prefill_tokens=step["rollout/prefill_tokens"], prompt_tokens=step["rollout/prompt_tokens"])
@@ -158,19 +168,19 @@ def ratios(report: dict) -> None:
 def table(report: dict) -> str:
     s = report["settings"]
     rows = report["rows"]
-    columns = ["S", "k", "exit", "step_s", "per_question_s", "per_question_vs_k1", "media_decoded",
+    columns = ["S", "k", "questions_a_replica", "exit", "step_s", "per_question_s", "per_question_vs_k1", "media_decoded",
                "shared_video_tokens", "rollout_above_gib", "planned_rollout_gib", "rollout_planned_vs_measured",
                "policy_above_gib", "planned_training_gib", "policy_planned_vs_measured"]
-    fmt = {c: ".3f" for c in columns[3:] if c not in ("media_decoded", "shared_video_tokens")}
+    fmt = {c: ".3f" for c in columns[4:] if c not in ("media_decoded", "shared_video_tokens")}
     tokens = next((r.get("planned_visual_tokens") for r in rows if r.get("planned_visual_tokens")), "?")
     return "\n".join([
         f"## A long video's questions under sequence parallelism: {s['frames']} frames at {s['size']}x{s['size']} "
         f"({tokens} visual tokens a prompt), {s['questions']} questions a video, 4 processes (ZeRO-3, fp32, CPU)", "",
         markdown_table(rows, columns, fmt), "",
-        "step_s / per_question_s: step 2 of a 2-step run (6 questions a replica). The memory columns: the rollout "
+        "step_s / per_question_s: step 2 of a 2-step run (questions_a_replica a step). The memory columns: the rollout "
         "engine's and the policy update's allocator peaks above what each began with (the largest rank, from a 1-step "
-        "run with the allocator's record on), and what plan.sh plans on top of the states for the same run (the "
-        "update's without the step's inputs, which were collated before it began)."])
+        "run with the allocator's record on), and what plan.sh plans on top of the states for the same run (without "
+        "the prompts' pixel values, collated before each measure begins)."])
 
 
 def plot(out: Path, report: dict) -> None:

@@ -18,7 +18,8 @@ from app.grouping.modules import text_config, unwrap
 def shard_bounds(total: int, size: int) -> list[tuple[int, int]]:
     """Contiguous near-equal shards of ``total`` tokens over ``size`` ranks (the first ones one longer)."""
     if total < size:
-        raise LayoutError(f"a packed row of {total} tokens cannot be split over {size} sequence-parallel ranks")
+        raise LayoutError(f"a packed row of {total} tokens cannot be split over {size} sequence-parallel ranks "
+                          f"(train.sequence_parallel_size={size}: fewer ranks, or longer rows)")
     base, extra = divmod(total, size)
     bounds, start = [], 0
     for r in range(size):
@@ -88,7 +89,8 @@ def _modality_embeddings(model, pixels, grid, sp, split_time: bool):
     deep_tables = None
     with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
         if pieces:
-            local_pixels = torch.cat([pixels[r] for r, _, _ in pieces]).to(dtype)
+            local_pixels = (pixels[pieces[0][0]] if len(pieces) == 1 else  # one share: a view, not a copy
+                            torch.cat([pixels[r] for r, _, _ in pieces])).to(dtype)
             local_grid = torch.tensor([g for _, g, _ in pieces], dtype=grid.dtype, device=grid.device)
             embeds, deep = _tower_output(visual(local_pixels, grid_thw=local_grid))
         else:  # no share here (fewer temporal patches or images than ranks): the tower still runs once, on a
