@@ -16,7 +16,6 @@ def test_a_world_of_one_is_one_replica_with_a_group_of_one():
     ctx = ParallelContext.start(1)
     assert (ctx.rank, ctx.world, ctx.sp.size, ctx.dp_rank, ctx.dp_size, ctx.counts_once) == (0, 1, 1, 0, 1, True)
     assert ctx.dp_sum([1.5, 2.0]) == [1.5, 2.0]
-    assert ctx.dp_gather([3.0]) == [[3.0]]
     assert ctx.agree_max([4.0, -1.0]) == [4.0, -1.0]
     assert ctx.all_done(True) and not ctx.all_done(False)
     tensors = [torch.arange(3), torch.ones(2, 2)]

@@ -138,18 +138,33 @@ def test_step_metrics_are_reduced_as_declared():
     m.max("c", 3.0)
     m.fraction("d", 1.0, 4.0)
     m.local("e", 5.0)
-    other = {"a": 3.0, "b": 4.0, "c": 1.0, "d": (3.0, 4.0), "e": 9.0}
+    m.each("f", 7.0)
+    m.max("f", 7.0)  # the same name with another reduction: both kept
+    other = {"a": 3.0, "b": 4.0, "c": 1.0, "d": (3.0, 4.0), "e": 9.0, "f": 8.0}
     calls = []
 
     def gather(values):  # a second rank with other values
         calls.append(values)
-        theirs = [other["a"], 0, other["b"], 0, other["c"], 0, *other["d"], other["e"], 0]
+        theirs = [other["a"], 0, other["b"], 0, other["c"], 0, *other["d"], other["e"], 0, other["f"], 0,
+                  other["f"], 0]
         return [values, theirs]
 
-    assert m.reduce(gather) == {"a": 2.0, "b": 6.0, "c": 3.0, "d": 0.5, "e": 5.0}
+    assert m.reduce(gather) == {"a": 2.0, "b": 6.0, "c": 3.0, "d": 0.5, "e": 5.0, "f": 8.0, "f/rank0": 7.0,
+                                "f/rank1": 8.0}
     assert len(calls) == 1  # one collective for every metric
     with pytest.raises(KeyError):
         m.mean("a", 0.0)
+    # 4 ranks in sequence-parallel pairs: means and sums count each pair once, max and each see every rank
+    m = StepMetrics()
+    m.mean("time", 1.0)
+    m.sum("tokens", 10.0)
+    m.max("peak", 1.0)
+    m.each("peak", 1.0)
+    rows = {"time": [1.0, 1.0, 3.0, 3.0], "tokens": [10.0, 10.0, 20.0, 20.0], "peak": [1.0, 2.0, 0.5, 1.5]}
+    by_rank = [[rows["peak"][r], 0, rows["peak"][r], 0, rows["time"][r], 0, rows["tokens"][r], 0] for r in range(4)]
+    assert m.reduce(lambda values: by_rank, copies=2) == {
+        "time": 2.0, "tokens": 30.0, "peak": 2.0, "peak/rank0": 1.0, "peak/rank1": 2.0, "peak/rank2": 0.5,
+        "peak/rank3": 1.5}
 
 
 def test_step_metrics_of_a_trajectory():

@@ -7,8 +7,6 @@ agreed across ranks) and the ranks decode in lock step (``synced``).
 
 from __future__ import annotations
 
-import torch
-
 from app.data.prompts import collate_prompts
 from app.grouping import StaticSteps
 from app.grouping.decoding.clock import PartClock
@@ -16,8 +14,7 @@ from app.grouping.families import family_sizes
 from app.rollout.base import EngineSetup, RolloutEngine
 from app.rollout.generate import Rollout, generate_groups
 from app.runtime import zero
-
-ALLOCATOR_PEAK_ENV = "PREFIX_GRPO_ALLOCATOR_PEAK"  # benchmarks on CPU: "1" records allocator peaks (slow)
+from app.runtime.heap import heap_peak
 
 
 class LocalEngine(RolloutEngine):
@@ -38,7 +35,7 @@ class LocalEngine(RolloutEngine):
         vision_calls = s.vision_calls(inputs) if per_step and s.vision_calls is not None else None
         decode = decode_step(getattr(s.rollout, "decode", "auto"), zero.parameters_stay_put(s.policy, mode), mode)
         s.policy.eval()
-        record = allocator_record(s.device)  # a benchmark's switch (ALLOCATOR_PEAK_ENV): the engine's own peak
+        record = heap_peak(s.device)  # a benchmark's switch (ALLOCATOR_PEAK_ENV): the engine's own peak
         clock.lap("prefill")  # collating the prompts
         with zero.gathered_for_inference(s.policy, mode) as (model, collective):
             clock.lap("gather")
@@ -53,33 +50,8 @@ class LocalEngine(RolloutEngine):
         rollout.parts["gather"] = rollout.parts.get("gather", 0.0) + release.seconds().get("gather", 0.0)
         if record is not None:
             record.__exit__(None, None, None)
-            rollout.parts["engine_above_gib"] = allocator_peak_of(record) / 2**30
+            rollout.parts["engine_above_gib"] = record.above_bytes / 2**30
         return rollout
-
-
-def allocator_record(device):
-    """On CPU with ``ALLOCATOR_PEAK_ENV`` set: a started profiler recording every allocation (benchmarks compare
-    the engine's peak above what it began with to the planner's rollout memory); else None."""
-    import os
-
-    if torch.device(device).type != "cpu" or os.environ.get(ALLOCATOR_PEAK_ENV) != "1":
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    record = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    record.__enter__()
-    return record
-
-
-def allocator_peak_of(record) -> int:
-    """The most bytes a profiler's record shows held above its start (its memory events added up in time order)."""
-    events = sorted((e.start_ns(), i, e.nbytes()) for i, e in enumerate(record.profiler.kineto_results.events())
-                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    live = peak = 0
-    for _, _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
 
 
 def decode_step(requested: str, parameters_stay_put: bool, gather_mode: str) -> str:

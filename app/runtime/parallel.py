@@ -96,10 +96,6 @@ class ParallelContext:
         """``all_reduce_sum`` over the data-parallel replicas: each SP group's values counted once."""
         return all_reduce_sum(values if self.counts_once else [0.0] * len(values))
 
-    def dp_gather(self, values: list[float]) -> list[list[float]]:
-        """``all_gather_floats`` keeping one row per data-parallel replica (each SP group's first rank)."""
-        return all_gather_floats(values)[::self.sp.size]
-
     @staticmethod
     def agree_max(values: list[float]) -> list[float]:
         """The element-wise maximum over every rank of the world (lock-step decisions: does any rank still

@@ -21,10 +21,11 @@ class StepMetrics:
         m.min("ratio/min", 0.97)             # the smallest over ranks
         m.fraction("groups/all_correct", 3, 8)  # sum of counts / sum of totals
         m.local("learning_rate", 1e-6)       # the same on every rank (rank 0's is kept)
+        m.each("memory/x", 0.4)              # every rank's own: "memory/x/rank0", "memory/x/rank1", ...
         values = m.reduce(gather)            # gather: list[float] -> one list per rank
     """
 
-    REDUCTIONS = ("mean", "sum", "max", "min", "fraction", "local")
+    REDUCTIONS = ("mean", "sum", "max", "min", "fraction", "local", "each")
 
     def __init__(self):
         self._declared: dict[str, tuple[str, float, float]] = {}
@@ -52,15 +53,22 @@ class StepMetrics:
     def local(self, key: str, value: float) -> None:
         self._add("local", key, value)
 
-    def reduce(self, gather=None) -> dict[str, float]:
+    def each(self, key: str, value: float) -> None:
+        self._add("each", f"{key}/rank", value)  # its own name: a key may also be declared with another reduction
+
+    def reduce(self, gather=None, copies: int = 1) -> dict[str, float]:
         """Combine over ranks: ``gather(values) -> [values of rank 0, of rank 1, ...]`` is called once (None: one
-        process)."""
+        process). ``copies``: ranks in a row that hold one replica's values (the S ranks of a sequence-parallel
+        group): means, sums, fractions and ``local`` count each replica once (its first rank); ``max``, ``min`` and
+        ``each`` see every rank (memory differs within a group)."""
         keys = sorted(self._declared)
         flat = [v for k in keys for v in self._declared[k][1:]]
-        ranks = gather(flat) if gather is not None else [flat]
+        every = gather(flat) if gather is not None else [flat]
+        replicas = every[::copies]
         out = {}
         for i, key in enumerate(keys):
             how = self._declared[key][0]
+            ranks = every if how in ("max", "min", "each") else replicas
             values = [r[2 * i] for r in ranks]
             totals = [r[2 * i + 1] for r in ranks]
             if how == "mean":
@@ -73,6 +81,8 @@ class StepMetrics:
                 out[key] = min(values)
             elif how == "fraction":
                 out[key] = sum(values) / max(sum(totals), 1e-12)
+            elif how == "each":
+                out.update({f"{key}{rank}": value for rank, value in enumerate(values)})
             else:
                 out[key] = values[0]
         return out

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from app.objectives.grpo import zero_variance_groups
-from app.rollout.local import ALLOCATOR_PEAK_ENV, allocator_peak_of
+from app.runtime.heap import ALLOCATOR_PEAK_ENV, heap_peak
 from app.runtime.tracking import StepMetrics
 from app.training.trajectory import Trajectory
 
@@ -49,6 +49,7 @@ def step_metrics(t: Trajectory, updates: list[dict], seconds: dict, grouped: boo
             m.max(f"memory/{key.removeprefix('peak_gib/')}_peak_gib", value)
         elif key.startswith("above_gib/"):  # CPU, a benchmark's switch: above what the stage began with
             m.max(f"memory/{key.removeprefix('above_gib/')}_above_start_gib", value)
+            m.each(f"memory/{key.removeprefix('above_gib/')}_above_start_gib", value)
     m.sum("tokens/policy_forward", float(sum(u["tokens"] for u in updates)))
     saved = sum(p.length * (size - 1) for p, size in zip(t.prompts, t.group_sizes))  # prefix tokens not re-encoded
     m.sum("tokens/prefix_saved_by_grouping", float(saved if grouped else 0))
@@ -104,18 +105,13 @@ def mean_of(metrics: list[dict], key: str) -> float:
 def timed(seconds: dict, key: str):
     """``seconds[key]``: the block's wall time; on CUDA also ``seconds["peak_gib/" + key]``, the allocator's peak
     during the block (``torch.cuda.max_memory_allocated``, everything this process holds). On CPU with
-    ``ALLOCATOR_PEAK_ENV`` set (a benchmark's switch: it slows the block), ``seconds["above_gib/" + key]``: the CPU
-    allocator's peak above what it held when the block began (the profiler's record of every allocation), what the
-    planner calls a stage's memory on top of the states."""
+    ``ALLOCATOR_PEAK_ENV`` set (a benchmark's switch), ``seconds["above_gib/" + key]``: the heap's peak above what
+    it held when the block began (``app.runtime.heap``), what the planner calls a stage's memory on top of the
+    states."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    record = None
-    if not cuda and os.environ.get(ALLOCATOR_PEAK_ENV) == "1" and key != "rollout":  # the engine records its own
-        from torch.profiler import ProfilerActivity, profile
-
-        record = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        record.__enter__()
+    record = heap_peak("cpu") if not cuda and key != "rollout" else None  # the engine records its own
     start = time.perf_counter()
     try:
         yield
@@ -125,7 +121,9 @@ def timed(seconds: dict, key: str):
             seconds[f"peak_gib/{key}"] = torch.cuda.max_memory_allocated() / 2**30
         if record is not None:
             record.__exit__(None, None, None)
-            seconds[f"above_gib/{key}"] = allocator_peak_of(record) / 2**30
+            seconds[f"above_gib/{key}"] = record.above_bytes / 2**30
+
+
 ROLLOUT_PARTS = ("gather", "tower", "prefill", "capture", "decode", "sampling", "scoring")  # engine's, then trainer's
 
 
@@ -162,6 +160,7 @@ def rollout_parts(m: StepMetrics, parts: dict, seconds: dict, bandwidth_tb_s: fl
     m.sum("rollout/recompiles", parts.get("recompiles", 0.0))
     if os.environ.get(ALLOCATOR_PEAK_ENV) == "1":  # CPU benchmarks: the engine's allocator peak above its start
         m.max("memory/rollout_engine_above_start_gib", parts.get("engine_above_gib", 0.0))
+        m.each("memory/rollout_engine_above_start_gib", parts.get("engine_above_gib", 0.0))
     if bandwidth_tb_s:  # the fastest rank's decode step against the card's bandwidth (1.0: at the bandwidth)
         achieved = parts["decode_bytes_per_step"] / per_step / 1e12 if per_step and \
             parts.get("decode_bytes_per_step") else 0.0

@@ -216,7 +216,7 @@ class Recipe:
         m.local("grad_norm", float(grad_norm) if grad_norm is not None else 0.0)
         m.local("data/skipped", float(sum(self.stream.skipped.values())))
         self.vision_metrics(m)
-        return m.reduce(self.parallel.dp_gather)
+        return m.reduce(parallel.all_gather_floats, copies=self.parallel.sp.size)
 
     def data_metrics(self, metrics) -> None:
         """The stream's work: records skipped so far, media files decoded for this step's prompts (with

@@ -209,7 +209,7 @@ class GRPOTrainer(Recipe):
         m.mean("weight_sync/tensors", float(self.pushed_tensors))  # vLLM: all at the first push, then what changes
         self.vision_metrics(m)
         rollout_parts(m, t.rollout.parts, seconds, nominal_bandwidth(self.device))
-        values = m.reduce(self.parallel.dp_gather)
+        values = m.reduce(parallel.all_gather_floats, copies=self.parallel.sp.size)
         values["tokens_per_second"] = values["tokens/policy_forward"] / max(seconds["policy"], 1e-9)
         every = self.cfg.logging.sample_table_every
         if every and (step + 1) % every == 0 and self.rank == 0:

@@ -11,10 +11,10 @@ S = 2 (2 replicas) and S = 4 (1 replica), at k = 6 (one family a replica: the vi
 its own prompt, one a micro-batch, 3 a replica a step: 6 do not fit this machine's 24 GiB), two runs each:
 
 - **time**: 2 GRPO steps; step 2's time per question, and ``data/media_decoded``;
-- **memory**: 1 step with the CPU allocator's record on (``PREFIX_GRPO_ALLOCATOR_PEAK=1``: the profiler notes every
-  allocation, which slows the run, hence apart): the rollout engine's peak and the policy update's, each above
-  what it began with, the largest over the ranks, beside what ``scripts/plan.sh`` plans on top of the states for the
-  same configuration and world (4 ranks).
+- **memory**: 1 step with the heap's peak recorded (``PREFIX_GRPO_ALLOCATOR_PEAK=1``, ``app.runtime.heap``: a thread
+  samples glibc's count of the bytes malloc holds): the rollout engine's peak and the policy update's on each rank,
+  above what the stage began with, beside what ``scripts/plan.sh`` plans on top of the states for the same
+  configuration and world (4 ranks; the planner plans the busiest rank).
 
 Data prefetch is off in both (a prefetch thread's allocations would land in the stage it overlaps). Writes JSON,
 the table and a plot. ``--quick``: 64 frames, 1 question pair, S = 2 only (what the suite's smoke test runs).
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -33,6 +34,8 @@ from app.bench.common import ROOT, child_env, markdown_table, write_report
 SIZES = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=512, vision_hidden=64,
              vision_depth=2, vision_heads=2, max_positions=65536)
 FRAMES, SIZE, FPS, QUESTIONS, CLIPS = 640, 224, 2, 6, 4
+RANKS = 4
+RANK_KEY = "memory/policy_above_start_gib/rank0"
 
 
 def assets(out: Path, quick: bool) -> dict:
@@ -126,18 +129,26 @@ def point(a: dict, out: Path, size: int, k: int) -> dict:
                    media_decoded=step["data/media_decoded"], shared_video_tokens=step["tokens/shared_video"],
                    prefill_tokens=step["rollout/prefill_tokens"], prompt_tokens=step["rollout/prompt_tokens"])
     memory = out / f"S{size}-k{k}-memory"
-    if not metrics_rows(memory):
+    if RANK_KEY not in (metrics_rows(memory) or [{}])[0]:  # not measured, or before each rank's peak was logged
+        shutil.rmtree(memory, ignore_errors=True)
         launch(overrides(a, memory, size, k, 1), out / f"S{size}-k{k}-memory.log", PREFIX_GRPO_ALLOCATOR_PEAK="1")
     mrows = metrics_rows(memory)
-    if mrows:
-        row["rollout_above_gib"] = mrows[0].get("memory/rollout_engine_above_start_gib")
-        row["policy_above_gib"] = mrows[0].get("memory/policy_above_start_gib")
     plan = planned(a, out, size, k)
     row.update({f"planned_{key}": value for key, value in plan.items()})
-    for measured, planned_key in (("rollout_above_gib", "planned_rollout_gib"),
-                                  ("policy_above_gib", "planned_training_gib")):
-        if row.get(measured) and row.get(planned_key):
-            row[f"{measured.split('_')[0]}_planned_vs_measured"] = row[planned_key] / row[measured]
+    for stage, metric, planned_key in (("rollout", "rollout_engine", "planned_rollout_gib"),
+                                       ("policy", "policy", "planned_training_gib")):
+        ranks = [mrows[0].get(f"memory/{metric}_above_start_gib/rank{r}") for r in range(RANKS)] if mrows else []
+        if not ranks or None in ranks:
+            continue
+        row[f"{stage}_above_gib_ranks"] = ranks  # each rank's peak above what the stage began with
+        row[f"{stage}_above_gib"] = max(ranks)
+        if row.get(planned_key):
+            each = [row[planned_key] / value for value in ranks]
+            row[f"{stage}_planned_vs_measured_ranks"] = each
+            row[f"{stage}_planned_vs_measured"] = row[planned_key] / max(ranks)
+            row[f"{stage}_each_rank"] = " / ".join(f"{value:.3f} ({ratio:.2f})" for value, ratio in zip(ranks, each))
+            # the planner plans the busiest rank (a rank given fewer prompts than it holds less)
+            row[f"{stage}_within_15pct"] = 0.85 <= row[f"{stage}_planned_vs_measured"] <= 1.15
     return row
 
 
@@ -169,18 +180,20 @@ def table(report: dict) -> str:
     s = report["settings"]
     rows = report["rows"]
     columns = ["S", "k", "questions_a_replica", "exit", "step_s", "per_question_s", "per_question_vs_k1", "media_decoded",
-               "shared_video_tokens", "rollout_above_gib", "planned_rollout_gib", "rollout_planned_vs_measured",
-               "policy_above_gib", "planned_training_gib", "policy_planned_vs_measured"]
-    fmt = {c: ".3f" for c in columns[4:] if c not in ("media_decoded", "shared_video_tokens")}
+               "shared_video_tokens", "planned_rollout_gib", "rollout_each_rank", "planned_training_gib",
+               "policy_each_rank", "rollout_within_15pct", "policy_within_15pct"]
+    fmt = {c: ".3f" for c in ("step_s", "per_question_s", "per_question_vs_k1", "planned_rollout_gib",
+                              "planned_training_gib")}
     tokens = next((r.get("planned_visual_tokens") for r in rows if r.get("planned_visual_tokens")), "?")
     return "\n".join([
         f"## A long video's questions under sequence parallelism: {s['frames']} frames at {s['size']}x{s['size']} "
         f"({tokens} visual tokens a prompt), {s['questions']} questions a video, 4 processes (ZeRO-3, fp32, CPU)", "",
         markdown_table(rows, columns, fmt), "",
-        "step_s / per_question_s: step 2 of a 2-step run (questions_a_replica a step). The memory columns: the rollout "
-        "engine's and the policy update's allocator peaks above what each began with (the largest rank, from a 1-step "
-        "run with the allocator's record on), and what plan.sh plans on top of the states for the same run (without "
-        "the prompts' pixel values, collated before each measure begins)."])
+        "step_s / per_question_s: step 2 of a 2-step run (questions_a_replica a step). The memory columns: what "
+        "plan.sh plans on top of the states for the same run (without the prompts' pixel values, collated before each "
+        "measure begins), and each rank's allocator peak above what the stage began with (rollout engine, policy "
+        "update; GiB, from a 1-step run with the heap's peak recorded), with planned / measured in brackets; "
+        "within_15pct: planned / measured for the busiest rank in 0.85-1.15."])
 
 
 def plot(out: Path, report: dict) -> None:
@@ -197,7 +210,7 @@ def plot(out: Path, report: dict) -> None:
     axes[0].set_ylabel("seconds per question (step 2)")
     width = 0.4
     xs = range(len(rows))
-    axes[1].bar([x - width / 2 for x in xs], [r.get("policy_above_gib") or 0 for r in rows], width, label="measured")
+    axes[1].bar([x - width / 2 for x in xs], [r.get("policy_above_gib") or 0 for r in rows], width, label="measured (largest rank)")
     axes[1].bar([x + width / 2 for x in xs], [r.get("planned_training_gib") or 0 for r in rows], width,
                 label="planned")
     axes[1].set_xticks(list(xs), labels)
