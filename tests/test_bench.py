@@ -26,7 +26,8 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
 # quick run is part of tests/test_gpu_check.py's acceptance run), planner_accuracy and real_width (their points are
 # tests/test_planner_accuracy.py's and tests/test_plan.py's checks; their reports, the failed-point test below)
 @pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale", "lora",
-                                  "vision_cache", "long_video", "long_prefill", "judge", "tree", "shared_video"])
+                                  "vision_cache", "long_video", "long_prefill", "judge", "tree", "shared_video",
+                                  "long_rehearsal"])
 def test_benchmark_runs_quick(name, tmp_path):
     out = tmp_path / name
     result = subprocess.run(["bash", "scripts/bench.sh", name, "--out", str(out), "--quick"], cwd=ROOT,
@@ -40,6 +41,12 @@ def test_benchmark_runs_quick(name, tmp_path):
         assert (out / "grid_flops.png").is_file() and (out / "grid_memory.png").is_file()
     if name == "attention":
         assert report["max_abs_difference_vs_package"] < 1e-4
+    if name == "long_rehearsal":  # 4 processes at S = 2, k = 2 against k = 1: 2 steps each, every rank's peaks
+        rows = {row["k"]: row for row in report["rows"]}
+        assert all(row["exit"] == 0 and row["steps"] == 2 for row in rows.values())
+        assert all(len(row[f"{stage}_above_gib_ranks"]) == 4 for row in rows.values() for stage in ("rollout", "policy"))
+        assert rows[2]["shared_video_tokens"] > 0 and rows[1]["shared_video_tokens"] == 0
+        assert rows[2]["media_decoded"] <= rows[1]["media_decoded"]
     if name == "flex_shapes":
         assert report["summary"]["compiles_after_call_3"] == 0
         assert report["environment"]["flush_denormal"] is True
