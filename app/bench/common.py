@@ -132,6 +132,12 @@ def markdown_table(rows: list[dict], columns: list[str], formats: dict | None = 
     return "\n".join(lines)
 
 
+def run_metrics(run_dir: Path) -> list[dict]:
+    """A training run's logged steps (its ``metrics.jsonl``, one dict a line); [] before its first step."""
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
 def write_report(out: Path, name: str, payload: dict, table: str, *, quiet: bool = False) -> Path:
     """``name``.json (the environment and ``payload``) and ``name``.md (``table``) under ``out``; the table printed
     unless ``quiet`` (a part that rewrites its report after every point, so a run cut short still has one)."""

@@ -49,8 +49,7 @@ class LocalEngine(RolloutEngine):
         release.lap("gather")  # the parameters released (ZeRO-3: partitioned again)
         rollout.parts["gather"] = rollout.parts.get("gather", 0.0) + release.seconds().get("gather", 0.0)
         if record is not None:
-            record.__exit__(None, None, None)
-            rollout.parts["engine_above_gib"] = record.above_bytes / 2**30
+            rollout.parts["engine_above_gib"] = record.stop() / 2**30
         return rollout
 
 

@@ -71,9 +71,15 @@ class HeapPeak:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, heap_bytes())
+        self.stop()
+
+    def stop(self) -> int:
+        """Ends the sampling (once); the bytes above the start."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, heap_bytes())
+        return self.above_bytes
 
     @property
     def above_bytes(self) -> int:
@@ -82,7 +88,7 @@ class HeapPeak:
 
 def heap_peak(device) -> HeapPeak | None:
     """A started ``HeapPeak`` when ``device`` is the CPU and ``ALLOCATOR_PEAK_ENV`` is "1" (a benchmark's switch);
-    else None. The caller ends it with ``__exit__``."""
+    else None. The caller ends it with ``stop()``."""
     if torch.device(device).type != "cpu" or os.environ.get(ALLOCATOR_PEAK_ENV) != "1":
         return None
     return HeapPeak().__enter__()

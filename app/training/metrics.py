@@ -120,8 +120,7 @@ def timed(seconds: dict, key: str):
         if cuda:
             seconds[f"peak_gib/{key}"] = torch.cuda.max_memory_allocated() / 2**30
         if record is not None:
-            record.__exit__(None, None, None)
-            seconds[f"above_gib/{key}"] = record.above_bytes / 2**30
+            seconds[f"above_gib/{key}"] = record.stop() / 2**30
 
 
 ROLLOUT_PARTS = ("gather", "tower", "prefill", "capture", "decode", "sampling", "scoring")  # engine's, then trainer's

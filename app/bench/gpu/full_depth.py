@@ -30,7 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
-from app.bench.common import child_env, markdown_table, write_report
+from app.bench.common import child_env, markdown_table, run_metrics, write_report
 from app.bench.gpu import rehearsal
 from app.data.synthetic import generate
 
@@ -42,11 +42,6 @@ def settings(quick: bool, steps: int) -> dict:
     return {**s, "steps": 2 if quick else steps}
 
 
-def metrics_of(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-
-
 def train(out: Path, name: str, ckpt: Path, data: dict, s: dict, extra: list[str], *, env: dict) -> dict:
     """One run through scripts/train.sh; its metrics per step, the launch's exit and seconds."""
     run_dir = out / name
@@ -56,7 +51,7 @@ def train(out: Path, name: str, ckpt: Path, data: dict, s: dict, extra: list[str
     launched = rehearsal.launch(name, ["bash", "scripts/train.sh", "configs/qwen2_5_vl_7b_video.yaml", *args],
                                 out / f"{name}.log", env)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # measured: the disk back (the final save is 17 GB)
-    return {"launch": launched, "steps": metrics_of(run_dir), "args": args}
+    return {"launch": launched, "steps": run_metrics(run_dir), "args": args}
 
 
 def planned(out: Path, name: str, args: list[str], env: dict, videos: int = 1) -> dict:

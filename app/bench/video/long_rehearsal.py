@@ -29,7 +29,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from app.bench.common import ROOT, child_env, markdown_table, write_report
+from app.bench.common import ROOT, child_env, markdown_table, run_metrics, write_report
 
 SIZES = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=512, vision_hidden=64,
              vision_depth=2, vision_heads=2, max_positions=65536)
@@ -108,20 +108,15 @@ def planned(a: dict, out: Path, size: int, k: int) -> dict:
             "states_gib": plan["states"]["total"] / 2**30, "visual_tokens": plan["workload"]["visual"]}
 
 
-def metrics_rows(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-
-
 def point(a: dict, out: Path, size: int, k: int) -> dict:
     row = {"S": size, "k": k, "questions_a_replica": prompts_of(a, k)}
     timed = out / f"S{size}-k{k}"
-    if len(metrics_rows(timed)) < 2:  # a point already measured is read back (re-planning costs nothing)
+    if len(run_metrics(timed)) < 2:  # a point already measured is read back (re-planning costs nothing)
         code, seconds = launch(overrides(a, timed, size, k, 2), out / f"S{size}-k{k}.log")
         row.update(exit=code, launch_s=seconds)
     else:
         row.update(exit=0)
-    rows = metrics_rows(timed)
+    rows = run_metrics(timed)
     if len(rows) == 2:
         step = rows[1]
         row.update(steps=2, step_s=step["time/step"], per_question_s=step["time/step"] / prompts_of(a, k),
@@ -129,10 +124,10 @@ def point(a: dict, out: Path, size: int, k: int) -> dict:
                    media_decoded=step["data/media_decoded"], shared_video_tokens=step["tokens/shared_video"],
                    prefill_tokens=step["rollout/prefill_tokens"], prompt_tokens=step["rollout/prompt_tokens"])
     memory = out / f"S{size}-k{k}-memory"
-    if RANK_KEY not in (metrics_rows(memory) or [{}])[0]:  # not measured, or before each rank's peak was logged
+    if RANK_KEY not in (run_metrics(memory) or [{}])[0]:  # not measured, or before each rank's peak was logged
         shutil.rmtree(memory, ignore_errors=True)
         launch(overrides(a, memory, size, k, 1), out / f"S{size}-k{k}-memory.log", PREFIX_GRPO_ALLOCATOR_PEAK="1")
-    mrows = metrics_rows(memory)
+    mrows = run_metrics(memory)
     plan = planned(a, out, size, k)
     row.update({f"planned_{key}": value for key, value in plan.items()})
     for stage, metric, planned_key in (("rollout", "rollout_engine", "planned_rollout_gib"),
