@@ -89,3 +89,71 @@ def test_k_with_s_the_hour_long_plan_fits_one_node_and_k6_costs_a_third_per_ques
     assert 0.25 < per_question[6] / per_question[1] < 0.4
     kv = {k: r["rollout"]["kv_cache"] for k, r in results.items()}
     assert kv[6] < kv[1]  # one family's video K/V on the rank, against two prompts' own
+
+
+def test_leave_one_out_is_recomputed_from_the_points_and_the_planner_prints_its_worst(tmp_path):
+    """Each GPU point predicted by the fit on the others: the committed summary (app/planning/calibration.json, what
+    the planner prints) is what the points give now; a constant the others cannot pin down is named (without the
+    only 4-layer point, the per-rollout overhead is free), and the printout says the worst step ratio."""
+    from app.bench.planning.calibrate import leave_one_out, summary
+
+    rows = leave_one_out(DATA)
+    assert len(rows) == len(DATA["points"]) and all(r["fitted_on"] == len(DATA["points"]) - 1 for r in rows)
+    got = summary(rows)
+    committed = timing.LEAVE_ONE_OUT
+    for key in ("step_low", "step_high", "worst_step", "phase_low", "phase_high"):
+        assert got[key] == pytest.approx(committed[key], abs=1e-3), key
+    assert {r["point"]: r["loose"] for r in rows} == committed["loose"]
+    four_layers = next(r for r in rows if r["point"].startswith("4-layer"))
+    assert "rollout_s" in four_layers["loose"]
+    # a prediction, not a restatement: the left-out point is off by more than the fit that saw it
+    assert max(abs(r["step"] - 1) for r in rows) > 0.05
+    line = timing.leave_one_out_line()
+    assert f"worst {committed['worst_step']:.2f}x" in line and "left out of the fit" in line
+
+
+def test_a_new_gpu_point_refits_the_constants_and_the_leave_one_out_with_the_same_command(tmp_path):
+    from app.bench.planning.calibrate import main
+
+    data = json.loads((ROOT / "docs" / "gpu" / "points.json").read_text())
+    extra = json.loads(json.dumps(data["points"][2]))
+    extra["name"] = "a new point: k = 4 measured 10% slower"
+    extra["measured"] = {k: v * 1.1 if not k.endswith("gib") else v for k, v in extra["measured"].items()}
+    data["points"].append(extra)
+    points = tmp_path / "points.json"
+    points.write_text(json.dumps(data))
+    written = tmp_path / "calibration.json"
+    main(["--points", str(points), "--out", str(tmp_path / "report"), "--write-to", str(written)])
+    result = json.loads(written.read_text())
+    assert result["points"][-1] == extra["name"] and result["leave_one_out"]["points"] == 5
+    assert set(result["constants"]) == set(timing.Calibration.__dataclass_fields__)
+    assert (tmp_path / "report" / "planner_calibration.md").read_text().count("| a new point") >= 2
+    assert (tmp_path / "report" / "planner_calibration.png").is_file()
+
+
+def test_the_trl_style_baseline_names_its_kernel():
+    """The repeated layout under masked SDPA counts whole rectangles, under flash-attn the tiles a causal kernel
+    keeps: at an hour of video flash-attn's attention is close to the causal count, SDPA's about twice it; the
+    printout gives both and says which each ratio uses."""
+    from app.config.loading import load_config
+    from app.planning import flops
+    from app.planning.plan import report
+    from app.planning.planner import World, plan
+
+    hour = ["data.max_frames=3600", "data.fps=1", "data.max_prompt_length=262144", "rollout.prefill_chunk_size=4096",
+            "forward.vision_chunk_frames=64", "train.sequence_parallel_size=4", "train.prompts_per_rank=6",
+            "train.groups_per_micro_batch=6", "data.questions_per_video=6"]
+    cfg = load_config(ROOT / "configs/qwen2_5_vl_7b_video_lora.yaml", hour)
+    result = plan(cfg, World(), "qwen2_5_vl_7b")
+    one = flops.Workload(prefix=result["workload"]["prefix"], completion=result["workload"]["completion"],
+                         group_size=result["workload"]["group_size"])
+    sdpa, causal = flops.attention_pairs(one, "repeated")
+    flash, causal_again = flops.attention_pairs(one, "repeated_flash")
+    assert causal == causal_again and sdpa / causal == pytest.approx(2.0, rel=0.01)
+    assert 1.0 <= flash / causal < 1.01
+    per = result["flops_per_group"]
+    assert per["repeated"]["policy"] / per["repeated_flash"]["policy"] > 1.7  # 870k against 484k TF
+    assert result["phase_seconds"]["repeated"]["step"] > result["phase_seconds"]["repeated_flash"]["step"]
+    text = report(result, {}, [])
+    assert "masked SDPA" in text and "flash-attn" in text
+    assert "TRL-style with masked SDPA" in text and "with flash-attn" in text

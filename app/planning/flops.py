@@ -11,6 +11,15 @@ from __future__ import annotations
 from app.planning.costs import Shape, Workload
 
 KERNEL_BLOCK = 128  # FlexAttention's block, and flash-attn's row tile at the head sizes of Qwen-VL
+# The repeated layout ([P;Ri] rows, what TRL-style trainers run) by the kernel that computes it: masked SDPA (a
+# padding mask makes torch pick a kernel that computes every tile: whole rectangles) or flash-attn (varlen, the
+# masked tiles skipped). The planner gives the TRL-style baseline with both and says which each ratio uses.
+REPEATED_KERNELS = {"repeated": "masked SDPA", "repeated_flash": "flash-attn"}
+
+
+def is_repeated(backend: str) -> bool:
+    """Whether ``backend`` is the repeated layout (under either kernel of ``REPEATED_KERNELS``)."""
+    return backend in REPEATED_KERNELS
 
 
 def causal_tiles(rows: int, keys: int, block: int = KERNEL_BLOCK) -> int:
@@ -47,14 +56,17 @@ def packed_tiles(prefix: int, group: int, completion: int, block: int = KERNEL_B
 def attention_pairs(work: Workload, backend: str) -> tuple[float, float]:
     """(query-key pairs the kernel computes, causal pairs a perfect kernel would) of one forward.
 
-    ``split`` and ``repeated`` (torch's fused kernels given a mask, or the CPU's) compute whole rectangles; flash and
-    flex skip the tiles their mask rules out and compute the rest whole, so they are counted in tiles of
-    ``KERNEL_BLOCK`` (groups of a micro-batch counted one by one, as if each began on a tile boundary)."""
+    ``split`` and ``repeated`` (torch's fused kernels given a mask, or the CPU's) compute whole rectangles; flash,
+    flex and ``repeated_flash`` (the repeated rows under flash-attn) skip the tiles their mask rules out and compute
+    the rest whole, so they are counted in tiles of ``KERNEL_BLOCK`` (groups of a micro-batch counted one by one,
+    as if each began on a tile boundary)."""
     p, c, g, n = work.prefix, work.completion, work.group_size, work.groups
     tile = KERNEL_BLOCK**2
     if backend == "repeated":
         rows = g * (p + c)
         return n * g * (p + c) ** 2, n * rows * (p + c + 1) / 2
+    if backend == "repeated_flash":
+        return n * g * tile * causal_tiles(p + c, p + c), n * g * (p + c) * (p + c + 1) / 2
     if work.questions > 1 and backend != "masked":
         return family_pairs(work, backend)
     causal = p * (p + 1) / 2 + g * (c * p + c * (c + 1) / 2)
@@ -92,7 +104,7 @@ def family_pairs(work: Workload, backend: str) -> tuple[float, float]:
 def forward_flops(shape: Shape, work: Workload, backend: str) -> dict:
     """Forward FLOPs of the language model over one micro-batch: matmuls, attention as the backend's kernel computes
     it (and as a perfect causal kernel would), output head on the scored tokens."""
-    tokens = work.repeated_tokens if backend == "repeated" else work.grouped_tokens
+    tokens = work.repeated_tokens if is_repeated(backend) else work.grouped_tokens
     rect, causal = attention_pairs(work, backend)
     per_pair = 4 * shape.heads * shape.head_dim * shape.layers
     linear = 2 * shape.layer_matmul_params * shape.layers * tokens

@@ -84,15 +84,20 @@ def report(result: dict, frames_by_size: dict, fixes: list[dict]) -> str:
                  f"{by_layout['repeated'] / GiB:.2f} ({by_layout['grouped'] / by_layout['repeated']:.2f}x)")
     lines += [f"  peak {_gib(result['peak']).strip()} GiB of {_gib(result['usable']).strip()} usable "
               f"({result['world']['headroom']:.0%} of the GPU): {'FITS' if result['fits'] else 'DOES NOT FIT'}", ""]
-    lines.append("FLOPs per group (one prompt, G completions), grouped vs repeated layout")
-    grouped, repeated = result["flops_per_group"]["grouped"], result["flops_per_group"]["repeated"]
-    lines.append(f"    {'phase':<18}{'grouped':>12}{'repeated':>12}{'ratio':>8}")
+    lines.append("FLOPs per group (one prompt, G completions): grouped against the repeated layout (TRL-style), under "
+                 "masked SDPA (every tile) and under flash-attn (masked tiles skipped)")
+    per = result["flops_per_group"]
+    grouped = per["grouped"]
+    lines.append(f"    {'phase':<18}{'grouped':>12}{'SDPA':>12}{'ratio':>8}{'flash-attn':>12}{'ratio':>8}")
     for phase in grouped:
-        g, rep = grouped[phase], repeated[phase]
-        ratio = f"{g / rep:8.3f}" if rep else "       -"
-        lines.append(f"    {phase:<18}{g / 1e12:10.1f}TF{rep / 1e12:10.1f}TF{ratio}")
-    total_g, total_r = sum(grouped.values()), sum(repeated.values())
-    lines.append(f"    {'total':<18}{total_g / 1e12:10.1f}TF{total_r / 1e12:10.1f}TF{total_g / total_r:8.3f}")
+        cells = "".join(f"{per[kernel][phase] / 1e12:10.1f}TF"
+                        + (f"{grouped[phase] / per[kernel][phase]:8.3f}" if per[kernel][phase] else "       -")
+                        for kernel in ("repeated", "repeated_flash"))
+        lines.append(f"    {phase:<18}{grouped[phase] / 1e12:10.1f}TF{cells}")
+    totals = {layout: sum(per[layout].values()) for layout in per}
+    lines.append(f"    {'total':<18}{totals['grouped'] / 1e12:10.1f}TF"
+                 + "".join(f"{totals[k] / 1e12:10.1f}TF{totals['grouped'] / totals[k]:8.3f}"
+                           for k in ("repeated", "repeated_flash")))
     lines += [f"WARNING: {w}" for w in result.get("warnings", [])]
     lines += ["", *time_table(result)]
     lines += ["", *disk_lines(result["disk"])]
@@ -114,21 +119,28 @@ BOUNDS = {"tower": "FLOPs + attention calls", "prefill": "FLOPs", "decode": "ban
 
 
 def time_table(result: dict) -> list[str]:
-    """Seconds per phase on one rank, this layout against the TRL-style one ([P;Ri] rows, HF generate), and the
-    time per question (per group)."""
+    """Seconds per phase on one rank, this layout against the TRL-style one ([P;Ri] rows, HF generate) under masked
+    SDPA and under flash-attn, the time per question, and how far the planned step has been from measured steps
+    on GPU points left out of the fit."""
+    from app.planning.timing import leave_one_out_line
+
     w = result["world"]
-    sec, other = result["phase_seconds"]["grouped"], result["phase_seconds"]["repeated"]
+    sec = result["phase_seconds"]["grouped"]
+    sdpa, flash = result["phase_seconds"]["repeated"], result["phase_seconds"]["repeated_flash"]
     lines = [f"step time per rank, by phase (at {w['peak_tflops']:g} TFLOP/s and {w['bandwidth_tbs']:g} TB/s, the "
-             "calibration's efficiencies: docs/planner.md)",
-             f"    {'phase':<20}{'bound':<24}{'this config':>12}{'TRL-style':>12}"]
+             "calibration's efficiencies: docs/planner.md); TRL-style = [P;Ri] rows and HF generate",
+             f"    {'phase':<20}{'bound':<24}{'this config':>12}{'TRL, SDPA':>12}{'TRL, flash':>12}"]
     for phase in (*("tower", "prefill", "decode", "rollout_overhead"), "rollout", "reference", "old_policy", "update",
                   "weight_sync", "step"):
-        if phase in ("rollout", "step") or sec[phase] or other[phase]:
+        if phase in ("rollout", "step") or sec[phase] or sdpa[phase] or flash[phase]:
             label = f"  {phase}" if phase in ("tower", "prefill", "decode", "rollout_overhead") else phase
-            lines.append(f"    {label:<20}{BOUNDS[phase]:<24}{sec[phase]:>10.2f} s{other[phase]:>10.2f} s")
+            lines.append(f"    {label:<20}{BOUNDS[phase]:<24}{sec[phase]:>10.2f} s{sdpa[phase]:>10.2f} s"
+                         f"{flash[phase]:>10.2f} s")
     prompts = result["prompts_per_rank"]
     lines.append(f"  per question ({prompts} per replica, k={result['questions']}): {sec['step'] / prompts:.2f} s "
-                 f"(TRL-style {other['step'] / prompts:.2f} s, {sec['step'] / other['step']:.2f}x)")
+                 f"(TRL-style with masked SDPA {sdpa['step'] / prompts:.2f} s: {sec['step'] / sdpa['step']:.2f}x; "
+                 f"with flash-attn {flash['step'] / prompts:.2f} s: {sec['step'] / flash['step']:.2f}x)")
+    lines.append(f"  {leave_one_out_line()}")
     return lines
 
 

@@ -18,6 +18,7 @@ from app.rollout.registry import BASELINE_ENGINE, memory_kind
 TEXT_TOKENS = 200  # system prompt, question and template around the video (Video-R1's prompt is about 150)
 QUESTION_TOKENS = 180  # of those, what follows the video (question, options, instruction): a question's own part
 SP_SIZES = (1, 2, 4, 8)
+LAYOUTS = ("grouped", *flops.REPEATED_KERNELS)  # this config, and the TRL-style run under each kernel it may use
 
 
 class PlanError(ValueError):
@@ -119,6 +120,12 @@ def attention_backend(cfg) -> str:
     return "repeated" if cfg.forward.grouping == "repeated" else grouped_backend(cfg)
 
 
+def layout_backend(cfg, layout: str) -> str:
+    """The attention the planner counts for a layout: the config's own for ``grouped``; for the TRL-style run the
+    repeated rows under masked SDPA (``repeated``) or flash-attn (``repeated_flash``)."""
+    return attention_backend(cfg) if layout == "grouped" else layout
+
+
 def workload(cfg, shape: Shape, frames: int, text_tokens: int = TEXT_TOKENS) -> Workload:
     """A training micro-batch; with data.questions_per_video = k > 1 its groups in families of k questions (at most
     the micro-batch's groups) sharing the system prompt and the video."""
@@ -192,10 +199,10 @@ def plan(cfg, world: World, source: str, frames: int | None = None, videos: int 
                                parameters=counts.total)
     peak = states["total"] + max(rollout["total"], training["total"])
     usable = world.headroom * gpu
-    flops = {layout: step_flops(cfg, shape, work, layout) for layout in ("grouped", "repeated")}
+    flops = {layout: step_flops(cfg, shape, work, layout) for layout in LAYOUTS}
     terms = {layout: timing.phase_terms(layout_cfg(cfg, layout), shape, counts, work, world, ds=ds, lora=lora,
-                                        tower_trains=tower_trains(cfg), backend=attention_backend(layout_cfg(cfg, layout)),
-                                        videos=videos) for layout in ("grouped", "repeated")}
+                                        tower_trains=tower_trains(cfg), backend=layout_backend(cfg, layout),
+                                        videos=videos) for layout in LAYOUTS}
     seconds = {layout: timing.seconds(t, world.calibration) for layout, t in terms.items()}
     return {"model": source, "parameters": asdict(counts), "trainable": trainable, "shape": asdict(shape),
             "world": asdict(world), "ranks": world.ranks, "sequence_parallel": size, "zero": ds,
@@ -218,11 +225,14 @@ def plan_warnings(cfg, work: Workload) -> list[str]:
 
 def layout_cfg(cfg, layout: str):
     """``cfg`` as the A/B's other side runs it: the repeated layout trains [P;Ri] rows and samples with HF generate
-    (each sample its own copy of the prompt; no questions share a video)."""
+    (each sample its own copy of the prompt; no questions share a video); under flash-attn (``repeated_flash``) the
+    vision tower's attention is flash-attn's too (one call per block)."""
     if layout == "grouped":
         return cfg
-    return with_overrides(cfg, {"forward.grouping": "repeated", "rollout.engine": BASELINE_ENGINE,
-                                "data.questions_per_video": 1})
+    overrides = {"forward.grouping": "repeated", "rollout.engine": BASELINE_ENGINE, "data.questions_per_video": 1}
+    if layout == "repeated_flash":
+        overrides["model.vision_attention"] = "flash_attention_2"
+    return with_overrides(cfg, overrides)
 
 
 def disk(cfg, counts, trainable: int, b: int, stage: int, lora: bool) -> dict:
@@ -347,7 +357,7 @@ def step_flops(cfg, shape: Shape, work: Workload, layout: str) -> dict:
     k = work.questions if layout == "grouped" else 1
     one = Workload(prefix=work.prefix, completion=work.completion, group_size=work.group_size, visual=work.visual,
                    patches=work.patches, temporal=work.temporal, groups=k, questions=k, question=work.question)
-    backend = "repeated" if layout == "repeated" else grouped_backend(cfg)
+    backend = grouped_backend(cfg) if layout == "grouped" else layout
     prefill_rows = Workload(prefix=work.prefix, completion=0, group_size=1, groups=k, questions=k,
                             question=work.question)  # V once, each question on top of it (attending to V)
     prefill = flops.forward_flops(shape, prefill_rows, "flash")["total"] / k * (1 if layout == "grouped" else

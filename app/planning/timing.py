@@ -23,8 +23,10 @@ parallelism the training forwards split over S ranks and the rollout's families 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 from app.planning import flops
 from app.planning.costs import Shape, Workload
@@ -36,19 +38,20 @@ ROLLOUT_PHASES = ("tower", "prefill", "decode", "rollout_overhead")
 
 @dataclass(frozen=True)
 class Calibration:
-    """Efficiencies (shares of the card's peak FLOP/s or bandwidth) and fixed costs of the step's phases."""
+    """Efficiencies (shares of the card's peak FLOP/s or bandwidth) and fixed costs of the step's phases. The
+    committed values are data (``calibration.json``, written by ``app/bench/planning/calibrate.py``)."""
 
-    prefill_efficiency: float = 0.404  # the rollout's tower and prefill: share of peak FLOP/s
-    forward_efficiency: float = 0.226  # reference and old-policy forwards (the packed row, no gradient)
-    train_efficiency: float = 0.427  # the policy's forward and backward
-    tower_call_ms: float = 0.204  # one attention call of the vision tower (per window or frame of a block)
-    update_layer_s: float = 0.043  # per decoder layer and update pass: ZeRO-3 hooks, the optimizer step
-    rollout_s: float = 0.211  # per rollout: gather, graph capture, collation, sampling
-    weight_efficiency: float = 0.88  # decode: weights read at this share of the card's bandwidth
-    kv_efficiency: float = 0.0962  # decode: the prefixes' and completions' K/V read at this share
-    graph_launch_ms: float = 0.188  # decode: per layer and step, a replayed CUDA graph of the step
-    eager_launch_ms: float = 1.1  # decode: per layer and step, eager steps (ZeRO-3 gathering during the rollout)
-    link_efficiency: float = 0.7  # ZeRO-3 gathers during a rollout: share of the link's bandwidth (not measured)
+    prefill_efficiency: float  # the rollout's tower and prefill: share of peak FLOP/s
+    forward_efficiency: float  # reference and old-policy forwards (the packed row, no gradient)
+    train_efficiency: float  # the policy's forward and backward
+    tower_call_ms: float  # one attention call of the vision tower (per window or frame of a block)
+    update_layer_s: float  # per decoder layer and update pass: ZeRO-3 hooks, the optimizer step
+    rollout_s: float  # per rollout: gather, graph capture, collation, sampling
+    weight_efficiency: float  # decode: weights read at this share of the card's bandwidth
+    kv_efficiency: float  # decode: the prefixes' and completions' K/V read at this share
+    graph_launch_ms: float  # decode: per layer and step, a replayed CUDA graph of the step
+    eager_launch_ms: float  # decode: per layer and step, eager steps (ZeRO-3 gathering during the rollout)
+    link_efficiency: float  # ZeRO-3 gathers during a rollout: share of the link's bandwidth (not measured)
 
     def changed(self, **values) -> Calibration:
         return replace(self, **values)
@@ -72,7 +75,17 @@ SOURCES = {  # where each constant comes from (docs/gpu/points.json holds the nu
     "link_efficiency": "an assumption (nothing gathered across GPUs has been measured): NCCL all-gathers reach about "
                        "70% of NVLink's bandwidth",
 }
-CALIBRATION = Calibration()
+COMMITTED = json.loads((Path(__file__).with_name("calibration.json")).read_text())
+CALIBRATION = Calibration(**COMMITTED["constants"])
+LEAVE_ONE_OUT = COMMITTED["leave_one_out"]  # each GPU point predicted by the fit on the others (summary)
+
+
+def leave_one_out_line() -> str:
+    """One line: how far the planned step has been from the measured one on GPU points left out of the fit."""
+    s = LEAVE_ONE_OUT
+    return (f"step time on GPU points left out of the fit: {s['step_low']:.2f}-{s['step_high']:.2f}x of measured "
+            f"(worst {s['worst_step']:.2f}x; leave-one-out over the {s['points']} points measured on "
+            f"{COMMITTED['card'] or 'a GPU'}: docs/planner.md)")
 
 
 def calibration_from(values: dict | None) -> Calibration:
