@@ -167,3 +167,67 @@ def bias_head_towards_placeholder(checkpoint, token_key: str = "image_token_id",
     head[token, -1] = strength
     save_file(weights, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
     return token
+
+
+def varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                     window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """A stand-in for ``torch.nn.attention.varlen.varlen_attn`` (torch 2.13's signature) on any device: one SDPA
+    call per sequence. q (Tq, H, D), k/v (Tk, Hkv, D); causal when ``window_size`` is (-1, 0), aligned
+    bottom-right; ``seqused_k``: the first keys of each sequence only; the lse as (H, Tq) float32 (-inf where a
+    query sees no key, whose output is 0). What the CPU tests drive the grouping core's varlen wiring with."""
+    assert block_table is None
+    heads, dim = query.shape[1], query.shape[2]
+    if key.shape[1] != heads:
+        assert enable_gqa, "GQA inputs need enable_gqa=True, as torch's kernel does"
+        key, value = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (key, value))
+    bounds_q, bounds_k = cu_seq_q.tolist(), cu_seq_k.tolist()
+    outs, lses = [], []
+    for i in range(len(bounds_q) - 1):
+        q = query[bounds_q[i]:bounds_q[i + 1]].transpose(0, 1)[None]
+        end_k = bounds_k[i + 1] if seqused_k is None else bounds_k[i] + int(seqused_k[i])
+        k = key[bounds_k[i]:end_k].transpose(0, 1)[None]
+        v = value[bounds_k[i]:end_k].transpose(0, 1)[None]
+        lq, lk = q.shape[2], k.shape[2]
+        mask = None
+        if tuple(window_size) == (-1, 0):
+            seen = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+            mask = torch.zeros(lq, lk, dtype=q.dtype).masked_fill(~seen, float("-inf"))
+        if lk == 0 or lq == 0:
+            outs.append(q.new_zeros(lq, heads, dim))
+            lses.append(torch.full((heads, lq), float("-inf")))
+            continue
+        if return_aux is None:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            lse = torch.zeros(1, heads, lq)
+        else:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q.contiguous(), k.contiguous(), v.contiguous(), 0.0, False, attn_mask=mask, scale=scale)[:2]
+        if mask is not None:  # a query with no key at all: 0 out, lse -inf
+            none = ~torch.isfinite(mask).any(-1)
+            out = out.masked_fill(none[None, None, :, None], 0.0)
+            lse = lse.masked_fill(none[None, None, :], float("-inf"))
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0].float())
+    out = torch.cat(outs)
+    if return_aux is not None and return_aux.lse:
+        return out, torch.cat(lses, dim=1)
+    return out
+
+
+@contextlib.contextmanager
+def counting_varlen():
+    """``varlen_reference`` in force as the varlen kernel (``app.grouping.kernels.varlen_stand_in``); yields the
+    list of its calls (one entry per call: the number of sequences)."""
+    import functools
+
+    from app.grouping.kernels import varlen_stand_in
+
+    calls = []
+
+    @functools.wraps(varlen_reference)  # the signature the kernel is inspected for
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs):
+        calls.append(len(cu_seq_q) - 1)
+        return varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs)
+
+    with varlen_stand_in(kernel):
+        yield calls

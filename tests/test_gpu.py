@@ -247,3 +247,113 @@ def test_a_captured_decode_step_draws_what_eager_steps_draw(tiny_checkpoints, vi
         assert decoder.graph is not None, decoder.graph_error
         assert not torch.equal(first, second)  # a new position, new logits: the replay advanced
         decoder.close()
+
+
+# ---- torch's own varlen flash kernel (no flash-attn package): the tower, decode, the chunked prefill, flash ----
+def _varlen_runs() -> bool:
+    from app.grouping.kernels import varlen_unusable
+
+    return not varlen_unusable("cuda", torch.bfloat16, 128)
+
+
+needs_varlen = pytest.mark.skipif(not torch.cuda.is_available() or not _varlen_runs(),
+                                  reason="torch's varlen flash kernel does not run here (torch < 2.10 or sm < 80)")
+
+
+@needs_varlen
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_the_tower_in_one_varlen_call_per_block_in_bf16(family, tiny_checkpoints):
+    """The tower on torch's kernel (one call per block) against its per-chunk SDPA loop, both bf16, each against a
+    float32 tower: no further from it than the loop (within bf16 rounding)."""
+    from app.grouping.vision.attention import TOWER_ATTENTION
+    from app.runtime.models import load_model
+
+    patch = 16 if family == "qwen3_vl" else 14
+    grid = torch.tensor([[8, 8, 12], [4, 8, 8]], device="cuda")
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * patch * patch, device="cuda")
+    outs = {}
+    for name, dtype in (("sdpa", torch.float32), ("sdpa", torch.bfloat16), (TOWER_ATTENTION, torch.bfloat16)):
+        model = load_model(tiny_checkpoints[family], dtype=dtype, attn_implementation=name).cuda()
+        with torch.no_grad():
+            result = model.model.visual(pixels.to(dtype), grid_thw=grid)
+        outs[(name, dtype)] = (result.pooler_output if hasattr(result, "pooler_output") else result[0]).float()
+    reference = outs[("sdpa", torch.float32)]
+    loop = (outs[("sdpa", torch.bfloat16)] - reference).abs().max()
+    varlen = (outs[(TOWER_ATTENTION, torch.bfloat16)] - reference).abs().max()
+    assert varlen <= 2 * loop + 1e-3, (float(varlen), float(loop))
+
+
+@needs_varlen
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_decode_on_the_varlen_kernel_draws_the_bmm_paths_greedy_tokens_in_bf16(family, tiny_checkpoints, videos):
+    """64 greedy steps on torch's kernel (prefix in key chunks, own part with seqused_k, the chunked prefill) and on
+    the bmm path it replaces, eager and captured: the same tokens, log-probs within bf16 rounding; the shared video
+    (3 questions) too."""
+    from app.grouping.kernels import varlen_off
+    from app.rollout.generate import SamplingConfig, generate_groups
+    from tests.test_families import family_case
+
+    model, prompts, _, _, _ = family_case(family, tiny_checkpoints, videos, [0, 0, 0, 1, -1], seed=6)
+    model = model.cuda().to(torch.bfloat16)
+    prompts = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
+    greedy = SamplingConfig(temperature=0, max_new_tokens=64)
+    for decode in ("eager", "graph", "compiled"):
+        for families in (None, [3, 1, 1]):
+            new = generate_groups(model, prompts, 2, greedy, eos_ids=[], decode=decode, families=families,
+                                  prefill_chunk_size=32)
+            with varlen_off():
+                old = generate_groups(model, prompts, 2, greedy, eos_ids=[], decode=decode, families=families,
+                                      prefill_chunk_size=32)
+            assert torch.equal(new.completion_ids, old.completion_ids), (decode, families)
+            torch.testing.assert_close(new.logprobs, old.logprobs, rtol=0, atol=0.05)
+
+
+@needs_varlen
+def test_the_chunked_prefill_on_the_varlen_kernel_equals_sdpa_in_bf16(tiny_checkpoints, videos):
+    """Left-padded prompts prefilled in chunks: torch's kernel (one causal call per prompt and chunk) against SDPA
+    with transformers' mask: the cache and the last logits within bf16 rounding."""
+    from app.grouping.decoding.prefill import chunked_prefill
+    from app.grouping.kernels import varlen_off
+    from app.grouping.positions import VISION_KEYS, prompt_positions
+    from tests.helpers import load, prompt_batch
+
+    model, processor = load("qwen2_5_vl", tiny_checkpoints)
+    model = model.cuda().to(torch.bfloat16)
+    prompts = {k: v.cuda() if isinstance(v, torch.Tensor) else v
+               for k, v in prompt_batch("qwen2_5_vl", processor, videos, ["video", "text"]).items()}
+    positions = prompt_positions(model, prompts["input_ids"], prompts["attention_mask"], prompts)
+    vision = {k: prompts[k] for k in VISION_KEYS if prompts.get(k) is not None}
+    runs = {}
+    for name, switch in (("varlen", None), ("sdpa", varlen_off)):
+        with torch.no_grad(), (switch() if switch else torch.no_grad()), chunked_prefill(model, 32):
+            out = model(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
+                        position_ids=positions, use_cache=True, logits_to_keep=1, **vision)
+        runs[name] = out
+    real = prompts["attention_mask"].bool()
+    for a, b in zip(runs["varlen"].past_key_values.layers, runs["sdpa"].past_key_values.layers):
+        torch.testing.assert_close(a.keys.transpose(1, 2)[real].float(), b.keys.transpose(1, 2)[real].float(),
+                                   rtol=0.05, atol=0.05)
+    torch.testing.assert_close(runs["varlen"].logits.float(), runs["sdpa"].logits.float(), rtol=0.05, atol=0.1)
+
+
+@needs_varlen
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_flash_backend_on_torchs_kernel_in_bf16(family, tiny_checkpoints, videos):
+    """forward.attention_backend=flash without the flash-attn package: grouped in bf16 no further from the float32
+    repeated reference than repeated in bf16 (log-probs), and its gradients flow."""
+    from app.grouping import compare_to_reference, completion_logprobs
+    from tests.test_bf16 import bf16_rounded, case
+
+    model32, model16, processor = bf16_rounded(family, tiny_checkpoints)
+    model32, model16 = model32.cuda(), model16.cuda()
+    prompts, ids, mask, sizes = case(family, processor, videos)
+    prompts = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
+    ids, mask = ids.cuda(), mask.cuda()
+    with torch.no_grad():
+        reference = completion_logprobs(model32, prompts, ids, mask, sizes, mode="repeated").logprobs
+        repeated = completion_logprobs(model16, prompts, ids, mask, sizes, mode="repeated").logprobs
+    grouped = completion_logprobs(model16, prompts, ids, mask, sizes, backend="flash").logprobs
+    comparison = compare_to_reference(grouped, repeated, reference, mask)
+    assert comparison.passes(), comparison.describe()
+    grouped.float().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model16.parameters() if p.requires_grad)

@@ -15,6 +15,7 @@ from app.config.fields import ConfigError, _f
 from app.data.prompts import PROMPT_TEMPLATES
 from app.data.video import FRAME_FOLDER_SAMPLING
 from app.grouping import BACKENDS, DECODE_MODES, DEFAULT_CHUNK_SIZE, MODES
+from app.grouping.vision.attention import VISION_ATTENTIONS
 from app.grouping.vision.cache import VISION_CACHE_SETTINGS
 from app.objectives.grpo import (
     DYNAMIC_SAMPLING_METRICS,
@@ -40,7 +41,11 @@ class ModelConfig:
     path: str = _f("", "Local checkpoint directory (Hugging Face format). Nothing is downloaded.")
     reference_path: str = _f("", "Reference model directory; empty means the same as `path`.")
     dtype: str = _f("float32", "Parameter dtype: float32 (CPU) or bfloat16 (GPU).", choices=("float32", "bfloat16"))
-    vision_attention: str = _f("sdpa", "Attention implementation for the vision tower.")
+    vision_attention: str = _f("auto", "Attention implementation for the vision tower. auto: on CUDA in bfloat16, "
+                               "torch's own varlen flash kernel, one call per block (flash_attention_2 when the "
+                               "flash-attn package is installed); elsewhere sdpa, one call per frame or window. "
+                               "torch_flash_varlen asks for torch's kernel (its per-frame SDPA where it cannot run).",
+                               choices=VISION_ATTENTIONS)
     gradient_checkpointing: bool = _f(False, "Activation checkpointing in the policy forward.")
     trust_remote_code: bool = _f(False, "Allow code from the checkpoint directory to run. Off by default.")
     freeze_vision_tower: bool = _f(False, "Do not train the vision tower (its blocks; the projector is separate).")

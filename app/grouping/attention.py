@@ -35,7 +35,14 @@ import torch
 
 from app.grouping.families import family_attention
 from app.grouping.flex import flex
-from app.grouping.kernels import _expand_kv, _PrefixPlusOwnAttention, _sdpa, varlen_calls
+from app.grouping.kernels import (
+    _expand_kv,
+    _PrefixPlusOwnAttention,
+    _sdpa,
+    flash_varlen_fn,
+    varlen_calls,
+    varlen_unusable,
+)
 from app.grouping.layout import GroupLayout
 
 ATTENTION_NAME = "prefix_grouper"
@@ -47,8 +54,19 @@ def flash_attn_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
+def flash_available(device=None) -> bool:
+    """Whether the ``flash`` backend runs here: the flash-attn package, or torch's own varlen kernel (CUDA, sm80+,
+    a torch that has it), in float16/bfloat16."""
+    if flash_attn_available():
+        return True
+    on = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return not varlen_unusable(on, torch.bfloat16, 128)
+
+
 def default_backend(device: torch.device | str | None = None) -> str:
-    """The best backend that runs here: flash-attn varlen, else FlexAttention on CUDA, else ``split`` on CPU."""
+    """The best backend that runs here: flash-attn varlen, else FlexAttention on CUDA, else ``split`` on CPU.
+    (torch's own varlen kernel makes ``flash`` run without the package too, but it is not the default: whether it
+    beats flex there has not been measured, docs/grouping.md.)"""
     on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
     if on_cuda and flash_attn_available():
         return "flash"
@@ -61,7 +79,7 @@ def usable_backends(device: torch.device | str) -> tuple[str, ...]:
     """Backends that run forward and backward on ``device``."""
     if torch.device(device).type == "cuda":
         gpu = ("packed", "paper", "masked", "flex", "flash")
-        return gpu if flash_attn_available() else gpu[:-1]
+        return gpu if flash_available(device) else gpu[:-1]
     return ("packed", "paper", "masked", "split")
 
 
@@ -192,9 +210,7 @@ def _masked(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
 
 
 def _flash(plan: GroupedAttentionPlan, q, k, v, scale, dropout):
-    fn = plan.varlen_fn
-    if fn is None:
-        from flash_attn import flash_attn_varlen_func as fn
+    fn = plan.varlen_fn if plan.varlen_fn is not None else flash_varlen_fn(q)
 
     def build():
         layout, dev = plan.layout, q.device

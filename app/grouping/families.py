@@ -333,9 +333,9 @@ def flash_sequences(layout: GroupLayout) -> tuple[list[range], list[tuple[range,
 
 
 def family_flash(plan, q, k, v, scale, dropout):
-    fn = plan.varlen_fn
-    if fn is None:
-        from flash_attn import flash_attn_varlen_func as fn
+    from app.grouping.kernels import flash_varlen_fn, varlen_calls
+
+    fn = plan.varlen_fn if plan.varlen_fn is not None else flash_varlen_fn(q)
 
     def build():
         dev = q.device
@@ -349,8 +349,6 @@ def family_flash(plan, q, k, v, scale, dropout):
                     cu_sq=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32).to(dev),
                     cu_sk=torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32).to(dev),
                     max_sq=max(q_lens), max_sk=max(k_lens))
-
-    from app.grouping.kernels import varlen_calls
 
     return varlen_calls(fn, plan.cached("flash-family", q.device, build), q, k, v, scale=scale, dropout=dropout)
 

@@ -123,9 +123,21 @@ def rank_work(cfg, work: Workload, videos: int | None = None) -> Rank:
                 micro_batches=max(1, prompts // cfg.train.groups_per_micro_batch), size=size)
 
 
+def planned_vision_attention(cfg, world) -> str:
+    """The tower's attention a run of ``cfg`` gets on ``world``'s device: ``auto`` is torch's varlen flash kernel
+    (one call per block) on CUDA in bfloat16, sdpa (per frame or window) elsewhere
+    (``app.grouping.vision.attention.vision_attention_for``; a card or torch without the kernel gets sdpa)."""
+    from app.grouping.vision.attention import TOWER_ATTENTION
+
+    setting = cfg.model.vision_attention
+    if setting != "auto":
+        return setting
+    return TOWER_ATTENTION if world.device == "cuda" and cfg.model.dtype == "bfloat16" else "sdpa"
+
+
 def tower_calls(shape: Shape, work: Workload, vision_attention: str) -> float:
-    """Attention calls of one pass of the tower over one video: one per block with flash-attn (varlen), else one
-    per window (Qwen2.5-VL's windowed blocks) or per frame of every block."""
+    """Attention calls of one pass of the tower over one video: one per block with a varlen kernel (flash-attn's
+    or torch's), else one per window (Qwen2.5-VL's windowed blocks) or per frame of every block."""
     if not work.patches or not shape.vision_depth:
         return 0.0
     if "flash" in vision_attention:
@@ -148,7 +160,7 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
     rank = rank_work(cfg, work, videos)
     k, peak, bandwidth = rank.questions, world.peak_tflops * 1e12, world.bandwidth_tbs * 1e12
     b = 2 if cfg.model.dtype == "bfloat16" else 4
-    calls = tower_calls(shape, work, cfg.model.vision_attention)
+    calls = tower_calls(shape, work, planned_vision_attention(cfg, world))
     tower = flops.vision_flops(shape, work.patches, work.temporal)
     family = Workload(prefix=work.prefix, completion=0, group_size=1, groups=k, questions=k,
                       question=work.question if k > 1 else 0)

@@ -388,16 +388,24 @@ def enable_activation_checkpointing(model) -> None:
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
                trust_remote_code: bool = False):
-    """Load a policy or reference model from a local checkpoint directory."""
+    """Load a policy or reference model from a local checkpoint directory. ``attn_implementation``
+    (``model.vision_attention``): transformers' name, or ``auto`` / ``torch_flash_varlen``, which load with sdpa
+    and then point the vision tower at the attention chosen (``app.grouping.vision.attention``)."""
     from transformers import AutoConfig
+
+    from app.grouping.vision.attention import TOWER_ATTENTION, use_vision_attention
 
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json; expected a Hugging Face checkpoint directory")
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return model_class(config).from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
-    )
+    ours = attn_implementation in ("auto", TOWER_ATTENTION)
+    model = model_class(config).from_pretrained(
+        path, dtype=dtype, attn_implementation="sdpa" if ours else attn_implementation,
+        trust_remote_code=trust_remote_code)
+    if ours:
+        use_vision_attention(model, attn_implementation)
+    return model
 
 
 def _is_vl(config_dict: dict) -> bool:

@@ -161,6 +161,55 @@ def merge_parts(out_a, lse_a, out_b, lse_b, dtype) -> torch.Tensor:
     return (weight_a[..., None] * out_a + weight_b[..., None] * out_b).to(dtype)
 
 
+@dataclass(frozen=True)
+class PrefillVarlen:
+    """The attention plan of one chunk of a chunked prefill through torch's varlen flash kernel (CUDA, float16 /
+    bfloat16): per prompt one call, its chunk's queries against the keys cached so far and its own causally
+    (bottom-right), from where the prompt's keys begin (``start``: its left padding). No lse, no mask, no
+    [chunk, width] scores: the kernel does both parts in one pass. A pad query sees no key: its output is 0."""
+
+    kernel: object  # app.grouping.kernels.Varlen
+    start: torch.Tensor  # [B] left padding
+
+    def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
+        """q [B, H, c, D], k/v [B, Hkv, past + c, D] -> [B, c, H, D]."""
+        batch, _, count, _ = query.shape
+        length = key.shape[2]
+        device = query.device
+        outs = []
+        for b in range(batch):
+            cu_q = torch.tensor([0, count], device=device, dtype=torch.int32)
+            cu_k = torch.stack([self.start[b], torch.full_like(self.start[b], length)]).to(torch.int32)
+            outs.append(self.kernel(query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1),
+                                    (cu_q, cu_k, count, length), causal=True, scale=scale))
+        return torch.stack(outs)
+
+
+def _chunk_plans(model, inputs_embeds: torch.Tensor, attention_mask):
+    """end -> the attention plan of the chunk ending there (None: an idle chunk): ``PrefillVarlen`` where torch's
+    varlen kernel runs (CUDA, float16/bfloat16), else ``PrefillChunk`` on CPU (the padding as a key bias up to
+    ``end``); None where neither applies (SDPA with transformers' mask)."""
+    from app.grouping.kernels import varlen_kernel
+    from app.grouping.modules import text_config
+
+    padded = attention_mask is not None and not bool(attention_mask.bool().all())
+    config = text_config(model)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kernel = varlen_kernel(inputs_embeds.device, inputs_embeds.dtype, head_dim, use="the chunked prefill")
+    if kernel is not None:
+        batch = inputs_embeds.shape[0]
+        start = ((~attention_mask.bool()).sum(1) if padded else
+                 torch.zeros(batch, dtype=torch.long, device=inputs_embeds.device))
+        return lambda end: PrefillVarlen(kernel, start if end is not None else start[:1] * 0)
+    if inputs_embeds.device.type != "cpu":
+        return None
+    bias = None
+    if padded:
+        bias = torch.zeros(attention_mask.shape, dtype=torch.float32, device=attention_mask.device)
+        bias = bias.masked_fill(~attention_mask.bool(), float("-inf"))[:, None, None, :]
+    return lambda end: PrefillChunk(None if bias is None or end is None else bias[..., :end])
+
+
 def _prefill_cache(config, width: int):
     """A transformers DynamicCache whose full-attention layers hold their K/V in one buffer of the prompt's width,
     written chunk by chunk: ``DynamicLayer`` concatenates at every call, so a chunked prefill would copy the cache
@@ -233,27 +282,24 @@ def chunked_prefill(model, chunk_size: int, synced: bool = False):
         if visual_pos_masks is not None:  # deepstack rows are in (row, position) order over the visual positions
             visual_rows = torch.full(visual_pos_masks.shape, -1, dtype=torch.long, device=visual_pos_masks.device)
             visual_rows[visual_pos_masks] = torch.arange(int(visual_pos_masks.sum()), device=visual_rows.device)
-        on_cpu, bias = inputs_embeds.device.type == "cpu", None  # bias: the padding as a key bias (CPU)
-        if on_cpu and attention_mask is not None and not bool(attention_mask.bool().all()):
-            bias = torch.zeros(attention_mask.shape, dtype=torch.float32, device=attention_mask.device)
-            bias = bias.masked_fill(~attention_mask.bool(), float("-inf"))[:, None, None, :]
+        plans = _chunk_plans(model, inputs_embeds, attention_mask)
         previous = text_config(model)._attn_implementation
-        if on_cpu:
+        if plans is not None:
             set_text_attention(model, attention.ATTENTION_NAME)
         try:
             return run_chunks(count, width, inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
                               past_key_values=past_key_values, visual_rows=visual_rows,
-                              deepstack_visual_embeds=deepstack_visual_embeds, on_cpu=on_cpu, bias=bias, kwargs=kwargs)
+                              deepstack_visual_embeds=deepstack_visual_embeds, plans=plans, kwargs=kwargs)
         finally:
             set_text_attention(model, previous)
 
     def run_chunks(count, width, inputs_embeds, *, attention_mask, position_ids, past_key_values, visual_rows,
-                   deepstack_visual_embeds, on_cpu, bias, kwargs):
+                   deepstack_visual_embeds, plans, kwargs):
         hidden = None
         for k in range(count):
             start, end = k * chunk_size, min((k + 1) * chunk_size, width)
             if start >= width:  # idle: the layers' calls (and gathers) of a chunk, on one throwaway position
-                call(PrefillChunk(None) if on_cpu else None, inputs_embeds=inputs_embeds[:1, :1],
+                call(None if plans is None else plans(None), inputs_embeds=inputs_embeds[:1, :1],
                      attention_mask=None, use_cache=False,
                      position_ids=None if position_ids is None else position_ids[..., :1, :1])
                 continue
@@ -266,8 +312,7 @@ def chunked_prefill(model, chunk_size: int, synced: bool = False):
                                  deepstack_visual_embeds=[d.index_select(0, index) for d in deepstack_visual_embeds])
             if extra.get("cache_position") is not None:
                 extra["cache_position"] = extra["cache_position"][start:end]
-            plan = PrefillChunk(None if bias is None else bias[..., :end]) if on_cpu else None
-            out = call(plan,
+            out = call(None if plans is None else plans(end),
                        inputs_embeds=inputs_embeds[:, start:end],
                        attention_mask=None if attention_mask is None else attention_mask[:, :end],
                        position_ids=None if position_ids is None else position_ids[..., start:end],

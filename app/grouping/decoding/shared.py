@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from app.grouping.decoding.prefill import attention_with_lse, merge_parts, own_causal_attention
+from app.grouping.kernels import varlen_against_keys, varlen_kernel
 
 QUESTION_LIMIT = 2048  # a family shares its V in the rollout when each member's own part is at most this long
 
@@ -80,6 +81,10 @@ class SharedRoots:
 
     def __post_init__(self) -> None:
         self.bias = _bias(self.mask)
+        self.start = (~self.mask.bool()).sum(1)  # [R] where each root's keys begin (left padding)
+        keys = self.keys[0]
+        self.varlen = varlen_kernel(keys.device, keys.dtype, keys.shape[-1], lse=True,
+                                    use="the shared video's attention")
 
     def arrange(self, group_of_sample: torch.Tensor) -> None:
         """The decode step's slots (``slots``): per root, the samples that read it."""
@@ -94,23 +99,42 @@ class SharedRoots:
             self.values = [v[roots] for v in self.values]
             self.mask = self.mask[roots]
             self.bias = _bias(self.mask)
+            self.start = self.start[roots]
         self.group_root = group_root
         self.arrange(group_of_sample)
 
-    def attend(self, layer: int, q: torch.Tensor, scale: float, members: tuple | None = None):
+    def attend(self, layer: int, q: torch.Tensor, scale: float, members: tuple | None = None, *, rep: int = 0):
         """q [n, Hkv, rows, D] -> (out [n, Hkv, rows, D], lse [n, Hkv, rows]) against each member's root: one call
         per root with its members' queries side by side (V's K/V read once for them). Members: the decode step's
-        samples (``arrange``), or ``members`` = ``slots(...)`` of other owners (the questions of the prefill)."""
+        samples (``arrange``), or ``members`` = ``slots(...)`` of other owners (the questions of the prefill).
+        ``rep``: query heads per KV head (rows = rep x tokens per member; 0: rows, one token each)."""
         slot_member, slot_index = members if members is not None else (self.slot_sample, self.slot_index)
         keys, values = self.keys[layer], self.values[layer]
         roots, kv_heads, rows, dim = keys.shape[0], q.shape[1], q.shape[2], q.shape[3]
         most = slot_member.shape[1]
+        if self.varlen is not None:
+            out, lse = self._varlen_attend(q[slot_member], keys, values, scale, rep or rows)
+            return out.index_select(0, slot_index), lse.index_select(0, slot_index)
         grouped = q[slot_member].permute(0, 2, 1, 3, 4).reshape(roots, kv_heads, most * rows, dim)
         out, lse = attention_with_lse(grouped, keys, values, self.bias, scale)
         out = out.reshape(roots, kv_heads, most, rows, dim).permute(0, 2, 1, 3, 4).reshape(roots * most, kv_heads,
                                                                                           rows, dim)
         lse = lse.reshape(roots, kv_heads, most, rows).permute(0, 2, 1, 3).reshape(roots * most, kv_heads, rows)
         return out.index_select(0, slot_index), lse.index_select(0, slot_index)
+
+
+    def _varlen_attend(self, members_q: torch.Tensor, keys, values, scale: float, rep: int):
+        """``attend`` through torch's varlen kernel: members_q [R, M, Hkv, rep * t, D] (t tokens per member, each
+        with Hkv x rep query heads) -> (out [R * M, Hkv, rep * t, D], lse [R * M, Hkv, rep * t]), the root's K/V in
+        key chunks merged by lse (``kernels.varlen_against_keys``)."""
+        roots, most, kv_heads, rows, dim = members_q.shape
+        tokens = rows // rep
+        q = members_q.reshape(roots, most, kv_heads, rep, tokens, dim).permute(0, 1, 4, 2, 3, 5)
+        out, lse = varlen_against_keys(self.varlen, q.reshape(roots, most * tokens, kv_heads * rep, dim), keys,
+                                       values, self.start, scale=scale)
+        out = out.reshape(roots, most, tokens, kv_heads, rep, dim).permute(0, 1, 3, 4, 2, 5)
+        lse = lse.reshape(roots, most, tokens, kv_heads, rep).permute(0, 1, 3, 4, 2)
+        return out.reshape(roots * most, kv_heads, rows, dim), lse.reshape(roots * most, kv_heads, rows)
 
 
 def slots(root_of: torch.Tensor, roots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +175,8 @@ class QuestionPrefill:
         kv_heads = key.shape[1]
         scale = dim**-0.5 if scale is None else scale
         out_a, lse_a = self.roots.attend(module.layer_idx, query.reshape(batch, kv_heads, heads // kv_heads * count,
-                                                                         dim), scale, self.members)
+                                                                         dim), scale, self.members,
+                                         rep=heads // kv_heads)
         out_a, lse_a = out_a.reshape(batch, heads, count, dim), lse_a.reshape(batch, heads, count)
         out_b, lse_b = own_causal_attention(query, key, value, self.own_bias, scale)
         return merge_parts(out_a, lse_a, out_b, lse_b, query.dtype).transpose(1, 2).contiguous()

@@ -101,6 +101,7 @@ class KeptStep:
         bias = torch.zeros(mask.shape[0], width, dtype=torch.float32, device=mask.device)
         bias = bias.masked_fill(~padded_left(mask.bool(), width, 1, False), float("-inf"))
         cache.prefix_bias.copy_(bias[:, None, None, :])
+        cache.prefix_start.copy_(width - mask.sum(1))  # where each prompt's keys begin (the varlen kernel's)
         if roots is not None:
             kept = cache.roots
             rwidth = kept.keys[0].shape[2]
@@ -109,6 +110,7 @@ class KeptStep:
             rbias = torch.zeros(roots.mask.shape[0], rwidth, dtype=torch.float32, device=mask.device)
             kept.bias.copy_(rbias.masked_fill(~padded_left(roots.mask.bool(), rwidth, 1, False),
                                               float("-inf"))[:, None, None, :])
+            kept.start.copy_(rwidth - roots.mask.sum(1))
         cache.written.zero_()
         self.last_position.copy_(last_position)
         self.uses += 1
