@@ -56,15 +56,19 @@ def test_without_cuda_nothing_runs_unless_quick(tmp_path):
 
 @pytest.mark.slow  # the default parts at toy sizes on this CPU (about 2 minutes): make test-all (CI) runs it
 def test_the_whole_acceptance_runs_quick_here(tmp_path):
-    """scripts/gpu_check.sh --quick: the full-depth part (the rehearsal through the launchers with the rollout's parts
+    """scripts/gpu_check.sh --quick: the varlen part (the kernel against the paths it replaces), the full-depth part (the rehearsal through the launchers with the rollout's parts
     per step, the TRL-style run, k = 4 against k = 1, the planner beside each), the decode part (graph or static,
     compiled, eager) and HF generate compiled, their report written."""
     result = subprocess.run(["bash", "scripts/gpu_check.sh", "--quick", "--raw", str(tmp_path / "raw"), "--report",
                              str(tmp_path / "report")], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     payload = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert [r["part"] for r in payload["parts"]] == ["full_depth", "decode", "hf_compiled"]
-    assert [r["status"] for r in payload["parts"]] == ["ok", "ok", "ok"]
+    assert [r["part"] for r in payload["parts"]] == ["varlen", "decode", "full_depth", "hf_compiled"]
+    assert [r["status"] for r in payload["parts"]] == ["ok", "ok", "ok", "ok"]
+    varlen = payload["results"]["varlen"]
+    assert {(r["prefix"], r["kernel"]) for r in varlen["decode"]} >= {(64, True), (64, False)}
+    assert {r["attention"] for r in varlen["tower"]} == {"torch_flash_varlen", "sdpa"}
+    assert varlen["points"]["decode_steps"] and varlen["points"]["tower_passes"]
     full = payload["results"]["full_depth"]
     assert full["stages"]["eval"]["exit"] == 0
     for name in ("rehearsal", "trl_style", "k1", "k4"):

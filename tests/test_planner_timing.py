@@ -157,3 +157,32 @@ def test_the_trl_style_baseline_names_its_kernel():
     text = report(result, {}, [])
     assert "masked SDPA" in text and "flash-attn" in text
     assert "TRL-style with masked SDPA" in text and "with flash-attn" in text
+
+
+def test_a_gpu_varlen_run_merges_into_the_points_and_its_constants_are_measured_not_fitted(tmp_path):
+    """gpu_check's varlen part writes its points; calibrate --merge adds them to points.json and refits: the
+    kernel's K/V efficiency from its decode steps (the slope over the prefixes), the tower's per-call cost from
+    the loop against one call per block, which then leaves the fitted set; each names its run."""
+    import shutil
+
+    from app.bench.planning.calibrate import KV_TOKEN, main
+
+    points = tmp_path / "points.json"
+    shutil.copy(ROOT / "docs" / "gpu" / "points.json", points)
+    steps = [{"prefix": p, "questions": 1, "mode": "varlen", "step_ms": ms, "bytes_gb": 15.0}
+             for p, ms in ((8192, 5.0), (65536, 8.0))]
+    towers = [{"frames": 64, "attention": "torch_flash_varlen", "blocks": 28, "seconds": 0.10, "calls": 28.0},
+              {"frames": 64, "attention": "sdpa", "blocks": 28, "seconds": 2.58, "calls": 12404.0}]
+    result = tmp_path / "gpu_varlen.json"
+    result.write_text(json.dumps({"points": {"card": "NVIDIA H200", "torch": "2.11.0", "kernel": "ok", "layers": 28,
+                                             "decode_steps": steps, "tower_passes": towers}}))
+    written = tmp_path / "calibration.json"
+    main(["--points", str(points), "--merge", str(result), "--out", str(tmp_path / "report"), "--write-to",
+          str(written)])
+    got = json.loads(written.read_text())
+    expected_kv = KV_TOKEN * 28 * (65536 - 8192) / 4.8e12 / 0.003
+    assert got["constants"]["kv_efficiency_varlen"] == pytest.approx(expected_kv, rel=0.01)
+    assert got["constants"]["tower_call_ms"] == pytest.approx((2.58 - 0.10) / (12404 - 28) * 1e3, rel=0.01)
+    assert "gpu_varlen.json" in got["sources"]["tower_call_ms"] and "kv_efficiency_varlen" in got["sources"]
+    assert json.loads(points.read_text())["varlen"]["decode_steps"] == steps
+    assert "tower_call_ms" not in got["leave_one_out"]["loose"][got["points"][-1]]

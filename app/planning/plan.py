@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibration", nargs="*", default=[], metavar="KEY=VALUE",
                         help="set step-time constants (app/planning/timing.py Calibration; each with its source in "
                              "docs/planner.md), e.g. train_efficiency=0.35 rollout_s=0.5")
+    parser.add_argument("--no-varlen-kernel", action="store_true",
+                        help="the GPUs' torch lacks torch.nn.attention.varlen (older than 2.10) or the card is older "
+                             "than sm80: the tower's attention per frame or window, decode on the two-bmm path")
     parser.add_argument("--videos", type=int, default=0,
                         help="distinct videos among one replica's prompts of a step when fewer than its prompts "
                              "(data asking a video several questions at k = 1; default: one per family)")
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.overrides)
         world = World(args.nodes, args.gpus_per_node, args.gpu_memory_gib, args.peak_tflops, args.bandwidth_tbs,
-                      args.link_tbs, args.device, args.headroom, calibration_of(args.calibration))
+                      args.link_tbs, args.device, args.headroom, calibration_of(args.calibration),
+                      varlen=not args.no_varlen_kernel)
         if args.frames < 0:
             raise PlanError(f"--frames must be >= 0, got {args.frames}")
         source = model_source(cfg, args.model)

@@ -36,6 +36,8 @@ class World:
     device: str = "cuda"  # what runs it: cuda, or cpu (a rehearsal here: its attention kernels hold other buffers)
     headroom: float = 0.9  # the share of GPU memory a plan may fill (CUDA context, fragmentation)
     calibration: timing.Calibration = timing.CALIBRATION  # efficiencies and overheads (timing.SOURCES)
+    varlen: bool = True  # torch's varlen flash kernel runs there (torch >= 2.10, sm80+): the tower's one call per
+    #                      block and the decode's K/V reads (app.grouping.kernels)
 
     @property
     def ranks(self) -> int:

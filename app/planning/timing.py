@@ -48,7 +48,8 @@ class Calibration:
     update_layer_s: float  # per decoder layer and update pass: ZeRO-3 hooks, the optimizer step
     rollout_s: float  # per rollout: gather, graph capture, collation, sampling
     weight_efficiency: float  # decode: weights read at this share of the card's bandwidth
-    kv_efficiency: float  # decode: the prefixes' and completions' K/V read at this share
+    kv_efficiency: float  # decode: the prefixes' and completions' K/V read at this share (the two-bmm path)
+    kv_efficiency_varlen: float  # the same through torch's varlen flash kernel (CUDA, bf16: the default there)
     graph_launch_ms: float  # decode: per layer and step, a replayed CUDA graph of the step
     eager_launch_ms: float  # decode: per layer and step, eager steps (ZeRO-3 gathering during the rollout)
     link_efficiency: float  # ZeRO-3 gathers during a rollout: share of the link's bandwidth (not measured)
@@ -69,6 +70,8 @@ SOURCES = {  # where each constant comes from (docs/gpu/points.json holds the nu
                          "decode part)",
     "kv_efficiency": "the decode step at 8k and 16k prefixes, 9.64 and 10.66 ms (docs/gpu/2026-11-26_h200_run2): "
                      "0.47 GB more K/V read per step cost 1.02 ms",
+    "kv_efficiency_varlen": "not measured yet: the two-bmm path's value (kv_efficiency) until scripts/gpu_check.sh's "
+                            "varlen part runs and calibrate --merge adds its decode steps",
     "graph_launch_ms": "the 8k decode step captured as a CUDA graph, 9.64 ms, less its weights and K/V reads, over "
                        "28 layers (docs/gpu/2026-11-26_h200_run2)",
     "eager_launch_ms": "the 8k decode step stepped eagerly, 36.3 ms, less its reads, over 28 layers (same run)",
@@ -77,6 +80,7 @@ SOURCES = {  # where each constant comes from (docs/gpu/points.json holds the nu
 }
 COMMITTED = json.loads((Path(__file__).with_name("calibration.json")).read_text())
 CALIBRATION = Calibration(**COMMITTED["constants"])
+SOURCES.update(COMMITTED.get("sources", {}))  # constants measured since (calibrate --merge) name their runs
 LEAVE_ONE_OUT = COMMITTED["leave_one_out"]  # each GPU point predicted by the fit on the others (summary)
 
 
@@ -132,7 +136,13 @@ def planned_vision_attention(cfg, world) -> str:
     setting = cfg.model.vision_attention
     if setting != "auto":
         return setting
-    return TOWER_ATTENTION if world.device == "cuda" and cfg.model.dtype == "bfloat16" else "sdpa"
+    return TOWER_ATTENTION if varlen_runs(cfg, world) else "sdpa"
+
+
+def varlen_runs(cfg, world) -> bool:
+    """Whether torch's varlen flash kernel runs in a run of ``cfg`` on ``world``: CUDA, bfloat16, and a torch and
+    card that have it (``World.varlen``; the H200 points were measured without it)."""
+    return world.device == "cuda" and cfg.model.dtype == "bfloat16" and world.varlen
 
 
 def tower_calls(shape: Shape, work: Workload, vision_attention: str) -> float:
@@ -195,7 +205,8 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
         "tower": {"prefill_efficiency": tower * rank.videos_here * tower_copies / peak,
                   "tower_call_ms": calls * rank.videos_here * tower_copies / 1e3},
         "prefill": {"prefill_efficiency": prefill * copies / peak},
-        "decode": {"weight_efficiency": steps * weights / bandwidth, "kv_efficiency": steps * kv / bandwidth,
+        "decode": {"weight_efficiency": steps * weights / bandwidth,
+                   ("kv_efficiency_varlen" if varlen_runs(cfg, world) else "kv_efficiency"): steps * kv / bandwidth,
                    ("graph_launch_ms" if graph else "eager_launch_ms"): steps * shape.layers / 1e3,
                    "link_efficiency": steps * per_step_gather / (world.link_tbs * 1e12)},
         "rollout_overhead": {"rollout_s": 1.0, "link_efficiency": (gathered - per_step_gather) / (world.link_tbs * 1e12)},

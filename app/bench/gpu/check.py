@@ -4,10 +4,11 @@ line of progress per part, and the report (report.json + report.md) written afte
     scripts/gpu_check.sh [--quick] [--budget SECONDS] [--parts a,b] [--report DIR] [--raw DIR]
 
 Parts, in order (limits in seconds; a part never runs past what is left of ``--budget``, default 540); without
-``--parts`` it runs ``full_depth``, ``decode`` and ``hf_compiled``:
+``--parts`` it runs ``varlen``, ``decode``, ``full_depth`` and ``hf_compiled``:
 
 | part | what | limit |
 |---|---|---|
+| varlen | app.bench.gpu.varlen: torch's varlen flash kernel against the paths it replaces at 7B width: the decode step at 28 layers (8k / 16k / 64k, a k = 6 family on a 64k video) against the bandwidth limit, the 64k chunked prefill, the tower over 64 and 640 frames (one call per block against the per-chunk loop); the points calibrate --merge takes | 150 |
 | full_depth | app.bench.gpu.full_depth: the 7B LoRA config at 28 layers through train.sh (6 steps, the rollout's parts per step), plan.sh and eval.sh; the TRL-style run (repeated + HF generate, 2 steps); k = 4 against k = 1; the planner beside each | 420 |
 | tests | tests/test_gpu.py (GPU-only tests, wandb not needed) | 150 |
 | train | app.bench.gpu.real_shape: Qwen2.5-VL-7B / Qwen3-VL-8B width, 4 layers, 8k/16k prefixes | 75 |
@@ -45,6 +46,7 @@ class Part:
 
 
 PARTS = (
+    Part("varlen", 150, ("app.bench.gpu.varlen", "--out", "{raw}/gpu_varlen")),
     Part("full_depth", 420, ("app.bench.gpu.full_depth", "--out", "{raw}/full_depth"), quick_limit=900),
     Part("tests", 150, ("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py", "-rA",
                        "--junitxml", "{raw}/tests.xml")),
@@ -54,8 +56,8 @@ PARTS = (
     Part("hf_compiled", 45, ("app.bench.gpu.decode", "--hf-compiled-only", "--layers", "4", "--out",
                              "{raw}/gpu_decode_hf_compiled")),
 )
-DEFAULT_BUDGET = 540  # 9 minutes: full_depth, decode and hf_compiled (the others when named in --parts)
-DEFAULT_PARTS = ("full_depth", "decode", "hf_compiled")
+DEFAULT_BUDGET = 540  # 9 minutes: varlen, decode, full_depth (what is left), hf_compiled (the others by --parts)
+DEFAULT_PARTS = ("varlen", "decode", "full_depth", "hf_compiled")
 
 
 def last_error_line(log: Path) -> str:
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     raw = Path(args.raw or ("outputs/gpu_quick" if args.quick else "outputs/gpu")).resolve()
     report = Path(args.report or ("outputs/gpu_quick/report" if args.quick else "docs/gpu/latest")).resolve()
     raw.mkdir(parents=True, exist_ok=True)
-    chosen = [p for p in PARTS if p.name in (args.parts.split(",") if args.parts else DEFAULT_PARTS)]
+    names = args.parts.split(",") if args.parts else DEFAULT_PARTS
+    chosen = sorted((p for p in PARTS if p.name in names), key=lambda p: list(names).index(p.name))
     unknown = set(filter(None, args.parts.split(","))) - {p.name for p in PARTS}
     if unknown:
         parser.error(f"unknown part(s) {sorted(unknown)}; known: {[p.name for p in PARTS]}")

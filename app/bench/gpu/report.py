@@ -17,7 +17,7 @@ import torch
 
 from app.bench.common import environment, markdown_table
 
-RESULTS = (("full_depth", "full_depth"), ("train", "gpu_real_shape"), ("decode", "gpu_decode"),
+RESULTS = (("varlen", "gpu_varlen"), ("full_depth", "full_depth"), ("train", "gpu_real_shape"), ("decode", "gpu_decode"),
            ("rehearsal", "rehearsal"), ("hf_compiled", "gpu_decode_hf_compiled"))
 
 

@@ -54,11 +54,16 @@ def planned(point: dict, data: dict, calibration=None) -> dict:
     return plan(cfg, world, f"qwen2_5_vl_7b@{point['layers']}", videos=point.get("videos"))
 
 
+KV_TOKEN = 2 * 4 * 128 * 2  # bytes of K and V per token and layer: Qwen2.5-VL-7B's 4 KV heads of 128, bf16
+
+
 def decode_constants(data: dict) -> dict:
-    """weight_efficiency, kv_efficiency, graph_launch_ms, eager_launch_ms from the decode steps measured alone."""
+    """weight_efficiency, kv_efficiency, graph_launch_ms, eager_launch_ms from the decode steps measured alone (the
+    two-bmm path); kv_efficiency_varlen from torch's varlen kernel's steps where a GPU run added them
+    (``merge``), else the bmm path's."""
     d = data["decode"]
     nominal, layers = d["nominal_tb_s"], d["layers"]
-    kv_token = 2 * 4 * 128 * layers * 2  # Qwen2.5-VL-7B: 4 KV heads of 128, bf16
+    kv_token = KV_TOKEN * layers
     weight_eff = d["copy_tb_s"] / nominal
     by = {(s["mode"], s["prefix"]): s for s in d["steps"]}
     kv = {p: kv_token * p for p in (8192, 16384)}
@@ -71,8 +76,54 @@ def decode_constants(data: dict) -> dict:
                 - kv[p] / (nominal * 1e12 * kv_eff) for p in (8192, 16384)]
         return sum(rest) / len(rest) / layers * 1e3
 
-    return {"weight_efficiency": weight_eff, "kv_efficiency": kv_eff, "graph_launch_ms": launch("graph"),
-            "eager_launch_ms": launch("eager")}
+    out = {"weight_efficiency": weight_eff, "kv_efficiency": kv_eff, "graph_launch_ms": launch("graph"),
+           "eager_launch_ms": launch("eager"), "kv_efficiency_varlen": kv_eff}
+    varlen = [s for s in data.get("varlen", {}).get("decode_steps", []) if s["mode"] == "varlen"
+              and s["questions"] == 1]
+    if len({s["prefix"] for s in varlen}) >= 2:  # the slope between the shortest and the longest prefix
+        low, high = min(varlen, key=lambda s: s["prefix"]), max(varlen, key=lambda s: s["prefix"])
+        seconds = (high["step_ms"] - low["step_ms"]) / 1e3
+        if seconds > 0:
+            out["kv_efficiency_varlen"] = kv_token * (high["prefix"] - low["prefix"]) / (nominal * 1e12) / seconds
+    return out
+
+
+def tower_constants(data: dict) -> dict:
+    """tower_call_ms measured directly where a GPU run timed a tower pass both ways (``merge``): the per-chunk
+    loop's extra time over the one-call pass, per extra call (the mean over the passes)."""
+    passes = data.get("varlen", {}).get("tower_passes", [])
+    per_call = []
+    for frames in {p["frames"] for p in passes}:
+        both = {p["attention"]: p for p in passes if p["frames"] == frames}
+        if "sdpa" in both and len(both) == 2:
+            loop, one = both["sdpa"], next(p for a, p in both.items() if a != "sdpa")
+            if loop["calls"] > one["calls"]:
+                per_call.append((loop["seconds"] - one["seconds"]) / (loop["calls"] - one["calls"]) * 1e3)
+    return {"tower_call_ms": sum(per_call) / len(per_call)} if per_call else {}
+
+
+def measured_sources(data: dict) -> dict:
+    """The sources of the constants a merged GPU run measured (what ``timing.SOURCES`` says otherwise)."""
+    run = data.get("varlen")
+    if not run:
+        return {}
+    where = f"{run.get('source', 'a gpu_check varlen run')} ({run.get('card', '')}, torch {run.get('torch', '')})"
+    out = {}
+    if "kv_efficiency_varlen" in decode_constants(data) and any(s["mode"] == "varlen" for s in run["decode_steps"]):
+        out["kv_efficiency_varlen"] = f"the varlen kernel's decode steps at several prefixes: {where}"
+    if tower_constants(data):
+        out["tower_call_ms"] = f"the tower's per-chunk loop against one call per block, measured: {where}"
+    return out
+
+
+def merge(points: Path, result: Path) -> dict:
+    """A gpu_check varlen run's points (``app.bench.gpu.varlen``: its JSON's ``points``) into points.json, under
+    ``varlen`` (a later run replaces an earlier one)."""
+    data = json.loads(Path(points).read_text())
+    run = json.loads(Path(result).read_text())["points"]
+    data["varlen"] = {"source": str(result), **run}
+    Path(points).write_text(json.dumps(data, indent=1) + "\n")
+    return data
 
 
 def ratios(results: list[dict], points: list[dict], calibration) -> list[dict]:
@@ -114,16 +165,17 @@ def fit(data: dict, tries: int = 12, steps: int = 4000, seed: int = 0):
     over the points' rollout, reference and update. Returns (the calibration, its largest ratio)."""
     from app.planning.timing import CALIBRATION
 
-    base = CALIBRATION.changed(**decode_constants(data))
+    base = CALIBRATION.changed(**decode_constants(data), **tower_constants(data))
     measured = _terms(data, base)
+    fitted = fitted_names(data)
 
     def worst(values):
-        if any(not BOUNDS[f][0] <= v <= BOUNDS[f][1] for f, v in zip(FITTED, values)):
+        if any(not BOUNDS[f][0] <= v <= BOUNDS[f][1] for f, v in zip(fitted, values)):
             return math.inf
-        return _worst(measured, base.changed(**dict(zip(FITTED, values))))
+        return _worst(measured, base.changed(**dict(zip(fitted, values))))
 
     rng = random.Random(seed)
-    best = ([getattr(base, f) for f in FITTED], worst([getattr(base, f) for f in FITTED]))
+    best = ([getattr(base, f) for f in fitted], worst([getattr(base, f) for f in fitted]))
     for _ in range(tries):
         x = [v * math.exp(rng.gauss(0, 0.7)) for v in best[0]]
         score, width = worst(x), 0.5
@@ -136,7 +188,12 @@ def fit(data: dict, tries: int = 12, steps: int = 4000, seed: int = 0):
                 width = max(0.01, width * 0.995)
         if score < best[1]:
             best = (x, score)
-    return base.changed(**dict(zip(FITTED, best[0]))), math.exp(best[1])
+    return base.changed(**dict(zip(fitted, best[0]))), math.exp(best[1])
+
+
+def fitted_names(data: dict) -> tuple[str, ...]:
+    """The constants fitted to the points' phases: ``FITTED`` less those a GPU run measured directly."""
+    return tuple(f for f in FITTED if f not in tower_constants(data))
 
 
 def ranges(data: dict, calibration) -> dict:
@@ -146,7 +203,7 @@ def ranges(data: dict, calibration) -> dict:
     measured = _terms(data, calibration)
     best = math.exp(_worst(measured, calibration))
     out = {}
-    for name in FITTED:
+    for name in fitted_names(data):
         value, (low, high) = getattr(calibration, name), BOUNDS[name]
         kept = [1.0]
         for sign in (-1, 1):
@@ -180,8 +237,8 @@ def leave_one_out(data: dict, tries: int = 12, steps: int = 4000) -> list[dict]:
         row = {"point": point["name"], "fitted_on": len(others["points"]), "others_worst": spread,
                **{phase: got[phase] / point["measured"][phase] for phase in ("rollout", "reference", "update",
                                                                              "step")},
-               "constants": {f: getattr(calibration, f) for f in FITTED},
-               "moved": {f: getattr(calibration, f) / getattr(everything, f) for f in FITTED
+               "constants": {f: getattr(calibration, f) for f in fitted_names(data)},
+               "moved": {f: getattr(calibration, f) / getattr(everything, f) for f in fitted_names(data)
                          if getattr(everything, f)},
                "loose": loose(ranges(others, calibration))}
         rows.append(row)
@@ -208,7 +265,7 @@ def committed_file(data: dict, fitted, spread: float, rows: list[dict], points: 
                     "(scripts/bench.sh planner_calibration); do not edit by hand: add points and rerun",
             "card": data.get("card", ""), "points_file": points, "points": [p["name"] for p in data["points"]],
             "constants": {name: _rounded(value) for name, value in asdict(fitted).items()},
-            "largest_ratio_fitted": round(spread, 4),
+            "largest_ratio_fitted": round(spread, 4), "sources": measured_sources(data),
             "leave_one_out": {**{k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary(rows).items()},
                               "loose": {r["point"]: r["loose"] for r in rows}}}
 
@@ -309,11 +366,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="docs/bench/planner_calibration")
     parser.add_argument("--points", default="docs/gpu/points.json")
+    parser.add_argument("--merge", default="",
+                        help="first add a gpu_check varlen run's points (its gpu_varlen.json) to --points")
     parser.add_argument("--write-to", default=str(CALIBRATION_FILE),
                         help="where the constants and the leave-one-out summary go (what the planner reads)")
     parser.add_argument("--no-write", action="store_true", help="write only the report")
     parser.add_argument("--quick", action="store_true", help="the same (it takes seconds)")
     args = parser.parse_args(argv)
+    if args.merge:
+        merge(Path(args.points), Path(args.merge))
     report = run(Path(args.out), args.points, write=None if args.no_write else Path(args.write_to))
     print(json.dumps({k: round(v, 5) for k, v in report["fitted"].items()}))
 
