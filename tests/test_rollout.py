@@ -311,7 +311,7 @@ def test_a_sequence_parallel_group_spreads_whole_families_and_gets_the_rollout_i
     and counts equal to the rollout of all prompts at once, widths padded with the pad id."""
     from types import SimpleNamespace
 
-    from app.rollout.base import SharedInGroup, spread
+    from app.rollout.base import SharedInGroup, spread_families
     from app.rollout.generate import Rollout
 
     class PerPrompt:  # each prompt's samples depend on it alone (its seed), as the real engines' do
@@ -331,10 +331,10 @@ def test_a_sequence_parallel_group_spreads_whole_families_and_gets_the_rollout_i
     prompts = [SimpleNamespace(length=n, share=key) for n, key in
                [(40, "a"), (41, "a"), (42, "a"), (30, "b"), (9, None), (33, "c"), (34, "c")]]
     seeds = list(range(100, 107))
-    assert spread(prompts, 2) == [0, 0, 0, 1, 1, 1, 1]  # a (123 tokens); then b, the text prompt, c: 106
+    assert spread_families(prompts, 2) == [0, 0, 0, 1, 1, 1, 1]  # a (123 tokens); then b, the text prompt, c: 106
     whole = PerPrompt().generate(prompts, 2, seeds)
     for size in (2, 3):
-        owners = spread(prompts, size)
+        owners = spread_families(prompts, size)
         share = {r: PerPrompt().generate([p for p, o in zip(prompts, owners) if o == r], 2,
                                          [s for s, o in zip(seeds, owners) if o == r]) for r in range(size)}
         from app.rollout.generate import STOP_REASONS

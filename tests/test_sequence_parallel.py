@@ -161,3 +161,84 @@ def test_a_sequence_parallel_groups_rollout_prefills_each_family_once(chunk, tin
     assert r["logprob"] <= 1e-5, r
     assert all(p > 0 for p in r["prefilled_per_rank"]), r  # both ranks sampled a share
     assert sum(r["prefilled_per_rank"]) == r["prefill_whole"] == r["prefill_group"] < r["prompt_tokens"], str(r)
+    assert r["split"] == "families", r
+
+
+@pytest.mark.distributed
+def test_a_group_with_fewer_families_than_ranks_spreads_them_through_the_engine(tiny_checkpoints, long_videos,
+                                                                                 tmp_path):
+    """One family of three questions on one video and S = 2 (fewer families than ranks): ``SharedInGroup`` asks
+    the grouped engine to spread it, both ranks prefill half of it, and the rollout
+    every rank returns equals one rank's."""
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps({"family": "qwen2_5_vl", "checkpoint": str(tiny_checkpoints["qwen2_5_vl"]),
+                                     "videos": long_videos, "plan": [0, 0, 0], "chunk": 24,
+                                     "out": str(tmp_path / "out.json")}))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "tests.workers.sp_rollout", str(spec_file)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-5000:]
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert r["split"] == "spread", r
+    assert r["tokens_equal"] and r["mask_equal"] and r["reasons_equal"] and r["logprob"] <= 1e-5, r
+    assert sum(r["prefilled_per_rank"]) == r["prefill_whole"], r
+    assert all(abs(p - r["prefill_whole"] / 2) <= 24 for p in r["prefilled_per_rank"]), r  # within one chunk
+
+
+# ---- a family's rollout spread over its group: every rank samples every prompt, each with 1/S of the work -------
+def run_spread(tmp_path, world: int, size: int, family: str, checkpoint, videos, cases: list[dict]) -> list[dict]:
+    spec_file = tmp_path / "spread.json"
+    spec_file.write_text(json.dumps({"family": family, "checkpoint": str(checkpoint), "videos": videos, "sp": size,
+                                     "cases": cases, "out": str(tmp_path / "spread")}))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(world), "-m", "tests.workers.spread_rollout", str(spec_file)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-5000:]
+    return [json.loads((tmp_path / f"spread.{r}.json").read_text()) for r in range(world)]
+
+
+def check_spread(reports: list[dict], size: int, kv_divides: bool) -> None:
+    """Every rank's rollout equals one process's plain rollout (tokens, masks, stop reasons; log-probs to float
+    rounding); within each group the ranks' prompt positions sum to the plain rollout's (each rank 1/S of each
+    prefill, within one chunk of it), the tower's work is split, and each rank holds 1/S of the K/V (with fewer
+    KV heads than ranks, 1/Hkv)."""
+    for i in range(len(reports[0]["cases"])):
+        for first in range(0, len(reports), size):
+            group = [r["cases"][i] for r in reports[first : first + size]]
+            for case in group:
+                assert case["tokens_equal"] and case["mask_equal"] and case["reasons_equal"], (i, case)
+                assert case["logprob"] <= 1e-5, (i, case["logprob"])
+            whole = group[0]["whole"]
+            assert sum(c["mine"]["prefill_tokens"] for c in group) == whole["prefill_tokens"], (i, group)
+            assert max(c["mine"]["tower_rows"] for c in group) < whole["tower_rows"], i
+            share = size if kv_divides else 2
+            held = [c["mine"]["roots"] + c["mine"]["questions"] for c in group]  # the video's and the questions'
+            total = whole["roots"] + whole["questions"]
+            per_token = total / whole["prefill_tokens"]  # the questions' left padding: at most S slots more
+            assert all(0 <= h * share - total <= per_token * size for h in held), (i, held, whole)
+
+
+@pytest.mark.distributed
+def test_a_familys_rollout_spread_over_two_ranks_draws_one_rank_tokens(tiny_checkpoints, long_videos, tmp_path):
+    """S = 2 on Qwen2.5-VL: a family of three questions on one video with a second video's question and a text
+    prompt; one long prompt alone (k = 1); seeded sampling with stop tokens and static steps; a chunked prefill."""
+    cases = [{"plan": [0, 0, 0, 1, -1], "chunk": 24},
+             {"plan": [0], "chunk": 16},
+             {"plan": [0, 0, 1, 1], "temperature": 1.0, "decode": "static", "max_new": 12, "eos": [7, 40]}]
+    reports = run_spread(tmp_path, 2, 2, "qwen2_5_vl", tiny_checkpoints["qwen2_5_vl"], long_videos, cases)
+    check_spread(reports, 2, kv_divides=True)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(("family", "world", "size"), [("qwen2_vl", 4, 4), ("qwen3_vl", 2, 2), ("qwen3_vl", 4, 2)])
+def test_spread_rollouts_on_every_family_with_lora_and_a_frozen_tower(family, world, size, tiny_checkpoints,
+                                                                     long_videos, tmp_path):
+    """Qwen2-VL at S = 4 (its 2 KV heads held by two ranks each), Qwen3-VL (deepstack) at S = 2 and as two replicas
+    of S = 2: k = 1 and k = 3, LoRA adapters and a frozen tower, greedy and seeded."""
+    cases = [{"plan": [0, 0, 0, -1], "chunk": 24, "setup": "lora", "temperature": 1.0},
+             {"plan": [0], "setup": "frozen", "chunk": 20},
+             {"plan": [0, 0, 1], "setup": "frozen", "decode": "static", "temperature": 1.0, "max_new": 12}]
+    reports = run_spread(tmp_path, world, size, family, tiny_checkpoints[family], long_videos, cases)
+    check_spread(reports, size, kv_divides=size <= 2)

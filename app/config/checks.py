@@ -141,6 +141,10 @@ def validate(config: Config, training: bool = True) -> None:
          f"={sp} needs rollout.engine grouped or hf (the vLLM engine is not built for it yet)")
     need(sp == 1 or config.forward.grouping == "grouped", "train.sequence_parallel_size",
          f"={sp} needs forward.grouping=grouped (the sequence-parallel forward splits the packed row)")
+    need(sp == 1 or config.rollout.engine != "grouped" or config.rollout.zero3_gather == "full", "rollout.zero3_gather",
+         f"={config.rollout.zero3_gather} cannot run a rollout spread over a sequence-parallel group (train."
+         f"sequence_parallel_size={sp}): under ZeRO-3 it gathers parameters collectively in every forward, while "
+         "the group's ranks run different pieces of a family between their own exchanges; use full")
     _validate_shared_video(config, need)
     need(config.train.prompts_per_rank % config.train.groups_per_micro_batch == 0, "train.groups_per_micro_batch",
          f"must divide train.prompts_per_rank ({config.train.prompts_per_rank})")
@@ -215,9 +219,6 @@ def warnings_for(config: Config, training: bool = True) -> list[str]:
     if training and c.grpo.beta == 0 and c.model.reference_path:
         out.append("model.reference_path is set but grpo.beta=0: no reference model is used")
     frozen_tower = c.model.freeze_vision_tower or (c.lora.rank and not c.lora.vision_tower)  # where the cache acts
-    if training and c.train.sequence_parallel_size > 1 and c.forward.vision_cache != "off" and frozen_tower:
-        out.append(f"forward.vision_cache={c.forward.vision_cache} is not used with train.sequence_parallel_size="
-                   f"{c.train.sequence_parallel_size}: each rank encodes its share of the frames in every forward")
     if c.rollout.prefill_chunk_size and c.rollout.engine != "grouped":
         out.append(f"rollout.prefill_chunk_size={c.rollout.prefill_chunk_size} is used by rollout.engine=grouped "
                    f"only, not {c.rollout.engine}")

@@ -4,6 +4,7 @@ that wrap any engine (``SharedInGroup``, ``Recorded``). The registry is ``app.ro
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+log = logging.getLogger("app.rollout")
 
 @dataclass
 class EngineSetup:
@@ -45,6 +47,7 @@ class RolloutEngine:
     sent (0 where the engine samples from the policy itself)."""
 
     name = "engine"
+    spreads = False  # whether ``generate`` takes ``spread=`` (a sequence-parallel group sampling together)
 
     def generate(self, prompts: Sequence, group_size: int, seeds: Sequence[int], sampling=None):
         raise NotImplementedError
@@ -54,26 +57,59 @@ class RolloutEngine:
 
 
 # ---- adapters ----------------------------------------------------------------------------------------------------
+SPLITS = ("families", "spread")  # how a sequence-parallel group shares its rollout (``split_of``)
+
+
+def split_of(families: int, size: int, spreads: bool) -> str:
+    """How a group of ``size`` ranks samples ``families`` families: ``spread`` (every rank samples every family,
+    each with 1/S of its tower, prefills and K/V) when it has fewer families than ranks and the engine can;
+    ``families`` (whole families per rank, ``spread_families``) otherwise. By the planner's own model the spread
+    adds a per-layer gather to each decode step and replicates the step's linear layers: with a family for every
+    rank, whole families keep every rank busy without either."""
+    return "spread" if spreads and families < size else "families"
+
+
 class SharedInGroup(RolloutEngine):
     """The ranks of a sequence-parallel group train on one rollout of the group's prompts. With ``group`` (a
-    ``ParallelContext`` of S > 1) the prompts are spread over the S ranks by whole families of questions sharing a
-    video (``spread``: balanced by prompt tokens), so each family's video is prefilled once in the group; each rank
-    samples its share and every rank gets the whole rollout in prompt order (``group.gather_in_group``). Every
-    sample draws from its prompt's own seed, so the tokens are those one rank would draw. Under ZeRO-3
-    (``collective``: the rollout's parameter gathers are collective) a rank left without a family samples the first
-    one again, discarded, to make the same collective calls. S = 1: the engine's own rollout."""
+    ``ParallelContext`` of S > 1), as ``split_of`` chooses (the run log says which, once per change):
+
+    - ``spread``: fewer families (questions sharing a video, or a prompt alone) than ranks, on an engine that can
+      (the grouped one): every rank samples every prompt together with the others (``generate(..., spread=sp)``):
+      the tower split by frames, the prefills by positions, the K/V by heads; every rank draws the same tokens and
+      holds the whole rollout, and no rank repeats another's work;
+    - ``families``: whole families spread over the S ranks (``spread_families``: balanced by prompt tokens), so
+      each family's video is prefilled once in the group; each rank samples its share and every rank gets the
+      whole rollout in prompt order (``group.gather_in_group``). Every sample draws from its prompt's own seed, so
+      the tokens are those one rank would draw. Under ZeRO-3 (``collective``: the rollout's parameter gathers are
+      collective) a rank left without a family samples the first one again, discarded, to make the same
+      collective calls.
+
+    S = 1: the engine's own rollout."""
 
     def __init__(self, inner: RolloutEngine, group=None, *, pad_id: int = 0, collective: bool = False):
         self.inner, self.group, self.name = inner, group, inner.name
         self.pad_id, self.collective = pad_id, collective
+        self.split = ""  # the last choice made (logged when it changes)
 
     def generate(self, prompts, group_size, seeds, sampling=None):
+        from app.grouping.families import family_sizes
         from app.rollout.generate import STOP_REASONS, Rollout
 
         if self.group is None or self.group.sp.size == 1:
             return self.inner.generate(prompts, group_size, seeds, sampling)
         size, me = self.group.sp.size, self.group.sp.rank
-        owners = spread(prompts, size)
+        families = family_sizes([getattr(p, "share", None) for p in prompts])
+        split = split_of(len(families), size, getattr(self.inner, "spreads", False))
+        if split != self.split:
+            self.split = split
+            if getattr(self.group, "rank", 0) == 0:
+                log.info("rollout: %d famil%s over a sequence-parallel group of %d ranks: %s", len(families),
+                         "y" if len(families) == 1 else "ies", size,
+                         "each spread over the group (the tower by frames, the prefills by positions, the K/V by "
+                         "heads)" if split == "spread" else "whole families per rank")
+        if split == "spread":
+            return self.inner.generate(prompts, group_size, seeds, sampling, spread=self.group.sp)
+        owners = spread_families(prompts, size)
         mine = [i for i, owner in enumerate(owners) if owner == me]
         if mine:
             rollout = self.inner.generate([prompts[i] for i in mine], group_size, [seeds[i] for i in mine], sampling)
@@ -98,7 +134,7 @@ class SharedInGroup(RolloutEngine):
         return self.inner.sync_weights(policy)
 
 
-def spread(prompts, size: int) -> list[int]:
+def spread_families(prompts, size: int) -> list[int]:
     """Which rank of a sequence-parallel group of ``size`` samples each prompt: whole families (consecutive prompts
     on the same media, ``EncodedPrompt.share``), the largest first to the least loaded rank (by prompt tokens)."""
     from app.grouping.families import family_sizes

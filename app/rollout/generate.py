@@ -113,6 +113,7 @@ def generate_groups(
     families: Sequence[int] | None = None,
     static_steps=None,
     clock=None,
+    spread=None,
 ) -> Rollout:
     """Sample ``group_sizes[b]`` completions for each prompt b of a processor batch (left-padded).
 
@@ -128,10 +129,14 @@ def generate_groups(
     ``families``: runs of consecutive prompts that share a video (``app.grouping.families``): the grouped engine
     prefills it once for them and its decode steps read it once (``app.grouping.decoding.shared``); hf ignores it.
     ``static_steps``: a run's ``app.grouping.StaticSteps`` (the static step captured or compiled once per shape bucket);
-    ``clock``: a ``PartClock`` the rollout's parts are timed on (``Rollout.parts``).
+    ``clock``: a ``PartClock`` the rollout's parts are timed on (``Rollout.parts``). ``spread``: a sequence-parallel
+    group (``SequenceParallel``) whose every rank calls this with the same prompts and seeds: each rank does 1/S of
+    the tower, the prefills and the K/V reads, and every rank returns the same rollout (grouped engine only).
     """
     if engine not in DECODERS:
         raise ValueError(f"unknown generation engine {engine!r}; expected one of {ENGINES}")
+    if spread is not None and engine != "grouped":
+        raise ValueError(f"a rollout spread over a sequence-parallel group runs on the grouped engine, not {engine!r}")
     num_prompts = prompts["input_ids"].shape[0]
     sizes = [group_sizes] * num_prompts if isinstance(group_sizes, int) else list(group_sizes)
     sizes = list(normalize_group_sizes(sizes, num_prompts, sum(sizes)))
@@ -146,9 +151,10 @@ def generate_groups(
         raise ValueError(f"{len(prompt_seeds)} prompt seeds for {num_prompts} prompts")
     generators = sample_generators(prompt_seeds, sizes, prompts["input_ids"].device)
     with aligned_vision_calls(model, prompts, vision_calls):  # acts on the first forward only: the prefill
+        extra = {"spread": spread} if spread is not None else {}
         return DECODERS[engine](model, prompts, sizes, sampling, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id,
                                 synced=synced, generators=generators, prefill_chunk_size=prefill_chunk_size,
-                                decode=decode, families=families, static_steps=static_steps, clock=clock)
+                                decode=decode, families=families, static_steps=static_steps, clock=clock, **extra)
 
 
 class _Finish:
@@ -191,7 +197,8 @@ class _Finish:
 
 
 def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id, synced, generators,
-                      prefill_chunk_size=0, decode="auto", families=None, static_steps=None, clock=None) -> Rollout:
+                      prefill_chunk_size=0, decode="auto", families=None, static_steps=None, clock=None,
+                      spread=None) -> Rollout:
     """Decode all samples together, each prompt prefilled once. The host looks at which samples finished only
     every ``CHECK_EVERY`` steps: finished samples then leave the batch (``GroupedDecoder.keep``) and, under ZeRO-3,
     the ranks agree whether all are done (every rank steps, idly once done, until all are).
@@ -210,7 +217,8 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
     clock = clock if clock is not None else PartClock(device)
     frames = dynamo_frames()
     decoder = GroupedDecoder(model, prompts, sizes, limit, prefill_chunk_size=prefill_chunk_size, synced=synced,
-                             decode=decode, families=families, keep=static_steps, clock=clock)  # each prompt once
+                             decode=decode, families=families, keep=static_steps, clock=clock,
+                             spread=spread)  # each prompt once
     logits, step, tick, done_here = decoder.logits, 0, 0, False
     seen = None  # the tokens of each sample's prompt and completion so far, for the repetition penalty
     if sampling.repetition_penalty != 1.0:

@@ -25,8 +25,11 @@ class LocalEngine(RolloutEngine):
     def __init__(self, name: str, setup: EngineSetup):
         self.name, self.setup = name, setup
         self.kept = StaticSteps(guard=setup.capture_guard)
+        self.spreads = name == "grouped"
 
-    def generate(self, prompts, group_size: int, seeds, sampling=None) -> Rollout:
+    def generate(self, prompts, group_size: int, seeds, sampling=None, *, spread=None) -> Rollout:
+        """``spread``: the sequence-parallel group every rank of which samples these prompts together (``generate_groups``);
+        it needs the policy's parameters whole during the rollout (ZeRO-3: rollout.zero3_gather=full)."""
         s = self.setup
         clock = PartClock(s.device)
         inputs = collate_prompts([p.inputs for p in prompts], s.pad_id, s.device)
@@ -39,12 +42,16 @@ class LocalEngine(RolloutEngine):
         clock.lap("prefill")  # collating the prompts
         with zero.gathered_for_inference(s.policy, mode) as (model, collective):
             clock.lap("gather")
+            if spread is not None and collective:
+                raise ValueError(f"rollout.zero3_gather={mode} gathers parameters in every forward, collectively over "
+                                 "every rank, but a rollout spread over a sequence-parallel group runs different "
+                                 "pieces on its ranks between collectives: use rollout.zero3_gather=full")
             rollout = generate_groups(model, inputs, group_size, sampling or s.sampling, tokenizer=s.tokenizer,
                                       eos_ids=s.eos_ids, pad_id=s.pad_id, engine=self.name, synced=collective,
                                       vision_calls=vision_calls, prompt_seeds=list(seeds),
                                       prefill_chunk_size=getattr(s.rollout, "prefill_chunk_size", 0), decode=decode,
                                       families=family_sizes([getattr(p, "share", None) for p in prompts]),
-                                      static_steps=self.kept, clock=clock)
+                                      static_steps=self.kept, clock=clock, spread=spread)
             release = PartClock(s.device)
         release.lap("gather")  # the parameters released (ZeRO-3: partitioned again)
         rollout.parts["gather"] = rollout.parts.get("gather", 0.0) + release.seconds().get("gather", 0.0)

@@ -100,9 +100,10 @@ class Recipe:
         scheduler = cosine_with_warmup(optimizer, cfg.train.warmup_steps, total_updates, cfg.train.min_lr_ratio)
         self.engine = zero.build_engine(policy, self.ds_config, optimizer, scheduler)
         self.save_sizes = disk_check(self.engine, cfg, zero.zero_stage(self.ds_config), self.output_dir)
-        # the sequence-parallel forward runs the tower frame-sharded, past the cache (config warns)
-        self.vision_cache = vision_cache.install(self.engine, "off" if self.parallel.sp.size > 1 else cfg.forward.vision_cache,
-                                                 cfg.forward.vision_chunk_frames, cfg.forward.vision_cache_gib)
+        # under sequence parallelism each rank keeps the tower's output of its share of the frames
+        sp = self.parallel.sp
+        self.vision_cache = vision_cache.install(self.engine, cfg.forward.vision_cache, cfg.forward.vision_chunk_frames,
+                                                 cfg.forward.vision_cache_gib, share=(sp.rank, sp.size))
         if self.vision_cache is not None and self.rank == 0:
             log.info("vision tower: %s", VISION_PLANS[self.vision_cache.plan])
         self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.parallel.dp_rank, self.parallel.dp_size,

@@ -50,13 +50,14 @@ def main(spec_path: str) -> None:
     inner = LocalEngine("grouped", setup)
     generate = inner.generate
 
-    def counting(ps, g, s, sampling=None):
-        out = generate(ps, g, s, sampling)
+    def counting(ps, g, s, sampling=None, **kwargs):
+        out = generate(ps, g, s, sampling, **kwargs)
         seen.append(out.prefill_tokens)
         return out
 
     inner.generate = counting
-    got = SharedInGroup(inner, group, pad_id=tok.pad_token_id).generate(prompts, 2, seeds)
+    adapter = SharedInGroup(inner, group, pad_id=tok.pad_token_id)
+    got = adapter.generate(prompts, 2, seeds)
     from app.data.prompts import collate_prompts
     from app.grouping.families import family_sizes
 
@@ -72,7 +73,7 @@ def main(spec_path: str) -> None:
                   "reasons_equal": got.stop_reasons == whole.stop_reasons, "sizes": got.group_sizes,
                   "logprob": float((got.logprobs - whole.logprobs).abs().max()),
                   "prefilled_per_rank": [int(p) for p in prefilled], "prefill_whole": whole.prefill_tokens,
-                  "prefill_group": got.prefill_tokens, "prompt_tokens": got.prompt_tokens}
+                  "prefill_group": got.prefill_tokens, "prompt_tokens": got.prompt_tokens, "split": adapter.split}
         with open(spec["out"], "w") as f:
             json.dump(report, f)
     exit_worker()

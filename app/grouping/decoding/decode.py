@@ -47,12 +47,13 @@ class GroupedDecoder:
     samples finish (``keep``); ``static`` fixed shapes, every sample kept; ``graph`` / ``compiled`` the static step
     captured (compiled first) and replayed, with ``keep`` (a run's ``StaticSteps``) once per shape bucket of the run.
     ``clock``: where the prefill (the tower apart), capture and steps' time goes. A static step's logits are a buffer
-    the next step overwrites."""
+    the next step overwrites. ``spread``: a ``SequenceParallel`` group whose ranks all run this rollout of the same
+    prompts, each with 1/S of the work that grows with the video (``spread.py``); every rank draws the same tokens."""
 
     def __init__(self, model, prompts: dict, group_sizes: Sequence[int], max_new_tokens: int, *,
                  prefill_chunk_size: int = 0, synced: bool = False, decode: str = "eager",
                  families: Sequence[int] | None = None, keep: StaticSteps | None = None,
-                 clock: PartClock | None = None):
+                 clock: PartClock | None = None, spread=None):
         from app.grouping import attention
         from app.grouping.modules import set_text_attention, text_config
         from app.grouping.positions import prompt_positions
@@ -71,6 +72,7 @@ class GroupedDecoder:
         # questions sharing a video (``shared``): V prefilled once; not with ranks in lock step (every rank must
         # make as many forwards as the others: under ZeRO-3 hooks each layer call gathers collectively)
         self.shares = bool(families) and any(size > 1 for size in families) and not synced
+        self.spread = spread
         self.prefill_tokens = int(prompts["attention_mask"].sum())
         try:
             positions = prompt_positions(model, prompts["input_ids"], prompts["attention_mask"], prompts)
@@ -84,13 +86,20 @@ class GroupedDecoder:
             self.close()
             raise
         last_position = positions[:, :, -1][:, group_of_sample]  # [axes, N]
+        make_cache = GroupedKVCache
+        if spread is not None:
+            from app.grouping.decoding.spread import SpreadKVCache
+
+            config = text_config(model)
+            make_cache = functools.partial(SpreadKVCache, sp=spread, heads=config.num_attention_heads,
+                                           kv_heads=config.num_key_value_heads)
         if self.mode != "eager" and keep is not None:  # the bucket's kept buffers (and its step made once)
             self.kept, _ = keep.claim(past.layers, mask, group_sizes, max_new_tokens, roots, last_position,
-                                      make_cache=GroupedKVCache)
+                                      make_cache=make_cache)
             self.cache, self._last_position, self._tokens = self.kept.cache, self.kept.last_position, self.kept.tokens
         else:
-            self.cache = GroupedKVCache(past, mask, group_sizes, max_new_tokens, static=self.mode != "eager",
-                                        roots=roots)
+            self.cache = make_cache(past, mask, group_sizes, max_new_tokens, static=self.mode != "eager",
+                                    roots=roots)
             self._last_position = last_position
             self._tokens = torch.zeros(len(group_of_sample), dtype=torch.long, device=device)  # the static input
         self.logits = logits[group_of_sample]  # [N, V]: a group's samples start from one distribution
@@ -103,6 +112,13 @@ class GroupedDecoder:
         """The prompts' K/V (or the shared roots' and the questions'), their mask, and each group's first logits."""
         from app.grouping.positions import VISION_KEYS
 
+        if self.spread is not None:
+            from app.grouping.decoding.spread import spread_prefill
+
+            past, mask, roots, logits, self.prefill_tokens = spread_prefill(
+                model, prompts, families or [1] * prompts["input_ids"].shape[0], positions, head=self.head,
+                chunk_size=chunk_size, sp=self.spread)
+            return past, mask, roots, logits
         if self.shares:
             from app.grouping.decoding.shared import shared_prefill
 
@@ -203,7 +219,11 @@ class GroupedDecoder:
         try:
             graph, logits = capture_graph(run, guard)
         except Exception as error:  # noqa: BLE001 - any capture failure leaves the eager static step
-            self.graph_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            graph, self.graph_error = None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if self.spread is not None and not _all_captured(graph is not None, self.spread, logits_device(self.cache)):
+            graph = None  # a spread step's collectives: every rank of the group replays, or none does
+            self.graph_error = self.graph_error or "another rank of the sequence-parallel group could not capture it"
+        if graph is None:
             self._eagerly(f"the decode step could not be captured as a CUDA graph ({self.graph_error})")
             self.clock.lap("capture")
             return
@@ -236,6 +256,19 @@ class GroupedDecoder:
         if getattr(self, "head", None) is not None:
             self.head.close()  # the packed copy of the output head
         self._set_attention(self.model, self._previous)
+
+
+def logits_device(cache) -> torch.device:
+    return cache.prefix[0][0].device
+
+
+def _all_captured(captured: bool, sp, device) -> bool:
+    """Whether every rank of the spread group captured its step (one all-reduce)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([1.0 if captured else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=sp.group)
+    return bool(flag.item() == 1.0)
 
 
 def idle_forward(model) -> None:

@@ -30,9 +30,12 @@ from app.grouping.kernels import varlen_against_keys, varlen_kernel
 QUESTION_LIMIT = 2048  # a family shares its V in the rollout when each member's own part is at most this long
 
 
-def rollout_roots(model, prompts: dict, families: Sequence[int]) -> list[tuple[list[int], int]]:
+def rollout_roots(model, prompts: dict, families: Sequence[int], *,
+                  questions_without_media: bool = False) -> list[tuple[list[int], int]]:
     """(member groups, V's length) per root: sharing families as one root, every other prompt its own (V = its
-    length - 1, cut before a media item it would split)."""
+    length - 1, cut before a media item it would split). ``questions_without_media``: a family whose questions
+    would hold media (a template that writes the video after the question) is not shared either (a spread
+    rollout prefills only roots through the tower)."""
     from app.grouping.families import media_items, shared_prefix_lengths
 
     lengths = prompts["attention_mask"].sum(1).tolist()
@@ -42,7 +45,8 @@ def rollout_roots(model, prompts: dict, families: Sequence[int]) -> list[tuple[l
     for size, v in zip(families, shared):
         members = list(range(g, g + size))
         g += size
-        if size > 1 and v and all(lengths[m] - v <= QUESTION_LIMIT for m in members):
+        media_after = questions_without_media and any(e["last"] >= v for m in members for e in items[m])
+        if size > 1 and v and all(lengths[m] - v <= QUESTION_LIMIT for m in members) and not media_after:
             roots.append((members, v))
             continue
         for m in members:

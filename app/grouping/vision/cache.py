@@ -50,6 +50,7 @@ from app.grouping.vision.passes import (
     dummy_vision_input,
     encode_item,
     item_passes,
+    local_share,
 )
 
 ATTRIBUTE = "_prefix_grpo_vision_cache"  # set on the tower module by ``attach``
@@ -79,7 +80,8 @@ def plan_for(visual) -> str:
 class VisionCache:
     """Per-item tower results shared by every forward that sees the item, until ``clear``. See the module doc."""
 
-    def __init__(self, plan: str = "outputs", store: bool = True, chunk_frames: int = 0, keep_bytes: int = 0):
+    def __init__(self, plan: str = "outputs", store: bool = True, chunk_frames: int = 0, keep_bytes: int = 0,
+                 share: tuple[int, int] | None = None):
         if plan not in PLANS:
             raise ValueError(f"unknown vision cache plan {plan!r}; expected one of {PLANS}")
         if chunk_frames < 0:
@@ -89,6 +91,9 @@ class VisionCache:
         self.chunk_frames = chunk_frames  # temporal patches per item pass; 0: an item in one pass
         # > 0: entries outlive ``clear`` (forward.vision_cache=run), the least recently used dropped past this size
         self.keep_bytes = keep_bytes
+        # (rank, S) under sequence parallelism: the tower's calls are this rank's share of each item
+        # (``passes.local_share``, what ``vision.frames`` encodes): counted, kept and served as such
+        self.share = share
         self.entries: collections.OrderedDict[tuple, object] = collections.OrderedDict()
         self.encoded = 0  # items the tower computed
         self.chunks = 0  # tower passes those took (more than items with ``chunk_frames``)
@@ -170,7 +175,13 @@ class VisionCache:
         out: list[str] = []
         for modality, (pixel_key, grid_key) in _INPUTS.items():
             if prompts.get(pixel_key) is not None:
-                out += [modality] * (1 + self.passes(visual, prompts[pixel_key], prompts[grid_key]))
+                pixels, grid = prompts[pixel_key], prompts[grid_key]
+                if self.share is not None:  # what this rank's frame-split call will ask for
+                    local = local_share(pixels, grid, *self.share, split_time=modality == "video",
+                                        merge=visual.spatial_merge_size)
+                    pixels, grid = local[:2] if local is not None else dummy_vision_input(visual)
+                    pixels = pixels.to(_dtype(visual))
+                out += [modality] * (1 + self.passes(visual, pixels, grid))
         return tuple(out)
 
     @property
@@ -315,11 +326,13 @@ def cache_of(model) -> VisionCache | None:
     return getattr(visual, ATTRIBUTE, None) if visual is not None else None
 
 
-def install(model, setting: str, chunk_frames: int = 0, keep_gib: float = 0.0) -> VisionCache | None:
+def install(model, setting: str, chunk_frames: int = 0, keep_gib: float = 0.0,
+            share: tuple[int, int] | None = None) -> VisionCache | None:
     """The cache for this policy as ``forward.vision_cache`` says (``step``: items kept for the step; ``run``: kept
     across steps too, at most ``keep_gib`` GiB between them; ``off``: each call encodes its own items, the same
     way), attached to its tower; None for a text model. ``chunk_frames``: temporal patches per tower pass
-    (``forward.vision_chunk_frames``)."""
+    (``forward.vision_chunk_frames``). ``share``: (rank, S) under sequence parallelism (each rank keeps the
+    output of its share of the frames)."""
     visual = tower_of(model)
     if visual is None:
         return None
@@ -327,6 +340,6 @@ def install(model, setting: str, chunk_frames: int = 0, keep_gib: float = 0.0) -
         raise ValueError(f"unknown vision cache setting {setting!r}; expected one of {VISION_CACHE_SETTINGS}")
     keep = max(1, int(keep_gib * (1 << 30))) if setting == "run" else 0
     cache = VisionCache(plan_for(visual), store=setting in ("step", "run"), chunk_frames=chunk_frames,
-                        keep_bytes=keep)
+                        keep_bytes=keep, share=share if share and share[1] > 1 else None)
     attach(model, cache)
     return cache

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from app.grouping.layout import LayoutError
 from app.grouping.modules import text_config, unwrap
+from app.grouping.vision.passes import local_share
 
 
 def shard_bounds(total: int, size: int) -> list[tuple[int, int]]:
@@ -61,38 +62,17 @@ def _modality_embeddings(model, pixels, grid, sp, split_time: bool):
     each rank running its share: temporal patches split across ranks for videos, whole items for images."""
     visual = unwrap(model).model.visual
     merge = visual.spatial_merge_size
-    grid_rows = grid.tolist()
-    patch_start, token_start = [], []
-    p = k = 0
-    for t, h, w in grid_rows:
-        patch_start.append(p)
-        token_start.append(k)
-        p += t * h * w
-        k += t * h * w // (merge * merge)
-    total_tokens = k
-    pieces = []  # (patch rows, sub-grid, token rows) of this rank
-    for i, (t, h, w) in enumerate(grid_rows):
-        if split_time:
-            start, end = shard_bounds(t, sp.size)[sp.rank] if t >= sp.size else \
-                ((0, t) if sp.rank == i % sp.size else (0, 0))
-        else:
-            start, end = (0, t) if sp.rank == i % sp.size else (0, 0)
-        if end > start:
-            per_t = h * w
-            rows = slice(patch_start[i] + start * per_t, patch_start[i] + end * per_t)
-            tokens = slice(token_start[i] + start * per_t // (merge * merge), token_start[i] + end * per_t // (merge * merge))
-            pieces.append((rows, [end - start, h, w], tokens))
+    total_tokens = int((grid.prod(-1) // (merge * merge)).sum())
+    share = local_share(pixels, grid, sp.rank, sp.size, split_time=split_time, merge=merge)
     trains = any(p.requires_grad for p in visual.parameters())
     hidden = text_config(model).hidden_size
     dtype = next(visual.parameters()).dtype
     table = pixels.new_zeros(total_tokens, hidden, dtype=dtype)
     deep_tables = None
     with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
-        if pieces:
-            local_pixels = (pixels[pieces[0][0]] if len(pieces) == 1 else  # one share: a view, not a copy
-                            torch.cat([pixels[r] for r, _, _ in pieces])).to(dtype)
-            local_grid = torch.tensor([g for _, g, _ in pieces], dtype=grid.dtype, device=grid.device)
-            embeds, deep = _tower_output(visual(local_pixels, grid_thw=local_grid))
+        if share is not None:
+            local_pixels, local_grid, token_rows = share
+            embeds, deep = _tower_output(visual(local_pixels.to(dtype), grid_thw=local_grid))
         else:  # no share here (fewer temporal patches or images than ranks): the tower still runs once, on a
             # minimal dummy input whose output enters as exactly 0, so every rank makes the same module calls
             # (ZeRO-3 gathers parameters per call) and the backward reaches the tower on every rank
@@ -103,9 +83,9 @@ def _modality_embeddings(model, pixels, grid, sp, split_time: bool):
             zero = _zero_of(visual(dummy_pixels.to(pixels.device, dtype), grid_thw=dummy_grid.to(grid.device)))
             if zero is not None:
                 table = table + zero.to(table.dtype)
-    if pieces:
+    if share is not None:
         table = table.to(embeds.dtype)
-        index = torch.cat([torch.arange(t.start, t.stop, device=embeds.device) for _, _, t in pieces])
+        index = torch.cat([torch.arange(t.start, t.stop, device=embeds.device) for t in token_rows])
         table = table.index_copy(0, index, embeds)
         if deep is not None:
             deep_tables = [table.new_zeros(total_tokens, d.shape[-1]).index_copy(0, index, d) for d in deep]
