@@ -427,6 +427,32 @@ def test_two_process_sequence_parallel_grpo_under_zero2_trains_like_one_process(
     assert_sequence_parallel_matches(tmp_path / "one", tmp_path / "two", assets["checkpoint"])
 
 
+@pytest.mark.distributed
+def test_a_spread_rollout_feeds_the_vision_cache_and_trains_like_one_process(assets, tmp_path):
+    """S = 2 with one prompt per step (fewer families than ranks: the rollout is spread over the group, said once
+    in the log) and a frozen tower: with forward.vision_cache=step each rank keeps the tower's output of its share
+    of the frames from the rollout, so the reference and the policy forwards make no tower call (one encoding per
+    item); the weights equal those of the run with the cache off bit for bit, and the one-process run's up to
+    summation order, with the same rollouts."""
+    settings = {"train.deepspeed_config": "deepspeed_configs/zero2.json", "train.max_steps": 2,
+                "train.prompts_per_rank": 1, "model.freeze_vision_tower": True, "model.freeze_projector": True,
+                "rollout.prefill_chunk_size": 32}
+    run(trainer(assets, tmp_path / "one", **settings, **{"forward.vision_cache": "off"}))
+    runs = {}
+    for cache in ("step", "off"):
+        runs[cache] = run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *overrides(
+            assets, tmp_path / cache, **settings, **{"train.sequence_parallel_size": 2, "forward.vision_cache": cache})],
+            env={"NPROC_PER_NODE": "2"})
+    assert runs["step"].stderr.count("each spread over the group") == 1
+    on, off = _metrics(tmp_path / "step"), _metrics(tmp_path / "off")
+    assert all(row["vision/tower_passes_per_item"] == 1.0 and row["vision/cache_hits"] > 0 for row in on)
+    assert all(row["vision/tower_passes_per_item"] >= 3.0 for row in off)  # rollout, reference, policy
+    want, got = weights(tmp_path / "off" / "final"), weights(tmp_path / "step" / "final")
+    assert all(torch.equal(want[n], got[n]) for n in want)
+    assert_sequence_parallel_matches(tmp_path / "one", tmp_path / "step", assets["checkpoint"],
+                                     lambda n: "visual" not in n)
+
+
 SP_VARIANTS = {  # settings, and which exported tensors can move
     # the paths the 7B configs take: activation checkpointing with a frozen tower (the one-process run caches the
     # tower's outputs per step; the S=2 run encodes its share of the frames in every forward), under ZeRO-3 in the
