@@ -152,14 +152,10 @@ def uneven_video_data(root, seed: int = 3):
     return files["train"]
 
 
-@pytest.mark.slow  # three 4-process runs through scripts/train.sh (about 90 s on 2 cores)
-@pytest.mark.distributed
-def test_four_processes_at_s2_with_k4_under_zero3_killed_at_random_resume_to_the_straight_runs_weights(
-        shared_assets, tmp_path):
-    """scripts/train.sh, 4 ranks as 2 replicas of S = 2, data.questions_per_video=4 on clips of 1 to 6 questions
-    and records without video (shuffled), ZeRO-3, 2 steps: the families' rows sharded over each replica's 2 ranks,
-    each family's video prefilled once per replica. Killed (SIGKILL) at a seeded random moment and resumed, the run
-    ends bit for bit at the uninterrupted run's weights."""
+def kill_resume_equals_straight(shared_assets, tmp_path, settings: dict, seed: int, check=None):
+    """scripts/train.sh with ``settings`` on 4 processes: straight, then killed (SIGKILL) at a seeded random moment
+    and resumed; the resumed run ends bit for bit at the straight run's weights, which training moved.
+    ``check(out, stderr)`` looks at the straight run first."""
     import random
     import subprocess
 
@@ -167,11 +163,6 @@ def test_four_processes_at_s2_with_k4_under_zero3_killed_at_random_resume_to_the
 
     from tests.test_trainer import ROOT, run
 
-    train = uneven_video_data(shared_assets["root"] / "uneven")
-    settings = {"data.train_file": train, "data.shuffle": True, "data.questions_per_video": 4,
-                "train.sequence_parallel_size": 2, "train.deepspeed_config": "deepspeed_configs/zero3.json",
-                "train.max_steps": 2, "train.save_every": 1, "train.export_hf": True, "train.prompts_per_rank": 4,
-                "train.groups_per_micro_batch": 4}
     env = {"NPROC_PER_NODE": "4"}
 
     def launch(out, **extra):
@@ -179,11 +170,11 @@ def test_four_processes_at_s2_with_k4_under_zero3_killed_at_random_resume_to_the
                 *shared_overrides(shared_assets, out, **settings, **extra)]
 
     start = time.perf_counter()
-    run(launch(tmp_path / "straight"), env=env)
+    straight_run = run(launch(tmp_path / "straight"), env=env, timeout=900)
     took = time.perf_counter() - start
-    rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and all(r["tokens/shared_video"] > 0 for r in rows)
-    delay = random.Random(59).uniform(0.3, 0.8) * took  # somewhere in start-up, a step or a save
+    if check is not None:
+        check(tmp_path / "straight", straight_run.stderr)
+    delay = random.Random(seed).uniform(0.3, 0.8) * took  # somewhere in start-up, a step or a save
     process = subprocess.Popen(launch(tmp_path / "resumed"), cwd=ROOT, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, env={**os.environ, **env}, start_new_session=True)
     try:
@@ -192,9 +183,56 @@ def test_four_processes_at_s2_with_k4_under_zero3_killed_at_random_resume_to_the
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     assert process.returncode == -signal.SIGKILL, f"the run ended before the kill at {delay:.1f} s"
-    run(launch(tmp_path / "resumed", **{"train.resume": True}), env=env)
+    run(launch(tmp_path / "resumed", **{"train.resume": True}), env=env, timeout=900)
     straight, resumed = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("straight", "resumed"))
     initial = load_file(str(shared_assets["checkpoint"] / "model.safetensors"))
     assert sum(not torch.equal(straight[n], initial[n]) for n in straight) > len(straight) // 2
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
+
+
+@pytest.mark.slow  # three 4-process runs through scripts/train.sh (about 90 s on 2 cores)
+@pytest.mark.distributed
+def test_four_processes_at_s2_with_k4_under_zero3_killed_at_random_resume_to_the_straight_runs_weights(
+        shared_assets, tmp_path):
+    """scripts/train.sh, 4 ranks as 2 replicas of S = 2, data.questions_per_video=4 on clips of 1 to 6 questions
+    and records without video (shuffled), ZeRO-3, 2 steps: the families' rows sharded over each replica's 2 ranks,
+    each family's video prefilled once per replica. Killed (SIGKILL) at a seeded random moment and resumed, the run
+    ends bit for bit at the uninterrupted run's weights."""
+    train = uneven_video_data(shared_assets["root"] / "uneven")
+    settings = {"data.train_file": train, "data.shuffle": True, "data.questions_per_video": 4,
+                "train.sequence_parallel_size": 2, "train.deepspeed_config": "deepspeed_configs/zero3.json",
+                "train.max_steps": 2, "train.save_every": 1, "train.export_hf": True, "train.prompts_per_rank": 4,
+                "train.groups_per_micro_batch": 4}
+
+    def check(out, stderr):
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2] and all(r["tokens/shared_video"] > 0 for r in rows)
+
+    kill_resume_equals_straight(shared_assets, tmp_path, settings, 59, check)
+
+
+@pytest.mark.slow  # three 4-process runs through scripts/train.sh
+@pytest.mark.distributed
+def test_four_processes_at_s4_with_k6_spread_rollouts_under_zero3_killed_at_random_resume_to_the_same_weights(
+        shared_assets, tmp_path):
+    """scripts/train.sh, 4 ranks as one replica of S = 4, data.questions_per_video=6 on longer clips (32 frames
+    sampled to 16) asked 1 to 6 questions, and records without video, ZeRO-3, chunked prefill and vision chunking:
+    the step's families are fewer than the ranks, so each is rolled out spread over the group (said in the log),
+    the tower's outputs kept for the training forwards. Killed at a seeded random moment and resumed: bit for bit
+    the uninterrupted run's weights."""
+    files = generate(shared_assets["root"] / "long", train=21, heldout=0, seed=5, frames=32, size=56,
+                     questions_per_video=(1, 6, 3, 2, 5, 4))
+    settings = {"data.train_file": files["train"], "data.shuffle": True, "data.questions_per_video": 6,
+                "data.max_frames": 16, "train.sequence_parallel_size": 4,
+                "train.deepspeed_config": "deepspeed_configs/zero3.json", "train.max_steps": 2, "train.save_every": 1,
+                "train.export_hf": True, "train.prompts_per_rank": 6, "train.groups_per_micro_batch": 6,
+                "rollout.prefill_chunk_size": 64, "forward.vision_chunk_frames": 2, "model.freeze_vision_tower": True,
+                "forward.vision_cache": "step"}
+
+    def check(out, stderr):
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2] and all(r["tokens/shared_video"] > 0 for r in rows)
+        assert "each spread over the group" in stderr
+
+    kill_resume_equals_straight(shared_assets, tmp_path, settings, 61, check)
