@@ -164,7 +164,7 @@ LAYERS = {  # package -> the packages it may import (app/__init__.py and app/com
     "app.answers": ("app.common",),
     "app.grouping": (),
     "app.runtime": ("app.common", "app.grouping"),
-    "app.data": ("app.common", "app.answers", "app.runtime"),
+    "app.data": ("app.common", "app.answers", "app.grouping", "app.runtime"),
     "app.rollout": ("app.common", "app.grouping", "app.runtime", "app.data"),
     "app.rewards": ("app.common", "app.answers", "app.grouping", "app.runtime", "app.data"),
     "app.objectives": ("app.common",),

@@ -300,3 +300,41 @@ def test_a_family_with_lora_or_a_frozen_tower_equals_repeated(family, setup, tin
     assert set(grads) == {n for n, p in model.named_parameters() if p.requires_grad}
     assert not any(".visual." in n for n in grads) and (setup != "lora" or all("lora_" in n for n in grads))
     assert_same(scores, grads, ref_scores, ref_grads)
+
+
+@pytest.mark.parametrize("family", VL_FAMILIES)
+def test_a_familys_pixels_are_held_once_in_the_batch_and_everything_reads_them_alike(family, tiny_checkpoints, videos):
+    """Questions whose prompts hold the very same pixel tensors (what the stream's spliced prompts do) collate
+    into a batch with the video's pixels once and each occurrence's rows beside its grid: the bytes are one copy,
+    and the family's log-probs and gradients, the repeated layout's, the shared rollout's and the plain rollout's
+    tokens equal those of the batch with a copy per question."""
+    from app.data.prompts import collate_prompts, encode_prompts
+    from app.grouping.media import ROWS, expanded
+    from app.rollout.generate import SamplingConfig, generate_groups
+
+    model, processor = load(family, tiny_checkpoints)
+    single = [encode_prompts(processor, [c]) for c in family_conversations(family, videos, [0, 0, 0, 1])]
+    for member in single[1:3]:  # the family's questions share the first one's tensors, as spliced prompts do
+        for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+            if key in single[0]:
+                assert torch.equal(member[key], single[0][key])
+                member[key] = single[0][key]
+    once = collate_prompts(single, tokenizer_of(processor).pad_token_id)
+    copies = expanded(once)
+    assert ROWS["pixel_values_videos"] in once and ROWS["pixel_values_videos"] not in copies
+    video = single[0]["pixel_values_videos"]
+    assert once["pixel_values_videos"].numel() == video.numel() + single[3]["pixel_values_videos"].numel()
+    assert copies["pixel_values_videos"].numel() == 3 * video.numel() + single[3]["pixel_values_videos"].numel()
+    sizes, families = [2, 1, 3, 2], [3, 1]
+    tok = tokenizer_of(processor)
+    ids, mask = random_completions([3, 5, 2, 4, 6, 1, 2, 3], min(len(tok), tok.vocab_size), tok.pad_token_id)
+    for mode, fams in (("grouped", families), ("repeated", None)):
+        got = scores_and_grads(model, once, ids, mask, sizes, mode=mode, families=fams)
+        want = scores_and_grads(model, copies, ids, mask, sizes, mode=mode, families=fams)
+        assert torch.equal(got[0].logprobs, want[0].logprobs), mode
+        assert all(torch.equal(got[1][n], want[1][n]) for n in want[1]), mode
+    sampling = SamplingConfig(temperature=0, max_new_tokens=8)
+    for fams in (families, None):
+        a = generate_groups(model, once, 2, sampling, eos_ids=[], families=fams)
+        b = generate_groups(model, copies, 2, sampling, eos_ids=[], families=fams)
+        assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)

@@ -162,3 +162,30 @@ def test_an_undecodable_video_skips_its_whole_run_by_name(tmp_path, caplog):
     assert len(prompts) == 3 and sum(stream.skipped.values()) == 3
     assert all(p.record["path"] != records[0]["path"] for p in prompts)
     assert any("undecodable video" in r.getMessage() and records[0]["path"] in r.getMessage() for r in caplog.records)
+
+
+def test_pixels_are_kept_once_per_run_and_in_the_towers_dtype_through_prefetch(shared_data):
+    """A bf16 run's stream (the trainer passes its dtype): every prompt's pixels are bf16 from encoding on, in the
+    prefetch too, the very values the model's own cast gives; a run's questions hold one tensor between them, on
+    the host and (collated) on the device: the video's bytes once, in half of float32's."""
+    from app.data.prompts import collate_prompts
+
+    files, processor = shared_data
+    plain = stream_of(files, processor, 4).next_prompts(8)
+    for lookahead in (0, 6):
+        stream = stream_of(files, processor, 4, lookahead=lookahead)
+        stream.pixel_dtype = torch.bfloat16
+        stream.prefetch()
+        prompts = stream.next_prompts(8)
+        stream.close()
+        for got, want in zip(prompts, plain):
+            pixels = got.inputs["pixel_values_videos"]
+            assert pixels.dtype == torch.bfloat16
+            assert torch.equal(pixels, want.inputs["pixel_values_videos"].to(torch.bfloat16))
+        runs = {}
+        for p in prompts:
+            runs.setdefault(p.share, set()).add(id(p.inputs["pixel_values_videos"]))
+        assert all(len(ids) == 1 for ids in runs.values()), runs  # one tensor per run of questions
+        batch = collate_prompts([p.inputs for p in prompts], 0)
+        one = sum(next(p for p in prompts if p.share == key).inputs["pixel_values_videos"].numel() for key in runs)
+        assert batch["pixel_values_videos"].numel() == one and batch["pixel_values_videos"].dtype == torch.bfloat16

@@ -5,6 +5,6 @@ converters from published benchmark files (``convert``), synthetic demo data (``
 app.data.synthetic``).
 
 May import: ``app.common``, ``app.answers`` (a record's problem type and whether its solution can be scored),
-``app.runtime``.
+``app.grouping`` (the batch's media format, ``app.grouping.media``), ``app.runtime``.
 Exports: none at package level (``synthetic`` and ``convert`` are entry points); import the modules.
 """

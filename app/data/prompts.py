@@ -305,8 +305,11 @@ CONCATENATED_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "v
 
 
 def collate_prompts(items: Sequence[dict[str, torch.Tensor]], pad_id: int, device=None) -> dict[str, torch.Tensor]:
-    """Join single-prompt processor outputs into one left-padded batch; vision tensors are concatenated; moved to
-    ``device`` when given."""
+    """Join single-prompt processor outputs into one left-padded batch; vision tensors are concatenated, the pixels
+    of prompts that share them (a family's questions: the same tensor) once (``app.grouping.media.collate``);
+    moved to ``device`` when given."""
+    from app.grouping.media import collate
+
     width = max(item["input_ids"].shape[1] for item in items)
     batch: dict[str, torch.Tensor] = {}
     for key in PADDED_KEYS:
@@ -315,10 +318,7 @@ def collate_prompts(items: Sequence[dict[str, torch.Tensor]], pad_id: int, devic
         fill = pad_id if key == "input_ids" else 0
         rows = [torch.nn.functional.pad(item[key], (width - item[key].shape[1], 0), value=fill) for item in items]
         batch[key] = torch.cat(rows)
-    for key in CONCATENATED_KEYS:
-        parts = [item[key] for item in items if item.get(key) is not None]
-        if parts:
-            batch[key] = torch.cat(parts)
+    batch.update(collate(items))
     return batch if device is None else {k: v.to(device) for k, v in batch.items()}
 
 

@@ -101,6 +101,9 @@ class PromptStream:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # held by every prefetch job while it works and by ``paused`` (a CUDA graph capture): no job runs meanwhile
     _quiet: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # the dtype the vision tower reads (bf16 in a bf16 run): pixels are kept in it from encoding on, on the host and
+    # in prefetch (the model casts them to it anyway: the same bits), half of float32's bytes
+    pixel_dtype: object = None
 
     def _order(self, epoch: int) -> list[int]:
         """This rank's record indices for ``epoch``; the last epoch's is kept (a shuffle of Video-R1-260k takes
@@ -180,8 +183,8 @@ class PromptStream:
             )
 
     def encode(self, record: dict, shuffle_frames_seed: int | None = None, epoch: int = 0) -> EncodedPrompt | None:
-        prompt, reason = encode_record(self.processor, record, self.data_root, self.data_cfg, shuffle_frames_seed,
-                                       self.engine_views)
+        prompt, reason = self._in_dtype(encode_record(self.processor, record, self.data_root, self.data_cfg,
+                                                      shuffle_frames_seed, self.engine_views))
         if prompt is None:
             self.skip(record, reason)
         return None if prompt is None else replace(prompt, epoch=epoch)
@@ -198,8 +201,8 @@ class PromptStream:
         the first time the run is reached)."""
         if self._run_cache[0] != run:
             ahead: Future | None = self._pending.pop(run, None)
-            results, decodes = ahead.result() if ahead is not None else encode_run(
-                self.processor, records, self.data_root, self.data_cfg, self.engine_views)
+            results, decodes = ahead.result() if ahead is not None else self._in_dtype(encode_run(
+                self.processor, records, self.data_root, self.data_cfg, self.engine_views))
             self._run_cache = (run, results)
             with self._lock:
                 self.decodes += decodes
@@ -272,7 +275,17 @@ class PromptStream:
 
     def _quietly(self, work, *args):
         with self._quiet:
-            return work(*args)
+            return self._in_dtype(work(*args))
+
+    def _in_dtype(self, result):
+        """An encode's result ((prompt, reason), or a run's ([(prompt, reason)...], decodes)) with its pixels in
+        ``pixel_dtype`` (``pixels_in``); prompts that shared a tensor still share one."""
+        if self.pixel_dtype is None:
+            return result
+        memo: dict = {}
+        if isinstance(result[0], list):
+            return [(pixels_in(p, self.pixel_dtype, memo), reason) for p, reason in result[0]], result[1]
+        return pixels_in(result[0], self.pixel_dtype, memo), result[1]
 
     @contextmanager
     def paused(self):
@@ -312,8 +325,22 @@ def report_skips(skipped: list[Skipped], total: int, source: str, skip_log: Path
                 SKIP_EXAMPLES), examples, where_all)
 
 
+def pixels_in(prompt: EncodedPrompt | None, dtype, memo: dict) -> EncodedPrompt | None:
+    """``prompt`` with its floating pixel tensors in ``dtype`` (each tensor cast once: ``memo``, id -> cast)."""
+    if prompt is None:
+        return None
+    inputs = dict(prompt.inputs)
+    for key in ("pixel_values", "pixel_values_videos"):
+        value = inputs.get(key)
+        if value is not None and value.is_floating_point() and value.dtype != dtype:
+            if id(value) not in memo:
+                memo[id(value)] = (value, value.to(dtype))  # the source kept alive: its id stays its own
+            inputs[key] = memo[id(value)][1]
+    return replace(prompt, inputs=inputs)
+
+
 def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int, *, lookahead: int = 0,
-                skip_log: Path | None = None, engine_views: bool = False) -> PromptStream:
+                skip_log: Path | None = None, engine_views: bool = False, pixel_dtype=None) -> PromptStream:
     """This rank's stream of ``data_cfg.train_file``. Records that cannot be used are counted on every rank and
     reported once, by rank 0 (``report_skips``)."""
     records, skipped = read_records(data_cfg.train_file)
@@ -338,4 +365,4 @@ def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int, *, l
     return PromptStream(usable, data_root, data_cfg, processor, seed=seed, rank=rank, world_size=world_size,
                         skipped=reasons, total_records=total, lookahead=lookahead,
                         workers=getattr(data_cfg, "prefetch_workers", 2), engine_views=engine_views,
-                        questions_per_video=getattr(data_cfg, "questions_per_video", 1))
+                        questions_per_video=getattr(data_cfg, "questions_per_video", 1), pixel_dtype=pixel_dtype)

@@ -55,13 +55,15 @@ def media_items(model, prompts: Mapping) -> list[list[dict]]:
     merge = _merge(model)
     ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
     out: list[list[dict]] = [[] for _ in range(ids.shape[0])]
+    from app.grouping.media import item_rows
+
     for kind, token_key, pixel_key, grid_key in _MEDIA:
         grid = prompts.get(grid_key)
         if grid is None:
             continue
         token = getattr(config, token_key)
         patch_counts = grid.prod(-1).tolist()
-        patch_starts = [0, *torch.tensor(patch_counts).cumsum(0).tolist()]
+        rows = item_rows(prompts, pixel_key)  # a family's pixels may be held once for all its questions
         item = 0
         for b in range(ids.shape[0]):
             where = (ids[b][mask[b]] == token).nonzero().flatten().tolist()
@@ -72,7 +74,7 @@ def media_items(model, prompts: Mapping) -> list[list[dict]]:
                 count = patch_counts[item] // (merge * merge)
                 span = where[cursor : cursor + count]
                 entry = {"kind": kind, "first": span[0], "last": span[-1], "grid": grid[item],
-                         "pixels": prompts[pixel_key][patch_starts[item] : patch_starts[item + 1]], "index": item}
+                         "pixels": prompts[pixel_key][rows[item][0] : rows[item][1]], "index": item}
                 if kind == "video" and prompts.get("second_per_grid_ts") is not None:
                     entry["seconds"] = prompts["second_per_grid_ts"][item]
                 out[b].append(entry)
@@ -84,9 +86,10 @@ def media_items(model, prompts: Mapping) -> list[list[dict]]:
 
 
 def _same_item(a: dict, b: dict) -> bool:
+    pa, pb = a["pixels"], b["pixels"]
+    held_once = pa.data_ptr() == pb.data_ptr() and pa.shape == pb.shape and pa.stride() == pb.stride()
     same = (a["kind"] == b["kind"] and a["first"] == b["first"] and a["last"] == b["last"]
-            and torch.equal(a["grid"], b["grid"]) and a["pixels"].shape == b["pixels"].shape
-            and torch.equal(a["pixels"], b["pixels"]))
+            and torch.equal(a["grid"], b["grid"]) and pa.shape == pb.shape and (held_once or torch.equal(pa, pb)))
     if same and "seconds" in a:
         same = "seconds" in b and torch.equal(a["seconds"], b["seconds"])
     return same

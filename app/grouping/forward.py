@@ -42,6 +42,9 @@ class GroupingMismatchError(RuntimeError):
 
 def split_vision_inputs(model, prompts: Mapping) -> list[dict]:
     """Cut the batch's vision tensors into per-prompt pieces, checking tokens against features."""
+    from app.grouping.media import expanded
+
+    prompts = expanded(prompts)
     ids = prompts["input_ids"]
     per_prompt = [dict() for _ in range(ids.shape[0])]
     config = unwrap(model).config
@@ -82,6 +85,10 @@ def split_vision_inputs(model, prompts: Mapping) -> list[dict]:
 
 
 def _vision_kwargs(prompts: Mapping) -> dict:
+    """The batch's vision tensors as the model's own forward takes them (a copy per occurrence)."""
+    from app.grouping.media import expanded
+
+    prompts = expanded(prompts)
     return {k: prompts[k] for k in VISION_KEYS if prompts.get(k) is not None}
 
 

@@ -83,7 +83,14 @@ def report(result: dict, frames_by_size: dict, fixes: list[dict]) -> str:
     lines.append(f"    {'(activations by layout)':<22} grouped {by_layout['grouped'] / GiB:.2f}, repeated "
                  f"{by_layout['repeated'] / GiB:.2f} ({by_layout['grouped'] / by_layout['repeated']:.2f}x)")
     lines += [f"  peak {_gib(result['peak']).strip()} GiB of {_gib(result['usable']).strip()} usable "
-              f"({result['world']['headroom']:.0%} of the GPU): {'FITS' if result['fits'] else 'DOES NOT FIT'}", ""]
+              f"({result['world']['headroom']:.0%} of the GPU): {'FITS' if result['fits'] else 'DOES NOT FIT'}"]
+    host = result["host"]
+    lines += [f"host memory per node (GiB): {host['node'] / GiB:.1f} of {host['usable'] / GiB:.1f} usable "
+              f"({result['world']['gpus_per_node']} ranks x {host['rank']['total'] / GiB:.2f}: pixels held for the step "
+              f"and the prefetch {host['rank']['pixels'] / GiB:.2f}, decoding {host['rank']['decoding'] / GiB:.2f}, "
+              f"offloaded states {host['rank']['offload'] / GiB:.2f}): "
+              + ("fits" if host["fits"] else "DOES NOT FIT: the host is the limit (data.prefetch, "
+                 "data.prefetch_workers, fewer ranks per node)"), ""]
     lines.append("FLOPs per group (one prompt, G completions): grouped against the repeated layout (TRL-style), under "
                  "masked SDPA (every tile) and under flash-attn (masked tiles skipped)")
     per = result["flops_per_group"]
@@ -168,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="the device's memory bandwidth in TB/s (H100 SXM 3.35, H200 4.8, A100-80GB 2.0)")
     parser.add_argument("--link-tbs", type=float, default=defaults.link_tbs,
                         help="between GPUs in TB/s, per direction (ZeRO-3 gathers during a rollout)")
+    parser.add_argument("--host-memory-gib", type=float, default=defaults.host_memory_gib,
+                        help="CPU memory of one node in GiB (a DGX H100 / H200 has 2048)")
     parser.add_argument("--device", default=defaults.device, choices=("cuda", "cpu"),
                         help="plan a run on GPUs (the default) or on this machine's CPUs (a rehearsal)")
     parser.add_argument("--calibration", nargs="*", default=[], metavar="KEY=VALUE",
@@ -188,9 +197,10 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     try:
         cfg = load_config(args.config, args.overrides)
-        world = World(args.nodes, args.gpus_per_node, args.gpu_memory_gib, args.peak_tflops, args.bandwidth_tbs,
-                      args.link_tbs, args.device, args.headroom, calibration_of(args.calibration),
-                      varlen=not args.no_varlen_kernel)
+        world = World(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gib,
+                      peak_tflops=args.peak_tflops, bandwidth_tbs=args.bandwidth_tbs, link_tbs=args.link_tbs,
+                      host_memory_gib=args.host_memory_gib, device=args.device, headroom=args.headroom,
+                      calibration=calibration_of(args.calibration), varlen=not args.no_varlen_kernel)
         if args.frames < 0:
             raise PlanError(f"--frames must be >= 0, got {args.frames}")
         source = model_source(cfg, args.model)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -33,6 +34,7 @@ class World:
     peak_tflops: float = 989.0  # H100 SXM / H200 dense bf16
     bandwidth_tbs: float = 3.35  # HBM bandwidth: H100 SXM 3.35, H200 4.8, A100-80GB 2.0
     link_tbs: float = 0.45  # between GPUs (ZeRO-3 gathers): NVLink 4 on H100 / H200 about 0.45 per direction
+    host_memory_gib: float = 2048.0  # CPU memory of one node (a DGX H100 / H200 has 2 TiB)
     device: str = "cuda"  # what runs it: cuda, or cpu (a rehearsal here: its attention kernels hold other buffers)
     headroom: float = 0.9  # the share of GPU memory a plan may fill (CUDA context, fragmentation)
     calibration: timing.Calibration = timing.CALIBRATION  # efficiencies and overheads (timing.SOURCES)
@@ -47,7 +49,7 @@ class World:
         for name in ("nodes", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise PlanError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("gpu_memory_gib", "peak_tflops", "bandwidth_tbs", "link_tbs", "headroom"):
+        for name in ("gpu_memory_gib", "peak_tflops", "bandwidth_tbs", "link_tbs", "headroom", "host_memory_gib"):
             if not getattr(self, name) > 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.device not in ("cuda", "cpu"):
@@ -196,11 +198,13 @@ def plan(cfg, world: World, source: str, frames: int | None = None, videos: int 
         ranks=world.ranks, dtype_bytes=b, offload_optimizer=ds["offload_optimizer"],
         offload_param=ds["offload_param"]))
     gpu = world.gpu_memory_gib * GiB
-    rollout = rollout_memory(cfg, shape, counts, work, ds=ds, b=b, gpu=gpu, ranks=world.ranks, device=world.device)
+    rollout = rollout_memory(cfg, shape, counts, work, ds=ds, b=b, gpu=gpu, ranks=world.ranks, device=world.device,
+                             varlen=timing.varlen_runs(cfg, world))
     training = training_memory(cfg, shape, work, ds, b, gpu, tower_trains=tower_trains(cfg), trains_head=not lora,
                                parameters=counts.total)
     peak = states["total"] + max(rollout["total"], training["total"])
     usable = world.headroom * gpu
+    host = host_memory(cfg, shape, work, world, states, b)
     flops = {layout: step_flops(cfg, shape, work, layout) for layout in LAYOUTS}
     terms = {layout: timing.phase_terms(layout_cfg(cfg, layout), shape, counts, work, world, ds=ds, lora=lora,
                                         tower_trains=tower_trains(cfg), backend=layout_backend(cfg, layout),
@@ -210,7 +214,7 @@ def plan(cfg, world: World, source: str, frames: int | None = None, videos: int 
             "world": asdict(world), "ranks": world.ranks, "sequence_parallel": size, "zero": ds,
             "dtype_bytes": b, "frames": frames, "workload": asdict(work), "attention": attention_backend(cfg),
             "states": states, "rollout": rollout, "training": training, "peak": peak, "usable": usable,
-            "fits": peak <= usable, "flops_per_group": flops, "phase_seconds": seconds, "phase_terms": terms,
+            "fits": peak <= usable, "host": host, "flops_per_group": flops, "phase_seconds": seconds, "phase_terms": terms,
             "activations_by_layout": layout_activations(cfg, shape, work, b, trains_head=not lora),
             "prompts_per_rank": cfg.train.prompts_per_rank, "questions": timing.rank_work(cfg, work).questions,
             "disk": disk(cfg, counts, trainable, b, ds["stage"], lora), "warnings": plan_warnings(cfg, work)}
@@ -254,11 +258,14 @@ def disk(cfg, counts, trainable: int, b: int, stage: int, lora: bool) -> dict:
 
 
 def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: int, gpu: float, ranks: int = 1,
-                   device: str = "cuda") -> dict:
+                   device: str = "cuda", varlen: bool = False) -> dict:
     """Bytes the rollout adds on one rank: gathered weights (ZeRO-3), the K/V cache, the prefill's working set, the
     vision tower's pass, the sampling logits; or the share an engine reserves (vLLM). Under sequence parallelism a
-    rank samples its share of the replica's families (``timing.rank_work``: whole families spread over S)."""
+    rank samples its share of the replica's families (``timing.rank_work``: whole families spread over S), or, with
+    fewer families than ranks, every family spread over the S ranks: 1/S of their K/V (by heads), of each prefill
+    chunk's positions and of the tower's frames, every prompt's embeddings and every sample's logits whole."""
     rank = timing.rank_work(cfg, work)
+    share = rank.share
     prompts = min(rank.prompts, rank.families_here * rank.questions)
     kv_token = 2 * shape.kv_heads * shape.head_dim * shape.layers * b
     kind = memory_kind(cfg.rollout.engine)
@@ -276,25 +283,28 @@ def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: in
     k = min(getattr(cfg.data, "questions_per_video", 1), prompts) if shared else 1  # questions sharing a video
     video = work.prefix - (work.question or QUESTION_TOKENS) if k > 1 else 0  # held once for k questions
     kv = prompts * kv_token * ((work.prefix - video * (k - 1) / k + work.group_size * work.completion) if shared
-                               else work.group_size * (work.prefix + work.completion))
-    rows = cfg.rollout.prefill_chunk_size or work.prefix
+                               else work.group_size * (work.prefix + work.completion)) * timing.kv_share(shape, rank)
+    rows = (cfg.rollout.prefill_chunk_size or work.prefix) * share
     batch = prompts / k * (1 if shared else work.group_size)  # the rows prefilled together (a family's video once)
+    if rank.spread:
+        batch = 1  # a spread rollout prefills one root at a time
     prefill = batch * min(rows, work.prefix) * b * (4 * shape.hidden + 3 * shape.intermediate)
     chunk = cfg.rollout.prefill_chunk_size
-    if chunk and chunk < work.prefix:  # each chunk's causal attention to itself (app.grouping.decoding.prefill)
+    if chunk and chunk < work.prefix and not varlen:  # each chunk's causal attention to itself (decoding.prefill)
         if device == "cuda":  # two batched products: float32 scores per query head
             prefill += batch * shape.heads * chunk * chunk * 4
         elif batch > 1:  # CPU: the fused kernel's causal mask, but a padded batch needs its own [B, 1, c, c] mask
             prefill += (batch + 1) * chunk * chunk * 4
-    tower = costs.vision_activations(shape, work.patches, training=False, chunk_patches=tower_chunk(cfg, work),
-                                     dtype_bytes=b) if work.patches else 0.0
+    tower = costs.vision_activations(shape, int(work.patches * share), training=False,
+                                     chunk_patches=tower_chunk(cfg, work), dtype_bytes=b) if work.patches else 0.0
     # the prefill embeds each prompt (a family's video once) whole before its decoder runs, chunked or not: the
     # token embeddings and their copy with the tower's outputs scattered in, and those outputs (its chunks' and
     # their concatenation)
     prefill += batch / (1 if shared else work.group_size) * (2 * work.prefix + 2 * work.visual) * shape.hidden * b
     logits = prompts * work.group_size * shape.vocab * 4 * 2
     parts = {"gathered_weights": gathered, "kv_cache": kv, "prefill": prefill, "vision_tower": tower,
-             "sampling_logits": logits, "inputs": pixel_bytes(shape, work.patches) * prompts}
+             "sampling_logits": logits,
+             "inputs": pixel_bytes(shape, work.patches, b) * distinct_videos(prompts, k if shared else 1)}
     parts["total"] = sum(parts.values())
     return parts
 
@@ -329,19 +339,47 @@ def training_memory(cfg, shape: Shape, work: Workload, ds: dict, b: int, gpu: fl
     zero3 = b * (bucket + shape.vocab * shape.hidden) if ds["stage"] == 3 else 0.0
     awake = memory_kind(cfg.rollout.engine) == "reserved" and not cfg.rollout.vllm_sleep
     reserved = cfg.rollout.vllm_gpu_memory_utilization * gpu if awake else 0.0
-    # every micro-batch's prompts are collated on the device once for the step: their pixels (float32, as the
-    # processor gives them; each question of a family its own copy) stay while the step runs
+    # every micro-batch's prompts are collated on the device once for the step: their pixels (in the tower's dtype;
+    # a family's video once) stay while the step runs
     batches = max(1, cfg.train.prompts_per_rank // cfg.train.groups_per_micro_batch)
-    inputs = pixel_bytes(shape, work.patches) * work.groups * batches
+    inputs = pixel_bytes(shape, work.patches, b) * distinct_videos(work.groups, work.questions) * batches
     parts = {"activations": act["peak"], "saved": act["saved"], "vision_tower": tower, "whole_pass": whole,
              "zero3_buffers": zero3, "engine_awake": reserved, "inputs": inputs}
     parts["total"] = whole + zero3 + reserved + inputs
     return parts
 
 
-def pixel_bytes(shape: Shape, patches: int) -> float:
-    """A video's pixel values as the processor gives them: float32, 3 x temporal_patch x patch^2 per patch."""
-    return float(patches * 3 * shape.temporal_patch * shape.patch**2 * 4)
+def pixel_bytes(shape: Shape, patches: int, dtype_bytes: int = 4) -> float:
+    """A video's pixel values: 3 x temporal_patch x patch^2 per patch, in the tower's dtype (the data stream keeps
+    them in it: ``data.stream.pixels_in``; float32 in a float32 run)."""
+    return float(patches * 3 * shape.temporal_patch * shape.patch**2 * dtype_bytes)
+
+
+def distinct_videos(prompts: float, questions: int) -> int:
+    """Videos among ``prompts`` prompts in families of ``questions`` (held once each: ``app.grouping.media``)."""
+    return max(1, math.ceil(prompts / max(1, questions)))
+
+
+HOST_WORKERS_FLOAT32 = 1  # the processor's float32 output of a video, before the cast, per prefetch worker
+
+
+def host_memory(cfg, shape: Shape, work: Workload, world: World, states: dict, b: int) -> dict:
+    """Host (CPU) memory per node while a step runs: per rank, the step's and the prefetch's prompts' pixels (a
+    family's video once, in the tower's dtype), each prefetch worker's decode at work (the frames as decord gives
+    them, uint8, and the processor's float32 output before the cast), and what ZeRO offloads to the host; times
+    the ranks of a node."""
+    k = max(1, min(getattr(cfg.data, "questions_per_video", 1), cfg.train.prompts_per_rank))
+    lookahead = cfg.data.prefetch * cfg.train.prompts_per_rank
+    held = distinct_videos(cfg.train.prompts_per_rank + lookahead, k)
+    video = pixel_bytes(shape, work.patches, b)
+    frames = work.patches / shape.temporal_patch * shape.patch**2 * 3 if work.patches else 0.0  # uint8, per frame
+    workers = min(getattr(cfg.data, "prefetch_workers", 2), max(1, held)) if cfg.data.prefetch else 1
+    decode = workers * (frames + pixel_bytes(shape, work.patches, 4) * HOST_WORKERS_FLOAT32)
+    rank = {"pixels": held * video, "decoding": decode, "offload": states.get("host", 0.0)}
+    rank["total"] = sum(rank.values())
+    per_node = rank["total"] * world.gpus_per_node
+    usable = world.headroom * world.host_memory_gib * GiB
+    return {"rank": rank, "node": per_node, "usable": usable, "fits": per_node <= usable}
 
 
 def layout_activations(cfg, shape: Shape, work: Workload, b: int, *, trains_head: bool) -> dict:

@@ -80,6 +80,12 @@ def remedies(cfg, world: World, source: str) -> list[dict]:
             continue
         trial = with_overrides(current, overrides)
         refused = refusal(trial)
+        if refused is not None and "rollout.zero3_gather" in refused and "train.sequence_parallel_size" in overrides:
+            # a rollout spread over the group needs the policy gathered whole: SP undoes an earlier layerwise gather
+            overrides = {**overrides, "rollout.zero3_gather": "full"}
+            name = f"{name} (the rollout gathered whole again: rollout.zero3_gather=full)"
+            trial = with_overrides(current, overrides)
+            refused = refusal(trial)
         if refused is not None:
             found.append({"change": name, "overrides": overrides, "refused": refused})
             continue

@@ -49,10 +49,11 @@ class Calibration:
     rollout_s: float  # per rollout: gather, graph capture, collation, sampling
     weight_efficiency: float  # decode: weights read at this share of the card's bandwidth
     kv_efficiency: float  # decode: the prefixes' and completions' K/V read at this share (the two-bmm path)
-    kv_efficiency_varlen: float  # the same through torch's varlen flash kernel (CUDA, bf16: the default there)
+    varlen_kv_efficiency: float  # the same through torch's varlen flash kernel (CUDA, bf16: the default there)
     graph_launch_ms: float  # decode: per layer and step, a replayed CUDA graph of the step
     eager_launch_ms: float  # decode: per layer and step, eager steps (ZeRO-3 gathering during the rollout)
     link_efficiency: float  # ZeRO-3 gathers during a rollout: share of the link's bandwidth (not measured)
+    collective_ms: float  # one collective call between GPUs (a spread rollout's exchanges): its latency
 
     def changed(self, **values) -> Calibration:
         return replace(self, **values)
@@ -70,11 +71,13 @@ SOURCES = {  # where each constant comes from (docs/gpu/points.json holds the nu
                          "decode part)",
     "kv_efficiency": "the decode step at 8k and 16k prefixes, 9.64 and 10.66 ms (docs/gpu/2026-11-26_h200_run2): "
                      "0.47 GB more K/V read per step cost 1.02 ms",
-    "kv_efficiency_varlen": "not measured yet: the two-bmm path's value (kv_efficiency) until scripts/gpu_check.sh's "
+    "varlen_kv_efficiency": "not measured yet: the two-bmm path's value (kv_efficiency) until scripts/gpu_check.sh's "
                             "varlen part runs and calibrate --merge adds its decode steps",
     "graph_launch_ms": "the 8k decode step captured as a CUDA graph, 9.64 ms, less its weights and K/V reads, over "
                        "28 layers (docs/gpu/2026-11-26_h200_run2)",
     "eager_launch_ms": "the 8k decode step stepped eagerly, 36.3 ms, less its reads, over 28 layers (same run)",
+    "collective_ms": "an assumption (nothing gathered across GPUs has been measured): an NCCL all-gather or all-to-all "
+                     "of a few hundred KB within one NVLink node takes about 30 microseconds",
     "link_efficiency": "an assumption (nothing gathered across GPUs has been measured): NCCL all-gathers reach about "
                        "70% of NVLink's bandwidth",
 }
@@ -107,24 +110,40 @@ class Rank:
 
     prompts: int  # the replica's prompts (train.prompts_per_rank)
     questions: int  # k: questions per family
-    families_here: int  # families this rank samples (spread over the S ranks of its replica)
+    families_here: int  # families this rank samples (all of them when spread, else its share of whole families)
     videos_here: int  # tower passes of this rank's rollout (a family's video once; the cache: each video once)
     micro_batches: int
     size: int  # S
+    spread: bool = False  # each family's rollout spread over the S ranks (``rollout.base.split_of``)
+    share: float = 1.0  # the part of each of its families' tower, prefill and K/V this rank does (1/S spread)
 
 
 def rank_work(cfg, work: Workload, videos: int | None = None) -> Rank:
-    """This rank's share: the replica's prompts in families of k, whole families spread over its S ranks."""
+    """This rank's share: the replica's prompts in families of k; with fewer families than the S ranks of its
+    replica (and the grouped engine) each family spread over them, else whole families spread over them, as
+    ``app.rollout.base.split_of`` decides."""
+    from app.rollout.base import split_of
+
     prompts = cfg.train.prompts_per_rank
     k = max(1, min(getattr(cfg.data, "questions_per_video", 1), prompts))
     families = math.ceil(prompts / k)
     size = cfg.train.sequence_parallel_size
-    here = math.ceil(families / size)
+    spread = size > 1 and split_of(families, size, cfg.rollout.engine == "grouped") == "spread"
+    here = families if spread else math.ceil(families / size)
     distinct = min(videos, families) if videos else families
     cached = size == 1 and cfg.forward.vision_cache in ("step", "run")
-    video_passes = math.ceil(distinct / size) if cached else here
+    video_passes = distinct if spread else (math.ceil(distinct / size) if cached else here)
     return Rank(prompts=prompts, questions=k, families_here=here, videos_here=video_passes if work.patches else 0,
-                micro_batches=max(1, prompts // cfg.train.groups_per_micro_batch), size=size)
+                micro_batches=max(1, prompts // cfg.train.groups_per_micro_batch), size=size, spread=spread,
+                share=1 / size if spread else 1.0)
+
+
+def kv_share(shape: Shape, rank: Rank) -> float:
+    """The part of a family's K/V one rank holds: 1/S spread (heads shared out), 1/Hkv when S exceeds the KV heads
+    (each KV head held by S / Hkv ranks), all of it otherwise."""
+    if not rank.spread:
+        return 1.0
+    return 1 / min(rank.size, shape.kv_heads)
 
 
 def planned_vision_attention(cfg, world) -> str:
@@ -145,13 +164,19 @@ def varlen_runs(cfg, world) -> bool:
     return world.device == "cuda" and cfg.model.dtype == "bfloat16" and world.varlen
 
 
-def tower_calls(shape: Shape, work: Workload, vision_attention: str) -> float:
-    """Attention calls of one pass of the tower over one video: one per block with a varlen kernel (flash-attn's
-    or torch's), else one per window (Qwen2.5-VL's windowed blocks) or per frame of every block."""
+def tower_calls(shape: Shape, work: Workload, vision_attention: str, *, chunk_frames: int = 0,
+                share: float = 1.0) -> float:
+    """Attention calls of one pass of the tower over one video (``share`` of its temporal patches: a spread
+    rollout's rank): one per block and tower pass with a varlen kernel (flash-attn's or torch's; a pass per
+    ``chunk_frames`` temporal patches), else one per window (Qwen2.5-VL's windowed blocks) or per frame of every
+    block."""
     if not work.patches or not shape.vision_depth:
         return 0.0
     if "flash" in vision_attention:
-        return float(shape.vision_depth)
+        mine = max(1, math.ceil(work.temporal * share))
+        return float(shape.vision_depth * (math.ceil(mine / chunk_frames) if chunk_frames else 1))
+    if share < 1:
+        return tower_calls(shape, work, vision_attention) * share
     temporal = max(1, work.temporal)
     if shape.vision_full_blocks < 0:
         return float(shape.vision_depth * temporal)
@@ -170,11 +195,14 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
     rank = rank_work(cfg, work, videos)
     k, peak, bandwidth = rank.questions, world.peak_tflops * 1e12, world.bandwidth_tbs * 1e12
     b = 2 if cfg.model.dtype == "bfloat16" else 4
-    calls = tower_calls(shape, work, planned_vision_attention(cfg, world))
+    attention = planned_vision_attention(cfg, world)
+    chunk_frames = cfg.forward.vision_chunk_frames
+    calls = tower_calls(shape, work, attention, chunk_frames=chunk_frames)
+    rollout_calls = tower_calls(shape, work, attention, chunk_frames=chunk_frames, share=rank.share)
     tower = flops.vision_flops(shape, work.patches, work.temporal)
     family = Workload(prefix=work.prefix, completion=0, group_size=1, groups=k, questions=k,
                       question=work.question if k > 1 else 0)
-    prefill = flops.forward_flops(shape, family, "flash")["total"] * rank.families_here
+    prefill = flops.forward_flops(shape, family, "flash")["total"] * rank.families_here * rank.share
     prompts_here = min(rank.prompts, rank.families_here * k)
     samples, steps = prompts_here * work.group_size, work.completion
     kv_token = 2 * shape.kv_heads * shape.head_dim * shape.layers * b
@@ -183,7 +211,7 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
     kind = memory_kind(cfg.rollout.engine)
     copies = work.group_size if kind == "per_sample" else 1  # HF generate: every sample its own prompt copy
     weights = b * (shape.layers * counts.decoder_layer + shape.vocab * shape.hidden)
-    kv = kv_token * (prefixes * copies + samples * steps / 2)  # the completions' own K/V: half their length
+    kv = kv_token * (prefixes * copies + samples * steps / 2) * kv_share(shape, rank)  # the completions': half
     graph = (ds["stage"] != 3 or cfg.rollout.zero3_gather == "full") and copies == 1
     tower_copies = 1 if cfg.forward.vision_cache in ("step", "run") and not tower_trains else copies
     # ZeRO-3 gathering during the rollout (layerwise: each decoder layer per step; per_step: everything per step),
@@ -192,6 +220,9 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
     gathered = {"full": weights, "layerwise": b * shape.layers * counts.decoder_layer,
                 "per_step": weights}.get(cfg.rollout.zero3_gather, 0.0) * share if ds["stage"] == 3 else 0.0
     per_step_gather = 0.0 if cfg.rollout.zero3_gather == "full" else gathered
+    link = world.link_tbs * 1e12
+    spread = spread_exchanges(shape, work, rank, b, steps=steps, samples=samples,
+                              chunk=cfg.rollout.prefill_chunk_size) if rank.spread else {}
     # the training forwards: every micro-batch's packed row, split over the S ranks
     batches, size, mu = rank.micro_batches, rank.size, cfg.grpo.num_iterations
     forward = flops.forward_flops(shape, work, backend)["total"] * batches / size
@@ -199,29 +230,60 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
                               chunk=cfg.forward.logprob_chunk_size, deepspeed_linear=ds["stage"] == 3,
                               weight_grads=not lora)["total"] * batches * mu / size
     families_step = max(1.0, work.families) * batches / size  # tower passes of a training forward (no cache)
-    cached = cfg.forward.vision_cache in ("step", "run") and not tower_trains and size == 1
+    # a frozen tower's outputs cached (forward.vision_cache): encoded by the rollout for S = 1 and for a spread
+    # rollout (each rank's share of the frames), by the reference forward under whole families per rank (the
+    # rollout encoded whole videos; the training forwards ask for shares), by none of them otherwise
+    keeps = cfg.forward.vision_cache in ("step", "run") and not tower_trains
+    cached = keeps and (size == 1 or rank.spread)
     forward_calls = 0.0 if cached else calls * families_step
+    update_calls = 0.0 if keeps else calls * families_step
     terms = {
-        "tower": {"prefill_efficiency": tower * rank.videos_here * tower_copies / peak,
-                  "tower_call_ms": calls * rank.videos_here * tower_copies / 1e3},
-        "prefill": {"prefill_efficiency": prefill * copies / peak},
+        "tower": {"prefill_efficiency": tower * rank.videos_here * tower_copies * rank.share / peak,
+                  "tower_call_ms": rollout_calls * rank.videos_here * tower_copies / 1e3,
+                  **({"link_efficiency": spread["tower_bytes"] / link} if spread else {})},
+        "prefill": {"prefill_efficiency": prefill * copies / peak,
+                    **({"link_efficiency": spread["prefill_bytes"] / link,
+                        "collective_ms": spread["prefill_collectives"] / 1e3} if spread else {})},
         "decode": {"weight_efficiency": steps * weights / bandwidth,
-                   ("kv_efficiency_varlen" if varlen_runs(cfg, world) else "kv_efficiency"): steps * kv / bandwidth,
+                   ("varlen_kv_efficiency" if varlen_runs(cfg, world) else "kv_efficiency"): steps * kv / bandwidth,
                    ("graph_launch_ms" if graph else "eager_launch_ms"): steps * shape.layers / 1e3,
-                   "link_efficiency": steps * per_step_gather / (world.link_tbs * 1e12)},
-        "rollout_overhead": {"rollout_s": 1.0, "link_efficiency": (gathered - per_step_gather) / (world.link_tbs * 1e12)},
+                   "link_efficiency": (steps * per_step_gather + spread.get("decode_bytes", 0.0)) / link,
+                   **({"collective_ms": spread["decode_collectives"] / 1e3} if spread else {})},
+        "rollout_overhead": {"rollout_s": 1.0, "link_efficiency": (gathered - per_step_gather) / link},
         "reference": ({"forward_efficiency": forward / peak, "tower_call_ms": forward_calls / 1e3}
                       if cfg.grpo.beta > 0 else {}),
         "old_policy": ({"forward_efficiency": forward / peak * mu, "tower_call_ms": forward_calls * mu / 1e3}
                        if mu > 1 else {}),
         "update": {"train_efficiency": train / peak,
-                   "tower_call_ms": (3 if tower_trains else 0 if cached else 1) * calls * families_step * mu / 1e3,
+                   "tower_call_ms": (3 * calls * families_step if tower_trains else update_calls) * mu / 1e3,
                    "update_layer_s": shape.layers * batches * mu},
         "weight_sync": {},
     }
     if kind == "reserved":  # vLLM: the weights pushed into the engine (LoRA: merged, whole), a device copy
         terms["weight_sync"] = {"weight_efficiency": b * counts.total / bandwidth}
     return terms
+
+
+def spread_exchanges(shape: Shape, work: Workload, rank: Rank, b: int, *, steps: int, samples: int,
+                     chunk: int) -> dict:
+    """What a spread rollout moves between the S ranks of its group (``app.grouping.decoding.spread``), per rank:
+
+    - the tower's table of embeddings summed over the group (a ring all-reduce: 2 (S - 1) / S of it);
+    - the prefills' all-to-alls: per layer and position, q and the output over all query heads and k, v over the
+      KV heads (repeated up to S), (S - 1) / S of them leaving the rank; four exchanges per layer and chunk;
+    - each decode step's gather of the heads' outputs: one per layer, (S - 1) / S of the samples' outputs.
+
+    Bytes, and collective calls (each also paying a latency: ``collective_ms``, an assumption)."""
+    size = rank.size
+    away = (size - 1) / size
+    positions = rank.families_here * (work.prefix + (rank.questions - 1) * work.question)
+    per_position = (2 * shape.heads + 2 * max(shape.kv_heads, size)) * shape.head_dim * b
+    chunks = rank.families_here * max(1, math.ceil(work.prefix / chunk)) if chunk else rank.families_here
+    return {"tower_bytes": 2 * away * work.visual * shape.hidden * b * rank.videos_here,
+            "prefill_bytes": away * positions * per_position * shape.layers / size,
+            "prefill_collectives": 4.0 * shape.layers * (chunks + rank.families_here),
+            "decode_bytes": away * steps * samples * shape.heads * shape.head_dim * b * shape.layers,
+            "decode_collectives": float(steps * shape.layers)}
 
 
 def seconds(terms: dict, calibration: Calibration = CALIBRATION) -> dict:

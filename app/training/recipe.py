@@ -109,7 +109,8 @@ class Recipe:
         self.stream = load_stream(cfg.data, self.processor, cfg.train.seed, self.parallel.dp_rank, self.parallel.dp_size,
                                   lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank,
                                   skip_log=self.output_dir / "logs" / "skipped_at_load.jsonl",
-                                  engine_views=needs_engine_views(cfg.rollout.engine))
+                                  engine_views=needs_engine_views(cfg.rollout.engine),
+                                  pixel_dtype=self.dtype if self.dtype != torch.float32 else None)
         self.start_step = 0
         self.scorer = GroupScorer(cfg.forward, self.parallel.sp)  # a recipe whose groups are trees sets a TreeScorer
         self.setup()

@@ -59,7 +59,7 @@ KV_TOKEN = 2 * 4 * 128 * 2  # bytes of K and V per token and layer: Qwen2.5-VL-7
 
 def decode_constants(data: dict) -> dict:
     """weight_efficiency, kv_efficiency, graph_launch_ms, eager_launch_ms from the decode steps measured alone (the
-    two-bmm path); kv_efficiency_varlen from torch's varlen kernel's steps where a GPU run added them
+    two-bmm path); varlen_kv_efficiency from torch's varlen kernel's steps where a GPU run added them
     (``merge``), else the bmm path's."""
     d = data["decode"]
     nominal, layers = d["nominal_tb_s"], d["layers"]
@@ -77,14 +77,14 @@ def decode_constants(data: dict) -> dict:
         return sum(rest) / len(rest) / layers * 1e3
 
     out = {"weight_efficiency": weight_eff, "kv_efficiency": kv_eff, "graph_launch_ms": launch("graph"),
-           "eager_launch_ms": launch("eager"), "kv_efficiency_varlen": kv_eff}
+           "eager_launch_ms": launch("eager"), "varlen_kv_efficiency": kv_eff}
     varlen = [s for s in data.get("varlen", {}).get("decode_steps", []) if s["mode"] == "varlen"
               and s["questions"] == 1]
     if len({s["prefix"] for s in varlen}) >= 2:  # the slope between the shortest and the longest prefix
         low, high = min(varlen, key=lambda s: s["prefix"]), max(varlen, key=lambda s: s["prefix"])
         seconds = (high["step_ms"] - low["step_ms"]) / 1e3
         if seconds > 0:
-            out["kv_efficiency_varlen"] = kv_token * (high["prefix"] - low["prefix"]) / (nominal * 1e12) / seconds
+            out["varlen_kv_efficiency"] = kv_token * (high["prefix"] - low["prefix"]) / (nominal * 1e12) / seconds
     return out
 
 
@@ -109,8 +109,8 @@ def measured_sources(data: dict) -> dict:
         return {}
     where = f"{run.get('source', 'a gpu_check varlen run')} ({run.get('card', '')}, torch {run.get('torch', '')})"
     out = {}
-    if "kv_efficiency_varlen" in decode_constants(data) and any(s["mode"] == "varlen" for s in run["decode_steps"]):
-        out["kv_efficiency_varlen"] = f"the varlen kernel's decode steps at several prefixes: {where}"
+    if "varlen_kv_efficiency" in decode_constants(data) and any(s["mode"] == "varlen" for s in run["decode_steps"]):
+        out["varlen_kv_efficiency"] = f"the varlen kernel's decode steps at several prefixes: {where}"
     if tower_constants(data):
         out["tower_call_ms"] = f"the tower's per-chunk loop against one call per block, measured: {where}"
     return out

@@ -126,7 +126,10 @@ class GroupedDecoder:
                 model, prompts, families, positions, head=self.head, chunk_size=chunk_size, synced=synced)
             self.prefill_tokens = root_tokens + int(mask.sum())
             return past, mask, roots, logits
-        vision = {k: prompts[k] for k in VISION_KEYS if prompts.get(k) is not None}
+        from app.grouping.media import expanded
+
+        whole = expanded(prompts)  # the model's own forward: a pixel copy per occurrence
+        vision = {k: whole[k] for k in VISION_KEYS if whole.get(k) is not None}
         with self.head.installed(), chunked_prefill(model, chunk_size, synced):
             out = model(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
                         position_ids=positions if positions.shape[0] > 1 else positions[0], use_cache=True,

@@ -42,6 +42,7 @@ from collections.abc import Mapping
 
 import torch
 
+from app.grouping.media import distinct
 from app.grouping.modules import patch_instance, unpatch_instance, unwrap
 from app.grouping.vision.passes import (
     blocks_serving,
@@ -173,9 +174,9 @@ class VisionCache:
         """What a forward of ``prompts`` asks of the tower, per modality in the model's order: the modality once
         for the model's own call of the tower, then once more per item pass that call makes (``passes``)."""
         out: list[str] = []
-        for modality, (pixel_key, grid_key) in _INPUTS.items():
+        for modality, (pixel_key, _) in _INPUTS.items():
             if prompts.get(pixel_key) is not None:
-                pixels, grid = prompts[pixel_key], prompts[grid_key]
+                pixels, grid = distinct(prompts, pixel_key)  # each item once (a family's video is held once)
                 if self.share is not None:  # what this rank's frame-split call will ask for
                     local = local_share(pixels, grid, *self.share, split_time=modality == "video",
                                         merge=visual.spatial_merge_size)

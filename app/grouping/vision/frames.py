@@ -108,6 +108,9 @@ def _deepstack_count(visual) -> int:
 def insert_vision(model, prompts, input_ids, shard: tuple[int, int], embeds, sp):
     """The shard's placeholder tokens (positions ``shard`` = (start, end) of the row) replaced by their tower
     embeddings (computed frame-sharded); for Qwen3-VL also the shard's deepstack inputs."""
+    from app.grouping.media import expanded
+
+    prompts = expanded(prompts)  # a pixel copy per occurrence, as the placeholders are
     start, end = shard
     inner = unwrap(model)
     config = inner.config
