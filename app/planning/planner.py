@@ -284,7 +284,7 @@ def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: in
     video = work.prefix - (work.question or QUESTION_TOKENS) if k > 1 else 0  # held once for k questions
     kv = prompts * kv_token * ((work.prefix - video * (k - 1) / k + work.group_size * work.completion) if shared
                                else work.group_size * (work.prefix + work.completion)) * timing.kv_share(shape, rank)
-    rows = (cfg.rollout.prefill_chunk_size or work.prefix) * share
+    rows = min(cfg.rollout.prefill_chunk_size or work.prefix, work.prefix) * share  # a spread chunk's piece
     batch = prompts / k * (1 if shared else work.group_size)  # the rows prefilled together (a family's video once)
     if rank.spread:
         batch = 1  # a spread rollout prefills one root at a time

@@ -107,8 +107,11 @@ class SharedInGroup(RolloutEngine):
                          "y" if len(families) == 1 else "ies", size,
                          "each spread over the group (the tower by frames, the prefills by positions, the K/V by "
                          "heads)" if split == "spread" else "whole families per rank")
-        if split == "spread":
-            return self.inner.generate(prompts, group_size, seeds, sampling, spread=self.group.sp)
+        if split == "spread":  # every rank the whole rollout; its prefill counted for the group, as a gather would
+            rollout = self.inner.generate(prompts, group_size, seeds, sampling, spread=self.group.sp)
+            counts = self.group.gather_in_group([torch.tensor([rollout.prefill_tokens])])
+            rollout.prefill_tokens = int(sum(int(part[0][0]) for part in counts))
+            return rollout
         owners = spread_families(prompts, size)
         mine = [i for i, owner in enumerate(owners) if owner == me]
         if mine:

@@ -269,6 +269,10 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
     width = mask.shape[1]
     parts = {**clock.seconds(), "decode_steps": float(clock.counts["decode_steps"]),
              "decode_bytes_per_step": decoder.bytes_per_step, "graph_replayed": float(decoder.replayed),
+             # this rank's own work (a spread rollout's 1/S): the tower's patch rows, the prompt positions it ran
+             # through the layers, the prompts' K/V it held after the prefill
+             "work/tower_patches": float(clock.counts["tower_patches"]), "work/prefill_tokens": float(
+                 decoder.prefill_tokens), "work/kv_bytes": float(decoder.kv_bytes),
              "compiled_frames": float(dynamo_frames() - frames),  # a new step's frames, or recompiles of a kept one
              "recompiles": float(dynamo_frames() - frames) if decoder.mode == "compiled" and not decoder.made else 0.0,
              **({f"kept/{k}": float(v) for k, v in static_steps.take().items()} if static_steps is not None else {})}

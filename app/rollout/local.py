@@ -7,6 +7,8 @@ agreed across ranks) and the ranks decode in lock step (``synced``).
 
 from __future__ import annotations
 
+import time
+
 from app.data.prompts import collate_prompts
 from app.grouping import StaticSteps
 from app.grouping.decoding.clock import PartClock
@@ -31,6 +33,7 @@ class LocalEngine(RolloutEngine):
         """``spread``: the sequence-parallel group every rank of which samples these prompts together (``generate_groups``);
         it needs the policy's parameters whole during the rollout (ZeRO-3: rollout.zero3_gather=full)."""
         s = self.setup
+        cpu = time.process_time()  # this process's CPU seconds (every thread): what a rank spent where cores are few
         clock = PartClock(s.device)
         inputs = collate_prompts([p.inputs for p in prompts], s.pad_id, s.device)
         mode = getattr(s.rollout, "zero3_gather", "full")
@@ -57,6 +60,7 @@ class LocalEngine(RolloutEngine):
         rollout.parts["gather"] = rollout.parts.get("gather", 0.0) + release.seconds().get("gather", 0.0)
         if record is not None:
             rollout.parts["engine_above_gib"] = record.stop() / 2**30
+        rollout.parts["cpu_s"] = time.process_time() - cpu
         return rollout
 
 

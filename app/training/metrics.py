@@ -154,6 +154,9 @@ def rollout_parts(m: StepMetrics, parts: dict, seconds: dict, bandwidth_tb_s: fl
     per_step = parts.get("decode", 0.0) / steps if steps else 0.0
     m.mean("rollout/decode_ms_per_step", 1e3 * per_step)
     m.mean("rollout/graph_replayed", parts.get("graph_replayed", 0.0))
+    for key in ("tower_patches", "prefill_tokens", "kv_bytes"):  # each rank's own (1/S of a spread family's)
+        m.each(f"rollout/work/{key}", parts.get(f"work/{key}", 0.0))
+    m.each("rollout/cpu_s", parts.get("cpu_s", 0.0))  # the rollout's CPU time in this process (threads included)
     for key in ("captures", "compiles", "recaptures"):
         m.sum(f"rollout/{key}", parts.get(f"kept/{key}", 0.0))
     m.sum("rollout/recompiles", parts.get("recompiles", 0.0))

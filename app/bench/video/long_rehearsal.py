@@ -4,20 +4,26 @@
     python -m app.bench.video.long_rehearsal --out docs/bench/long_rehearsal [--quick]     (scripts/bench.sh long_rehearsal)
 
 Generated videos of 640 frames at 224 x 224 (2 fps: 320 temporal patches x 64 = 20,480 visual tokens a prompt), each
-asked 6 questions; a tiny Qwen2.5-VL (hidden 256, 2 layers, 4 query / 2 KV heads of 64; a 2-block tower of width 64)
-whose tower is frozen; chunked prefill (``rollout.prefill_chunk_size=4096``) and vision chunking
-(``forward.vision_chunk_frames=16``); G = 2, completions of 8; ZeRO-3 over 4 ranks, fp32, the split backend. For
-S = 2 (2 replicas) and S = 4 (1 replica), at k = 6 (one family a replica: the video once) and at k = 1 (each question
-its own prompt, one a micro-batch, 3 a replica a step: 6 do not fit this machine's 24 GiB), two runs each:
+asked 6 questions; a tiny Qwen2.5-VL (hidden 256, 2 layers, 4 query and 4 KV heads of 64, so S = 4 shares out every
+KV head; a 2-block tower of width 64) whose tower is frozen, with the vision cache; chunked prefill
+(``rollout.prefill_chunk_size=4096``) and vision chunking (``forward.vision_chunk_frames=16``); G = 2, completions of
+8; ZeRO-3 over 4 ranks, fp32, the split backend. For S = 1 (4 replicas), S = 2 (2) and S = 4 (1), at k = 6 (one
+family a replica: the video once; at S > 1 spread over the group's ranks) and at k = 1 (each question its own
+prompt, one a micro-batch, 3 a replica a step: at S = 2 whole families per rank, at S = 4 spread), two runs each:
 
-- **time**: 2 GRPO steps; step 2's time per question, and ``data/media_decoded``;
+- **time and work**: 2 GRPO steps; step 2's time per question, ``data/media_decoded``, and each rank's rollout:
+  its work (``rollout/work/*``: the tower's patch rows, the prompt positions it ran through the layers, the
+  prompts' K/V it held) and its CPU time (``rollout/cpu_s``, ``time.process_time``: four processes on two cores
+  share them, so CPU time, not wall time, says what each rank did);
 - **memory**: 1 step with the heap's peak recorded (``PREFIX_GRPO_ALLOCATOR_PEAK=1``, ``app.runtime.heap``: a thread
   samples glibc's count of the bytes malloc holds): the rollout engine's peak and the policy update's on each rank,
   above what the stage began with, beside what ``scripts/plan.sh`` plans on top of the states for the same
   configuration and world (4 ranks; the planner plans the busiest rank).
 
-Data prefetch is off in both (a prefetch thread's allocations would land in the stage it overlaps). Writes JSON,
-the table and a plot. ``--quick``: 64 frames, 1 question pair, S = 2 only (what the suite's smoke test runs).
+Against S = 1 at the same k: each rank's work (``*_vs_s1``: the busiest rank's over S = 1's, goal 1/S within one
+chunk) and the group's summed work (equal to S = 1's), the busiest rank's rollout CPU time (goal 0.6x at S = 2, 0.4x
+at S = 4). Data prefetch is off (a prefetch thread's allocations would land in the stage it overlaps). Writes
+JSON, the table and a plot. ``--quick``: 64 frames, 1 question pair, S = 1 and 2 (the suite's smoke test).
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ from pathlib import Path
 
 from app.bench.common import ROOT, child_env, markdown_table, run_metrics, write_report
 
-SIZES = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=512, vision_hidden=64,
+SIZES = dict(hidden=256, layers=2, heads=4, kv_heads=4, head_dim=64, intermediate=512, vision_hidden=64,
              vision_depth=2, vision_heads=2, max_positions=65536)
+WORK = ("tower_patches", "prefill_tokens", "kv_bytes")
 FRAMES, SIZE, FPS, QUESTIONS, CLIPS = 640, 224, 2, 6, 4
 RANKS = 4
 RANK_KEY = "memory/policy_above_start_gib/rank0"
@@ -68,6 +75,7 @@ def overrides(a: dict, run: Path, size: int, k: int, steps: int) -> list[str]:
         "train.save_every": 0, "train.export_hf": False, "train.output_dir": run, "train.learning_rate": 1e-3,
         "train.deepspeed_config": "deepspeed_configs/zero3.json", "rollout.group_size": 2,
         "rollout.max_completion_length": 8, "rollout.prefill_chunk_size": 4096, "forward.vision_chunk_frames": 16,
+        "forward.vision_cache": "step",
         "forward.attention_backend": "split", "forward.self_check": False, "logging.wandb_mode": "disabled",
         "logging.progress_bar": False, "rewards.functions": f"[format, accuracy, '{a['plugin']}']",
     }
@@ -122,7 +130,10 @@ def point(a: dict, out: Path, size: int, k: int) -> dict:
         row.update(steps=2, step_s=step["time/step"], per_question_s=step["time/step"] / prompts_of(a, k),
                    rollout_s=step["time/rollout"], policy_s=step["time/policy"], reference_s=step["time/reference"],
                    media_decoded=step["data/media_decoded"], shared_video_tokens=step["tokens/shared_video"],
-                   prefill_tokens=step["rollout/prefill_tokens"], prompt_tokens=step["rollout/prompt_tokens"])
+                   prefill_tokens=step["rollout/prefill_tokens"], prompt_tokens=step["rollout/prompt_tokens"],
+                   cpu_s_ranks=[step.get(f"rollout/cpu_s/rank{r}") for r in range(RANKS)],
+                   **{f"{key}_ranks": [step.get(f"rollout/work/{key}/rank{r}") for r in range(RANKS)]
+                      for key in WORK})
     memory = out / f"S{size}-k{k}-memory"
     if RANK_KEY not in (run_metrics(memory) or [{}])[0]:  # not measured, or before each rank's peak was logged
         shutil.rmtree(memory, ignore_errors=True)
@@ -152,7 +163,7 @@ def run(out: Path, quick: bool = False) -> dict:
     a = assets(out, quick)
     report = {"settings": {"frames": a["frames"], "size": SIZE, "fps": FPS, "questions": a["questions"],
                            "model": SIZES, "ranks": 4}, "rows": []}
-    for size in ((2,) if quick else (2, 4)):
+    for size in ((1, 2) if quick else (1, 2, 4)):
         for k in (a["questions"], 1):
             report["rows"].append(point(a, out, size, k))
             ratios(report)
@@ -163,12 +174,26 @@ def run(out: Path, quick: bool = False) -> dict:
 
 
 def ratios(report: dict) -> None:
-    """Per S: step time per question at k = questions over k = 1."""
+    """Per S: step time per question at k = questions over k = 1; per k: each rank's rollout work and CPU time
+    against S = 1's (the busiest rank's over S = 1's, and the group's summed work over S = 1's one replica)."""
     by = {(r["S"], r["k"]): r for r in report["rows"]}
     for r in report["rows"]:
         one = by.get((r["S"], 1))
         if r["k"] > 1 and one and r.get("per_question_s") and one.get("per_question_s"):
             r["per_question_vs_k1"] = r["per_question_s"] / one["per_question_s"]
+        alone = by.get((1, r["k"]))
+        if not alone or r["S"] == 1 or not r.get("cpu_s_ranks") or not alone.get("cpu_s_ranks"):
+            continue
+        group = r["S"]
+        for key in WORK:
+            ranks, base = r[f"{key}_ranks"], alone[f"{key}_ranks"]
+            if None in ranks or None in base or not max(base):
+                continue
+            r[f"{key}_vs_s1"] = max(ranks) / max(base)  # goal 1/S
+            r[f"{key}_group_vs_s1"] = sum(ranks[:group]) / base[0]  # one replica (the first group) against one rank
+        r["cpu_s_vs_s1"] = max(r["cpu_s_ranks"]) / max(alone["cpu_s_ranks"])
+        r["cpu_goal"] = {2: 0.6, 4: 0.4}.get(group)
+        r["cpu_within_goal"] = r["cpu_goal"] is not None and r["cpu_s_vs_s1"] <= r["cpu_goal"]
 
 
 def table(report: dict) -> str:
@@ -179,6 +204,9 @@ def table(report: dict) -> str:
                "policy_each_rank", "rollout_within_15pct", "policy_within_15pct"]
     fmt = {c: ".3f" for c in ("step_s", "per_question_s", "per_question_vs_k1", "planned_rollout_gib",
                               "planned_training_gib")}
+    work_columns = ["S", "k", *[f"{key}_vs_s1" for key in WORK], *[f"{key}_group_vs_s1" for key in WORK],
+                    "cpu_s_vs_s1", "cpu_goal", "cpu_within_goal"]
+    work_fmt = {c: ".3f" for c in work_columns if c.endswith("s1")}
     tokens = next((r.get("planned_visual_tokens") for r in rows if r.get("planned_visual_tokens")), "?")
     return "\n".join([
         f"## A long video's questions under sequence parallelism: {s['frames']} frames at {s['size']}x{s['size']} "
@@ -188,7 +216,14 @@ def table(report: dict) -> str:
         "plan.sh plans on top of the states for the same run (without the prompts' pixel values, collated before each "
         "measure begins), and each rank's allocator peak above what the stage began with (rollout engine, policy "
         "update; GiB, from a 1-step run with the heap's peak recorded), with planned / measured in brackets; "
-        "within_15pct: planned / measured for the busiest rank in 0.85-1.15."])
+        "within_15pct: planned / measured for the busiest rank in 0.85-1.15.", "",
+        "### Each rank's rollout against S = 1 (the same k)", "",
+        markdown_table([r for r in rows if r["S"] > 1], work_columns, work_fmt), "",
+        "*_vs_s1: the busiest rank's work (the tower's patch rows, the prompt positions it ran through the layers, "
+        "the prompts' K/V it held after the prefill) over S = 1's rank (goal 1/S within one chunk); *_group_vs_s1: "
+        "the group's ranks summed over S = 1's rank (goal 1); cpu_s_vs_s1: the busiest rank's rollout CPU time "
+        "(time.process_time, every thread) over S = 1's: four processes share two cores here, so CPU time stands in "
+        "for wall time (goal 0.6 at S = 2, 0.4 at S = 4)."])
 
 
 def plot(out: Path, report: dict) -> None:

@@ -70,7 +70,8 @@ class PartClock:
 
     @contextmanager
     def tower_hooks(self, model, carve_from: str = "prefill"):
-        """While inside, the vision tower's calls are timed as ``tower`` (and taken out of ``carve_from``)."""
+        """While inside, the vision tower's calls are timed as ``tower`` (and taken out of ``carve_from``), and the
+        patch rows they read counted (``counts["tower_patches"]``)."""
         from app.grouping.modules import unwrap
 
         visual = getattr(getattr(unwrap(model), "model", None), "visual", None)
@@ -82,6 +83,8 @@ class PartClock:
         def before(module, args):
             if self.cuda:
                 torch.cuda.synchronize()
+            if not begun and args:  # the outermost call: the patch rows this rollout's tower pass reads
+                self.counts["tower_patches"] += int(args[0].shape[0])
             begun.append(time.perf_counter())
 
         def after(module, args, output):

@@ -106,6 +106,9 @@ class GroupedDecoder:
         self._plan_kwarg = attention.PLAN_KWARG
         self.steps = 0
         self.bytes_per_step = step_bytes(model, self.cache)
+        roots = self.cache.roots
+        self.kv_bytes = sum(x.numel() * x.element_size() for pair in self.cache.prefix for x in pair) + (
+            0 if roots is None else sum(x.numel() * x.element_size() for x in roots.keys + roots.values))
         set_text_attention(model, attention.ATTENTION_NAME)
 
     def _prefill(self, model, prompts, families, positions, chunk_size: int, synced: bool):
