@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml constraints.txt scripts/setup_env.sh scripts/prefix_grp
 	touch $(STAMP)
 
 install: $(STAMP)
+ifeq ($(INSTALL_FLASH_ATTN),1)
+	VENV=$(VENV) bash scripts/setup_env.sh --flash-attn
+endif
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

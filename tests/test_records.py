@@ -182,3 +182,48 @@ def test_a_records_frame_sampling_and_a_templates_fields_are_checked_by_name(roo
     with pytest.raises(ValueError, match="prompt template 'videochat_r1_track' needs the record field 'object'"):
         question_text(record(problem_type="object tracking", solution="<answer>[[0, 0, 1, 1]]</answer>"),
                       "videochat_r1_track")
+
+
+@pytest.mark.slow  # a 2,000-frame video through qwen-vl-utils: about a minute of decoding and resizing
+def test_a_long_videos_frames_get_the_pixels_the_config_asks_for_and_the_planner_counts_them(tmp_path, caplog):
+    """2,000 frames of 320 x 320 at 1 fps through encode_record with the 7B LoRA config and data.max_pixels=100352:
+    every frame gets max_pixels' resize (308 x 308, 11 x 11 tokens a frame pair), not qwen-vl-utils' own budget
+    (which would give 280 x 280 above 1,800 frames); the planner, told the frames' size, counts the same visual
+    tokens; the log states the video's tokens once; a nonzero data.video_total_pixels still caps the frames."""
+    import logging
+    from pathlib import Path
+
+    from app.config.loading import load_config
+    from app.planning.planner import World, plan
+
+    root = Path(__file__).resolve().parents[1]
+    rng = np.random.default_rng(0)
+    frames = np.repeat(rng.integers(0, 255, (20, 320, 320, 3), dtype=np.uint8), 100, axis=0)
+    write_mp4(tmp_path / "long.mp4", frames, fps=1)
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", max_pixels=12845056)  # the 7B's bound
+    processor = load_processor(checkpoint)
+    overrides = ["data.max_frames=2000", "data.fps=1", "data.max_pixels=100352", "data.video_total_pixels=0",
+                 "data.max_prompt_length=262144"]
+    cfg = load_config(root / "configs/qwen2_5_vl_7b_video_lora.yaml", overrides)
+    record = {"problem_id": 1, "problem": "What happens?", "problem_type": "free-form", "solution": "x",
+              "data_type": "video", "path": "long.mp4", "_where": "long.jsonl:1"}
+    from app.data.records import say_video_tokens
+
+    with caplog.at_level(logging.INFO, logger="app.data.records"):
+        prompt, reason = encode_record(processor, record, tmp_path, cfg.data)
+        say_video_tokens({**record, "problem_id": 2}, prompt.inputs, processor)  # a second video of that shape
+    assert reason == ""
+    grid = prompt.inputs["video_grid_thw"].tolist()
+    assert grid == [[1000, 22, 22]]  # 308 / 14 = 22 patches a side: 11 x 11 merged tokens a frame pair
+    tokens = int((prompt.inputs["input_ids"] == 151656).sum()) or 1000 * 121
+    assert tokens == 1000 * 121
+    planned = plan(cfg, World(), "qwen2_5_vl_7b", video_size=(320, 320))["workload"]["visual"]
+    assert planned == 1000 * 121
+    said = [r.message for r in caplog.records if "visual tokens" in r.message]
+    assert len(said) == 1 and "2000 frames -> 1000 frame pairs x 121 tokens (308x308 pixels a frame)" in said[0]
+    budget = load_config(root / "configs/qwen2_5_vl_7b_video_lora.yaml",
+                         [*overrides[:3], "data.video_total_pixels=50176000", "data.max_prompt_length=262144"])
+    capped, _ = encode_record(processor, record, tmp_path, budget.data)
+    t, h, w = capped.inputs["video_grid_thw"].tolist()[0]
+    assert t == 1000 and h * w * 14 * 14 <= 50176000 / 2000 * 2
+    assert plan(budget, World(), "qwen2_5_vl_7b", video_size=(320, 320))["workload"]["visual"] == t * h * w // 4

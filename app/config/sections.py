@@ -85,7 +85,8 @@ class DataConfig:
     max_pixels: int = _f(100352, "Upper bound on pixels per video frame.")
     video_total_pixels: int = _f(0, "A pixel budget for a whole video instead of data.max_pixels per frame: "
                                  "qwen-vl-utils caps each frame at total / frames x 2 (TimeZero's evaluation: "
-                                 "3584 x 28 x 28). 0: data.max_pixels applies.")
+                                 "3584 x 28 x 28). 0: every frame gets data.max_pixels, whatever the video's length "
+                                 "(qwen-vl-utils' own budget, MODEL_SEQ_LEN x 28^2 x 0.9, is not applied).")
     image_min_pixels: int = _f(3136, "Lower bound on pixels per image.")
     image_max_pixels: int = _f(401408, "Upper bound on pixels per image.")
     max_prompt_length: int = _f(16384, "Prompts longer than this (tokens, video included) are dropped, never cut.")

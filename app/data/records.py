@@ -252,10 +252,32 @@ def encode_record(processor, record: dict, data_root: Path, data_cfg, shuffle_fr
     except Exception as error:  # the processor and PIL reject odd media in many ways (UnidentifiedImageError...)
         return None, f"could not build the prompt: {type(error).__name__}: {error}"
     prompt = EncodedPrompt(record, inputs, view)
+    say_video_tokens(record, inputs, processor)
     if prompt.length > data_cfg.max_prompt_length:
         return None, (f"prompt too long: {prompt.length} tokens > data.max_prompt_length="
                       f"{data_cfg.max_prompt_length} (never truncated)")
     return prompt, ""
+
+
+_SAID_VIDEO_SHAPES: set = set()  # (frames, tokens a temporal patch) the log has stated
+
+
+def say_video_tokens(record: dict, inputs: dict, processor) -> None:
+    """The log states each video shape's visual tokens once: frames x tokens per frame pair (a temporal patch),
+    the first time a video of that shape is encoded (the processor's grid, what the model will see)."""
+    grid = inputs.get("video_grid_thw")
+    if grid is None:
+        return
+    video = getattr(processor, "video_processor", None)
+    merge = getattr(video, "merge_size", None) or 2
+    temporal = getattr(video, "temporal_patch_size", None) or 2
+    patch = getattr(video, "patch_size", None) or 14
+    for t, h, w in grid.tolist():
+        shape = (t * temporal, h * w // merge**2)
+        if shape not in _SAID_VIDEO_SHAPES:
+            _SAID_VIDEO_SHAPES.add(shape)
+            log.info("video %s: %d frames -> %d frame pairs x %d tokens (%dx%d pixels a frame) = %d visual tokens",
+                     where(record), shape[0], t, shape[1], w * patch, h * patch, t * shape[1])
 
 
 def encode_run(processor, records: list[dict], data_root: Path, data_cfg,

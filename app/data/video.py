@@ -45,11 +45,17 @@ def write_mp4(path: str | Path, frames: np.ndarray, fps: float = 8.0) -> Path:
     return path
 
 
+NO_VIDEO_BUDGET = 10**15  # a whole-video pixel budget no video reaches: each frame gets its max_pixels
+
+
 def video_element(path: str | Path, fps: float = 2.0, max_frames: int | None = None, min_pixels: int | None = None,
                   max_pixels: int | None = None, *, total_pixels: int = 0) -> dict:
     """A qwen-vl-utils message element; always carries min_pixels with max_pixels (its defaults assert otherwise).
     ``total_pixels`` > 0: a budget for the whole video instead of ``max_pixels`` per frame (qwen-vl-utils then caps
-    each frame at total_pixels / frames x 2, at least 1.05 x min_pixels)."""
+    each frame at total_pixels / frames x 2, at least 1.05 x min_pixels). 0 with ``max_pixels``: every frame gets
+    ``max_pixels`` at any length: qwen-vl-utils 0.0.14 otherwise applies a budget of its own (MODEL_SEQ_LEN, 128,000
+    tokens from the environment, x 28^2 x 0.9), which above 1,800 frames gives each frame less (an hour at 1 fps:
+    half), so the element carries a budget no video reaches (``NO_VIDEO_BUDGET``)."""
     element: dict = {"type": "video", "video": str(path), "fps": fps}
     if max_frames is not None:
         element["max_frames"] = max_frames
@@ -59,6 +65,7 @@ def video_element(path: str | Path, fps: float = 2.0, max_frames: int | None = N
     elif max_pixels is not None:
         element["max_pixels"] = max_pixels
         element["min_pixels"] = min_pixels if min_pixels is not None else min(max_pixels, 4 * 28 * 28)
+        element["total_pixels"] = NO_VIDEO_BUDGET
     elif min_pixels is not None:
         element["min_pixels"] = min_pixels
     return element

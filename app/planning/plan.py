@@ -44,6 +44,16 @@ def calibration_of(pairs: list[str]):
         raise PlanError(f"--calibration: {error}") from None
 
 
+def video_size_of(text: str) -> tuple[int, int] | None:
+    """--video-size WxH -> (width, height); "" -> None."""
+    if not text:
+        return None
+    width, sep, height = text.lower().partition("x")
+    if not sep or not width.isdigit() or not height.isdigit() or not int(width) or not int(height):
+        raise PlanError(f"--video-size {text!r}: expected WIDTHxHEIGHT, e.g. 1280x720")
+    return int(width), int(height)
+
+
 def _gib(value: float) -> str:
     return f"{value / GiB:8.2f}"
 
@@ -192,6 +202,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="the share of GPU memory a plan may fill")
     parser.add_argument("--model", default="", help="a preset (configs/models) or checkpoint folder")
     parser.add_argument("--frames", type=int, default=0, help="plan this many frames (default data.max_frames)")
+    parser.add_argument("--video-size", default="", metavar="WxH",
+                        help="the source videos' frame size, e.g. 1280x720: the visual tokens qwen-vl-utils' resize "
+                             "gives (default: frames that fill data.max_pixels, the most a frame can get)")
     parser.add_argument("--out", default="outputs/plan", help="where plan.json goes")
     args = parser.parse_intermixed_args(argv)
     start = time.perf_counter()
@@ -204,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.frames < 0:
             raise PlanError(f"--frames must be >= 0, got {args.frames}")
         source = model_source(cfg, args.model)
-        result = plan(cfg, world, source, frames=args.frames or None, videos=args.videos or None)
+        result = plan(cfg, world, source, frames=args.frames or None, videos=args.videos or None,
+                      video_size=video_size_of(args.video_size))
         sizes = sequence_parallel_sizes(model_of(source)[0], world.ranks)
         frames_by_size = {s: largest_frames(cfg, world, source, s) for s in sizes}
         fixes = [] if result["fits"] else remedies(cfg, world, source)

@@ -130,11 +130,17 @@ def layout_backend(cfg, layout: str) -> str:
     return attention_backend(cfg) if layout == "grouped" else layout
 
 
-def workload(cfg, shape: Shape, frames: int, text_tokens: int = TEXT_TOKENS) -> Workload:
+def workload(cfg, shape: Shape, frames: int, text_tokens: int = TEXT_TOKENS,
+             video_size: tuple[int, int] | None = None) -> Workload:
     """A training micro-batch; with data.questions_per_video = k > 1 its groups in families of k questions (at most
-    the micro-batch's groups) sharing the system prompt and the video."""
-    visual, patches, temporal = (costs.video_tokens(shape, frames, cfg.data.max_pixels) if shape.vision_depth
-                                 else (0, 0, 0))
+    the micro-batch's groups) sharing the system prompt and the video. Its visual tokens are the data path's:
+    each frame at data.max_pixels (or data.video_total_pixels' share), resized from ``video_size`` (width,
+    height) as qwen-vl-utils resizes it, or filling max_pixels when the size is not given (the upper bound)."""
+    d = cfg.data
+    pixels = costs.frame_pixels(d.max_pixels, d.min_pixels, frames, getattr(d, "video_total_pixels", 0),
+                                shape.patch * shape.merge)
+    visual, patches, temporal = (costs.video_tokens(shape, frames, pixels, size=video_size, min_pixels=d.min_pixels)
+                                 if shape.vision_depth else (0, 0, 0))
     groups = cfg.train.groups_per_micro_batch
     questions = max(1, min(getattr(cfg.data, "questions_per_video", 1), groups))
     return Workload(prefix=visual + text_tokens, completion=cfg.rollout.max_completion_length,
@@ -176,7 +182,8 @@ def sequence_parallel_sizes(config, ranks: int) -> list[int]:
     return allowed
 
 
-def plan(cfg, world: World, source: str, frames: int | None = None, videos: int | None = None) -> dict:
+def plan(cfg, world: World, source: str, frames: int | None = None, videos: int | None = None,
+         video_size: tuple[int, int] | None = None) -> dict:
     """The whole prediction for one config, as a dict of bytes (per rank), FLOPs (per rank and step), seconds per
     phase (``timing``) and disk. ``videos``: distinct videos among a step's prompts of one replica when fewer than
     its families (data that asks a video several questions at k = 1: the vision cache encodes each once)."""
@@ -188,7 +195,7 @@ def plan(cfg, world: World, source: str, frames: int | None = None, videos: int 
     ds = deepspeed_settings(cfg)
     b = 2 if cfg.model.dtype == "bfloat16" else 4
     frames = frames or cfg.data.max_frames
-    work = workload(cfg, shape, frames)
+    work = workload(cfg, shape, frames, video_size=video_size)
     lora = cfg.lora.rank > 0
     frozen = (counts.vision if cfg.model.freeze_vision_tower else 0) + (counts.projector if cfg.model.freeze_projector
                                                                         else 0)
