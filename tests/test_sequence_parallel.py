@@ -199,10 +199,10 @@ def run_spread(tmp_path, world: int, size: int, family: str, checkpoint, videos,
 
 
 def check_spread(reports: list[dict], size: int, kv_divides: bool) -> None:
-    """Every rank's rollout equals one process's plain rollout (tokens, masks, stop reasons; log-probs to float
-    rounding); within each group the ranks' prompt positions sum to the plain rollout's (each rank 1/S of each
-    prefill, within one chunk of it), the tower's work is split, and each rank holds 1/S of the K/V (with fewer
-    KV heads than ranks, 1/Hkv)."""
+    """Every rank's rollout, given only its share of the videos' pixels, equals one process's plain rollout
+    (tokens, masks, stop reasons; log-probs to float rounding); within each group the ranks' prompt positions sum
+    to the plain rollout's (each rank 1/S of each prefill, within one chunk of it), the tower's work and the pixels
+    held are split, and each rank holds 1/S of the K/V (with fewer KV heads than ranks, 1/Hkv)."""
     for i in range(len(reports[0]["cases"])):
         for first in range(0, len(reports), size):
             group = [r["cases"][i] for r in reports[first : first + size]]
@@ -211,6 +211,8 @@ def check_spread(reports: list[dict], size: int, kv_divides: bool) -> None:
                 assert case["logprob"] <= 1e-5, (i, case["logprob"])
             whole = group[0]["whole"]
             assert sum(c["mine"]["prefill_tokens"] for c in group) == whole["prefill_tokens"], (i, group)
+            if whole["pixel_rows"]:
+                assert max(c["mine"]["pixel_rows"] for c in group) < whole["pixel_rows"], (i, group)
             assert max(c["mine"]["tower_rows"] for c in group) < whole["tower_rows"], i
             share = size if kv_divides else 2
             held = [c["mine"]["roots"] + c["mine"]["questions"] for c in group]  # the video's and the questions'

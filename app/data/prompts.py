@@ -304,11 +304,13 @@ PADDED_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
 CONCATENATED_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
-def collate_prompts(items: Sequence[dict[str, torch.Tensor]], pad_id: int, device=None) -> dict[str, torch.Tensor]:
+def collate_prompts(items: Sequence[dict[str, torch.Tensor]], pad_id: int, device=None,
+                    share: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """Join single-prompt processor outputs into one left-padded batch; vision tensors are concatenated, the pixels
     of prompts that share them (a family's questions: the same tensor) once (``app.grouping.media.collate``);
-    moved to ``device`` when given."""
-    from app.grouping.media import collate
+    ``share`` = (rank, S): only that sequence-parallel rank's share of the videos' pixels (``media.keep_share``:
+    what its frame-split tower reads); moved to ``device`` when given (only what is kept moves)."""
+    from app.grouping.media import collate, keep_share
 
     width = max(item["input_ids"].shape[1] for item in items)
     batch: dict[str, torch.Tensor] = {}
@@ -319,6 +321,8 @@ def collate_prompts(items: Sequence[dict[str, torch.Tensor]], pad_id: int, devic
         rows = [torch.nn.functional.pad(item[key], (width - item[key].shape[1], 0), value=fill) for item in items]
         batch[key] = torch.cat(rows)
     batch.update(collate(items))
+    if share is not None:
+        batch = keep_share(batch, *share)
     return batch if device is None else {k: v.to(device) for k, v in batch.items()}
 
 

@@ -55,7 +55,7 @@ def media_items(model, prompts: Mapping) -> list[list[dict]]:
     merge = _merge(model)
     ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
     out: list[list[dict]] = [[] for _ in range(ids.shape[0])]
-    from app.grouping.media import item_rows
+    from app.grouping.media import item_rows, share_of
 
     for kind, token_key, pixel_key, grid_key in _MEDIA:
         grid = prompts.get(grid_key)
@@ -64,6 +64,7 @@ def media_items(model, prompts: Mapping) -> list[list[dict]]:
         token = getattr(config, token_key)
         patch_counts = grid.prod(-1).tolist()
         rows = item_rows(prompts, pixel_key)  # a family's pixels may be held once for all its questions
+        held = share_of(prompts, pixel_key)  # or only this rank's share of them (sequence parallelism)
         item = 0
         for b in range(ids.shape[0]):
             where = (ids[b][mask[b]] == token).nonzero().flatten().tolist()
@@ -74,7 +75,7 @@ def media_items(model, prompts: Mapping) -> list[list[dict]]:
                 count = patch_counts[item] // (merge * merge)
                 span = where[cursor : cursor + count]
                 entry = {"kind": kind, "first": span[0], "last": span[-1], "grid": grid[item],
-                         "pixels": prompts[pixel_key][rows[item][0] : rows[item][1]], "index": item}
+                         "pixels": prompts[pixel_key][rows[item][0] : rows[item][1]], "index": item, "held": held}
                 if kind == "video" and prompts.get("second_per_grid_ts") is not None:
                     entry["seconds"] = prompts["second_per_grid_ts"][item]
                 out[b].append(entry)
@@ -157,6 +158,10 @@ def vision_of_items(items: list[dict]) -> dict:
         if mine:  # one item: its rows of the batch's pixels as they are (a view: a long video is not copied)
             out[pixel_key] = mine[0]["pixels"] if len(mine) == 1 else torch.cat([e["pixels"] for e in mine])
             out[grid_key] = torch.stack([e["grid"] for e in mine])
+            if mine[0].get("held") is not None:  # a rank's share of the pixels: the split tower takes them as held
+                from app.grouping.media import SHARE
+
+                out[SHARE[pixel_key]] = torch.tensor(mine[0]["held"])
             if kind == "video" and "seconds" in mine[0]:
                 out["second_per_grid_ts"] = torch.stack([e["seconds"] for e in mine])
     return out

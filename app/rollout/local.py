@@ -35,7 +35,8 @@ class LocalEngine(RolloutEngine):
         s = self.setup
         cpu = time.process_time()  # this process's CPU seconds (every thread): what a rank spent where cores are few
         clock = PartClock(s.device)
-        inputs = collate_prompts([p.inputs for p in prompts], s.pad_id, s.device)
+        share = (spread.rank, spread.size) if spread is not None else None  # a spread rank reads its share of the pixels
+        inputs = collate_prompts([p.inputs for p in prompts], s.pad_id, s.device, share=share)
         mode = getattr(s.rollout, "zero3_gather", "full")
         per_step = mode == "per_step"  # DeepSpeed's hooks stay on: the ranks' tower calls must agree
         vision_calls = s.vision_calls(inputs) if per_step and s.vision_calls is not None else None

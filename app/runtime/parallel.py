@@ -88,6 +88,12 @@ class ParallelContext:
         return self.world // self.sp.size
 
     @property
+    def pixel_share(self) -> tuple[int, int] | None:
+        """(rank, S) whose share of a batch's video pixels this rank keeps (its part of the frame-split tower), or
+        None without sequence parallelism."""
+        return (self.sp.rank, self.sp.size) if self.sp.size > 1 else None
+
+    @property
     def counts_once(self) -> bool:
         """Whether this rank's values enter data-parallel sums: one rank per SP group (the others hold copies)."""
         return self.sp.rank == 0

@@ -78,8 +78,8 @@ class GRPOTrainer(Recipe):
                                                self.parallel.dp_sum)
         seconds["data_wait"] = self.data_wait(step)
         weights = self.loss.weights(trajectory.rollout.completion_mask, trajectory.rollout.stop_reasons)
-        micro_batches = trajectory.micro_batches(cfg.train.groups_per_micro_batch, weights,
-                                                 self.tokenizer.pad_token_id, self.device)
+        micro_batches = trajectory.micro_batches(cfg.train.groups_per_micro_batch, weights, self.tokenizer.pad_token_id,
+                                                 self.device, share=self.parallel.pixel_share)
         self.agree_vision_calls(micro_batches)
         with timed(seconds, "reference"):
             self.reference_and_old_logprobs(micro_batches)

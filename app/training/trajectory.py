@@ -72,9 +72,10 @@ class Trajectory:
         )
 
     def micro_batches(self, groups_per_micro_batch: int, loss_weights: torch.Tensor, pad_id: int,
-                      device) -> list[MicroBatch]:
+                      device, share: tuple[int, int] | None = None) -> list[MicroBatch]:
         """Views of ``groups_per_micro_batch`` groups each: prompts collated and moved to ``device`` once, for
-        every forward of the step (reference, old, self-check, policy)."""
+        every forward of the step (reference, old, self-check, policy); ``share`` = (rank, S) under sequence
+        parallelism: only the rank's share of the videos' pixels (what its part of the split tower reads)."""
         slices = self.groups()
         out = []
         for first in range(0, len(self.prompts), groups_per_micro_batch):
@@ -85,7 +86,7 @@ class Trajectory:
             out.append(MicroBatch(
                 groups=groups,
                 rows=rows,
-                inputs=(collate_prompts([self.prompts[g].inputs for g in groups], pad_id, device)
+                inputs=(collate_prompts([self.prompts[g].inputs for g in groups], pad_id, device, share=share)
                         if self.trees is None else tree_inputs([self.trees[g] for g in groups], device)),
                 completion_ids=self.rollout.completion_ids[rows, :width].to(device),
                 completion_mask=mask[:, :width].to(device),

@@ -79,13 +79,20 @@ def run_case(spec: dict, case: dict, sp: SequenceParallel) -> dict:
         kv["questions"] = count(self.cache.prefix)
 
     decoding.GroupedDecoder.__init__ = spying
+    from app.grouping.media import keep_share
+
+    held = keep_share(dict(inputs), sp.rank, sp.size)  # this rank's share of the videos' pixels only
     try:
         with torch.no_grad():
-            spread = generate_groups(model, inputs, 2, sampling, spread=sp, **common)
-            mine = {"tower_rows": sum(patches), "prefill_tokens": spread.prefill_tokens, **kv}
+            spread = generate_groups(model, held, 2, sampling, spread=sp, **common)
+            mine = {"tower_rows": sum(patches), "prefill_tokens": spread.prefill_tokens, **kv,
+                    "pixel_rows": int(held["pixel_values_videos"].shape[0])
+                    if held.get("pixel_values_videos") is not None else 0}
             patches.clear()
             plain = generate_groups(model, inputs, 2, sampling, **common)
-            whole = {"tower_rows": sum(patches), "prefill_tokens": plain.prefill_tokens, **kv}
+            whole = {"tower_rows": sum(patches), "prefill_tokens": plain.prefill_tokens, **kv,
+                     "pixel_rows": int(inputs["pixel_values_videos"].shape[0])
+                     if inputs.get("pixel_values_videos") is not None else 0}
     finally:
         decoding.GroupedDecoder.__init__ = original
         if hook is not None:

@@ -42,7 +42,7 @@ from collections.abc import Mapping
 
 import torch
 
-from app.grouping.media import distinct
+from app.grouping.media import distinct, local_share, share_of
 from app.grouping.modules import patch_instance, unpatch_instance, unwrap
 from app.grouping.vision.passes import (
     blocks_serving,
@@ -51,7 +51,6 @@ from app.grouping.vision.passes import (
     dummy_vision_input,
     encode_item,
     item_passes,
-    local_share,
 )
 
 ATTRIBUTE = "_prefix_grpo_vision_cache"  # set on the tower module by ``attach``
@@ -179,7 +178,7 @@ class VisionCache:
                 pixels, grid = distinct(prompts, pixel_key)  # each item once (a family's video is held once)
                 if self.share is not None:  # what this rank's frame-split call will ask for
                     local = local_share(pixels, grid, *self.share, split_time=modality == "video",
-                                        merge=visual.spatial_merge_size)
+                                        merge=visual.spatial_merge_size, held=share_of(prompts, pixel_key) is not None)
                     pixels, grid = local[:2] if local is not None else dummy_vision_input(visual)
                     pixels = pixels.to(_dtype(visual))
                 out += [modality] * (1 + self.passes(visual, pixels, grid))

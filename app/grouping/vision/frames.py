@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from app.grouping.layout import LayoutError
+from app.grouping.media import local_share
 from app.grouping.modules import text_config, unwrap
-from app.grouping.vision.passes import local_share
 
 
 def shard_bounds(total: int, size: int) -> list[tuple[int, int]]:
@@ -57,13 +57,14 @@ def _tower_output(result):
     return result, None
 
 
-def _modality_embeddings(model, pixels, grid, sp, split_time: bool):
+def _modality_embeddings(model, pixels, grid, sp, split_time: bool, held: bool = False):
     """The tower's embeddings of every item of one modality (and Qwen3-VL's deepstack features), computed with
-    each rank running its share: temporal patches split across ranks for videos, whole items for images."""
+    each rank running its share: temporal patches split across ranks for videos, whole items for images.
+    ``held``: ``pixels`` holds only this rank's share already (``media.keep_share``)."""
     visual = unwrap(model).model.visual
     merge = visual.spatial_merge_size
     total_tokens = int((grid.prod(-1) // (merge * merge)).sum())
-    share = local_share(pixels, grid, sp.rank, sp.size, split_time=split_time, merge=merge)
+    share = local_share(pixels, grid, sp.rank, sp.size, split_time=split_time, merge=merge, held=held)
     trains = any(p.requires_grad for p in visual.parameters())
     hidden = text_config(model).hidden_size
     dtype = next(visual.parameters()).dtype
@@ -108,9 +109,8 @@ def _deepstack_count(visual) -> int:
 def insert_vision(model, prompts, input_ids, shard: tuple[int, int], embeds, sp):
     """The shard's placeholder tokens (positions ``shard`` = (start, end) of the row) replaced by their tower
     embeddings (computed frame-sharded); for Qwen3-VL also the shard's deepstack inputs."""
-    from app.grouping.media import expanded
+    from app.grouping.media import per_occurrence, share_of
 
-    prompts = expanded(prompts)  # a pixel copy per occurrence, as the placeholders are
     start, end = shard
     inner = unwrap(model)
     config = inner.config
@@ -121,7 +121,8 @@ def insert_vision(model, prompts, input_ids, shard: tuple[int, int], embeds, sp)
                                                  ("video", "video_token_id", "pixel_values_videos", "video_grid_thw")):
         if prompts.get(grid_key) is None:
             continue
-        table, deep = _modality_embeddings(model, prompts[pixel_key], prompts[grid_key], sp, split_time=kind == "video")
+        table, deep = _modality_embeddings(model, per_occurrence(prompts, pixel_key), prompts[grid_key], sp,
+                                           split_time=kind == "video", held=share_of(prompts, pixel_key) is not None)
         token = getattr(config, token_key)
         before = int((input_ids[:start] == token).sum())
         mask = local == token

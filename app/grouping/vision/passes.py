@@ -20,34 +20,6 @@ def item_passes(frames: int, chunk_frames: int) -> int:
     return -(-frames // chunk_frames) if chunk_frames else 1
 
 
-def local_share(pixels: torch.Tensor, grid: torch.Tensor, rank: int, size: int, *, split_time: bool, merge: int):
-    """This rank's share of a tower call's items over ``size`` ranks (``vision.frames``): each video's temporal
-    patches in contiguous ranges (the first ranks one more), whole images round-robin. Returns (its pixel rows: a
-    view when it is one piece, its grid rows, the token rows of the whole call's table they fill) or None when it
-    has no share. One rule for the frame-split tower and for what the vision cache counts and keeps."""
-    pieces, patch, token = [], 0, 0
-    for i, (t, h, w) in enumerate(grid.tolist()):
-        if split_time and t >= size:
-            base, extra = divmod(t, size)
-            start = rank * base + min(rank, extra)
-            end = start + base + (rank < extra)
-        elif rank == i % size:
-            start, end = 0, t
-        else:
-            start = end = 0
-        per_t = h * w
-        if end > start:
-            pieces.append((slice(patch + start * per_t, patch + end * per_t), [end - start, h, w],
-                           slice(token + start * per_t // merge**2, token + end * per_t // merge**2)))
-        patch += t * per_t
-        token += t * per_t // merge**2
-    if not pieces:
-        return None
-    rows = pixels[pieces[0][0]] if len(pieces) == 1 else torch.cat([pixels[r] for r, _, _ in pieces])
-    return rows, torch.tensor([g for _, g, _ in pieces], dtype=grid.dtype, device=grid.device), \
-        [t for _, _, t in pieces]
-
-
 def cached_blocks(visual) -> list[int]:
     """The blocks whose outputs the projector reads: the last one and any deepstack layer (Qwen3-VL)."""
     return sorted({len(visual.blocks) - 1, *getattr(visual, "deepstack_visual_indexes", ())})

@@ -1,0 +1,41 @@
+"""The prompts' pixels as a run holds them: on the device (one copy of a family's video, in the tower's dtype) and on
+the host (the step's and the prefetch's, the decode at work, ZeRO's offload), per rank and per node."""
+
+from __future__ import annotations
+
+import math
+
+from app.planning.costs import GiB, Shape, Workload
+
+
+def pixel_bytes(shape: Shape, patches: int, dtype_bytes: int = 4) -> float:
+    """A video's pixel values: 3 x temporal_patch x patch^2 per patch, in the tower's dtype (the data stream keeps
+    them in it: ``data.stream.pixels_in``; float32 in a float32 run)."""
+    return float(patches * 3 * shape.temporal_patch * shape.patch**2 * dtype_bytes)
+
+
+def distinct_videos(prompts: float, questions: int) -> int:
+    """Videos among ``prompts`` prompts in families of ``questions`` (held once each: ``app.grouping.media``)."""
+    return max(1, math.ceil(prompts / max(1, questions)))
+
+
+HOST_WORKERS_FLOAT32 = 1  # the processor's float32 output of a video, before the cast, per prefetch worker
+
+
+def host_memory(cfg, shape: Shape, work: Workload, world, states: dict, b: int) -> dict:
+    """Host (CPU) memory per node while a step runs: per rank, the step's and the prefetch's prompts' pixels (a
+    family's video once, in the tower's dtype), each prefetch worker's decode at work (the frames as decord gives
+    them, uint8, and the processor's float32 output before the cast), and what ZeRO offloads to the host; times
+    the ranks of a node."""
+    k = max(1, min(getattr(cfg.data, "questions_per_video", 1), cfg.train.prompts_per_rank))
+    lookahead = cfg.data.prefetch * cfg.train.prompts_per_rank
+    held = distinct_videos(cfg.train.prompts_per_rank + lookahead, k)
+    video = pixel_bytes(shape, work.patches, b)
+    frames = work.patches / shape.temporal_patch * shape.patch**2 * 3 if work.patches else 0.0  # uint8, per frame
+    workers = min(getattr(cfg.data, "prefetch_workers", 2), max(1, held)) if cfg.data.prefetch else 1
+    decode = workers * (frames + pixel_bytes(shape, work.patches, 4) * HOST_WORKERS_FLOAT32)
+    rank = {"pixels": held * video, "decoding": decode, "offload": states.get("host", 0.0)}
+    rank["total"] = sum(rank.values())
+    per_node = rank["total"] * world.gpus_per_node
+    usable = world.headroom * world.host_memory_gib * GiB
+    return {"rank": rank, "node": per_node, "usable": usable, "fits": per_node <= usable}
