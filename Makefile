@@ -20,11 +20,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	@echo "make test: the suite without the tests marked slow (7m28s on 2 cores in a clean clone at 62cda90: 966 passed; 12m05s at d1fb627 on a slower day); make test-all runs everything (CI runs it)"
+	@echo "make test: the suite without the tests marked slow (at most 14 minutes on 2 cores; measured times: docs/history.md); make test-all runs everything (CI runs it)"
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-all: lint
-	@echo "make test-all: the whole suite, slow tests included (45m51s on 2 cores in a clean clone at 62cda90: 1041 passed; CI ran it in 46 min with the install; the long-video rehearsal's smoke run adds about 2 min since; CI's limit is 90 min)"
+	@echo "make test-all: the whole suite, slow tests included (at most 60 minutes on 2 cores, CI limit 90 with the install; measured times: docs/history.md)"
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)

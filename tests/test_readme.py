@@ -33,12 +33,12 @@ def prose_paragraphs(text: str) -> list[str]:
         fence = line.startswith("```")
         if fence:
             code = not code
-        if fence or code or line.startswith(("|", "#", "![")) or not line.strip():
+        if fence or code or line.lstrip().startswith(("|", "#", "![")) or not line.strip():
             if current:
                 out.append(" ".join(current))
             current = []
             continue
-        if line.startswith("- ") and current:
+        if re.match(r"^\s{0,4}(- |\d+\. )", line) and current:
             out.append(" ".join(current))
             current = []
         current.append(line.strip())

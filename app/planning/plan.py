@@ -22,7 +22,7 @@ from app.config.loading import ConfigError, load_config
 from app.planning import shapes
 from app.planning.costs import GiB
 from app.planning.planner import PlanError, World, model_of, model_source, plan, sequence_parallel_sizes
-from app.planning.remedies import largest_frames, remedies
+from app.planning.remedies import SEARCH_LIMIT, largest_frames, remedies
 
 
 def calibration_of(pairs: list[str]):
@@ -119,7 +119,8 @@ def report(result: dict, frames_by_size: dict, fixes: list[dict]) -> str:
     lines += ["", *time_table(result)]
     lines += ["", *disk_lines(result["disk"])]
     lines += ["", "largest video that fits (frames at data.max_pixels), by sequence-parallel size S:"]
-    lines.append("    " + ", ".join(f"S={size}: {frames if frames else 'none'}" for size, frames in frames_by_size.items()))
+    lines.append("    " + ", ".join(f"S={size}: {frames if frames else 'none'}{'+ (the search stops there)' if frames >= SEARCH_LIMIT else ''}"
+                                  for size, frames in frames_by_size.items()))
     if not result["fits"]:
         lines += ["", "to fit, change (each on top of the ones above it):"]
         lines += [f"    {fix['change']:<58} not available here: {fix['refused']}" if "refused" in fix else

@@ -6,8 +6,10 @@ from __future__ import annotations
 from app.planning.costs import GiB
 from app.planning.planner import PlanError, World, plan, with_overrides
 
+SEARCH_LIMIT = 4096  # frames: the largest video searched for
 
-def largest_frames(cfg, world: World, source: str, size: int, limit: int = 4096) -> int:
+
+def largest_frames(cfg, world: World, source: str, size: int, limit: int = SEARCH_LIMIT) -> int:
     """The most frames (even, at the config's max_pixels) that fit with sequence parallelism ``size``; 0 if none."""
     cfg = with_overrides(cfg, {"train.sequence_parallel_size": size})
     if not plan(cfg, world, source, frames=2)["fits"]:
