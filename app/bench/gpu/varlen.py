@@ -12,6 +12,8 @@ Qwen2.5-VL-7B's width, random weights made on the GPU, bfloat16:
 - **prefill**: the chunked prefill of the 64k prompt (chunks of 4,096) both ways;
 - **tower**: one pass of the vision tower (28 blocks) over 64 and 640 frames at 448 x 448, transformers' per-chunk
   SDPA loop (one call per window or frame of every block) against one varlen call per block;
+- **train**: one policy forward+backward at 4 of the 7B's layers, 8k and 16k prefixes, G = 8 x 256, the ``flash``
+  backend on torch's kernel against ``flex`` (the CUDA default without flash-attn): when the first beats the second;
 - **points**: what ``python -m app.bench.planning.calibrate --merge THIS.json`` adds to docs/gpu/points.json (the
   decode steps and the tower passes), from which it refits ``kv_efficiency`` and ``tower_call_ms``.
 
@@ -175,8 +177,43 @@ def run(out: Path, quick: bool = False) -> dict:
     for count in frames:
         payload["tower"] += tower_pass(preset, count, dtype, dev, quick=quick)
         save()
+    payload["train"] = train_points(preset, dtype, dev, quick=quick)
     write_report(out, "gpu_varlen", payload, table(payload))
     return payload
+
+
+def train_points(preset: str, dtype, dev, *, quick: bool) -> list[dict]:
+    """One policy forward+backward, ``flash`` (torch's varlen kernel, no package) against ``flex``."""
+    from app.bench.gpu.real_shape import build as build_train
+    from app.bench.gpu.real_shape import inputs, pass_once
+    from app.grouping.attention import flash_available
+
+    if not flash_available(dev) or dev.type != "cuda":
+        return [{"backend": "flash", "error": f"torch's varlen kernel does not run here ({kernel_state(dev, dtype)})"}]
+    model, _ = build_train(preset, 1 if quick else 4, dtype, dev)
+    rows = []
+    for prefix in ((96,) if quick else (8192, 16384)):
+        prompts, completions, mask = inputs(prefix, GROUP, 256 if not quick else 8, dev)
+        for backend in ("flex", "flash"):
+            row = {"prefix": prefix, "backend": backend}
+            try:
+                pass_once(model, prompts, completions, mask, GROUP, mode="grouped", backend=backend)
+                sync(dev)
+                start = time.perf_counter()
+                pass_once(model, prompts, completions, mask, GROUP, mode="grouped", backend=backend)
+                sync(dev)
+                row["seconds"] = time.perf_counter() - start
+            except Exception as error:  # noqa: BLE001 - the row says why
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+            model.zero_grad(set_to_none=True)
+            rows.append(row)
+            print(f"train {row}", flush=True)
+    by = {(r["prefix"], r["backend"]): r for r in rows}
+    for r in rows:
+        flex = by.get((r["prefix"], "flex"), {})
+        if r["backend"] == "flash" and r.get("seconds") and flex.get("seconds"):
+            r["vs_flex"] = r["seconds"] / flex["seconds"]
+    return rows
 
 
 def points_of(payload: dict) -> dict:
@@ -206,7 +243,10 @@ def table(payload: dict) -> str:
         "", "prefill_s: the chunked prefill (chunks of 4,096) with / without the kernel.", "",
         "### One tower pass: one varlen call per block against the per-chunk SDPA loop", "",
         markdown_table(payload["tower"], ["frames", "attention", "blocks", "calls", "seconds"],
-                       {"seconds": ".3f", "calls": ".0f"})])
+                       {"seconds": ".3f", "calls": ".0f"}), "",
+        "### One policy forward+backward: the flash backend on torch's kernel against flex", "",
+        markdown_table(payload.get("train", []), ["prefix", "backend", "seconds", "vs_flex", "error"],
+                       {"seconds": ".3f", "vs_flex": ".3f"})])
 
 
 def main(argv: list[str] | None = None) -> None:
