@@ -84,10 +84,11 @@ def hour_plan(k: int, size: int):
 
 def test_k_with_s_the_hour_long_plan_spreads_its_family_over_the_group():
     """The hour at 1 fps with 6 questions a video on 8 x 80 GB (LoRA, S = 4, chunked prefill, vision chunking): both k
-    fit; at k = 1 a rank samples its share of the replica's six prompts (whole families), at k = 6 the one family is
-    spread over the 4 ranks: 1/4 of its K/V (by heads), prefill and tower on each, whose rollout is at most 60 s and
-    its step 125 s with the default tower attention (torch's varlen kernel on CUDA); k = 6 plans 0.21x the FLOPs
-    and under a third of the time per question of k = 1; the rollout rows differ between S = 2 and S = 4."""
+    fit; at k = 6 the one family is spread over the 4 ranks: 1/4 of its K/V (by heads), prefill and tower on each,
+    whose rollout is at most 60 s and its step 125 s with the default tower attention (torch's varlen kernel on
+    CUDA); at k = 1 the six prompts are spread too (whole ones would leave two ranks with one prompt, two with two),
+    four would go whole, one to a rank; k = 6 plans 0.21x the FLOPs and under a third of the time per question of
+    k = 1; the rollout rows differ between S = 2 and S = 4."""
     from app.planning.timing import rank_work
 
     results = {k: hour_plan(k, 4) for k in (1, 6)}
@@ -99,7 +100,7 @@ def test_k_with_s_the_hour_long_plan_spreads_its_family_over_the_group():
     six = results[6]["phase_seconds"]["grouped"]
     assert six["rollout"] <= 60 and six["step"] <= 125, six
     kv = {k: r["rollout"]["kv_cache"] for k, r in results.items()}
-    assert kv[6] < kv[1] / 4  # the family's K/V shared out by heads, against two prompts' own
+    assert kv[6] < kv[1] / 5  # both shared out by heads: the video held once against six times
     two = hour_plan(6, 2)
     for phase in ("tower", "prefill", "decode"):
         assert two["phase_seconds"]["grouped"][phase] > six[phase], phase
@@ -111,8 +112,13 @@ def test_k_with_s_the_hour_long_plan_spreads_its_family_over_the_group():
                                                                        "data.questions_per_video=6",
                                                                        "train.groups_per_micro_batch=6"])
     work = Workload(**results[6]["workload"])
-    assert rank_work(cfg, work).spread and not rank_work(load_config(
-        ROOT / "configs/qwen2_5_vl_7b_video_lora.yaml", [*HOUR, "train.sequence_parallel_size=4"]), work).spread
+    assert rank_work(cfg, work).spread
+    alone = [*HOUR, "train.sequence_parallel_size=4", "train.groups_per_micro_batch=1"]
+    six = rank_work(load_config(ROOT / "configs/qwen2_5_vl_7b_video_lora.yaml", alone), work)
+    assert six.spread and six.families_here == 6 and six.share == 1 / 4
+    four = rank_work(load_config(ROOT / "configs/qwen2_5_vl_7b_video_lora.yaml", [*alone, "train.prompts_per_rank=4"]),
+                     work)
+    assert not four.spread and four.families_here == 1 and four.share == 1
 
 
 def test_leave_one_out_is_recomputed_from_the_points_and_the_planner_prints_its_worst(tmp_path):

@@ -17,7 +17,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 def slug(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    text = re.sub(r"[`*]", "", heading.strip().lower())  # underscores stay (github-slugger keeps them)
     text = re.sub(r"[^\w\- ]", "", text)
     return text.replace(" ", "-")
 

@@ -353,6 +353,27 @@ def test_a_sequence_parallel_group_spreads_whole_families_and_gets_the_rollout_i
         assert (got.prefill_tokens, got.prompt_tokens) == (whole.prefill_tokens, whole.prompt_tokens)
 
 
+@pytest.mark.parametrize("loads, size, split", [
+    ([90], 2, "spread"),  # one long video: fewer families than ranks
+    ([1, 1, 1], 2, "spread"),  # whole families would leave the busiest rank 1.33 even shares
+    ([1] * 7, 4, "spread"),  # 1.14
+    ([1] * 9, 4, "spread"),  # 3 of 2.25: 1.33
+    ([1, 1, 1, 1], 2, "families"),  # they divide evenly
+    ([5, 5, 1, 1], 2, "families"),  # evenly by tokens (5 + 1 each), not by count
+    ([1] * 41, 4, "families"),  # 11 of 10.25: 1.07, within SPREAD_ABOVE
+    ([10, 1, 1], 2, "spread"),  # one family outweighs the rest: 10 of 6
+])
+def test_a_group_spreads_its_families_when_whole_ones_would_leave_ranks_idle(loads, size, split):
+    """``split_of``: the rule the engine follows and the planner models (``timing.rank_work``); an engine that
+    cannot spread keeps whole families."""
+    from app.rollout.base import SPREAD_ABOVE, busiest_share, split_of
+
+    expected = split if len(loads) < size else ("spread" if busiest_share(loads, size) > SPREAD_ABOVE else "families")
+    assert split_of(loads, size, True) == split == expected
+    assert split_of(loads, size, False) == "families"
+    assert busiest_share([1] * 7, 4) == pytest.approx(8 / 7) and busiest_share([3, 3], 2) == 1.0
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_repetition_penalty_is_the_same_in_both_engines_and_changes_the_output(temperature, tiny_checkpoints,
                                                                                  videos):

@@ -295,7 +295,7 @@ def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: in
     batch = prompts / k * (1 if shared else work.group_size)  # the rows prefilled together (a family's video once)
     if rank.spread:
         batch = 1  # a spread rollout prefills one root at a time
-    prefill = batch * min(rows, work.prefix) * b * (4 * shape.hidden + 3 * shape.intermediate)
+    prefill = chunk_work = batch * min(rows, work.prefix) * b * (4 * shape.hidden + 3 * shape.intermediate)
     chunk = cfg.rollout.prefill_chunk_size
     if chunk and chunk < work.prefix and not varlen:  # each chunk's causal attention to itself (decoding.prefill)
         if device == "cuda":  # two batched products: float32 scores per query head
@@ -308,12 +308,34 @@ def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: in
     # token embeddings and their copy with the tower's outputs scattered in, and those outputs (its chunks' and
     # their concatenation)
     prefill += batch / (1 if shared else work.group_size) * (2 * work.prefix + 2 * work.visual) * shape.hidden * b
+    if rank.spread:  # one root at a time (spread.root_prefill): its prompt embedded whole, then the larger of its
+        # tower pass (the tower's table of the video's embeddings and the copy its share goes into) and its chunks
+        # (the root's K/V share allocated whole); the earlier roots' K/V beside it, and after the roots all of it
+        roots = max(1, round(prompts / k))
+        root_kv = (kv - prompts * kv_token * work.group_size * work.completion * timing.kv_share(shape, rank)) / roots
+        embed = work.prefix * shape.hidden * b
+        exchange = min(rows, work.prefix) * b * 3 * shape.hidden  # Ulysses: a chunk's queries out and in, its output
+        root = embed + max(2 * work.visual * shape.hidden * b + tower, root_kv + chunk_work + exchange)
+        prefill = max(0.0, (roots - 1) * root_kv + root - kv - tower)
     logits = prompts * work.group_size * shape.vocab * 4 * 2
     parts = {"gathered_weights": gathered, "kv_cache": kv, "prefill": prefill, "vision_tower": tower,
+             "vision_cache": vision_cache_bytes(cfg, shape, work, rank, distinct_videos(prompts, k if shared else 1),
+                                                b),
              "sampling_logits": logits,
-             "inputs": pixel_bytes(shape, work.patches, b) * distinct_videos(prompts, k if shared else 1)}
+             # a spread rank collates only its share of each video's pixels (media.keep_share)
+             "inputs": pixel_bytes(shape, work.patches, b) * distinct_videos(prompts, k if shared else 1) * share}
     parts["total"] = sum(parts.values())
     return parts
+
+
+def vision_cache_bytes(cfg, shape: Shape, work: Workload, rank, videos: int, b: int) -> float:
+    """The tower's outputs the rollout keeps for the step's later forwards (forward.vision_cache step or run, a
+    frozen tower, the local engines): each video's, or its 1/S share on a rank of a sequence-parallel group."""
+    if cfg.forward.vision_cache not in ("step", "run") or tower_trains(cfg) or not work.visual:
+        return 0.0
+    if memory_kind(cfg.rollout.engine) in ("reserved", "none"):
+        return 0.0
+    return videos * work.visual * shape.hidden * b * rank.share
 
 
 def training_memory(cfg, shape: Shape, work: Workload, ds: dict, b: int, gpu: float, *, tower_trains: bool,

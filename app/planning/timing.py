@@ -119,16 +119,16 @@ class Rank:
 
 
 def rank_work(cfg, work: Workload, videos: int | None = None) -> Rank:
-    """This rank's share: the replica's prompts in families of k; with fewer families than the S ranks of its
-    replica (and the grouped engine) each family spread over them, else whole families spread over them, as
-    ``app.rollout.base.split_of`` decides."""
+    """This rank's share: the replica's prompts in families of k (of equal load), each family spread over the S
+    ranks of its replica or whole families shared out among them, as ``app.rollout.base.split_of`` decides (spread
+    with fewer families than ranks, or too few to share out evenly, on the grouped engine)."""
     from app.rollout.base import split_of
 
     prompts = cfg.train.prompts_per_rank
     k = max(1, min(getattr(cfg.data, "questions_per_video", 1), prompts))
     families = math.ceil(prompts / k)
     size = cfg.train.sequence_parallel_size
-    spread = size > 1 and split_of(families, size, cfg.rollout.engine == "grouped") == "spread"
+    spread = size > 1 and split_of([1] * families, size, cfg.rollout.engine == "grouped") == "spread"
     here = families if spread else math.ceil(families / size)
     distinct = min(videos, families) if videos else families
     cached = size == 1 and cfg.forward.vision_cache in ("step", "run")

@@ -60,21 +60,41 @@ class RolloutEngine:
 SPLITS = ("families", "spread")  # how a sequence-parallel group shares its rollout (``split_of``)
 
 
-def split_of(families: int, size: int, spreads: bool) -> str:
-    """How a group of ``size`` ranks samples ``families`` families: ``spread`` (every rank samples every family,
-    each with 1/S of its tower, prefills and K/V) when it has fewer families than ranks and the engine can;
-    ``families`` (whole families per rank, ``spread_families``) otherwise. By the planner's own model the spread
-    adds a per-layer gather to each decode step and replicates the step's linear layers: with a family for every
-    rank, whole families keep every rank busy without either."""
-    return "spread" if spreads and families < size else "families"
+SPREAD_ABOVE = 1.1  # whole families must load the busiest rank above this many even shares for the spread to win
+
+
+def split_of(loads: list[float], size: int, spreads: bool) -> str:
+    """How a group of ``size`` ranks samples families of these ``loads`` (prompt tokens): ``spread`` (every rank
+    samples every family, each with 1/S of its tower, prefills and K/V) when the engine can and either there are
+    fewer families than ranks or whole families would leave the busiest rank more than ``SPREAD_ABOVE`` times an
+    even share (``busiest_share``: 3 families on 2 ranks, 1.33; 7 on 4, 1.14); ``families`` (whole families per
+    rank, ``spread_families``) otherwise. By the planner's own model the spread adds a per-layer gather to each
+    decode step and replicates the step's linear layers, and saves the idle ranks' time: at an hour of video it
+    wins from an imbalance of 1.14 (7 families on 4 ranks: 132 s of rollout against 147 s), at 128 frames it
+    loses by 2% there and wins from 1.33 (docs/scaling.md, "Whole families or spread")."""
+    if not spreads or size < 2 or not loads:
+        return "families"
+    if len(loads) < size:
+        return "spread"
+    return "spread" if busiest_share(loads, size) > SPREAD_ABOVE else "families"
+
+
+def busiest_share(loads: list[float], size: int) -> float:
+    """The busiest rank's load, in even shares (sum / size), when whole families go the largest first to the least
+    loaded rank (``spread_families``'s rule): 1.0 when they divide evenly."""
+    held = [0.0] * size
+    for load in sorted(loads, reverse=True):
+        held[min(range(size), key=lambda r: (held[r], r))] += load
+    total = sum(loads)
+    return max(held) * size / total if total else 1.0
 
 
 class SharedInGroup(RolloutEngine):
     """The ranks of a sequence-parallel group train on one rollout of the group's prompts. With ``group`` (a
     ``ParallelContext`` of S > 1), as ``split_of`` chooses (the run log says which, once per change):
 
-    - ``spread``: fewer families (questions sharing a video, or a prompt alone) than ranks, on an engine that can
-      (the grouped one): every rank samples every prompt together with the others (``generate(..., spread=sp)``):
+    - ``spread``: fewer families (questions sharing a video, or a prompt alone) than ranks, or more but too few to
+      share out evenly, on an engine that can (the grouped one): every rank samples every prompt together with the others (``generate(..., spread=sp)``):
       the tower split by frames, the prefills by positions, the K/V by heads; every rank draws the same tokens and
       holds the whole rollout, and no rank repeats another's work;
     - ``families``: whole families spread over the S ranks (``spread_families``: balanced by prompt tokens), so
@@ -92,21 +112,22 @@ class SharedInGroup(RolloutEngine):
         self.split = ""  # the last choice made (logged when it changes)
 
     def generate(self, prompts, group_size, seeds, sampling=None):
-        from app.grouping.families import family_sizes
         from app.rollout.generate import STOP_REASONS, Rollout
 
         if self.group is None or self.group.sp.size == 1:
             return self.inner.generate(prompts, group_size, seeds, sampling)
         size, me = self.group.sp.size, self.group.sp.rank
-        families = family_sizes([getattr(p, "share", None) for p in prompts])
-        split = split_of(len(families), size, getattr(self.inner, "spreads", False))
+        families, loads = family_loads(prompts)
+        split = split_of(loads, size, getattr(self.inner, "spreads", False))
         if split != self.split:
             self.split = split
             if getattr(self.group, "rank", 0) == 0:
                 log.info("rollout: %d famil%s over a sequence-parallel group of %d ranks: %s", len(families),
                          "y" if len(families) == 1 else "ies", size,
                          "each spread over the group (the tower by frames, the prefills by positions, the K/V by "
-                         "heads)" if split == "spread" else "whole families per rank")
+                         "heads)" + (f"; whole families would load the busiest rank {busiest_share(loads, size):.2f}x "
+                                     "an even share" if len(families) >= size else "")
+                         if split == "spread" else "whole families per rank")
         if split == "spread":  # every rank the whole rollout; its prefill counted for the group, as a gather would
             rollout = self.inner.generate(prompts, group_size, seeds, sampling, spread=self.group.sp)
             counts = self.group.gather_in_group([torch.tensor([rollout.prefill_tokens])])
@@ -137,18 +158,24 @@ class SharedInGroup(RolloutEngine):
         return self.inner.sync_weights(policy)
 
 
-def spread_families(prompts, size: int) -> list[int]:
-    """Which rank of a sequence-parallel group of ``size`` samples each prompt: whole families (consecutive prompts
-    on the same media, ``EncodedPrompt.share``), the largest first to the least loaded rank (by prompt tokens)."""
+def family_loads(prompts) -> tuple[list[range], list[int]]:
+    """The families among ``prompts`` (consecutive prompts on the same media, ``EncodedPrompt.share``) and each
+    one's load: its prompts' tokens."""
     from app.grouping.families import family_sizes
 
     families, start = [], 0
     for n in family_sizes([getattr(p, "share", None) for p in prompts]):
         families.append(range(start, start + n))
         start += n
+    return families, [sum(getattr(prompts[i], "length", 1) for i in f) for f in families]
+
+
+def spread_families(prompts, size: int) -> list[int]:
+    """Which rank of a sequence-parallel group of ``size`` samples each prompt: whole families, the largest first
+    to the least loaded rank (by prompt tokens, ``family_loads``)."""
+    families, weight = family_loads(prompts)
     load = [0] * size
     owners = [0] * len(prompts)
-    weight = [sum(getattr(prompts[i], "length", 1) for i in f) for f in families]
     for f in sorted(range(len(families)), key=lambda j: (-weight[j], j)):
         rank = min(range(size), key=lambda r: (load[r], r))
         load[rank] += weight[f]

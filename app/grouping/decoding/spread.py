@@ -243,13 +243,18 @@ def spread_prefill(model, prompts: dict, families: Sequence[int], positions: tor
             q_ids[m], q_pos[m] = ids[m, start:], positions[:, m, start:]
     order = range(ids.shape[0])
     widest = max(mask_.shape[0] for mask_ in root_masks)
+    del store  # the last root's K/V live on in ``keys`` / ``values`` alone, each freed once stacked
 
-    def stacked(per_root: list, layer: int) -> torch.Tensor:  # roots' [h_kv, V_r, D] -> [R, h_kv, Vmax, D]
-        return torch.stack([padded_left(x[layer], widest, 1) for x in per_root]).contiguous()
+    def stacked(per_root: list) -> list[torch.Tensor]:  # roots' [h_kv, V_r, D] per layer -> [R, h_kv, Vmax, D]
+        layers = []
+        for layer in range(len(per_root[0])):
+            layers.append(torch.stack([padded_left(x[layer], widest, 1) for x in per_root]).contiguous())
+            for x in per_root:  # the roots' own copy of this layer goes as its stacked one comes: K/V held once
+                x[layer] = None
+        return layers
 
-    shared = SharedRoots([stacked(keys, layer) for layer in range(len(keys[0]))],
-                         [stacked(values, layer) for layer in range(len(values[0]))],
-                         _left_padded(root_masks), torch.tensor([group_root[m] for m in order], device=device))
+    shared = SharedRoots(stacked(keys), stacked(values), _left_padded(root_masks),
+                         torch.tensor([group_root[m] for m in order], device=device))
     # the questions, left-padded to a common width of at least S (each rank a piece of every row)
     q_width = max(max(q_ids[m].shape[0] for m in order), sp.size)
     q_mask = _left_padded([torch.ones_like(q_ids[m]) for m in order])
