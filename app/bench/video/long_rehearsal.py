@@ -227,6 +227,8 @@ def table(report: dict) -> str:
 
 
 def plot(out: Path, report: dict) -> None:
+    """Four panels: seconds per question; the busiest rank's rollout CPU time and work against S = 1's (goal 1/S);
+    the rollout's and the update's peaks, planned over measured for the busiest rank (goal 0.85-1.15)."""
     import matplotlib.pyplot as plt
 
     from app.runtime import plots  # noqa: F401 - selects the Agg backend
@@ -234,20 +236,37 @@ def plot(out: Path, report: dict) -> None:
     rows = [r for r in report["rows"] if r.get("per_question_s")]
     if not rows:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     labels = [f"S={r['S']} k={r['k']}" for r in rows]
-    axes[0].bar(labels, [r["per_question_s"] for r in rows], color=["C0" if r["k"] > 1 else "C7" for r in rows])
-    axes[0].set_ylabel("seconds per question (step 2)")
-    width = 0.4
-    xs = range(len(rows))
-    axes[1].bar([x - width / 2 for x in xs], [r.get("policy_above_gib") or 0 for r in rows], width, label="measured (largest rank)")
-    axes[1].bar([x + width / 2 for x in xs], [r.get("planned_training_gib") or 0 for r in rows], width,
-                label="planned")
-    axes[1].set_xticks(list(xs), labels)
-    axes[1].set_ylabel("update GiB above the states, per rank")
-    axes[1].legend()
+    ax = axes[0][0]
+    ax.bar(labels, [r["per_question_s"] for r in rows], color=["C0" if r["k"] > 1 else "C7" for r in rows])
+    ax.set_ylabel("seconds per question (step 2)")
+    ax.set_title("k = 6 (blue) against k = 1 (grey)", fontsize=9)
+    ax = axes[0][1]
+    spread = [r for r in rows if r["S"] > 1 and r.get("cpu_s_vs_s1") is not None]
+    sx = list(range(len(spread)))
+    width = 0.2
+    for i, (key, name) in enumerate([("cpu_s_vs_s1", "rollout CPU time"), ("tower_patches_vs_s1", "tower patches"),
+                                     ("prefill_tokens_vs_s1", "prefill positions"), ("kv_bytes_vs_s1", "K/V held")]):
+        ax.bar([x + (i - 1.5) * width for x in sx], [r.get(key) or 0 for r in spread], width, label=name)
+    for x, r in zip(sx, spread):
+        ax.hlines([r["cpu_goal"] or 0], x - 0.45, x + 0.45, colors="k", linestyles="dashed")
+    ax.set_xticks(sx, [f"S={r['S']} k={r['k']}" for r in spread])
+    ax.set_ylabel("busiest rank over S = 1's rank")
+    ax.set_title("the rollout spread (dashed: the CPU-time goal)", fontsize=9)
+    ax.legend(fontsize=7)
+    for ax, key, name in ((axes[1][0], "rollout_planned_vs_measured", "rollout engine"),
+                          (axes[1][1], "policy_planned_vs_measured", "update")):
+        ax.bar(labels, [r.get(key) or 0 for r in rows], color="C1")
+        ax.axhspan(0.85, 1.15, color="C2", alpha=0.15)
+        ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.set_ylim(0, 1.5)
+        ax.set_ylabel(f"{name} peak: planned / measured")
+        ax.set_title("the busiest rank (band: within 15%)", fontsize=9)
+    for ax in axes.flat:
+        ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
-    fig.savefig(out / "long_rehearsal.png", dpi=120)
+    fig.savefig(out / "long_rehearsal.png", dpi=110)
     plt.close(fig)
 
 
