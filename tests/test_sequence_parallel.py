@@ -141,27 +141,31 @@ def test_shards_are_contiguous_and_cover_the_row():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("chunk", [0, 24])
-def test_a_sequence_parallel_groups_rollout_prefills_each_family_once(chunk, tiny_checkpoints, long_videos,
-                                                                      tmp_path):
-    """S = 2 ranks sample a family of three questions on one video, a question on another and a text prompt
-    (families [3, 1, 1]) as one group: whole families spread over the ranks, each video prefilled once in the group
-    (as many prompt tokens prefilled over both ranks as one rank sampling all, which holds each video once), chunked
-    prefill too; the greedy tokens, masks and stop reasons equal one rank's rollout of every prompt."""
+@pytest.mark.parametrize("chunk, plan, split", [
+    (0, [0, 0, 0, 1, 1, 1, -1], "families"),  # loads 220, 182, 47 tokens: whole families share out evenly (1.02)
+    (24, [0, 0, 0, 1, -1], "spread"),  # 220, 59, 52: whole ones would load one rank 1.33 even shares
+])
+def test_a_sequence_parallel_groups_rollout_prefills_each_family_once(chunk, plan, split, tiny_checkpoints,
+                                                                      long_videos, tmp_path):
+    """S = 2 ranks sample families of three questions on one video, questions on another and a text prompt as one
+    group, chunked prefill too: whole families shared out over the ranks where they divide evenly, else every
+    family spread over both (``split_of``); either way each video is prefilled once in the group (as many prompt
+    tokens prefilled over both ranks as one rank sampling all, which holds each video once), and the greedy
+    tokens, masks and stop reasons equal one rank's rollout of every prompt."""
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps({"family": "qwen2_5_vl", "checkpoint": str(tiny_checkpoints["qwen2_5_vl"]),
-                                     "videos": long_videos, "plan": [0, 0, 0, 1, -1], "chunk": chunk,
+                                     "videos": long_videos, "plan": plan, "chunk": chunk,
                                      "out": str(tmp_path / "out.json")}))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "tests.workers.sp_rollout", str(spec_file)], cwd=ROOT, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-5000:]
     r = json.loads((tmp_path / "out.json").read_text())
-    assert r["tokens_equal"] and r["mask_equal"] and r["reasons_equal"] and r["sizes"] == [2] * 5, r
+    assert r["split"] == split, r
+    assert r["tokens_equal"] and r["mask_equal"] and r["reasons_equal"] and r["sizes"] == [2] * len(plan), r
     assert r["logprob"] <= 1e-5, r
     assert all(p > 0 for p in r["prefilled_per_rank"]), r  # both ranks sampled a share
     assert sum(r["prefilled_per_rank"]) == r["prefill_whole"] == r["prefill_group"] < r["prompt_tokens"], str(r)
-    assert r["split"] == "families", r
 
 
 @pytest.mark.distributed

@@ -14,6 +14,12 @@ def pixel_bytes(shape: Shape, patches: int, dtype_bytes: int = 4) -> float:
     return float(patches * 3 * shape.temporal_patch * shape.patch**2 * dtype_bytes)
 
 
+def cached_outputs(shape: Shape, work: Workload, videos: int, dtype_bytes: int) -> float:
+    """The tower's outputs of ``videos`` videos, kept for the step (forward.vision_cache step or run, a frozen
+    tower): a rank of a spread rollout keeps its share."""
+    return videos * work.visual * shape.hidden * dtype_bytes
+
+
 def distinct_videos(prompts: float, questions: int) -> int:
     """Videos among ``prompts`` prompts in families of ``questions`` (held once each: ``app.grouping.media``)."""
     return max(1, math.ceil(prompts / max(1, questions)))

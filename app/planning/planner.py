@@ -13,7 +13,7 @@ from pathlib import Path
 
 from app.planning import costs, flops, shapes, timing
 from app.planning.costs import GiB, Shape, Workload
-from app.planning.inputs import distinct_videos, host_memory, pixel_bytes
+from app.planning.inputs import cached_outputs, distinct_videos, host_memory, pixel_bytes
 from app.rollout.registry import BASELINE_ENGINE, memory_kind
 
 TEXT_TOKENS = 200  # system prompt, question and template around the video (Video-R1's prompt is about 150)
@@ -319,23 +319,13 @@ def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: in
         prefill = max(0.0, (roots - 1) * root_kv + root - kv - tower)
     logits = prompts * work.group_size * shape.vocab * 4 * 2
     parts = {"gathered_weights": gathered, "kv_cache": kv, "prefill": prefill, "vision_tower": tower,
-             "vision_cache": vision_cache_bytes(cfg, shape, work, rank, distinct_videos(prompts, k if shared else 1),
-                                                b),
+             "vision_cache": cached_outputs(shape, work, distinct_videos(prompts, k if shared else 1), b) * share
+             if cfg.forward.vision_cache in ("step", "run") and not tower_trains(cfg) else 0.0,
              "sampling_logits": logits,
              # a spread rank collates only its share of each video's pixels (media.keep_share)
              "inputs": pixel_bytes(shape, work.patches, b) * distinct_videos(prompts, k if shared else 1) * share}
     parts["total"] = sum(parts.values())
     return parts
-
-
-def vision_cache_bytes(cfg, shape: Shape, work: Workload, rank, videos: int, b: int) -> float:
-    """The tower's outputs the rollout keeps for the step's later forwards (forward.vision_cache step or run, a
-    frozen tower, the local engines): each video's, or its 1/S share on a rank of a sequence-parallel group."""
-    if cfg.forward.vision_cache not in ("step", "run") or tower_trains(cfg) or not work.visual:
-        return 0.0
-    if memory_kind(cfg.rollout.engine) in ("reserved", "none"):
-        return 0.0
-    return videos * work.visual * shape.hidden * b * rank.share
 
 
 def training_memory(cfg, shape: Shape, work: Workload, ds: dict, b: int, gpu: float, *, tower_trains: bool,
