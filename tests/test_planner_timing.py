@@ -129,6 +129,9 @@ def test_leave_one_out_is_recomputed_from_the_points_and_the_planner_prints_its_
 
     rows = leave_one_out(DATA)
     assert len(rows) == len(DATA["points"]) and all(r["fitted_on"] == len(DATA["points"]) - 1 for r in rows)
+    from app.bench.planning.calibrate import loo_table
+
+    assert loo_table(rows) in (ROOT / "docs/planner.md").read_text(), "docs/planner.md: the leave-one-out table is stale"
     got = summary(rows)
     committed = timing.LEAVE_ONE_OUT
     for key in ("step_low", "step_high", "worst_step", "phase_low", "phase_high"):
