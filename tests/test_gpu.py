@@ -72,16 +72,21 @@ def test_flash_varlen_matches_masked():
             torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2"])
-def test_bf16_model_on_cuda_no_worse_than_repeated(family, tiny_checkpoints, videos):
-    from app.grouping import compare_to_reference, completion_logprobs, default_backend, verify_grouping
+def bf16_case_on_cuda(family, tiny_checkpoints, videos):
+    """A family's float32 model and its bf16 copy on the GPU, with a grouped case (prompts, ids, mask, sizes)."""
     from tests.test_bf16 import bf16_rounded, case
 
     model32, model16, processor = bf16_rounded(family, tiny_checkpoints)
-    model32, model16 = model32.cuda(), model16.cuda()
     prompts, ids, mask, sizes = case(family, processor, videos)
     prompts = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
-    ids, mask = ids.cuda(), mask.cuda()
+    return model32.cuda(), model16.cuda(), prompts, ids.cuda(), mask.cuda(), sizes
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2"])
+def test_bf16_model_on_cuda_no_worse_than_repeated(family, tiny_checkpoints, videos):
+    from app.grouping import compare_to_reference, completion_logprobs, default_backend, verify_grouping
+
+    model32, model16, prompts, ids, mask, sizes = bf16_case_on_cuda(family, tiny_checkpoints, videos)
     with torch.no_grad():
         reference = completion_logprobs(model32, prompts, ids, mask, sizes, mode="repeated").logprobs
         repeated = completion_logprobs(model16, prompts, ids, mask, sizes, mode="repeated").logprobs
@@ -342,13 +347,8 @@ def test_the_flash_backend_on_torchs_kernel_in_bf16(family, tiny_checkpoints, vi
     """forward.attention_backend=flash without the flash-attn package: grouped in bf16 no further from the float32
     repeated reference than repeated in bf16 (log-probs), and its gradients flow."""
     from app.grouping import compare_to_reference, completion_logprobs
-    from tests.test_bf16 import bf16_rounded, case
 
-    model32, model16, processor = bf16_rounded(family, tiny_checkpoints)
-    model32, model16 = model32.cuda(), model16.cuda()
-    prompts, ids, mask, sizes = case(family, processor, videos)
-    prompts = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
-    ids, mask = ids.cuda(), mask.cuda()
+    model32, model16, prompts, ids, mask, sizes = bf16_case_on_cuda(family, tiny_checkpoints, videos)
     with torch.no_grad():
         reference = completion_logprobs(model32, prompts, ids, mask, sizes, mode="repeated").logprobs
         repeated = completion_logprobs(model16, prompts, ids, mask, sizes, mode="repeated").logprobs

@@ -56,9 +56,10 @@ def test_without_cuda_nothing_runs_unless_quick(tmp_path):
 
 @pytest.mark.slow  # the default parts at toy sizes on this CPU (about 2 minutes): make test-all (CI) runs it
 def test_the_whole_acceptance_runs_quick_here(tmp_path):
-    """scripts/gpu_check.sh --quick: the varlen part (the kernel against the paths it replaces), the full-depth part (the rehearsal through the launchers with the rollout's parts
-    per step, the TRL-style run, k = 4 against k = 1, the planner beside each), the decode part (graph or static,
-    compiled, eager) and HF generate compiled, their report written."""
+    """scripts/gpu_check.sh --quick: the varlen part (the kernel against the paths it replaces; the training pass
+    says why it does not run off CUDA), the full-depth part (the rehearsal through the launchers with the rollout's
+    parts per step, the TRL-style run, k = 4 against k = 1, the planner beside each), the decode part (graph or
+    static, compiled, eager) and HF generate compiled, their report written."""
     result = subprocess.run(["bash", "scripts/gpu_check.sh", "--quick", "--raw", str(tmp_path / "raw"), "--report",
                              str(tmp_path / "report")], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -69,6 +70,7 @@ def test_the_whole_acceptance_runs_quick_here(tmp_path):
     assert {(r["prefix"], r["kernel"]) for r in varlen["decode"]} >= {(64, True), (64, False)}
     assert {r["attention"] for r in varlen["tower"]} == {"torch_flash_varlen", "sdpa"}
     assert varlen["points"]["decode_steps"] and varlen["points"]["tower_passes"]
+    assert [r["backend"] for r in varlen["train"]] == ["flash"] and "does not run here" in varlen["train"][0]["error"]
     full = payload["results"]["full_depth"]
     assert full["stages"]["eval"]["exit"] == 0
     for name in ("rehearsal", "trl_style", "k1", "k4"):
@@ -83,4 +85,5 @@ def test_the_whole_acceptance_runs_quick_here(tmp_path):
     assert "Full depth" in md and "beside the planner" in md
     compiled = payload["results"]["hf_compiled"]["hf_static_compiled"]
     assert compiled["grouped_s"] > 0 and ("hf_static_s" in compiled or compiled["error"])  # a time, or why not
-    assert result.stdout.count("[gpu_check") == 6  # one line when each part starts, one when it ends
+    assert result.stdout.count("[gpu_check") == 2 * len(payload["parts"])  # one line when each part starts, one when
+    # it ends

@@ -140,6 +140,19 @@ def test_shards_are_contiguous_and_cover_the_row():
 
 
 
+def sp_rollout(tmp_path, tiny_checkpoints, long_videos, *, plan: list[int], chunk: int) -> dict:
+    """``tests.workers.sp_rollout`` on 2 processes (one group of S = 2, Qwen2.5-VL): its report."""
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps({"family": "qwen2_5_vl", "checkpoint": str(tiny_checkpoints["qwen2_5_vl"]),
+                                     "videos": long_videos, "plan": plan, "chunk": chunk,
+                                     "out": str(tmp_path / "out.json")}))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "tests.workers.sp_rollout", str(spec_file)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-5000:]
+    return json.loads((tmp_path / "out.json").read_text())
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("chunk, plan, split", [
     (0, [0, 0, 0, 1, 1, 1, -1], "families"),  # loads 220, 182, 47 tokens: whole families share out evenly (1.02)
@@ -152,15 +165,7 @@ def test_a_sequence_parallel_groups_rollout_prefills_each_family_once(chunk, pla
     family spread over both (``split_of``); either way each video is prefilled once in the group (as many prompt
     tokens prefilled over both ranks as one rank sampling all, which holds each video once), and the greedy
     tokens, masks and stop reasons equal one rank's rollout of every prompt."""
-    spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps({"family": "qwen2_5_vl", "checkpoint": str(tiny_checkpoints["qwen2_5_vl"]),
-                                     "videos": long_videos, "plan": plan, "chunk": chunk,
-                                     "out": str(tmp_path / "out.json")}))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "tests.workers.sp_rollout", str(spec_file)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-5000:]
-    r = json.loads((tmp_path / "out.json").read_text())
+    r = sp_rollout(tmp_path, tiny_checkpoints, long_videos, plan=plan, chunk=chunk)
     assert r["split"] == split, r
     assert r["tokens_equal"] and r["mask_equal"] and r["reasons_equal"] and r["sizes"] == [2] * len(plan), r
     assert r["logprob"] <= 1e-5, r
@@ -174,15 +179,7 @@ def test_a_group_with_fewer_families_than_ranks_spreads_them_through_the_engine(
     """One family of three questions on one video and S = 2 (fewer families than ranks): ``SharedInGroup`` asks
     the grouped engine to spread it, both ranks prefill half of it, and the rollout
     every rank returns equals one rank's."""
-    spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps({"family": "qwen2_5_vl", "checkpoint": str(tiny_checkpoints["qwen2_5_vl"]),
-                                     "videos": long_videos, "plan": [0, 0, 0], "chunk": 24,
-                                     "out": str(tmp_path / "out.json")}))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "tests.workers.sp_rollout", str(spec_file)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-5000:]
-    r = json.loads((tmp_path / "out.json").read_text())
+    r = sp_rollout(tmp_path, tiny_checkpoints, long_videos, plan=[0, 0, 0], chunk=24)
     assert r["split"] == "spread", r
     assert r["tokens_equal"] and r["mask_equal"] and r["reasons_equal"] and r["logprob"] <= 1e-5, r
     assert sum(r["prefilled_per_rank"]) == r["prefill_whole"], r

@@ -196,13 +196,8 @@ def run(out: Path, quick: bool = False, layers: int | None = None, hf_compiled: 
         prompts = prompt_of(prefix, dev)
         need = step_bytes(model, prefix, group, steps + 3)
         for mode in (graph, "compiled", "eager"):  # compiled: fused by torch.compile, then captured on CUDA
-            row = {"prefix": prefix, "decode": mode, **step_time(model, prompts, group, mode, steps),
-                   "bytes_gb": need["total"] / 1e9}
-            for key in ("nominal", "copy"):
-                speed = bandwidth[f"{key}_tb_s"] * 1e12
-                if speed:
-                    row[f"limit_{key}_ms"] = need["total"] / speed * 1e3
-                    row[f"vs_limit_{key}"] = row["step_ms"] / row[f"limit_{key}_ms"]
+            row = against_limit({"prefix": prefix, "decode": mode, **step_time(model, prompts, group, mode, steps)},
+                                need, bandwidth)
             steps_rows.append(row)
             print(f"step P={prefix} {mode}: {row}", flush=True)
             save()
@@ -284,6 +279,18 @@ def table(payload: dict) -> str:
                   "", "first_call_s: the first generate call (8 tokens), which compiles; a row without it ran out "
                   "of time compiling."]
     return "\n".join(lines)
+
+
+def against_limit(row: dict, need: dict, bandwidth: dict) -> dict:
+    """``row`` (with its ``step_ms``) and the step's bytes ``need``: the bytes, and the step against the time they
+    take at the card's nominal and measured copy bandwidth."""
+    row["bytes_gb"] = need["total"] / 1e9
+    for key in ("nominal", "copy"):
+        speed = bandwidth[f"{key}_tb_s"] * 1e12
+        if speed:
+            row[f"limit_{key}_ms"] = need["total"] / speed * 1e3
+            row[f"vs_limit_{key}"] = row["step_ms"] / row[f"limit_{key}_ms"]
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:

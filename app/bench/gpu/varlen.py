@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from app.bench.common import device, markdown_table, write_report
-from app.bench.gpu.decode import build, copy_bandwidth, nominal_bandwidth, prompt_of, step_bytes, sync
+from app.bench.gpu.decode import against_limit, build, copy_bandwidth, nominal_bandwidth, prompt_of, step_bytes, sync
 
 PRESET, LAYERS, PREFIXES, GROUP, QUESTIONS, STEPS = "qwen2_5_vl_7b", 28, (8192, 16384, 65536), 8, 6, 32
 TOWER_FRAMES, SIDE, CHUNK = (64, 640), 448, 4096
@@ -160,14 +160,9 @@ def run(out: Path, quick: bool = False) -> dict:
         prompts, families = (prompt_of(prefix, dev), None) if k is None else family_prompts(prefix, k, dev)
         need = step_bytes(model, prefix if k is None else prefix + 64 * (k - 1), group * (k or 1), steps + 3)
         for kernel in (True, False):
-            row = {"prefix": prefix, "questions": k or 1, "kernel": kernel,
-                   **decode_step(model, prompts, group, steps, families=families, kernel=kernel),
-                   "bytes_gb": need["total"] / 1e9}
-            for key in ("nominal", "copy"):
-                speed = bandwidth[f"{key}_tb_s"] * 1e12
-                if speed:
-                    row[f"limit_{key}_ms"] = need["total"] / speed * 1e3
-                    row[f"vs_limit_{key}"] = row["step_ms"] / row[f"limit_{key}_ms"]
+            row = against_limit({"prefix": prefix, "questions": k or 1, "kernel": kernel,
+                                 **decode_step(model, prompts, group, steps, families=families, kernel=kernel)},
+                                need, bandwidth)
             payload["decode"].append(row)
             print(f"decode {row}", flush=True)
             save()
