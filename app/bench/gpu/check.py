@@ -8,7 +8,7 @@ Parts, in order (limits in seconds; a part never runs past what is left of ``--b
 
 | part | what | limit |
 |---|---|---|
-| varlen | app.bench.gpu.varlen: torch's varlen flash kernel against the paths it replaces at 7B width: the decode step at 28 layers (8k / 16k / 64k, a k = 6 family on a 64k video) against the bandwidth limit, the 64k chunked prefill, the tower over 64 and 640 frames (one call per block against the per-chunk loop); the points calibrate --merge takes | 150 |
+| varlen | app.bench.gpu.varlen: torch's varlen flash kernel against the paths it replaces at 7B width: the decode step at 28 layers (8k / 16k / 64k, a k = 6 family on a 64k video) against the bandwidth limit, the 64k chunked prefill, the tower over 64 and 640 frames (one call per block against the per-chunk loop), one policy forward+backward with flash on the kernel against flex; the points calibrate --merge takes | 150 |
 | full_depth | app.bench.gpu.full_depth: the 7B LoRA config at 28 layers through train.sh (6 steps, the rollout's parts per step), plan.sh and eval.sh; the TRL-style run (repeated + HF generate, 2 steps); k = 4 against k = 1; the planner beside each | 420 |
 | tests | tests/test_gpu.py (GPU-only tests, wandb not needed) | 150 |
 | train | app.bench.gpu.real_shape: Qwen2.5-VL-7B / Qwen3-VL-8B width, 4 layers, 8k/16k prefixes | 75 |
