@@ -41,7 +41,7 @@ def test_benchmark_runs_quick(name, tmp_path):
         assert (out / "grid_flops.png").is_file() and (out / "grid_memory.png").is_file()
     if name == "attention":
         assert report["max_abs_difference_vs_package"] < 1e-4
-    if name == "long_rehearsal":  # 4 processes at S = 1 and 2, k = 2 against k = 1: 2 steps each, every rank's peaks
+    if name == "long_rehearsal":  # 4 processes: S = 1 and 2 at k = 2, S = 2 at k = 1; 2 steps each, every rank's peaks
         rows = {(row["S"], row["k"]): row for row in report["rows"]}
         assert all(row["exit"] == 0 and row["steps"] == 2 for row in rows.values())
         assert all(len(row[f"{stage}_above_gib_ranks"]) == 4 for row in rows.values() for stage in ("rollout", "policy"))

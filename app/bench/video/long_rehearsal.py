@@ -23,7 +23,8 @@ prompt, one a micro-batch, 3 a replica a step: at S = 2 whole families per rank,
 Against S = 1 at the same k: each rank's work (``*_vs_s1``: the busiest rank's over S = 1's, goal 1/S within one
 chunk) and the group's summed work (equal to S = 1's), the busiest rank's rollout CPU time (goal 0.6x at S = 2, 0.4x
 at S = 4). Data prefetch is off (a prefetch thread's allocations would land in the stage it overlaps). Writes
-JSON, the table and a plot. ``--quick``: 64 frames, 1 question pair, S = 1 and 2 (the suite's smoke test).
+JSON, the table and a plot. ``--quick``: 64 frames, 1 question pair, S = 1 and 2 at k = 2 and S = 2 at k = 1, one
+launch a point (the suite's smoke test).
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ WORK = ("tower_patches", "prefill_tokens", "kv_bytes")
 FRAMES, SIZE, FPS, QUESTIONS, CLIPS = 640, 224, 2, 6, 4
 RANKS = 4
 RANK_KEY = "memory/policy_above_start_gib/rank0"
+
+
+def quick_points(k: int) -> tuple:
+    """The smoke run's points: S = 1 and 2 at k, and S = 2 at k = 1 (whole families per rank)."""
+    return (1, k), (2, k), (2, 1)
 
 
 def assets(out: Path, quick: bool) -> dict:
@@ -116,11 +122,14 @@ def planned(a: dict, out: Path, size: int, k: int) -> dict:
             "states_gib": plan["states"]["total"] / 2**30, "visual_tokens": plan["workload"]["visual"]}
 
 
-def point(a: dict, out: Path, size: int, k: int) -> dict:
+def point(a: dict, out: Path, size: int, k: int, quick: bool = False) -> dict:
+    """``quick``: one launch, its heap's peak recorded (a smoke run's times mean nothing, so the sampling thread may
+    share it), where a measurement runs the timed steps and the memory step apart."""
     row = {"S": size, "k": k, "questions_a_replica": prompts_of(a, k)}
     timed = out / f"S{size}-k{k}"
     if len(run_metrics(timed)) < 2:  # a point already measured is read back (re-planning costs nothing)
-        code, seconds = launch(overrides(a, timed, size, k, 2), out / f"S{size}-k{k}.log")
+        code, seconds = launch(overrides(a, timed, size, k, 2), out / f"S{size}-k{k}.log",
+                               **({"PREFIX_GRPO_ALLOCATOR_PEAK": "1"} if quick else {}))
         row.update(exit=code, launch_s=seconds)
     else:
         row.update(exit=0)
@@ -134,7 +143,7 @@ def point(a: dict, out: Path, size: int, k: int) -> dict:
                    cpu_s_ranks=[step.get(f"rollout/cpu_s/rank{r}") for r in range(RANKS)],
                    **{f"{key}_ranks": [step.get(f"rollout/work/{key}/rank{r}") for r in range(RANKS)]
                       for key in WORK})
-    memory = out / f"S{size}-k{k}-memory"
+    memory = timed if quick else out / f"S{size}-k{k}-memory"
     if RANK_KEY not in (run_metrics(memory) or [{}])[0]:  # not measured, or before each rank's peak was logged
         shutil.rmtree(memory, ignore_errors=True)
         launch(overrides(a, memory, size, k, 1), out / f"S{size}-k{k}-memory.log", PREFIX_GRPO_ALLOCATOR_PEAK="1")
@@ -163,11 +172,11 @@ def run(out: Path, quick: bool = False) -> dict:
     a = assets(out, quick)
     report = {"settings": {"frames": a["frames"], "size": SIZE, "fps": FPS, "questions": a["questions"],
                            "model": SIZES, "ranks": 4}, "rows": []}
-    for size in ((1, 2) if quick else (1, 2, 4)):
-        for k in (a["questions"], 1):
-            report["rows"].append(point(a, out, size, k))
-            ratios(report)
-            write_report(out, "long_rehearsal", report, table(report), quiet=True)
+    points = quick_points(a["questions"]) if quick else [(s, k) for s in (1, 2, 4) for k in (a["questions"], 1)]
+    for size, k in points:
+        report["rows"].append(point(a, out, size, k, quick))
+        ratios(report)
+        write_report(out, "long_rehearsal", report, table(report), quiet=True)
     plot(out, report)
     write_report(out, "long_rehearsal", report, table(report))
     return report
