@@ -41,12 +41,11 @@ def test_benchmark_runs_quick(name, tmp_path):
         assert (out / "grid_flops.png").is_file() and (out / "grid_memory.png").is_file()
     if name == "attention":
         assert report["max_abs_difference_vs_package"] < 1e-4
-    if name == "long_rehearsal":  # 4 processes: S = 1 and 2 at k = 2, S = 2 at k = 1; 2 steps each, every rank's peaks
+    if name == "long_rehearsal":  # 2 processes at S = 1 and 2, k = 2: 2 steps each, every rank's peaks
         rows = {(row["S"], row["k"]): row for row in report["rows"]}
-        assert all(row["exit"] == 0 and row["steps"] == 2 for row in rows.values())
-        assert all(len(row[f"{stage}_above_gib_ranks"]) == 4 for row in rows.values() for stage in ("rollout", "policy"))
-        assert rows[(2, 2)]["shared_video_tokens"] > 0 and rows[(2, 1)]["shared_video_tokens"] == 0
-        assert rows[(2, 2)]["media_decoded"] <= rows[(2, 1)]["media_decoded"]
+        assert set(rows) == {(1, 2), (2, 2)} and all(row["exit"] == 0 and row["steps"] == 2 for row in rows.values())
+        assert all(len(row[f"{stage}_above_gib_ranks"]) == 2 for row in rows.values() for stage in ("rollout", "policy"))
+        assert all(row["shared_video_tokens"] > 0 for row in rows.values())
         spread = rows[(2, 2)]  # one family over S = 2: each rank did about half of S = 1's rank, both together all
         assert spread["prefill_tokens_group_vs_s1"] == pytest.approx(1.0, abs=0.02)
         assert spread["tower_patches_vs_s1"] <= 0.6 and spread["kv_bytes_vs_s1"] <= 0.55

@@ -23,8 +23,8 @@ prompt, one a micro-batch, 3 a replica a step: at S = 2 whole families per rank,
 Against S = 1 at the same k: each rank's work (``*_vs_s1``: the busiest rank's over S = 1's, goal 1/S within one
 chunk) and the group's summed work (equal to S = 1's), the busiest rank's rollout CPU time (goal 0.6x at S = 2, 0.4x
 at S = 4). Data prefetch is off (a prefetch thread's allocations would land in the stage it overlaps). Writes
-JSON, the table and a plot. ``--quick``: 64 frames, 1 question pair, S = 1 and 2 at k = 2 and S = 2 at k = 1, one
-launch a point (the suite's smoke test).
+JSON, the table and a plot. ``--quick``: 64 frames, 1 question pair, 2 processes, S = 1 and 2 at k = 2, one launch
+a point (the suite's smoke test).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ RANK_KEY = "memory/policy_above_start_gib/rank0"
 
 
 def quick_points(k: int) -> tuple:
-    """The smoke run's points: S = 1 and 2 at k, and S = 2 at k = 1 (whole families per rank)."""
-    return (1, k), (2, k), (2, 1)
+    """The smoke run's points: S = 1 and 2 at k (a family spread over S = 2 against one rank's)."""
+    return (1, k), (2, k)
 
 
 def assets(out: Path, quick: bool) -> dict:
@@ -67,7 +67,7 @@ def assets(out: Path, quick: bool) -> dict:
     plugin = out / "varied_reward.py"
     plugin.write_text("def varied(completions, records):\n    return [len(c) % 5 / 4 for c in completions]\n")
     return {"checkpoint": ckpt, "train": data / "train.jsonl", "plugin": f"{plugin}:varied", "frames": frames,
-            "questions": questions}
+            "questions": questions, "ranks": 2 if quick else RANKS}
 
 
 def overrides(a: dict, run: Path, size: int, k: int, steps: int) -> list[str]:
@@ -94,20 +94,20 @@ def prompts_of(a: dict, k: int) -> int:
     return a["questions"] if k > 1 else max(1, a["questions"] // 2)
 
 
-def launch(args: list[str], log: Path, **env: str) -> tuple[int, float]:
+def launch(args: list[str], log: Path, ranks: int, **env: str) -> tuple[int, float]:
     start = time.perf_counter()
     with log.open("w") as f:
         code = subprocess.run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *args], cwd=ROOT, stdout=f,
                               stderr=subprocess.STDOUT,
-                              env=child_env(NPROC_PER_NODE="4", PYTHONUNBUFFERED="1", **env)).returncode
+                              env=child_env(NPROC_PER_NODE=str(ranks), PYTHONUNBUFFERED="1", **env)).returncode
     return code, time.perf_counter() - start
 
 
 def planned(a: dict, out: Path, size: int, k: int) -> dict:
-    """What plan.sh plans on top of the states, per rank, for the same configuration on 4 ranks."""
+    """What plan.sh plans on top of the states, per rank, for the same configuration on as many ranks."""
     target = out / f"plan-S{size}-k{k}"
     args = overrides(a, out / "unused", size, k, 1)
-    done = subprocess.run(["bash", "scripts/plan.sh", "configs/demo_cpu.yaml", *args, "--gpus-per-node", "4",
+    done = subprocess.run(["bash", "scripts/plan.sh", "configs/demo_cpu.yaml", *args, "--gpus-per-node", str(a["ranks"]),
                            "--gpu-memory-gib", "24", "--device", "cpu", "--out", str(target)], cwd=ROOT,
                           capture_output=True, text=True,
                           env=child_env())
@@ -128,7 +128,7 @@ def point(a: dict, out: Path, size: int, k: int, quick: bool = False) -> dict:
     row = {"S": size, "k": k, "questions_a_replica": prompts_of(a, k)}
     timed = out / f"S{size}-k{k}"
     if len(run_metrics(timed)) < 2:  # a point already measured is read back (re-planning costs nothing)
-        code, seconds = launch(overrides(a, timed, size, k, 2), out / f"S{size}-k{k}.log",
+        code, seconds = launch(overrides(a, timed, size, k, 2), out / f"S{size}-k{k}.log", a["ranks"],
                                **({"PREFIX_GRPO_ALLOCATOR_PEAK": "1"} if quick else {}))
         row.update(exit=code, launch_s=seconds)
     else:
@@ -140,19 +140,20 @@ def point(a: dict, out: Path, size: int, k: int, quick: bool = False) -> dict:
                    rollout_s=step["time/rollout"], policy_s=step["time/policy"], reference_s=step["time/reference"],
                    media_decoded=step["data/media_decoded"], shared_video_tokens=step["tokens/shared_video"],
                    prefill_tokens=step["rollout/prefill_tokens"], prompt_tokens=step["rollout/prompt_tokens"],
-                   cpu_s_ranks=[step.get(f"rollout/cpu_s/rank{r}") for r in range(RANKS)],
-                   **{f"{key}_ranks": [step.get(f"rollout/work/{key}/rank{r}") for r in range(RANKS)]
+                   cpu_s_ranks=[step.get(f"rollout/cpu_s/rank{r}") for r in range(a["ranks"])],
+                   **{f"{key}_ranks": [step.get(f"rollout/work/{key}/rank{r}") for r in range(a["ranks"])]
                       for key in WORK})
     memory = timed if quick else out / f"S{size}-k{k}-memory"
     if RANK_KEY not in (run_metrics(memory) or [{}])[0]:  # not measured, or before each rank's peak was logged
         shutil.rmtree(memory, ignore_errors=True)
-        launch(overrides(a, memory, size, k, 1), out / f"S{size}-k{k}-memory.log", PREFIX_GRPO_ALLOCATOR_PEAK="1")
+        launch(overrides(a, memory, size, k, 1), out / f"S{size}-k{k}-memory.log", a["ranks"],
+               PREFIX_GRPO_ALLOCATOR_PEAK="1")
     mrows = run_metrics(memory)
     plan = planned(a, out, size, k)
     row.update({f"planned_{key}": value for key, value in plan.items()})
     for stage, metric, planned_key in (("rollout", "rollout_engine", "planned_rollout_gib"),
                                        ("policy", "policy", "planned_training_gib")):
-        ranks = [mrows[0].get(f"memory/{metric}_above_start_gib/rank{r}") for r in range(RANKS)] if mrows else []
+        ranks = [mrows[0].get(f"memory/{metric}_above_start_gib/rank{r}") for r in range(a["ranks"])] if mrows else []
         if not ranks or None in ranks:
             continue
         row[f"{stage}_above_gib_ranks"] = ranks  # each rank's peak above what the stage began with
@@ -171,7 +172,7 @@ def run(out: Path, quick: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     a = assets(out, quick)
     report = {"settings": {"frames": a["frames"], "size": SIZE, "fps": FPS, "questions": a["questions"],
-                           "model": SIZES, "ranks": 4}, "rows": []}
+                           "model": SIZES, "ranks": a["ranks"]}, "rows": []}
     points = quick_points(a["questions"]) if quick else [(s, k) for s in (1, 2, 4) for k in (a["questions"], 1)]
     for size, k in points:
         report["rows"].append(point(a, out, size, k, quick))
@@ -219,7 +220,7 @@ def table(report: dict) -> str:
     tokens = next((r.get("planned_visual_tokens") for r in rows if r.get("planned_visual_tokens")), "?")
     return "\n".join([
         f"## A long video's questions under sequence parallelism: {s['frames']} frames at {s['size']}x{s['size']} "
-        f"({tokens} visual tokens a prompt), {s['questions']} questions a video, 4 processes (ZeRO-3, fp32, CPU)", "",
+        f"({tokens} visual tokens a prompt), {s['questions']} questions a video, {s['ranks']} processes (ZeRO-3, fp32, CPU)", "",
         markdown_table(rows, columns, fmt), "",
         "step_s / per_question_s: step 2 of a 2-step run (questions_a_replica a step). The memory columns: what "
         "plan.sh plans on top of the states for the same run (without the prompts' pixel values, collated before each "
@@ -231,8 +232,8 @@ def table(report: dict) -> str:
         "*_vs_s1: the busiest rank's work (the tower's patch rows, the prompt positions it ran through the layers, "
         "the prompts' K/V it held after the prefill) over S = 1's rank (goal 1/S within one chunk); *_group_vs_s1: "
         "the group's ranks summed over S = 1's rank (goal 1); cpu_s_vs_s1: the busiest rank's rollout CPU time "
-        "(time.process_time, every thread) over S = 1's: four processes share two cores here, so CPU time stands in "
-        "for wall time (goal 0.6 at S = 2, 0.4 at S = 4)."])
+        f"(time.process_time, every thread) over S = 1's: {s['ranks']} processes share this machine's cores, so CPU "
+        "time stands in for wall time (goal 0.6 at S = 2, 0.4 at S = 4)."])
 
 
 def plot(out: Path, report: dict) -> None:
