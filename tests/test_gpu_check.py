@@ -54,7 +54,7 @@ def test_without_cuda_nothing_runs_unless_quick(tmp_path):
     assert not (tmp_path / "raw").exists()
 
 
-@pytest.mark.slow  # the default parts at toy sizes on this CPU (about 2 minutes): make test-all (CI) runs it
+@pytest.mark.slow  # the default parts at toy sizes on this CPU (about 3 minutes): make test-all (CI) runs it
 def test_the_whole_acceptance_runs_quick_here(tmp_path):
     """scripts/gpu_check.sh --quick: the varlen part (the kernel against the paths it replaces; the training pass
     says why it does not run off CUDA), the full-depth part (the rehearsal through the launchers with the rollout's
@@ -85,5 +85,5 @@ def test_the_whole_acceptance_runs_quick_here(tmp_path):
     assert "Full depth" in md and "beside the planner" in md
     compiled = payload["results"]["hf_compiled"]["hf_static_compiled"]
     assert compiled["grouped_s"] > 0 and ("hf_static_s" in compiled or compiled["error"])  # a time, or why not
-    assert result.stdout.count("[gpu_check") == 2 * len(payload["parts"])  # one line when each part starts, one when
-    # it ends
+    # one line when each part starts, one when it ends
+    assert result.stdout.count("[gpu_check") == 2 * len(payload["parts"])

@@ -31,14 +31,19 @@ def long_videos(tmp_path_factory):
             for i, (n, h, w) in enumerate([(16, 56, 84), (12, 64, 64)])]
 
 
-def run_ranks(tmp_path, size: int, **spec) -> dict:
-    spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps({**spec, "out": str(tmp_path / "out.json")}))
+def launch_workers(tmp_path, module: str, world: int, spec: dict, timeout: int = 600) -> None:
+    """``tests.workers.<module>`` on ``world`` processes through torch.distributed.run, its spec in a JSON file."""
+    spec_file = tmp_path / f"{module}.spec.json"
+    spec_file.write_text(json.dumps(spec))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(size), "-m", "tests.workers.sequence_parallel", str(spec_file)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600,
+                           str(world), "-m", f"tests.workers.{module}", str(spec_file)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-5000:]
+
+
+def run_ranks(tmp_path, size: int, **spec) -> dict:
+    launch_workers(tmp_path, "sequence_parallel", size, {**spec, "out": str(tmp_path / "out.json")})
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["size"] == size
     return result["report"]
@@ -139,17 +144,11 @@ def test_shards_are_contiguous_and_cover_the_row():
         shard_bounds(3, 4)
 
 
-
 def sp_rollout(tmp_path, tiny_checkpoints, long_videos, *, plan: list[int], chunk: int) -> dict:
     """``tests.workers.sp_rollout`` on 2 processes (one group of S = 2, Qwen2.5-VL): its report."""
-    spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps({"family": "qwen2_5_vl", "checkpoint": str(tiny_checkpoints["qwen2_5_vl"]),
-                                     "videos": long_videos, "plan": plan, "chunk": chunk,
-                                     "out": str(tmp_path / "out.json")}))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "tests.workers.sp_rollout", str(spec_file)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-5000:]
+    launch_workers(tmp_path, "sp_rollout", 2, {"family": "qwen2_5_vl", "checkpoint": str(tiny_checkpoints["qwen2_5_vl"]),
+                                               "videos": long_videos, "plan": plan, "chunk": chunk,
+                                               "out": str(tmp_path / "out.json")})
     return json.loads((tmp_path / "out.json").read_text())
 
 
@@ -188,14 +187,9 @@ def test_a_group_with_fewer_families_than_ranks_spreads_them_through_the_engine(
 
 # ---- a family's rollout spread over its group: every rank samples every prompt, each with 1/S of the work -------
 def run_spread(tmp_path, world: int, size: int, family: str, checkpoint, videos, cases: list[dict]) -> list[dict]:
-    spec_file = tmp_path / "spread.json"
-    spec_file.write_text(json.dumps({"family": family, "checkpoint": str(checkpoint), "videos": videos, "sp": size,
-                                     "cases": cases, "out": str(tmp_path / "spread")}))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(world), "-m", "tests.workers.spread_rollout", str(spec_file)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-5000:]
+    launch_workers(tmp_path, "spread_rollout", world, {"family": family, "checkpoint": str(checkpoint), "videos": videos,
+                                                       "sp": size, "cases": cases, "out": str(tmp_path / "spread")},
+                   timeout=900)
     return [json.loads((tmp_path / f"spread.{r}.json").read_text()) for r in range(world)]
 
 
