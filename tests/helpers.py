@@ -24,10 +24,19 @@ def patch_size(family: str) -> int:
     return 16 if family == "qwen3_vl" else 14
 
 
-def load(family: str, checkpoints, sharpen: float | None = 0.2):
-    """Model + processor; ``sharpen`` re-draws weights with a large std so attention and positions matter."""
+# Qwen3.5's GDN layers turn std-0.2 weights into a recurrence that amplifies float32 rounding past the 1e-4 the
+# layouts are held to (a gradient of a 16-element norm weight 1.03e-4 apart with one kernel on both sides); 0.1 keeps
+# its attention layer's positions and its states far from uniform.
+SHARPEN = {"qwen3_5": 0.1}
+
+
+def load(family: str, checkpoints, sharpen: float | None | str = "family"):
+    """Model + processor; ``sharpen`` re-draws weights with a large std so attention and positions matter
+    ("family": 0.2, or a hybrid family's own std, ``SHARPEN``)."""
     model = load_model(checkpoints[family])
     processor = load_processor(checkpoints[family])
+    if sharpen == "family":
+        sharpen = SHARPEN.get(family, 0.2)
     if sharpen:
         generator = torch.Generator().manual_seed(1)
         with torch.no_grad():
@@ -231,3 +240,81 @@ def counting_varlen():
 
     with varlen_stand_in(kernel):
         yield calls
+
+
+# ---- Gated DeltaNet (Qwen3.5's linear-attention layers) ------------------------------------------------------------
+def delta_rule_reference(q, k, v, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                         use_qk_l2norm_in_kernel=False, **kwargs):
+    """The gated delta rule token by token, in the inputs' precision (float64 stays float64; anything else float32):
+    per head S <- S * exp(g_t); S <- S + k_t ((v_t - S^T k_t) beta_t)^T; o_t = S^T q_t / sqrt(K), q and k
+    L2-normalised when asked. transformers' ``torch_chunk_gated_delta_rule`` signature and shapes (q, k [B, L, H, K],
+    v [B, L, H, V], g and beta [B, L, H], state [B, H, K, V]). What the exactness tests run BOTH layouts on: the
+    chunked float32 form rounds differently wherever its chunks fall (transformers' own repeated forward, its prompts
+    shifted by a few pad tokens, moves log-probs by up to 7e-5 and some gradients by 1e-2 relative on the tiny
+    model), so only one kernel of the definition's precision can show the layouts equal to 1e-5 / 1e-4."""
+    dtype = q.dtype
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    q, k, v, g, beta = (x.transpose(1, 2).to(work) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    state = (q.new_zeros(*k.shape[:2], k.shape[-1], v.shape[-1]) if initial_state is None
+             else initial_state.to(work))
+    outs = []
+    for t in range(k.shape[2]):
+        state = state * g[:, :, t].exp()[..., None, None]
+        delta = (v[:, :, t] - (state * k[:, :, t, :, None]).sum(-2)) * beta[:, :, t, None]
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        outs.append((state * q[:, :, t, :, None]).sum(-2))
+    return torch.stack(outs, 2).transpose(1, 2).to(dtype), (state if output_final_state else None)
+
+
+@contextlib.contextmanager
+def exact_delta_rule():
+    """``delta_rule_reference`` as THE chunked delta rule for the block: transformers' (what the repeated layout and
+    ``generate`` run) and the grouped forward's torch kernel alike."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    import app.grouping.recurrent.kernels as kernels
+
+    previous = modeling_qwen3_5.torch_chunk_gated_delta_rule, kernels.torch_chunk_rule
+    modeling_qwen3_5.torch_chunk_gated_delta_rule = delta_rule_reference
+    kernels.torch_chunk_rule = lambda: delta_rule_reference
+    try:
+        yield
+    finally:
+        modeling_qwen3_5.torch_chunk_gated_delta_rule, kernels.torch_chunk_rule = previous
+
+
+def fla_conv_stand_in(x, weight=None, bias=None, activation=None, initial_state=None, cu_seqlens=None, **kwargs):
+    """flash-linear-attention's varlen ``causal_conv1d`` signature on any device: x [1, T, C], weight [C, W],
+    initial_state [N, C, W] (its last W - 1 columns the inputs before each sequence), one F.conv1d per sequence."""
+    bounds = cu_seqlens.tolist()
+    width = weight.shape[1]
+    outs = []
+    for n in range(len(bounds) - 1):
+        seq = x[0, bounds[n]:bounds[n + 1]].transpose(0, 1)  # [C, L]
+        before = initial_state[n, :, 1:] if initial_state is not None else seq.new_zeros(seq.shape[0], width - 1)
+        y = torch.nn.functional.conv1d(torch.cat([before, seq], dim=1)[None], weight[:, None], bias,
+                                       groups=weight.shape[0])[0]
+        outs.append(torch.nn.functional.silu(y) if activation in ("silu", "swish") else y)
+    return torch.cat(outs, dim=1).transpose(0, 1)[None], None
+
+
+def fla_rule_stand_in(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+    """flash-linear-attention's varlen ``chunk_gated_delta_rule`` signature on any device: [1, T, ...] inputs,
+    ``initial_state`` [N, HV, K, V] per sequence of ``cu_seqlens``; transformers' torch kernel per sequence."""
+    from app.grouping.recurrent.kernels import torch_chunk_rule
+
+    bounds = cu_seqlens.tolist()
+    outs, finals = [], []
+    for n in range(len(bounds) - 1):
+        part = slice(bounds[n], bounds[n + 1])
+        out, final = torch_chunk_rule()(q[:, part], k[:, part], v[:, part], g=g[:, part], beta=beta[:, part],
+                                        initial_state=None if initial_state is None else initial_state[n:n + 1],
+                                        output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        outs.append(out)
+        finals.append(final)
+    return torch.cat(outs, dim=1), torch.cat(finals)

@@ -11,8 +11,16 @@ import torch
 
 from app.grouping import GroupLayout, completion_logprobs, repeated_inputs, usable_backends
 from app.grouping.positions import continue_after_media, packed_positions, prompt_positions, use_qwen_positions
-from app.runtime.models import FAMILIES, VL_FAMILIES, enable_activation_checkpointing
-from tests.helpers import load, max_rel_diff, prompt_batch, random_completions, run_and_grad, text_layers, tokenizer_of
+from app.runtime.models import FAMILIES, HYBRID_FAMILIES, VL_FAMILIES, enable_activation_checkpointing
+from tests.helpers import (
+    load,
+    max_rel_diff,
+    prompt_batch,
+    random_completions,
+    run_and_grad,
+    text_layers,
+    tokenizer_of,
+)
 
 LOGPROB_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -21,6 +29,7 @@ PROMPT_KINDS = {
     "qwen2_vl": ["video", "text", "video"],
     "qwen2_5_vl": ["video", "image", "text"],
     "qwen3_vl": ["video", "video", "text"],
+    "qwen3_5": ["video", "image", "text"],
     "qwen2": ["text", "text", "text"],
     "qwen3": ["text", "text", "text"],
 }
@@ -49,8 +58,10 @@ def test_grouped_equals_repeated(family, backend, checkpointing, tiny_checkpoint
         enable_activation_checkpointing(model)
         model.train()
     layer_calls = []
-    # The layer's own hooks sit outside the checkpoint; its attention module's run again in the recompute.
-    text_layers(model)[0].self_attn.register_forward_hook(lambda *args: layer_calls.append(1))
+    # The layer's own hooks sit outside the checkpoint; its token mixer's run again in the recompute.
+    first = text_layers(model)[0]
+    (first.linear_attn if family in HYBRID_FAMILIES else first.self_attn).register_forward_hook(
+        lambda *args: layer_calls.append(1))
     ref_lp, ref_logits, ref_grads = run_and_grad(model, prompts, ids, mask, group_sizes, "repeated")
     lp, logits, grads = run_and_grad(model, prompts, ids, mask, group_sizes, "grouped", backend)
     assert len(layer_calls) == (4 if checkpointing else 2)  # checkpointing recomputes each layer in backward

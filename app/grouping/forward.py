@@ -361,19 +361,53 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
     diff = (grouped - repeated).abs()
     result = SelfCheck(dtype, float(diff.max()), comparison)
     where = f"backend={chosen}, model={type(unwrap(model)).__name__}, dtype={dtype}"
-    advice = ("Try backend 'masked' (the plain reference backend) to tell a backend fault from a layout fault; skip "
-              "this check only if you accept training on log-probs that may be wrong.")
     if comparison is not None:
         if not comparison.passes():
             raise GroupingMismatchError(
                 f"grouped log-probs are further from a float32 forward of the same weights than repeated ones: "
-                f"{comparison.describe()} ({where}). {advice}")
+                f"{comparison.describe()} ({where})." + _diagnosis(model, prompts, completion_ids, completion_mask,
+                                                                 group_sizes, backend=backend, families=families,
+                                                                 dtype=dtype))
         return result
     bound = atol + rtol * repeated.abs()
     if bool((diff > bound).any()):
         n, j = divmod(int((diff - bound).argmax()), diff.shape[1])
         raise GroupingMismatchError(
             f"grouped and repeated log-probs differ by {float(diff.max()):.3g} (completion {n}, token {j}; "
-            f"rtol={rtol}, atol={atol}; {where}). {advice}"
-        )
+            f"rtol={rtol}, atol={atol}; {where})." + _diagnosis(model, prompts, completion_ids, completion_mask,
+                                                              group_sizes, backend=backend, families=families,
+                                                              dtype=dtype))
     return result
+
+
+def _diagnosis(model, prompts, completion_ids, completion_mask, group_sizes, *, backend, families, dtype) -> str:
+    """After a failed check: which layer kind differed (each decoder layer's token mixer compared at the completion
+    tokens, ``precision.differing_layers``) and the advice that fits it."""
+    from app.grouping.precision import describe_layers, differing_layers
+
+    previous = text_config(model)._attn_implementation
+    sharing = families is not None and any(size > 1 for size in families)
+    layout = family_layout(model, prompts, completion_mask, group_sizes, families if sharing else None)[0]
+    try:
+        with torch.no_grad():
+            found = differing_layers(
+                model,
+                lambda: completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped",
+                                            backend=backend, families=families),
+                lambda: completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "repeated"),
+                layout, prompts["input_ids"].shape[1])
+    except Exception as error:  # the diagnosis must never hide the mismatch itself
+        found, text = [], f" (the layer-by-layer diagnosis failed: {error})"
+    else:
+        text = ""
+    finally:
+        set_text_attention(model, previous)
+    sentence, kind = describe_layers(found, dtype)
+    if kind == "linear_attention":
+        advice = (" The attention backend cannot change a Gated DeltaNet layer: its segments' recurrent states or "
+                  "conv inputs were handed on wrongly (app.grouping.recurrent). Train with forward.grouping=repeated "
+                  "until it is fixed, or skip this check only if you accept training on log-probs that may be wrong.")
+    else:
+        advice = (" Try backend 'masked' (the plain reference backend) to tell a backend fault from a layout fault; "
+                  "skip this check only if you accept training on log-probs that may be wrong.")
+    return sentence + text + advice

@@ -20,12 +20,16 @@ def text_config(model):
 
 def set_text_attention(model, name: str) -> None:
     """Switch the language model's attention implementation (the vision tower keeps its own): ``"sdpa"`` for
-    ordinary batches, ``attention.ATTENTION_NAME`` for grouped rows (registered on first use)."""
+    ordinary batches, ``attention.ATTENTION_NAME`` for grouped rows (registered on first use; a hybrid model's
+    linear-attention layers then read the same plan: ``recurrent.layer.install``)."""
     model = unwrap(model)
     if text_config(model)._attn_implementation == name:
         return
     if name == attention.ATTENTION_NAME:
         attention.register()
+        from app.grouping.recurrent.layer import install
+
+        install(model, attention.PLAN_KWARG)  # Gated DeltaNet layers read the same plan (none elsewhere)
     if getattr(model.config, "vision_config", None) is not None:
         model.set_attn_implementation({"text_config": name})
     else:

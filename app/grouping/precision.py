@@ -137,3 +137,77 @@ def compare_to_reference(grouped: torch.Tensor, repeated: torch.Tensor, referenc
     repeated_err = (repeated.float() - reference.float()).abs()[mask]
     return PrecisionComparison(float(grouped_err.mean()), float(repeated_err.mean()), float(grouped_err.max()),
                                float(repeated_err.max()), int(mask.sum()))
+
+
+# ---- which layer kind differs (the self-check's diagnosis) ----------------------------------------------------------
+LAYER_KINDS = {"full_attention": "attention", "linear_attention": "Gated DeltaNet linear attention"}
+
+
+def decoder_layers(model) -> list[tuple[int, str, torch.nn.Module]]:
+    """(index, kind, token mixer) of each decoder layer: ``full_attention`` (``self_attn``) or, in a hybrid model,
+    ``linear_attention`` (``linear_attn``), as the text config's ``layer_types`` says."""
+    inner = unwrap(model)
+    body = getattr(inner, "model", inner)
+    body = getattr(body, "language_model", body)
+    config = getattr(inner.config, "text_config", None) or inner.config
+    kinds = getattr(config, "layer_types", None)
+    out = []
+    for i, layer in enumerate(body.layers):
+        kind = kinds[i] if kinds else "full_attention"
+        mixer = layer.linear_attn if kind == "linear_attention" else layer.self_attn
+        out.append((i, kind, mixer))
+    return out
+
+
+def differing_layers(model, run_grouped, run_repeated, layout, prompt_width: int) -> list[tuple[int, str, float]]:
+    """Run both layouts once more with each decoder layer's token mixer recorded; per layer (index, kind, largest
+    |grouped - repeated| over the completion tokens relative to the largest |repeated|). ``layout``: the grouped
+    row's ``GroupLayout``; the repeated rows hold completion n's token j at ``prompt_width + j``."""
+    outputs: dict[str, list] = {"grouped": [], "repeated": []}
+    layers = decoder_layers(model)
+    current: list = []
+
+    def record(module, args, output):
+        current.append((output[0] if isinstance(output, tuple) else output).detach().float())
+
+    handles = [mixer.register_forward_hook(record) for _, _, mixer in layers]
+    try:
+        for name, run in (("grouped", run_grouped), ("repeated", run_repeated)):
+            current.clear()
+            run()
+            outputs[name] = list(current)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if len(outputs["grouped"]) != len(layers) or len(outputs["repeated"]) != len(layers):
+        return []
+    rows, cols = [], []
+    for n, length in enumerate(layout.completion_lens):
+        rows += [n] * length
+        cols += list(range(length))
+    grouped_at = torch.cat([torch.arange(s, s + n) for s, n in zip(layout.response_starts, layout.completion_lens)])
+    out = []
+    for (i, kind, _), g, r in zip(layers, outputs["grouped"], outputs["repeated"]):
+        mine = g[0].index_select(0, grouped_at.to(g.device))
+        theirs = r[torch.tensor(rows, device=r.device), prompt_width + torch.tensor(cols, device=r.device)]
+        out.append((i, kind, float((mine - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30))))
+    return out
+
+
+def describe_layers(differences: list[tuple[int, str, float]], dtype: torch.dtype) -> tuple[str, str | None]:
+    """A sentence naming the first layer whose output differs (relative 1e-4 in float32, 5e-2 below), with the
+    largest difference per layer kind; and that layer's kind (None when none stands out)."""
+    if not differences:
+        return "", None
+    bound = 1e-4 if dtype == torch.float32 else 5e-2
+    first = next(((i, kind, d) for i, kind, d in differences if d > bound), None)
+    worst = {}
+    for i, kind, d in differences:
+        if kind not in worst or d > worst[kind][1]:
+            worst[kind] = (i, d)
+    per_kind = "; ".join(f"{LAYER_KINDS.get(k, k)} layers at most {d:.3g} (layer {i})" for k, (i, d) in worst.items())
+    if first is None:
+        return f" Layer by layer (token-mixer outputs at the completion tokens): {per_kind}.", None
+    i, kind, d = first
+    return (f" The first layer whose output differs is layer {i}, a {LAYER_KINDS.get(kind, kind)} layer "
+            f"({kind}): relative difference {d:.3g} at the completion tokens; {per_kind}.", kind)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from app.grouping import attention
+from app.grouping.collectives import SumScored, exchange
 from app.grouping.families import check_shared_positions, family_layout
 from app.grouping.layout import GroupLayout, LayoutError
 from app.grouping.modules import patched, set_text_attention, text_config, unwrap
@@ -61,8 +62,9 @@ class SequenceParallel:
 
 
 def check_heads(config, size: int) -> None:
-    """Refuse, before any work, a model whose attention heads cannot be shared out over ``size`` ranks: query heads
-    must divide by S, and KV heads too or S by them (each KV head then repeated)."""
+    """Refuse, before any work, a model whose heads cannot be shared out over ``size`` ranks: query heads must
+    divide by S, and KV heads too or S by them (each KV head then repeated); a hybrid model's linear-attention
+    (Gated DeltaNet) key heads and value heads must each divide by S (``recurrent.layer``: Ulysses over them)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -70,61 +72,12 @@ def check_heads(config, size: int) -> None:
         raise ValueError(f"sequence parallelism over {size} ranks needs the {heads} query heads divisible by {size} "
                          f"and the {kv_heads} KV heads divisible by it or dividing it; this model has "
                          f"{heads} query heads and {kv_heads} KV heads (train.sequence_parallel_size={size})")
-
-
-# ---- collectives with the gradients each one needs -----------------------------------------------------------
-
-
-def _exchange(pieces: list[torch.Tensor], receive_lens: list[int], dim: int, sp: SequenceParallel) -> list[torch.Tensor]:
-    """all-to-all of ``pieces`` (piece j to rank j) that may differ in length along ``dim``: padded to the
-    longest for the exchange (gloo needs equal sizes), cut back to ``receive_lens[j]`` on arrival. Differentiable."""
-    longest = max(max(p.shape[dim] for p in pieces), max(receive_lens))
-
-    def pad(x):
-        if x.shape[dim] == longest:
-            return x.contiguous()
-        shape = list(x.shape)
-        shape[dim] = longest - x.shape[dim]
-        return torch.cat([x, x.new_zeros(shape)], dim=dim).contiguous()
-
-    got = _AllToAll.apply(sp.group, *[pad(p) for p in pieces])
-    return [g.narrow(dim, 0, n) for g, n in zip(got, receive_lens)]
-
-
-class _AllToAll(torch.autograd.Function):
-    """Piece j to rank j of ``group``, on any backend (``dist.all_to_all``: gloo runs it too). torch's own
-    ``torch.distributed.nn.functional.all_to_all`` plays it with ``scatter`` under gloo and passes group ranks
-    where global ones are due, so it fails in any group but the one holding rank 0 (two replicas of S = 2)."""
-
-    @staticmethod
-    def forward(ctx, group, *pieces):
-        ctx.group = group
-        out = [torch.empty_like(p) for p in pieces]
-        dist.all_to_all(out, list(pieces), group=group)
-        return tuple(out)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        back = [torch.empty_like(g) for g in grads]
-        dist.all_to_all(back, [g.contiguous() for g in grads], group=ctx.group)
-        return (None, *back)
-
-
-class _SumScored(torch.autograd.Function):
-    """Forward: the SP group's sum of tensors that are each zero except where their own rank scored (so every
-    rank holds all values). Backward: the incoming gradient as it is (times ``scale``), since every rank computes
-    the same loss from the sum and each rank's part only reaches the entries it scored."""
-
-    @staticmethod
-    def forward(ctx, x, group, scale=1.0):
-        ctx.scale = scale
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad * ctx.scale if ctx.scale != 1.0 else grad), None, None
+    if "linear_attention" in (getattr(text, "layer_types", None) or ()):
+        key, value = text.linear_num_key_heads, text.linear_num_value_heads
+        if key % size or value % size:
+            raise ValueError(f"sequence parallelism over {size} ranks shares out the Gated DeltaNet layers' heads: "
+                             f"their {key} key heads and {value} value heads must each divide by {size} "
+                             f"(train.sequence_parallel_size={size})")
 
 
 # ---- attention -------------------------------------------------------------------------------------------------
@@ -157,11 +110,11 @@ class SequenceParallelPlan:
         mine = lengths[self.sp.rank]
 
         def to_heads(x):  # [1, h, t_mine, D] -> [1, h/S, T, D]
-            return torch.cat(_exchange(list(x.chunk(size, dim=1)), lengths, 2, self.sp), dim=2)
+            return torch.cat(exchange(list(x.chunk(size, dim=1)), lengths, 2, self.sp), dim=2)
 
         out = attention.grouped_attention(self.inner, to_heads(query), to_heads(key), to_heads(value), scale,
                                           dropout)
-        back = _exchange(list(out.split(lengths, dim=2)), [mine] * size, 2, self.sp)
+        back = exchange(list(out.split(lengths, dim=2)), [mine] * size, 2, self.sp)
         return torch.cat(back, dim=1)
 
 
@@ -270,7 +223,7 @@ def _sequence_parallel_forward(model, prompts, completion_ids, layout: GroupLayo
         chosen = logp.gather(-1, targets[here][:, None])[:, 0]
         mine = -(logp.exp() * logp).sum(-1).detach()
     scored = chosen.new_zeros(predict.shape[0]).masked_scatter(here, chosen)
-    logprobs = layout.unpack_completion_tokens(_SumScored.apply(scored, sp.group, sp.grad_scale))
+    logprobs = layout.unpack_completion_tokens(SumScored.apply(scored, sp.group, sp.grad_scale))
     entropy = None
     if return_entropy:
         with torch.no_grad():

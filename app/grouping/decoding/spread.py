@@ -21,7 +21,7 @@ head is held by S / Hkv ranks). Then, per family (``spread_prefill``):
 Every rank thus holds 1/S of the video's, the questions' and the samples' K/V (when S divides the KV heads), runs
 1/S of the tower and 1/S of every prefill's positions through the layers, and the same sampled tokens come out on
 every rank (the same logits, the same seeded draws). Why Ulysses and not ring attention: the exchange is the one the
-training forward already uses (``sequence_parallel._exchange``), its work is balanced by construction (each rank
+training forward already uses (``collectives.exchange``), its work is balanced by construction (each rank
 1/S of every chunk's positions and of every head's attention), and the K/V it leaves by heads is what a decode step
 reads without moving keys; its cost is that S may not exceed the query heads (the training forward's own limit).
 """
@@ -34,10 +34,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from app.grouping.collectives import exchange
 from app.grouping.decoding.cache import GroupedKVCache, decode_attention
 from app.grouping.decoding.prefill import PrefillChunk, _language_model, prefill_chunk_attention
 from app.grouping.decoding.shared import QuestionPrefill, SharedRoots, _left_padded, rollout_roots
-from app.grouping.sequence_parallel import SequenceParallel, _exchange, shard_bounds
+from app.grouping.sequence_parallel import SequenceParallel, shard_bounds
 
 
 def head_share(sp: SequenceParallel, heads: int, kv_heads: int) -> tuple[slice, slice]:
@@ -60,13 +61,13 @@ def gather_heads(local: torch.Tensor, sp: SequenceParallel, dim: int) -> torch.T
 
 def _to_heads(x: torch.Tensor, sp: SequenceParallel, lengths: list[int]) -> torch.Tensor:
     """[B, h, t_mine, D] (all heads, this rank's positions) -> [B, h / S, T, D] (this rank's heads, all)."""
-    return torch.cat(_exchange(list(x.chunk(sp.size, dim=1)), lengths, 2, sp), dim=2)
+    return torch.cat(exchange(list(x.chunk(sp.size, dim=1)), lengths, 2, sp), dim=2)
 
 
 def _to_positions(x: torch.Tensor, sp: SequenceParallel, lengths: list[int]) -> torch.Tensor:
     """The inverse of ``_to_heads``: [B, h / S, T, D] -> [B, h, t_mine, D]."""
     mine = lengths[sp.rank]
-    return torch.cat(_exchange(list(x.split(lengths, dim=2)), [mine] * sp.size, 2, sp), dim=1)
+    return torch.cat(exchange(list(x.split(lengths, dim=2)), [mine] * sp.size, 2, sp), dim=1)
 
 
 @dataclass

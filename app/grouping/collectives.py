@@ -1,0 +1,62 @@
+"""Collectives of a sequence-parallel group with the gradients each one needs: an all-to-all of pieces that may
+differ in length (``exchange``, Ulysses' turn of sequence shards into head shards and back, for attention and for
+Gated DeltaNet layers alike) and the sum of per-rank scores (``SumScored``). ``sp`` is a
+``sequence_parallel.SequenceParallel`` (its ``group``); this module imports nothing of the grouping core.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def exchange(pieces: list[torch.Tensor], receive_lens: list[int], dim: int, sp) -> list[torch.Tensor]:
+    """all-to-all of ``pieces`` (piece j to rank j) that may differ in length along ``dim``: padded to the
+    longest for the exchange (gloo needs equal sizes), cut back to ``receive_lens[j]`` on arrival. Differentiable."""
+    longest = max(max(p.shape[dim] for p in pieces), max(receive_lens))
+
+    def pad(x):
+        if x.shape[dim] == longest:
+            return x.contiguous()
+        shape = list(x.shape)
+        shape[dim] = longest - x.shape[dim]
+        return torch.cat([x, x.new_zeros(shape)], dim=dim).contiguous()
+
+    got = AllToAll.apply(sp.group, *[pad(p) for p in pieces])
+    return [g.narrow(dim, 0, n) for g, n in zip(got, receive_lens)]
+
+
+class AllToAll(torch.autograd.Function):
+    """Piece j to rank j of ``group``, on any backend (``dist.all_to_all``: gloo runs it too). torch's own
+    ``torch.distributed.nn.functional.all_to_all`` plays it with ``scatter`` under gloo and passes group ranks
+    where global ones are due, so it fails in any group but the one holding rank 0 (two replicas of S = 2)."""
+
+    @staticmethod
+    def forward(ctx, group, *pieces):
+        ctx.group = group
+        out = [torch.empty_like(p) for p in pieces]
+        dist.all_to_all(out, list(pieces), group=group)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        back = [torch.empty_like(g) for g in grads]
+        dist.all_to_all(back, [g.contiguous() for g in grads], group=ctx.group)
+        return (None, *back)
+
+
+class SumScored(torch.autograd.Function):
+    """Forward: the SP group's sum of tensors that are each zero except where their own rank scored (so every
+    rank holds all values). Backward: the incoming gradient as it is (times ``scale``), since every rank computes
+    the same loss from the sum and each rank's part only reaches the entries it scored."""
+
+    @staticmethod
+    def forward(ctx, x, group, scale=1.0):
+        ctx.scale = scale
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad * ctx.scale if ctx.scale != 1.0 else grad), None, None

@@ -1,0 +1,358 @@
+"""Gated DeltaNet layers (Qwen3.5) in a packed row (app/grouping/recurrent/): each segment continues its parent's
+recurrent state and conv inputs, never a sibling's. The layer alone on random segment trees against every path run
+on its own through transformers' own layer (outputs and every gradient); the segments each layout yields; the
+varlen (flash-linear-attention) wiring through stand-ins of fla's signatures; the whole model grouped against
+repeated (video, image and text prompts, checkpointing, families, trees, chunked log-probs); the self-check naming
+the layer kind that differed; sequence parallelism's head split; the refused variants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from app.grouping import GroupLayout, completion_logprobs, verify_grouping
+from app.grouping.recurrent import kernels as recurrent_kernels
+from app.grouping.recurrent.layer import grouped_linear_attention, head_slices, linear_attention_layers
+from app.grouping.recurrent.segments import Segments, layout_segments, tree_segments
+from app.runtime.models import TinySizes, build_tokenizer, tiny_config
+from tests.helpers import (
+    exact_delta_rule,
+    fla_conv_stand_in,
+    fla_rule_stand_in,
+    load,
+    max_rel_diff,
+    prompt_batch,
+    random_completions,
+    run_and_grad,
+    tokenizer_of,
+)
+
+LOGPROB_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+
+
+def gdn_layer(dtype=torch.float32, scale: float | None = None, seed: int = 0):
+    """One Qwen3.5 GDN layer of the tiny config (4 key heads, 8 value heads, head dim 16, conv width 4)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    torch.manual_seed(seed)
+    config = tiny_config("qwen3_5", build_tokenizer()).text_config
+    layer = Qwen3_5GatedDeltaNet(config, 0).to(dtype)
+    if scale:
+        with torch.no_grad():
+            for p in layer.parameters():
+                if p.ndim >= 2:
+                    p.normal_(0.0, scale)
+    return layer
+
+
+def random_tree_segments(rng: random.Random, roots: int = 2) -> Segments:
+    """Several trees one after another: each a root and 1-5 nodes, each node continuing a random earlier node of
+    its tree (or the root); lengths 1-7, so 1- and 2-token nodes make the conv reach past their parent."""
+    starts, lengths, parents = [], [], []
+    cursor = 0
+    for _ in range(roots):
+        root = len(starts)
+        members = [root]
+        starts.append(cursor)
+        lengths.append(rng.randint(3, 9))
+        parents.append(-1)
+        cursor += lengths[-1]
+        chosen = [(1, root), (2, root + 1)] if root == 0 else []  # a 1-token node and its 2-token child: the conv
+        for i in range(rng.randint(2, 5)):                        # of the child reaches two segments back
+            length, parent = chosen[i] if i < len(chosen) else (rng.choice([1, 1, 2, 3, 5, 7]), rng.choice(members))
+            starts.append(cursor)
+            lengths.append(length)
+            parents.append(parent)
+            members.append(len(starts) - 1)
+            cursor += length
+    return Segments(tuple(starts), tuple(lengths), tuple(parents), cursor)
+
+
+def paths_of(segments: Segments) -> list[list[int]]:
+    parents = set(segments.parents)
+    out = []
+    for leaf in (s for s in range(len(segments.parents)) if s not in parents):
+        path, s = [], leaf
+        while s >= 0:
+            path.append(s)
+            s = segments.parents[s]
+        out.append(path[::-1])
+    return out
+
+
+def layer_against_paths(layer, segments: Segments, dtype):
+    """(grouped output, its gradients) and (per-path outputs through transformers' own layer, their gradients):
+    each segment's loss term counted once (on the first path through it), so both gradients are the same sum."""
+    hidden = layer.hidden_size
+    x = torch.randn(1, segments.total, hidden, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(1, segments.total, hidden, dtype=dtype, generator=torch.Generator().manual_seed(2))
+
+    def span(s):
+        return slice(segments.starts[s], segments.starts[s] + segments.lengths[s])
+
+    mine = x.clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    out = grouped_linear_attention(layer, mine, segments)
+    (out * weights).sum().backward()
+    grouped = (out.detach(), mine.grad.clone(), {n: p.grad.clone() for n, p in layer.named_parameters()})
+
+    theirs = x.clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    counted, outputs = set(), {}
+    for path in paths_of(segments):
+        row = torch.cat([theirs[:, span(s)] for s in path], dim=1)
+        result = type(layer).forward(layer, row)  # transformers' own layer on [path] alone
+        cursor, loss = 0, 0
+        for s in path:
+            piece = result[:, cursor:cursor + segments.lengths[s]]
+            outputs.setdefault(s, piece.detach())
+            assert torch.allclose(outputs[s], piece.detach(), rtol=1e-9, atol=1e-12)  # paths agree on a segment
+            if s not in counted:
+                counted.add(s)
+                loss = loss + (piece * weights[:, span(s)]).sum()
+            cursor += segments.lengths[s]
+        loss.backward()
+    reference = torch.cat([outputs[s] for s in sorted(outputs, key=lambda s: segments.starts[s])], dim=1)
+    return grouped, (reference, theirs.grad.clone(), {n: p.grad.clone() for n, p in layer.named_parameters()})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_layer_on_random_segment_trees_equals_every_path_on_its_own(seed):
+    """float64 and the delta rule of its own definition on both sides: exact but for rounding (RMSNorm computes in
+    float32) in the output, the input's gradient (every segment's, so every handed-on state and conv input) and
+    every parameter's: the projections, the conv, A_log, dt_bias, the norm."""
+    segments = random_tree_segments(random.Random(seed))
+    layer = gdn_layer(torch.float64, scale=0.1, seed=seed)
+    with exact_delta_rule():
+        (out, x_grad, grads), (ref, ref_x_grad, ref_grads) = layer_against_paths(layer, segments, torch.float64)
+    assert max_rel_diff(out, ref) <= 1e-6
+    assert max_rel_diff(x_grad, ref_x_grad) <= 1e-6
+    assert set(grads) == {"dt_bias", "A_log", "conv1d.weight", "norm.weight", "out_proj.weight", "in_proj_qkv.weight",
+                          "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"}
+    for name in grads:
+        assert max_rel_diff(grads[name], ref_grads[name]) <= 1e-6, name
+    assert min(segments.lengths) == 1 and max(segments.depths) >= 2  # 1-token nodes, grandchildren: the conv's tail
+
+
+def test_the_layer_through_transformers_chunked_kernel_is_within_its_rounding():
+    """float32, transformers' own chunked torch kernel on both sides (what runs on CPU): within 1e-5 / 1e-4 at the
+    model's initial scale (the chunks fall elsewhere in the two layouts, so only rounding separates them)."""
+    segments = random_tree_segments(random.Random(7))
+    layer = gdn_layer(torch.float32, seed=7)
+    (out, x_grad, grads), (ref, ref_x_grad, ref_grads) = layer_against_paths(layer, segments, torch.float32)
+    assert max_rel_diff(out, ref) <= LOGPROB_RTOL
+    assert max_rel_diff(x_grad, ref_x_grad) <= GRAD_RTOL
+    worst = max(grads, key=lambda n: max_rel_diff(grads[n], ref_grads[n]))
+    assert max_rel_diff(grads[worst], ref_grads[worst]) <= 5 * GRAD_RTOL, worst  # A_log / dt_bias: sums of many terms
+
+
+def test_a_shared_state_receives_the_gradient_of_every_continuation(monkeypatch):
+    """The prompt's final state, handed to its three responses, gets the sum of the gradients that each response's
+    recurrence, run alone from a copy of that state, gives it (the loss on the responses only: the prompt's own
+    last output reads its final state too)."""
+    segments = Segments((0, 6, 9, 13), (6, 3, 4, 2), (-1, 0, 0, 0), 15)
+    layer = gdn_layer(torch.float64, scale=0.1)
+    seen = []
+    real = recurrent_kernels.TorchKernels.rule
+
+    def spy(self, q, k, v, *, g, beta, initial_state, index):
+        initial = initial_state
+        out, final = real(self, q, k, v, g=g, beta=beta, initial_state=initial, index=index)
+        (final if initial is None else out).retain_grad()
+        seen.append(((q, k, v, g, beta), initial, out, final))
+        return out, final
+
+    monkeypatch.setattr(recurrent_kernels.TorchKernels, "rule", spy)
+    x = torch.randn(1, 15, layer.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with exact_delta_rule():
+        (grouped_linear_attention(layer, x, segments)[:, 6:] ** 2).sum().backward()
+        (_, _, _, prompt_final), ((q, k, v, g, beta), initial, out, _) = seen
+        assert initial.shape[0] == 3  # one call for the three responses, each from the prompt's state
+        expected = torch.zeros_like(prompt_final[0])
+        for row in range(3):
+            state = prompt_final[0].detach().clone().requires_grad_()
+            piece, _ = recurrent_kernels.torch_chunk_rule()(
+                q[row:row + 1].detach(), k[row:row + 1].detach(), v[row:row + 1].detach(), g=g[row:row + 1].detach(),
+                beta=beta[row:row + 1].detach(), initial_state=state[None], output_final_state=True,
+                use_qk_l2norm_in_kernel=True)
+            piece.backward(out.grad[row:row + 1])
+            expected += state.grad
+    assert prompt_final.grad is not None and expected.abs().max() > 0
+    assert torch.allclose(prompt_final.grad[0], expected, rtol=1e-9, atol=1e-12)
+
+
+def test_each_layout_says_whose_state_each_segment_continues():
+    """A group: P from nothing, each response from P. A family sharing a video: V, then each question from V and
+    its responses from the question. A prefix tree: each node from its parent node. The conv's inputs in front of a
+    segment walk up its path past short parents, zeros past the root."""
+    plain = GroupLayout((2, 1), (5, 4), (3, 1, 2), 6, 3)
+    assert layout_segments(plain) == Segments((0, 5, 8, 9, 13), (5, 3, 1, 4, 2), (-1, 0, 0, -1, 3), 15)
+    family = GroupLayout((1, 2), (7, 9), (2, 3, 1), 9, 3, families=(2,), shared_lens=(4,))
+    seg = layout_segments(family)  # [V:4; Q1:3; R:2; Q2:5; R:3; R:1]
+    assert seg.parents == (-1, 0, 1, 0, 3, 3) and seg.lengths == (4, 3, 2, 5, 3, 1)
+    assert seg.levels == ((0,), (1, 3), (2, 4, 5))
+    tiny = Segments((0, 4, 5, 7), (4, 1, 2, 3), (-1, 0, 1, 2), 10)  # root 4, a 1-token node, 2 tokens, 3 tokens
+    assert tiny.path_before(2, 3) == [2, 3, 4]  # node 1's one token, then past it into the root
+    assert tiny.path_before(3, 3) == [4, 5, 6] and tiny.path_before(1, 3) == [1, 2, 3]
+    assert Segments((0, 2), (2, 3), (-1, 0), 5).path_before(1, 3) == [-1, 0, 1]  # zeros before the root
+
+    class Node:
+        def __init__(self, parent):
+            self.parent = parent
+
+    class Tree:
+        prompt_len, nodes, starts, lengths, total_len = 3, [Node(-1), Node(0), Node(-1)], [3, 5, 6], [2, 1, 4], 10
+
+    assert tree_segments([Tree(), Tree()]).parents == (-1, 0, 1, 0, -1, 4, 5, 4)
+    with pytest.raises(ValueError, match="tile the row"):
+        Segments((0, 3), (2, 3), (-1, 0), 6)
+
+
+def test_the_varlen_kernels_wiring_equals_the_padded_torch_path(monkeypatch):
+    """flash-linear-attention's varlen calls (played by stand-ins of their signatures: ``initial_state`` [N, C, W]
+    for the conv, [N, HV, K, V] for the delta rule, ``cu_seqlens``) give the padded torch path's outputs and
+    gradients; the conv's initial state holds each segment's path inputs in its last W - 1 columns."""
+    segments = random_tree_segments(random.Random(3))
+    layer = gdn_layer(torch.float64, scale=0.1)
+    x = torch.randn(1, segments.total, layer.hidden_size, dtype=torch.float64)
+    calls = []
+
+    def conv(x, **kwargs):
+        calls.append(("conv", kwargs["initial_state"].shape, kwargs["cu_seqlens"].tolist()))
+        return fla_conv_stand_in(x, **kwargs)
+
+    results = []
+    with exact_delta_rule():
+        for kernels in (recurrent_kernels.TorchKernels(), recurrent_kernels.FlaKernels(conv=conv,
+                                                                                        rule=fla_rule_stand_in)):
+            monkeypatch.setattr(recurrent_kernels, "level_kernels", lambda device, k=kernels: k)
+            import app.grouping.recurrent.layer as layer_module
+
+            monkeypatch.setattr(layer_module, "level_kernels", lambda device, k=kernels: k)
+            mine = x.clone().requires_grad_()
+            layer.zero_grad(set_to_none=True)
+            out = grouped_linear_attention(layer, mine, segments)
+            (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+            results.append((out.detach(), mine.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}))
+    (a, ax, ag), (b, bx, bg) = results
+    assert max_rel_diff(b, a) <= 1e-10 and max_rel_diff(bx, ax) <= 1e-10
+    assert all(max_rel_diff(bg[n], ag[n]) <= 1e-10 for n in ag)
+    width, channels = layer.conv_kernel_size, layer.conv_dim
+    assert [c[1] for c in calls] == [(len(level), channels, width) for level in segments.levels]
+    assert calls[0][2][-1] == sum(segments.lengths[s] for s in segments.levels[0])
+
+
+def test_sequence_parallel_ranks_hold_blocks_of_key_and_value_heads():
+    """Rank r of S holds key heads r*Hk/S.. and value heads r*Hv/S.. (value head j reads key head j / (Hv/Hk)):
+    its conv channels are those heads' q, k and v channels; S must divide both head counts (named)."""
+    layer = gdn_layer()
+    channels, heads = head_slices(layer, 1, 2)  # 4 key heads, 8 value heads, head dim 16
+    assert heads == slice(4, 8)
+    assert channels.tolist() == [*range(32, 64), *range(64 + 32, 64 + 64), *range(128 + 64, 128 + 128)]
+    with pytest.raises(ValueError, match="4 linear key heads and 8 value heads.*3"):
+        head_slices(layer, 0, 3)
+    from app.grouping.sequence_parallel import check_heads
+
+    config = tiny_config("qwen3_5", build_tokenizer(), TinySizes(linear_heads=(2, 4, 16)))
+    check_heads(config, 2)
+    with pytest.raises(ValueError, match="Gated DeltaNet.*2 key heads and 4 value heads.*sequence_parallel_size=4"):
+        check_heads(config, 4)
+
+
+def qwen3_5_case(checkpoints, videos, kinds=("video", "image", "text"), sharpen="family", seed=5):
+    model, processor = load("qwen3_5", checkpoints, sharpen=sharpen)
+    prompts = prompt_batch("qwen3_5", processor, videos, list(kinds))
+    rng = random.Random(seed)
+    sizes = [rng.randint(1, 3) for _ in kinds]
+    lengths = [rng.randint(1, 14) for _ in range(sum(sizes))]
+    tok = tokenizer_of(processor)
+    ids, mask = random_completions(lengths, min(len(tok), tok.vocab_size), tok.pad_token_id, seed=seed)
+    return model, prompts, ids, mask, sizes
+
+
+def shifted(prompts, pad_id: int, by: int = 17) -> dict:
+    """The same prompts with ``by`` more pad tokens on the left: the same rows, their chunks elsewhere."""
+    out = dict(prompts)
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        if key in prompts:
+            fill = pad_id if key == "input_ids" else 0
+            out[key] = torch.cat([torch.full((prompts[key].shape[0], by), fill, dtype=prompts[key].dtype),
+                                  prompts[key]], dim=1)
+    return out
+
+
+def test_the_model_as_users_run_it_on_cpu_is_within_transformers_own_rounding(tiny_checkpoints, videos):
+    """transformers' own chunked kernel in both layouts (nothing patched): grouped differs from repeated by no more
+    than repeated differs from itself when its prompts move by 17 pad tokens (the kernel's chunks fall elsewhere:
+    7e-5 in log-probs and 4e-4 in gradients at std-0.2 weights), log-probs and every gradient."""
+    model, prompts, ids, mask, sizes = qwen3_5_case(tiny_checkpoints, videos, sharpen=0.2)
+    pad = tokenizer_of(load("qwen3_5", tiny_checkpoints, sharpen=None)[1]).pad_token_id
+    lp, _, grads = run_and_grad(model, prompts, ids, mask, sizes, "grouped")
+    ref_lp, _, ref_grads = run_and_grad(model, prompts, ids, mask, sizes, "repeated")
+    moved_lp, _, moved_grads = run_and_grad(model, shifted(prompts, pad), ids, mask, sizes, "repeated")
+    spread = max_rel_diff(moved_lp, ref_lp)
+    assert 0 < spread < 1e-3 and max_rel_diff(lp, ref_lp) <= max(LOGPROB_RTOL, 2 * spread)
+    for name in ref_grads:
+        own = max_rel_diff(moved_grads[name], ref_grads[name])
+        assert max_rel_diff(grads[name], ref_grads[name]) <= max(GRAD_RTOL, 2 * own), name
+    assert any("linear_attn.A_log" in n for n in grads) and any(".visual." in n for n in grads)
+
+
+def test_the_self_check_passes_on_qwen3_5_and_names_the_gdn_layer_when_broken(tiny_checkpoints, videos, monkeypatch):
+    """float32 and bfloat16 self-checks pass; with the GDN layers left to transformers (one recurrence across the
+    packed row: the bug this package fixes) the check stops the run and names layer 0, a Gated DeltaNet layer, and
+    says the attention backend cannot help."""
+    from app.grouping import GroupingMismatchError
+    from app.grouping.recurrent import layer as layer_module
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model, prompts, ids, mask, sizes = qwen3_5_case(tiny_checkpoints, videos, ("video", "text"), sharpen=None)
+        model = model.to(dtype)
+        for key in ("pixel_values", "pixel_values_videos"):
+            if key in prompts:
+                prompts[key] = prompts[key].to(dtype)
+        assert verify_grouping(model, prompts, ids, mask, sizes).dtype == dtype
+    model, prompts, ids, mask, sizes = qwen3_5_case(tiny_checkpoints, videos, ("video", "text"), sharpen=None)
+    monkeypatch.setattr(layer_module, "install", lambda model, kwarg: 0)
+    with pytest.raises(GroupingMismatchError) as failure:
+        verify_grouping(model, prompts, ids, mask, sizes)
+    text = str(failure.value)
+    assert "layer 0, a Gated DeltaNet linear attention layer (linear_attention)" in text
+    assert "cannot change a Gated DeltaNet layer" in text and "Try backend 'masked'" not in text
+
+
+def test_the_grouped_forward_runs_each_prompts_gdn_once(tiny_checkpoints, videos, monkeypatch):
+    """Each GDN layer's recurrence sees every prompt token once (the level of prompts), then every response token
+    once; the repeated layout runs the prompt once per response."""
+    model, prompts, ids, mask, sizes = qwen3_5_case(tiny_checkpoints, videos, ("video", "text"), sharpen=None)
+    tokens = []
+    real = recurrent_kernels.TorchKernels.rule
+
+    def count(self, q, k, v, *, g, beta, initial_state, index):
+        tokens.append(int(index.valid.sum()))
+        return real(self, q, k, v, g=g, beta=beta, initial_state=initial_state, index=index)
+
+    monkeypatch.setattr(recurrent_kernels.TorchKernels, "rule", count)
+    with torch.no_grad():
+        completion_logprobs(model, prompts, ids, mask, sizes)
+    layers = len(linear_attention_layers(model))
+    assert layers == 3 and len(tokens) == 2 * layers
+    assert tokens[:2] == [int(prompts["attention_mask"].sum()), int(mask.sum())]
+
+
+def test_a_moe_variant_is_refused_at_start_up_by_name(tmp_path):
+    """qwen3_5_moe (and Qwen3-Next) checkpoints stop train, SFT, evaluation and the judge before anything loads."""
+    import json
+
+    from app.runtime.models import CheckpointPathError, check_checkpoint
+
+    for model_type in ("qwen3_5_moe", "qwen3_next"):
+        folder = tmp_path / model_type
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+        (folder / "model.safetensors").write_bytes(b"")
+        with pytest.raises(CheckpointPathError, match=f"is a {model_type} checkpoint, which this trainer refuses"):
+            check_checkpoint(folder)
