@@ -12,13 +12,15 @@ from app.rollout.generate import SamplingConfig, generate_groups
 from tests.helpers import load, prompt_batch, tokenizer_of
 
 KINDS = {"qwen2": ["text", "text"], "qwen2_vl": ["video", "text"], "qwen2_5_vl": ["text", "video+image"],
-         "qwen3_vl": ["video", "image+video"]}
+         "qwen3_vl": ["video", "image+video"], "qwen3_5": ["video", "image+video"]}
 
 
 def prefill(model, prompts, sizes, chunk):
+    """The first logits, the attention layers' K/V and (Qwen3.5) each sample's GDN conv tail and state."""
     decoder = GroupedDecoder(model, prompts, sizes, 4, prefill_chunk_size=chunk)
     try:
-        return decoder.logits, [(k.clone(), v.clone()) for k, v in decoder.cache.prefix]
+        states = [(c.clone(), s.clone()) for c, s in decoder.cache.recurrent.layers.values()]
+        return decoder.logits, [(k.clone(), v.clone()) for k, v in filter(None, decoder.cache.prefix)], states
     finally:
         decoder.close()
 
@@ -30,14 +32,31 @@ def test_chunked_prefill_gives_the_whole_prefills_cache_and_logits(family, tiny_
     width = prompts["attention_mask"].shape[1]
     assert prompts["attention_mask"].sum(1).unique().numel() == 2  # left padding in the batch
     with torch.no_grad():
-        logits, cache = prefill(model, prompts, [2, 3], 0)
+        logits, cache, states = prefill(model, prompts, [2, 3], 0)
+        assert bool(states) == (family == "qwen3_5")
         for chunk in (7, width // 2 + 1, width):  # chunk edges inside the video, the image, the padding
-            chunked_logits, chunked_cache = prefill(model, prompts, [2, 3], chunk)
+            chunked_logits, chunked_cache, chunked_states = prefill(model, prompts, [2, 3], chunk)
             torch.testing.assert_close(chunked_logits, logits, rtol=0, atol=1e-5)
+            for (c, st), (cc, cst) in zip(states, chunked_states):  # the state carried over from chunk to chunk
+                torch.testing.assert_close(cc, c, rtol=0, atol=1e-5)
+                torch.testing.assert_close(cst, st, rtol=1e-4, atol=1e-5)
             mask = prompts["attention_mask"].bool()
-            for (k, v), (ck, cv) in zip(cache, chunked_cache):
-                torch.testing.assert_close(ck.transpose(1, 2)[mask], k.transpose(1, 2)[mask], rtol=0, atol=1e-5)
-                torch.testing.assert_close(cv.transpose(1, 2)[mask], v.transpose(1, 2)[mask], rtol=0, atol=1e-5)
+            for (k, v), (ck, cv) in zip(cache, chunked_cache):  # relative 1e-5: Qwen3.5's K/V reach ~10
+                torch.testing.assert_close(ck.transpose(1, 2)[mask], k.transpose(1, 2)[mask], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(cv.transpose(1, 2)[mask], v.transpose(1, 2)[mask], rtol=1e-5, atol=1e-5)
+    if states:  # in float64 the GDN state carried from chunk to chunk is the whole prefill's, to 1e-12
+        model64 = model.to(torch.float64)
+        wide = {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in prompts.items()}
+        with torch.no_grad():
+            _, cache, states = prefill(model64, wide, [2, 3], 0)
+            _, chunked_cache, chunked_states = prefill(model64, wide, [2, 3], 7)
+        real = prompts["attention_mask"].bool()
+        worst = max(float((a.transpose(1, 2)[real] - b.transpose(1, 2)[real]).abs().max())
+                    for pair, other in zip(cache, chunked_cache) for a, b in zip(pair, other))
+        assert worst <= 1e-12, worst
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-12) for pair, other in zip(states, chunked_states)
+                   for a, b in zip(pair, other))
+        model.float()
     greedy = SamplingConfig(temperature=0, max_new_tokens=8)
     tok = tokenizer_of(processor)
     whole = generate_groups(model, prompts, [2, 3], greedy, tokenizer=tok, eos_ids=[])

@@ -41,13 +41,17 @@ class Scripted:
                        prefill_tokens=0)
 
 
-@pytest.fixture(scope="module")
-def setting(tiny_checkpoints, videos):
-    model, processor = load("qwen2_5_vl", tiny_checkpoints)
-    prompts = [EncodedPrompt({"problem_id": str(i)}, prompt_batch("qwen2_5_vl", processor, videos, ["video"]))
+def make_setting(family, tiny_checkpoints, videos):
+    model, processor = load(family, tiny_checkpoints)
+    prompts = [EncodedPrompt({"problem_id": str(i)}, prompt_batch(family, processor, videos, ["video"]))
                for i in range(2)]
     context = ToolContext({}, videos[1], 3.0, ToolLimits(max_frames=4, min_pixels=3136, max_pixels=6272))
     return model, processor, prompts, context
+
+
+@pytest.fixture(scope="module")
+def setting(tiny_checkpoints, videos):
+    return make_setting("qwen2_5_vl", tiny_checkpoints, videos)
 
 
 def test_the_loop_builds_trees_runs_tools_and_survives_bad_calls(setting):
@@ -103,10 +107,13 @@ def test_a_rollout_stops_at_its_token_budget(setting):
         TurnLimits(max_turns=1, branching=(2, 2))
 
 
-def test_sampled_logprobs_equal_the_tree_forward_with_a_clip_inside(setting):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_sampled_logprobs_equal_the_tree_forward_with_a_clip_inside(family, tiny_checkpoints, videos):
     """Turn 1 is a fixed call (its log-probs teacher-forced on the real model); turn 2 is sampled by the grouped
     engine from [P; turn 1; the clip] prompts. The tree forward of the resulting tree gives every model token the
-    log-prob the sampler reported (1e-5): the engine and the trainer see the same positions, media and attention."""
+    log-prob the sampler reported (1e-5): the engine and the trainer see the same positions, media and attention
+    (Qwen3.5: each turn's GDN states are those the path left, and the tree forward hands each node its parent's)."""
+    setting = make_setting(family, tiny_checkpoints, videos)
     from app.data.prompts import collate_prompts
     from app.grouping import completion_logprobs
     from app.grouping.tree.forward import tree_logprobs

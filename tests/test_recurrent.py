@@ -356,3 +356,49 @@ def test_a_moe_variant_is_refused_at_start_up_by_name(tmp_path):
         (folder / "model.safetensors").write_bytes(b"")
         with pytest.raises(CheckpointPathError, match=f"is a {model_type} checkpoint, which this trainer refuses"):
             check_checkpoint(folder)
+
+
+GDN_PROJECTIONS = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+
+
+@pytest.mark.parametrize("setup", ["lora", "frozen tower"])
+def test_lora_on_the_gdn_projections_and_a_frozen_tower_with_the_vision_cache(setup, tiny_checkpoints, videos):
+    """LoRA with the GDN projections among ``lora.target_modules`` (their adapters train), or a frozen tower with
+    the step's vision cache on: grouped equals repeated (log-probs 1e-5, every trainable gradient 1e-4), the cache
+    changes no bit, and the grouped engine's greedy tokens are HF generate's."""
+    from app.config.sections import LoRAConfig
+    from app.grouping.vision import cache as vision_cache
+    from app.rollout.generate import SamplingConfig, generate_groups
+    from app.runtime.lora import apply as apply_lora
+
+    with exact_delta_rule():
+        model, prompts, ids, mask, sizes = qwen3_5_case(tiny_checkpoints, videos, ("video", "image", "text"))
+        tok = tokenizer_of(load("qwen3_5", tiny_checkpoints, sharpen=None)[1])
+        if setup == "lora":
+            apply_lora(model, LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", *GDN_PROJECTIONS]))
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+        else:
+            model.model.visual.requires_grad_(False)
+        cache = vision_cache.install(model, "step") if setup == "frozen tower" else None
+        lp, _, grads = run_and_grad(model, prompts, ids, mask, sizes, "grouped")
+        ref_lp, _, ref_grads = run_and_grad(model, prompts, ids, mask, sizes, "repeated")
+        assert max_rel_diff(lp, ref_lp) <= LOGPROB_RTOL
+        assert set(grads) == set(ref_grads) == {n for n, p in model.named_parameters() if p.requires_grad}
+        for name in grads:
+            assert max_rel_diff(grads[name], ref_grads[name]) <= GRAD_RTOL, name
+        if setup == "lora":
+            assert {p for p in GDN_PROJECTIONS if any(f"linear_attn.{p}.lora_A" in n for n in grads)} == set(
+                GDN_PROJECTIONS)
+        else:
+            assert cache.counts()["cache_hits"] > 0
+            vision_cache.detach(model)
+            uncached_lp, _, uncached = run_and_grad(model, prompts, ids, mask, sizes, "grouped")
+            assert torch.equal(uncached_lp, lp) and all(torch.equal(uncached[n], grads[n]) for n in grads)
+        greedy = SamplingConfig(temperature=0, max_new_tokens=10)
+        ours = generate_groups(model, prompts, 1, greedy, tokenizer=tok, eos_ids=[])
+        hf = generate_groups(model, prompts, 1, greedy, tokenizer=tok, eos_ids=[], engine="hf")
+        assert torch.equal(ours.completion_ids, hf.completion_ids)
+        torch.testing.assert_close(ours.logprobs, hf.logprobs, rtol=0, atol=1e-5)

@@ -10,7 +10,7 @@ from app.rollout.generate import SamplingConfig, generate_groups
 from tests.helpers import load, prompt_batch, tokenizer_of
 
 KINDS = {"qwen2": ["text", "text"], "qwen2_vl": ["video", "text"], "qwen2_5_vl": ["text", "video"],
-         "qwen3_vl": ["video", "text"]}
+         "qwen3_vl": ["video", "text"], "qwen3_5": ["image", "video"]}
 
 
 def setup(family, checkpoints, videos):

@@ -21,7 +21,7 @@ from app.rollout.generate import SamplingConfig, generate_groups
 from tests.helpers import load, prompt_batch, tokenizer_of
 
 KINDS = {"qwen2_vl": ["video", "text"], "qwen2_5_vl": ["text", "video"], "qwen3_vl": ["video", "text"],
-         "qwen2": ["text", "text"]}
+         "qwen2": ["text", "text"], "qwen3_5": ["text", "video"]}
 
 
 @pytest.mark.parametrize("family", list(KINDS))
@@ -44,9 +44,11 @@ def test_static_steps_draw_what_eager_steps_draw(family, tiny_checkpoints, video
     torch.testing.assert_close(static.logprobs, eager.logprobs, rtol=0, atol=1e-5)
 
 
-def test_static_greedy_equals_hf_generate(tiny_checkpoints, videos):
-    model, processor = load("qwen2_5_vl", tiny_checkpoints)
-    prompts = prompt_batch("qwen2_5_vl", processor, videos, ["video", "text"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_static_greedy_equals_hf_generate(family, tiny_checkpoints, videos):
+    """Past one STATIC_BUCKET of own slots; Qwen3.5: each sample's GDN states advanced in place at every step."""
+    model, processor = load(family, tiny_checkpoints)
+    prompts = prompt_batch(family, processor, videos, ["video", "text"])
     tok = tokenizer_of(processor)
     greedy = SamplingConfig(temperature=0, max_new_tokens=70)  # past one STATIC_BUCKET of own slots
     ours = generate_groups(model, prompts, 1, greedy, tokenizer=tok, eos_ids=[], decode="static")

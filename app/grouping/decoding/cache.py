@@ -50,8 +50,11 @@ class GroupedKVCache:
         layers = getattr(prefix_cache, "layers", None)
         if layers is None:
             raise TypeError("the prefill cache must be a transformers DynamicCache (with .layers)")
-        # [B, Hkv, Lp, D], contiguous: the decode products read them in place every step
-        self.prefix = [(layer.keys.contiguous(), layer.values.contiguous()) for layer in layers]
+        # [B, Hkv, Lp, D], contiguous: the decode products read them in place every step; None for a hybrid
+        # model's Gated DeltaNet layers, whose state per sample is ``recurrent``'s
+        self.prefix = [None if is_recurrent_layer(layer) else (layer.keys.contiguous(), layer.values.contiguous())
+                       for layer in layers]
+        self.attention_layers = [i for i, pair in enumerate(self.prefix) if pair is not None]
         self.prompt_mask = prompt_mask.bool()  # [B, Lp], left-padded
         self.prompt_width = prompt_mask.shape[1]
         self.max_new_tokens = max_new_tokens
@@ -60,17 +63,21 @@ class GroupedKVCache:
         self.static = static
         self.roots = roots  # questions sharing a video: the videos' K/V, read once per root (``shared.SharedRoots``)
         device = prompt_mask.device
-        keys = self.prefix[0][0]
+        keys = self.first_keys
         # on CUDA in float16/bfloat16: torch's varlen flash kernel reads the K/V (``varlen_decode_attention``)
         self.varlen = varlen_kernel(device, keys.dtype, keys.shape[-1], lse=True, seqused_k=True,
                                     use="decode attention")
         sizes = torch.tensor(list(group_sizes), device=device)
         self._arrange(torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes))
+        # each sample's own copy of its prompt's GDN states (conv tail, recurrent state), written in place
+        self.prompt_states = prompt_states_of(prefix_cache, layers)
+        self.recurrent = self.prompt_states.expanded(self.group_of_sample)
         if static:
             capacity = -(-max_new_tokens // STATIC_BUCKET) * STATIC_BUCKET
             count = int(sizes.sum())
-            self.own = [(self._own_buffer(k, count, capacity), self._own_buffer(v, count, capacity))
-                        for k, v in self.prefix]
+            self.own = [None if pair is None else (self._own_buffer(pair[0], count, capacity),
+                                                   self._own_buffer(pair[1], count, capacity))
+                        for pair in self.prefix]
             self.written = torch.zeros((), dtype=torch.long, device=device)  # own tokens written: the step
             self._slots = torch.arange(capacity, device=device)
             self.own_bias = torch.zeros(1, 1, 1, capacity, dtype=torch.float32, device=device)
@@ -115,9 +122,10 @@ class GroupedKVCache:
         if self.roots is not None:
             self.roots.keep(groups, group_of_sample)
         if len(groups) < self.prompt_mask.shape[0]:
-            self.prefix = [(k[groups], v[groups]) for k, v in self.prefix]
+            self.prefix = [None if pair is None else (pair[0][groups], pair[1][groups]) for pair in self.prefix]
             self.prompt_mask = self.prompt_mask[groups]
         self.own = [None if own is None else tuple(self._rows_of(x, rows) for x in own) for own in self.own]
+        self.recurrent.keep(rows)
         self._arrange(group_of_sample)
 
     def _rows_of(self, buffer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -150,12 +158,24 @@ class GroupedKVCache:
         length = key_states.shape[2]
         keys[:, :, self.steps : self.steps + length] = key_states
         values[:, :, self.steps : self.steps + length] = value_states
-        if layer_idx == len(self.prefix) - 1:
+        if layer_idx == self.attention_layers[-1]:
             self.steps += length
             end = self.steps
         else:
             end = self.steps + length
         return keys[:, :, :end], values[:, :, :end]
+
+    @property
+    def first_keys(self) -> torch.Tensor:
+        """The first attention layer's prompt keys [B, Hkv, Lp, D] (shapes, dtype and device of the K/V)."""
+        return self.prefix[self.attention_layers[0]][0]
+
+    def linear_attention(self, module, hidden_states, *, cache_params=None, original=None):
+        """A Gated DeltaNet layer's decode step: each sample's conv tail and recurrent state advance in place."""
+        return self.recurrent.finish(module, self.recurrent.step(module, hidden_states), hidden_states)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int = 0) -> bool:
+        return True
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The prompt's width plus the steps taken (static: the prompt's width; positions are explicit)."""
@@ -163,6 +183,27 @@ class GroupedKVCache:
 
     def __len__(self) -> int:
         return len(self.prefix)
+
+
+def is_recurrent_layer(layer) -> bool:
+    """A prefill cache layer of a Gated DeltaNet layer (transformers' ``LinearAttentionLayer``: conv and recurrent
+    states, no K/V)."""
+    return getattr(layer, "keys", None) is None and hasattr(layer, "conv_states")
+
+
+def prompt_states_of(prefix_cache, layers):
+    """The prefill's GDN states per prompt (``recurrent.state.prompt_states``): handed over with the prefill, or
+    read off transformers' cache layers; empty for a model without GDN layers."""
+    from app.grouping.recurrent.state import RecurrentStates
+
+    handed = getattr(prefix_cache, "recurrent", None)
+    if handed is not None:
+        return handed
+    found = {}
+    for i, layer in enumerate(layers):
+        if is_recurrent_layer(layer):
+            found[i] = (layer.conv_states[0][..., 1:].contiguous(), layer.recurrent_states[0].float().contiguous())
+    return RecurrentStates(found)
 
 
 def decode_attention(cache: GroupedKVCache, layer_idx: int, query, own_keys, own_values, scale: float | None):

@@ -94,7 +94,7 @@ class GroupedDecoder:
             make_cache = functools.partial(SpreadKVCache, sp=spread, heads=config.num_attention_heads,
                                            kv_heads=config.num_key_value_heads)
         if self.mode != "eager" and keep is not None:  # the bucket's kept buffers (and its step made once)
-            self.kept, _ = keep.claim(past.layers, mask, group_sizes, max_new_tokens, roots, last_position,
+            self.kept, _ = keep.claim(past, mask, group_sizes, max_new_tokens, roots, last_position,
                                       make_cache=make_cache)
             self.cache, self._last_position, self._tokens = self.kept.cache, self.kept.last_position, self.kept.tokens
         else:
@@ -107,8 +107,11 @@ class GroupedDecoder:
         self.steps = 0
         self.bytes_per_step = step_bytes(model, self.cache)
         roots = self.cache.roots
-        self.kv_bytes = sum(x.numel() * x.element_size() for pair in self.cache.prefix for x in pair) + (
-            0 if roots is None else sum(x.numel() * x.element_size() for x in roots.keys + roots.values))
+        self.kv_bytes = sum(x.numel() * x.element_size() for pair in self.cache.prefix if pair is not None
+                            for x in pair) + (
+            0 if roots is None else sum(x.numel() * x.element_size() for x in roots.keys + roots.values
+                                        if x is not None))
+        self.state_bytes = self.cache.recurrent.nbytes()  # a hybrid model's GDN states, one copy per sample
         set_text_attention(model, attention.ATTENTION_NAME)
 
     def _prefill(self, model, prompts, families, positions, chunk_size: int, synced: bool):
@@ -265,7 +268,7 @@ class GroupedDecoder:
 
 
 def logits_device(cache) -> torch.device:
-    return cache.prefix[0][0].device
+    return cache.first_keys.device
 
 
 def _all_captured(captured: bool, sp, device) -> bool:

@@ -97,6 +97,13 @@ class PrefillChunk:
         """The attention-plan protocol (``attention.GroupedAttentionPlan.attend``): -> [B, c, H, D]."""
         return prefill_chunk_attention(self, query, key, value, scale).transpose(1, 2).contiguous()
 
+    def linear_attention(self, module, hidden_states, *, cache_params, original):
+        """A Gated DeltaNet layer on the chunk: transformers' own cached forward, its state carried from the chunk
+        before through the cache, the chunk's padding (from the key bias) zeroed."""
+        count = hidden_states.shape[1]
+        mask = None if self.key_bias is None else (self.key_bias[:, 0, 0, -count:] == 0)
+        return original(hidden_states, cache_params=cache_params, attention_mask=mask)
+
 
 def prefill_chunk_attention(plan: PrefillChunk, query, key, value, scale: float | None) -> torch.Tensor:
     """q [B, H, c, D] of a chunk; k/v [B, Hkv, past + c, D] (the cache so far, the chunk's own last) -> [B, H, c, D].
@@ -170,6 +177,16 @@ class PrefillVarlen:
 
     kernel: object  # app.grouping.kernels.Varlen
     start: torch.Tensor  # [B] left padding
+    end: int | None = None  # the chunk's end in the prompt (None: an idle chunk)
+
+    def linear_attention(self, module, hidden_states, *, cache_params, original):
+        """A Gated DeltaNet layer on the chunk: transformers' own cached forward, the chunk's padding zeroed."""
+        count = hidden_states.shape[1]
+        if self.end is None:
+            return original(hidden_states, cache_params=cache_params, attention_mask=None)
+        positions = torch.arange(self.end - count, self.end, device=hidden_states.device)
+        return original(hidden_states, cache_params=cache_params,
+                        attention_mask=positions[None, :] >= self.start[:, None])
 
     def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
         """q [B, H, c, D], k/v [B, Hkv, past + c, D] -> [B, c, H, D]."""
@@ -200,7 +217,7 @@ def _chunk_plans(model, inputs_embeds: torch.Tensor, attention_mask):
         batch = inputs_embeds.shape[0]
         start = ((~attention_mask.bool()).sum(1) if padded else
                  torch.zeros(batch, dtype=torch.long, device=inputs_embeds.device))
-        return lambda end: PrefillVarlen(kernel, start if end is not None else start[:1] * 0)
+        return lambda end: PrefillVarlen(kernel, start if end is not None else start[:1] * 0, end)
     if inputs_embeds.device.type != "cpu":
         return None
     bias = None

@@ -77,16 +77,17 @@ class SharedRoots:
     """The roots' K/V per layer [R, Hkv, Vmax, D] (left-padded: ``bias``), which root each group continues, and
     the decode step's slots: per root, the samples that read it side by side."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    keys: list[torch.Tensor | None]  # per layer; None for a hybrid model's GDN layers (``states``)
+    values: list[torch.Tensor | None]
     mask: torch.Tensor  # [R, Vmax]
     group_root: torch.Tensor  # [B]
+    states: object = None  # the roots' GDN states (``recurrent.state.RecurrentStates``), a hybrid model's
     bias: torch.Tensor | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.bias = _bias(self.mask)
         self.start = (~self.mask.bool()).sum(1)  # [R] where each root's keys begin (left padding)
-        keys = self.keys[0]
+        keys = next(k for k in self.keys if k is not None)
         self.varlen = varlen_kernel(keys.device, keys.dtype, keys.shape[-1], lse=True,
                                     use="the shared video's attention")
 
@@ -99,8 +100,8 @@ class SharedRoots:
         group_root = self.group_root[groups]
         roots, group_root = torch.unique(group_root, return_inverse=True)
         if len(roots) < self.mask.shape[0]:
-            self.keys = [k[roots] for k in self.keys]
-            self.values = [v[roots] for v in self.values]
+            self.keys = [None if k is None else k[roots] for k in self.keys]
+            self.values = [None if v is None else v[roots] for v in self.values]
             self.mask = self.mask[roots]
             self.bias = _bias(self.mask)
             self.start = self.start[roots]
@@ -169,10 +170,20 @@ class QuestionPrefill:
     own_mask: torch.Tensor  # [B, Lq] 0/1, left-padded questions
     members: tuple = field(init=False)  # ``slots`` of the questions over their roots, made once for every layer
     own_bias: torch.Tensor | None = field(init=False)
+    states: dict = field(default_factory=dict)  # GDN layer -> the questions' (conv tail, state) after them
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "members", slots(self.roots.group_root, self.roots.mask.shape[0]))
         object.__setattr__(self, "own_bias", _bias(self.own_mask))
+
+    def linear_attention(self, module, hidden_states, *, cache_params=None, original=None):
+        """A Gated DeltaNet layer on the questions: each continues its root's conv tail and recurrent state
+        (``recurrent.state.continue_from``); their states after them are kept for the samples."""
+        from app.grouping.recurrent.state import continue_from
+
+        out, self.states[module.layer_idx] = continue_from(module, hidden_states, self.own_mask, self.roots.states,
+                                                           self.roots.group_root)
+        return out
 
     def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
         batch, heads, count, dim = query.shape
@@ -226,9 +237,13 @@ def shared_prefill(model, prompts: dict, families: Sequence[int], positions: tor
         pos = root_batch.pop("position_ids")
         out = model(**root_batch, position_ids=pos if pos.shape[0] > 1 else pos[0], use_cache=True,
                     logits_to_keep=1, **vision_of_items(root_items))
+    from app.grouping.decoding.cache import is_recurrent_layer, prompt_states_of
+
     layers = out.past_key_values.layers
-    shared = SharedRoots([layer.keys.contiguous() for layer in layers], [layer.values.contiguous() for layer in layers],
-                         root_mask, torch.tensor([group_root[m] for m in order], device=device))
+    shared = SharedRoots([None if is_recurrent_layer(layer) else layer.keys.contiguous() for layer in layers],
+                         [None if is_recurrent_layer(layer) else layer.values.contiguous() for layer in layers],
+                         root_mask, torch.tensor([group_root[m] for m in order], device=device),
+                         states=prompt_states_of(out.past_key_values, layers))
     del out
     q_mask = _left_padded([torch.ones_like(q_ids[m]) for m in order])
     pos = _left_padded([q_pos[m] for m in order])
@@ -236,8 +251,14 @@ def shared_prefill(model, prompts: dict, families: Sequence[int], positions: tor
     if types is not None:
         kwargs["mm_token_type_ids"] = _left_padded([q_types[m] for m in order])
     set_text_attention(model, attention.ATTENTION_NAME)
+    plan = QuestionPrefill(shared, q_mask)
     with head.installed():
         out = model(input_ids=_left_padded([q_ids[m] for m in order]), attention_mask=None,
                     position_ids=pos if pos.shape[0] > 1 else pos[0], use_cache=True, logits_to_keep=1,
-                    **{attention.PLAN_KWARG: QuestionPrefill(shared, q_mask)}, **kwargs)
-    return out.past_key_values, q_mask, shared, out.logits[:, -1], int(root_mask.sum())
+                    **{attention.PLAN_KWARG: plan}, **kwargs)
+    past = out.past_key_values
+    if plan.states:  # the questions' GDN states: what each sample continues
+        from app.grouping.recurrent.state import RecurrentStates
+
+        past.recurrent = RecurrentStates(dict(plan.states))
+    return past, q_mask, shared, out.logits[:, -1], int(root_mask.sum())

@@ -63,7 +63,9 @@ def padded_left(tensor: torch.Tensor, width: int, dim: int, fill=0) -> torch.Ten
 
 def bucket_key(past_layers, mask: torch.Tensor, group_sizes, max_new_tokens: int, roots) -> tuple:
     """What fixes every tensor of the static step (see the module doc)."""
-    keys = past_layers[0].keys
+    from app.grouping.decoding.cache import is_recurrent_layer
+
+    keys = next(layer.keys for layer in past_layers if not is_recurrent_layer(layer))
     roots_key = None
     if roots is not None:
         roots_key = (tuple(roots.group_root.tolist()), capacity(roots.mask.shape[1]))
@@ -91,13 +93,18 @@ class KeptStep:
     uses: int = 0
     notes: dict = field(default_factory=dict)
 
-    def load(self, past_layers, mask: torch.Tensor, roots, last_position: torch.Tensor) -> None:
+    def load(self, past, mask: torch.Tensor, roots, last_position: torch.Tensor) -> None:
         """This rollout's prefill into the kept buffers (same shapes: left-padded to the bucket's capacity)."""
+        from app.grouping.decoding.cache import prompt_states_of
+
         cache = self.cache
-        width = cache.prefix[0][0].shape[2]
-        for (keys, values), layer in zip(cache.prefix, past_layers):
-            keys.copy_(padded_left(layer.keys, width, 2))
-            values.copy_(padded_left(layer.values, width, 2))
+        width = cache.first_keys.shape[2]
+        for pair, layer in zip(cache.prefix, past.layers):
+            if pair is not None:
+                pair[0].copy_(padded_left(layer.keys, width, 2))
+                pair[1].copy_(padded_left(layer.values, width, 2))
+        if cache.recurrent:  # each sample's slot gets its prompt's GDN states again
+            cache.recurrent.load(prompt_states_of(past, past.layers), cache.group_of_sample)
         bias = torch.zeros(mask.shape[0], width, dtype=torch.float32, device=mask.device)
         bias = bias.masked_fill(~padded_left(mask.bool(), width, 1, False), float("-inf"))
         cache.prefix_bias.copy_(bias[:, None, None, :])
@@ -106,7 +113,8 @@ class KeptStep:
             kept = cache.roots
             rwidth = kept.keys[0].shape[2]
             for target, source in zip(kept.keys + kept.values, roots.keys + roots.values):
-                target.copy_(padded_left(source, rwidth, 2))
+                if target is not None:
+                    target.copy_(padded_left(source, rwidth, 2))
             rbias = torch.zeros(roots.mask.shape[0], rwidth, dtype=torch.float32, device=mask.device)
             kept.bias.copy_(rbias.masked_fill(~padded_left(roots.mask.bool(), rwidth, 1, False),
                                               float("-inf"))[:, None, None, :])
@@ -116,22 +124,25 @@ class KeptStep:
         self.uses += 1
 
 
-def _padded_cache(past_layers, mask: torch.Tensor, roots):
-    """The prefill's K/V (and roots) left-padded to the bucket's capacity, as new tensors the kept step owns."""
+def _padded_cache(past, mask: torch.Tensor, roots):
+    """The prefill's K/V (and roots) left-padded to the bucket's capacity, as new tensors the kept step owns (a
+    GDN layer's states as they are: the cache copies them per sample)."""
+    from app.grouping.decoding.cache import is_recurrent_layer, prompt_states_of
     from app.grouping.decoding.shared import SharedRoots
 
     width = capacity(mask.shape[1])
-    layers = [SimpleNamespace(keys=padded_left(layer.keys, width, 2).contiguous(),
-                              values=padded_left(layer.values, width, 2).contiguous()) for layer in past_layers]
+    layers = [layer if is_recurrent_layer(layer) else
+              SimpleNamespace(keys=padded_left(layer.keys, width, 2).contiguous(),
+                              values=padded_left(layer.values, width, 2).contiguous()) for layer in past.layers]
     padded_mask = padded_left(mask, width, 1, 0)
     kept_roots = None
     if roots is not None:
         rwidth = capacity(roots.mask.shape[1])
         rmask = padded_left(roots.mask, rwidth, 1, 0)
-        kept_roots = SharedRoots([padded_left(k, rwidth, 2).contiguous() for k in roots.keys],
-                                 [padded_left(v, rwidth, 2).contiguous() for v in roots.values], rmask,
-                                 roots.group_root.clone())
-    return SimpleNamespace(layers=layers), padded_mask, kept_roots
+        kept_roots = SharedRoots([None if k is None else padded_left(k, rwidth, 2).contiguous() for k in roots.keys],
+                                 [None if v is None else padded_left(v, rwidth, 2).contiguous() for v in roots.values],
+                                 rmask, roots.group_root.clone(), states=roots.states)
+    return SimpleNamespace(layers=layers, recurrent=prompt_states_of(past, past.layers)), padded_mask, kept_roots
 
 
 class StaticSteps:
@@ -145,14 +156,15 @@ class StaticSteps:
         self.stats = {"captures": 0, "compiles": 0, "replays": 0, "recaptures": 0}
         self.reasons: set[str] = set()
 
-    def claim(self, past_layers, mask, group_sizes, max_new_tokens, roots, last_position, *, make_cache):
-        """The bucket's kept step with this rollout's prefill loaded, and whether it was made now. ``make_cache``:
-        the grouped KV cache's class (``decode.GroupedKVCache``), built over the bucket's buffers."""
-        key = bucket_key(past_layers, mask, group_sizes, max_new_tokens, roots)
+    def claim(self, past, mask, group_sizes, max_new_tokens, roots, last_position, *, make_cache):
+        """The bucket's kept step with this rollout's prefill loaded, and whether it was made now. ``past``: the
+        prefill's cache (its ``layers``); ``make_cache``: the grouped KV cache's class (``decode.GroupedKVCache``),
+        built over the bucket's buffers."""
+        key = bucket_key(past.layers, mask, group_sizes, max_new_tokens, roots)
         kept = self.kept.pop(key, None)
         fresh = kept is None
         if fresh:
-            padded, padded_mask, kept_roots = _padded_cache(past_layers, mask, roots)
+            padded, padded_mask, kept_roots = _padded_cache(past, mask, roots)
             cache = make_cache(padded, padded_mask, group_sizes, max_new_tokens, static=True, roots=kept_roots)
             cache.prompt_width = mask.shape[1]
             if cache.prefix_bias is None:  # nothing padded at all: a bias anyway (later prompts may be shorter)
@@ -166,7 +178,7 @@ class StaticSteps:
             kept.uses = 1
         else:
             kept.cache.prompt_width = mask.shape[1]
-            kept.load(past_layers, mask, roots, last_position)
+            kept.load(past, mask, roots, last_position)
         self.kept[key] = kept
         while len(self.kept) > KEPT_BUCKETS:
             self.kept.popitem(last=False)
@@ -201,16 +213,20 @@ def step_bytes(model, cache) -> float:
     """Bytes one decode step reads: the weights, the prompts' (and shared roots') K/V, and the samples' own K/V (at
     half the completion length on average: what a whole rollout's steps read, per step)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    prefix = sum(k.numel() * k.element_size() * 2 for k, _ in cache.prefix)
-    roots = 0 if cache.roots is None else sum(k.numel() * k.element_size() * 2 for k in cache.roots.keys)
-    samples, heads = len(cache.group_of_sample), cache.prefix[0][0].shape[1]
-    own = samples * heads * cache.prefix[0][0].shape[3] * cache.prefix[0][0].element_size() * 2 * len(cache.prefix)
-    return float(weights + prefix + roots + own * cache.max_new_tokens / 2)
+    prefix = sum(pair[0].numel() * pair[0].element_size() * 2 for pair in cache.prefix if pair is not None)
+    roots = 0 if cache.roots is None else sum(k.numel() * k.element_size() * 2 for k in cache.roots.keys
+                                              if k is not None)
+    keys = cache.first_keys
+    samples, heads = len(cache.group_of_sample), keys.shape[1]
+    own = samples * heads * keys.shape[3] * keys.element_size() * 2 * len(cache.attention_layers)
+    # a GDN layer's state per sample, read and written each step
+    states = 2 * cache.recurrent.nbytes()
+    return float(weights + prefix + roots + own * cache.max_new_tokens / 2 + states)
 
 
 def capturable(cache) -> bool:
     """Whether the step can be captured as a CUDA graph (its tensors on a CUDA device)."""
-    return cache.prefix[0][0].is_cuda
+    return cache.first_keys.is_cuda
 
 
 def capture_graph(run, guard):

@@ -30,6 +30,13 @@ import torch.nn.functional as F
 log = logging.getLogger("app.grouping.recurrent")
 
 
+def rows_of(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` for an index of any shape, by ``index_select``: its backward (``index_add_``) sums a row's
+    gradients in a fixed order, where advanced indexing's (a parallel ``index_put_``) sums repeated rows (a pad
+    row, a parent's conv inputs read by each child) in an order that varies from run to run on several threads."""
+    return table.index_select(0, index.to(table.device).reshape(-1)).view(*index.shape, *table.shape[1:])
+
+
 @functools.cache
 def torch_chunk_rule():
     """transformers' torch chunked delta rule, unwrapped from the decorator that would hand a CUDA-only fla kernel
@@ -54,7 +61,7 @@ class TorchKernels:
 
     def gather(self, row: torch.Tensor, index) -> torch.Tensor:
         """[T + 1, ...] (last row zero) -> [N, Lmax, ...]."""
-        return row[index.padded.to(row.device)]
+        return rows_of(row, index.padded)
 
     def scatter(self, values: torch.Tensor, index) -> tuple[torch.Tensor, torch.Tensor]:
         """(row positions, values) of the level's real tokens."""
@@ -65,7 +72,7 @@ class TorchKernels:
         """SiLU(depthwise causal conv) of each segment with its path's last W - 1 inputs in front: row [T + 1, C]
         (last row zero), weight [C, W] -> [N, Lmax, C], zero at pads."""
         taps = torch.cat([index.before, index.padded], dim=1).to(row.device)  # [N, W - 1 + Lmax]
-        x = row[taps].transpose(1, 2)  # [N, C, W - 1 + Lmax]
+        x = rows_of(row, taps).transpose(1, 2)  # [N, C, W - 1 + Lmax]
         out = F.conv1d(x.to(weight.dtype), weight[:, None, :], groups=weight.shape[0]).transpose(1, 2)
         return F.silu(out).to(row.dtype) * index.valid.to(row.device)[..., None].to(row.dtype)
 
@@ -90,16 +97,16 @@ class FlaKernels:
         self._conv, self._rule = conv, rule
 
     def gather(self, row: torch.Tensor, index) -> torch.Tensor:
-        return row[index.flat.to(row.device)][None]
+        return rows_of(row, index.flat)[None]
 
     def scatter(self, values: torch.Tensor, index) -> tuple[torch.Tensor, torch.Tensor]:
         return index.flat.to(values.device), values[0]
 
     def conv(self, row: torch.Tensor, index, weight: torch.Tensor) -> torch.Tensor:
-        before = row[index.before.to(row.device)].transpose(1, 2)  # [N, C, W - 1]
+        before = rows_of(row, index.before).transpose(1, 2)  # [N, C, W - 1]
         initial = torch.cat([before.new_zeros(before.shape[0], before.shape[1], 1), before], dim=2)  # [N, C, W]
         cu = index.cu_seqlens.to(row.device)
-        out, _ = self._conv(row[index.flat.to(row.device)][None], weight=weight, activation="silu",
+        out, _ = self._conv(rows_of(row, index.flat)[None], weight=weight, activation="silu",
                             initial_state=initial.to(weight.dtype).contiguous(), cu_seqlens=cu)
         return out.to(row.dtype)
 
@@ -119,6 +126,16 @@ def _fla_kernels() -> FlaKernels:
         log.info("flash-linear-attention: FlashQLA turned off (FLA_FLASH_QLA=0): the grouped forward hands each "
                  "segment its parent's state, and FlashQLA's initial-state gradient has not been checked here")
     return FlaKernels()
+
+
+def recurrent_step_rule(device):
+    """The one-token delta rule of a decode step (same call as the chunked one): fla's fused recurrent kernel on
+    CUDA when installed, else transformers' torch recurrence."""
+    if torch.device(device).type == "cuda" and fla_available():
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        return fused_recurrent_gated_delta_rule
+    return torch_recurrent_rule()
 
 
 def level_kernels(device) -> TorchKernels | FlaKernels:

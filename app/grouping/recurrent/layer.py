@@ -7,8 +7,9 @@ kwargs (``attention.PLAN_KWARG``, as it reaches the attention layers), runs the 
 (``segments.segments_of``): by depth, every segment of a level in one kernel call, each from its parent's final
 recurrent state and with its path's last ``W - 1`` inputs in front of its conv (``kernels``). A prompt's GDN runs
 once; its state goes to every continuation and receives the sum of their gradients. Without a plan (the repeated
-layout, ``generate``, SFT) the class's forward runs. A decode plan that carries recurrent state (the rollout's
-cache) answers ``linear_attention(module, hidden_states)`` itself.
+layout, ``generate``, SFT) the class's forward runs. A plan that carries recurrent state (the rollout's cache, a
+prefill chunk, the questions on a shared video) answers ``linear_attention(module, hidden_states, cache_params=,
+original=)`` itself (``original``: the class's forward, bound).
 
 Under sequence parallelism (a plan with ``sp`` and ``bounds``: Ulysses) the row's shards go through one
 all-to-all that turns them into head shards (the heads are independent and the conv is per channel): every rank
@@ -55,8 +56,8 @@ def install(model, plan_kwarg: str) -> int:
             if plan is None:
                 return _original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
             own = getattr(plan, "linear_attention", None)
-            if own is not None:
-                return own(self, hidden_states)
+            if own is not None:  # a plan that keeps its own state (a decode step, a prefill chunk, a question)
+                return own(self, hidden_states, cache_params=cache_params, original=_original)
             return grouped_linear_attention(self, hidden_states, plan)
 
         object.__setattr__(layer, "forward", types.MethodType(forward, layer))

@@ -136,6 +136,20 @@ class LevelIndex:
         return [self.segments.parents[s] for s in self.level]
 
 
+class ExplicitLevel:
+    """A level given by its rows directly (``LevelIndex``'s face): per sequence its token rows and the ``W - 1`` rows
+    of the conv inputs in front of it, in a table whose row ``pad`` is zero."""
+
+    def __init__(self, tokens: list[list[int]], before: list[list[int]], pad: int):
+        self.lengths = [len(t) for t in tokens]
+        width = max(self.lengths)
+        self.padded = torch.tensor([t + [pad] * (width - len(t)) for t in tokens], dtype=torch.long)
+        self.valid = self.padded != pad
+        self.flat = torch.tensor([r for t in tokens for r in t], dtype=torch.long)
+        self.cu_seqlens = torch.tensor([0, *torch.tensor(self.lengths).cumsum(0).tolist()], dtype=torch.long)
+        self.before = torch.tensor(before, dtype=torch.long).reshape(len(tokens), -1)
+
+
 def layout_segments(layout) -> Segments:
     """A ``GroupLayout``'s row: per family V (when shared) from nothing, each question (or plain prompt) from V (or
     from nothing), each response from its question."""
