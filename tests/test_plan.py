@@ -24,8 +24,20 @@ PUBLISHED_BILLIONS = {"qwen2_vl_2b": 2.21, "qwen2_vl_7b": 8.29, "qwen2_5_vl_3b":
                       "qwen3_vl_8b": 8.77, "qwen3_vl_32b": 33.4}
 
 
+# Qwen3.5's dense sizes: the hub's own counts were not reachable from here; each preset's count must fall where its
+# name and public notes put it (the 4B and 9B checkpoints are "about 5B" and "about 10B" with their towers).
+NOMINAL_BILLIONS = {"qwen3_5_0_8b": (0.75, 0.95), "qwen3_5_2b": (1.9, 2.4), "qwen3_5_4b": (4.0, 5.0),
+                    "qwen3_5_9b": (9.0, 10.0), "qwen3_5_27b": (26.5, 28.0)}
+
+
 def test_every_size_has_a_preset_with_its_source_and_the_published_parameter_count():
-    assert set(shapes.preset_names()) == set(PUBLISHED_BILLIONS)
+    assert set(shapes.preset_names()) == set(PUBLISHED_BILLIONS) | set(NOMINAL_BILLIONS)
+    for name, (low, high) in NOMINAL_BILLIONS.items():
+        preset = shapes.load_preset(name)
+        assert preset["source"] == f"https://huggingface.co/{preset['hub_id']}/blob/main/config.json"
+        assert preset["checked_against"]
+        total = shapes.count_parameters(shapes.hf_config(name)).total / 1e9
+        assert low <= total <= high, (name, total)
     for name, billions in PUBLISHED_BILLIONS.items():
         preset = shapes.load_preset(name)
         assert preset["source"] == f"https://huggingface.co/{preset['hub_id']}/blob/main/config.json"

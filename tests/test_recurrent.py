@@ -402,3 +402,23 @@ def test_lora_on_the_gdn_projections_and_a_frozen_tower_with_the_vision_cache(se
         hf = generate_groups(model, prompts, 1, greedy, tokenizer=tok, eos_ids=[], engine="hf")
         assert torch.equal(ours.completion_ids, hf.completion_ids)
         torch.testing.assert_close(ours.logprobs, hf.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow  # compiling the step on this CPU: about 40-60 s
+def test_the_compiled_step_on_qwen3_5_draws_the_eager_tokens(tiny_checkpoints, videos):
+    """rollout.decode=compiled with each sample's GDN states updated in place inside the compiled step: the eager
+    greedy tokens, compiled once for the bucket and not again for the next rollout's prompts."""
+    from app.grouping import StaticSteps
+    from app.rollout.generate import SamplingConfig, generate_groups
+
+    model, processor = load("qwen3_5", tiny_checkpoints)
+    tok = tokenizer_of(processor)
+    keep, greedy = StaticSteps(), SamplingConfig(temperature=0, max_new_tokens=10)
+    for i, kinds in enumerate((["video", "text"], ["text", "image"])):
+        prompts = prompt_batch("qwen3_5", processor, videos, kinds)
+        with torch.no_grad():
+            eager = generate_groups(model, prompts, 2, greedy, tokenizer=tok, eos_ids=[], decode="eager")
+            compiled = generate_groups(model, prompts, 2, greedy, tokenizer=tok, eos_ids=[], decode="compiled",
+                                       static_steps=keep)
+        assert torch.equal(eager.completion_ids, compiled.completion_ids), kinds
+        assert compiled.parts["kept/compiles"] == float(i == 0) and compiled.parts["recompiles"] == 0, i

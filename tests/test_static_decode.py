@@ -221,7 +221,7 @@ class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3_5"])
 def test_a_static_step_never_waits_for_the_device(family, tiny_checkpoints, videos):
     """What CUDA graph capture needs from the step it records: no operator that reads a value back to the host or
     sizes its output by the data (checked on CPU, operator by operator), with prompts of unequal lengths."""

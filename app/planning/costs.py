@@ -49,12 +49,27 @@ class Shape:
     vision_full_blocks: int = -1  # Qwen2.5-VL: blocks attending over a whole frame (the others: windows); -1 all
     vision_window: int = 0  # Qwen2.5-VL: the windows' side in pixels
     vision_deepstack: int = 0  # Qwen3-VL: blocks whose outputs get a merger of their own (deepstack taps)
+    # Qwen3.5: of ``layers``, this many are Gated DeltaNet (linear attention; the others gated full attention)
+    linear_layers: int = 0
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_head_dim: int = 128
+    conv_kernel: int = 4
+    attention_gate: bool = False  # Qwen3.5's attention: q_proj also writes the output gate (twice as wide)
 
     @property
-    def layer_matmul_params(self) -> int:
-        """Weights one token meets in a decoder layer's matmuls (q, k, v, o, gate, up, down; biases aside)."""
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate
+    def attention_layers(self) -> int:
+        """Decoder layers with softmax attention: the ones that keep K/V (every layer but a hybrid's GDN layers)."""
+        return self.layers - self.linear_layers
+
+    @property
+    def layer_matmul_params(self) -> float:
+        """Weights one token meets in a decoder layer's matmuls, on average over the layer kinds (``layers``):
+        attention's q, k, v, o or a GDN layer's projections, then gate, up, down; biases aside."""
+        from app.planning.layers import kinds
+
+        return sum(kind.count * kind.matmul_params for kind in kinds(self)) / self.layers + 3 * self.hidden * \
+            self.intermediate
 
     @property
     def pixels_per_token(self) -> int:
@@ -87,6 +102,11 @@ def shape_of(config) -> Shape:
     if config.model_type == "qwen2_5_vl":
         windows = dict(vision_full_blocks=len(vision.fullatt_block_indexes), vision_window=vision.window_size)
     windows["vision_deepstack"] = len(getattr(vision, "deepstack_visual_indexes", None) or [])
+    kinds = list(getattr(text, "layer_types", None) or ())
+    if "linear_attention" in kinds:  # a hybrid (Qwen3.5): its Gated DeltaNet layers' heads
+        base.update(linear_layers=kinds.count("linear_attention"), linear_key_heads=text.linear_num_key_heads,
+                    linear_value_heads=text.linear_num_value_heads, linear_head_dim=text.linear_key_head_dim,
+                    conv_kernel=text.linear_conv_kernel_dim, attention_gate=True)
     return Shape(**base, vision_hidden=vh, vision_depth=vision.depth, vision_intermediate=vi, vision_gated=gated,
                  patch=vision.patch_size, merge=vision.spatial_merge_size, temporal_patch=vision.temporal_patch_size,
                  **windows)
@@ -213,11 +233,16 @@ def norm_bytes(hidden: int, dtype_bytes: int) -> int:
 
 
 def layer_saved(shape: Shape, work: Workload, backend: str, dtype_bytes: int) -> float:
-    """Bytes one decoder layer saves for the backward: two RMSNorms, o_proj's input, the MLP's gate, act, up and
-    product (4 x intermediate), and the attention."""
+    """Bytes one decoder layer saves for the backward: two RMSNorms, the mixer's output projection's input, the
+    MLP's gate, act, up and product (4 x intermediate), and the mixer: attention, or on average over a hybrid's
+    layers its GDN layers' share (``layers.linear_saved``)."""
+    from app.planning.layers import linear_saved
+
     tokens = work.repeated_tokens if backend == "repeated" else work.grouped_tokens
     per_token = 2 * norm_bytes(shape.hidden, dtype_bytes) + dtype_bytes * (shape.hidden + 4 * shape.intermediate)
-    return tokens * per_token + attention_saved(shape, work, backend, dtype_bytes)
+    mixer = (shape.attention_layers * attention_saved(shape, work, backend, dtype_bytes)
+             + shape.linear_layers * linear_saved(shape, tokens, dtype_bytes)) / shape.layers
+    return tokens * per_token + mixer
 
 
 def model_saved(shape: Shape, work: Workload, backend: str, dtype_bytes: int) -> float:

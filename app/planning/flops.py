@@ -104,13 +104,17 @@ def family_pairs(work: Workload, backend: str) -> tuple[float, float]:
 def forward_flops(shape: Shape, work: Workload, backend: str) -> dict:
     """Forward FLOPs of the language model over one micro-batch: matmuls, attention as the backend's kernel computes
     it (and as a perfect causal kernel would), output head on the scored tokens."""
+    from app.planning.layers import rule_flops
+
     tokens = work.repeated_tokens if is_repeated(backend) else work.grouped_tokens
     rect, causal = attention_pairs(work, backend)
-    per_pair = 4 * shape.heads * shape.head_dim * shape.layers
+    per_pair = 4 * shape.heads * shape.head_dim * shape.attention_layers
     linear = 2 * shape.layer_matmul_params * shape.layers * tokens
     head = 2 * shape.hidden * shape.vocab * work.scored
+    rule = rule_flops(shape, tokens)  # a hybrid's GDN layers: their conv and chunked delta rule
     return {"linear": linear, "attention": rect * per_pair, "attention_causal": causal * per_pair, "head": head,
-            "total": linear + rect * per_pair + head, "total_causal": linear + causal * per_pair + head}
+            "rule": rule, "total": linear + rect * per_pair + rule + head,
+            "total_causal": linear + causal * per_pair + rule + head}
 
 
 def train_flops(shape: Shape, work: Workload, backend: str, *, checkpointing: bool, chunk: int,
@@ -134,7 +138,11 @@ def train_flops(shape: Shape, work: Workload, backend: str, *, checkpointing: bo
     linear = (1 + backward) * f["linear"] + recompute + (backward + (2 if chunk else 1)) * f["head"]
     # fused attention backward recomputes the scores: 5 matmuls against the forward's 2 (torch's flop_counter)
     attention = 3.5 + again
-    return {"total": linear + attention * f["attention"], "total_causal": linear + attention * f["attention_causal"]}
+    from app.planning.layers import RULE_BACKWARD
+
+    rule = (1 + RULE_BACKWARD + again) * f["rule"]
+    return {"total": linear + attention * f["attention"] + rule,
+            "total_causal": linear + attention * f["attention_causal"] + rule}
 
 
 def vision_attention_pairs(shape: Shape, patches: int, temporal: int) -> float:
@@ -177,7 +185,9 @@ def vision_flops(shape: Shape, patches: int, temporal: int = 1, *, training: boo
 def decode_flops(shape: Shape, work: Workload) -> float:
     """FLOPs of sampling ``completion`` tokens for each of the G samples of every group after the prefill: each new
     token through the layers, attending to its prompt and its own earlier tokens, and the head's full vocabulary."""
+    from app.planning.layers import decode_rule_flops
+
     g, c, p = work.group_size * work.groups, work.completion, work.prefix
     per_token = 2 * shape.layer_matmul_params * shape.layers + 2 * shape.hidden * shape.vocab
-    attention = 4 * shape.heads * shape.head_dim * shape.layers * g * (c * p + c * (c + 1) / 2)
-    return g * c * per_token + attention
+    attention = 4 * shape.heads * shape.head_dim * shape.attention_layers * g * (c * p + c * (c + 1) / 2)
+    return g * c * per_token + attention + c * decode_rule_flops(shape, g)

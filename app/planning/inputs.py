@@ -1,5 +1,6 @@
-"""The prompts' pixels as a run holds them: on the device (one copy of a family's video, in the tower's dtype) and on
-the host (the step's and the prefetch's, the decode at work, ZeRO's offload), per rank and per node."""
+"""What a run holds beside the model: the prompts' pixels on the device (one copy of a family's video, in the
+tower's dtype) and on the host (the step's and the prefetch's, the decode at work, ZeRO's offload), per rank and per
+node; and its checkpoints on disk (``disk``)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,19 @@ def host_memory(cfg, shape: Shape, work: Workload, world, states: dict, b: int) 
     per_node = rank["total"] * world.gpus_per_node
     usable = world.headroom * world.host_memory_gib * GiB
     return {"rank": rank, "node": per_node, "usable": usable, "fits": per_node <= usable}
+
+
+def disk(cfg, counts, trainable: int, b: int, stage: int, lora: bool) -> dict:
+    """What a checkpoint and the final export take on disk (``checkpoint.save_bytes``, the trainer's own
+    estimate), and the free bytes where train.output_dir is (or would be)."""
+    from app.runtime.checkpoint import free_bytes, save_bytes
+
+    adapter = trainable if lora else 0
+    sizes = save_bytes(counts.total, trainable, b, stage, adapter=adapter, save_adapter=lora and cfg.lora.save_adapter)
+    try:
+        free = free_bytes(cfg.train.output_dir)
+    except OSError:
+        free = None
+    need = sizes["checkpoint"] * (cfg.train.keep_checkpoints + 1) + (sizes["export"] if cfg.train.export_hf else 0)
+    return {**sizes, "keep": cfg.train.keep_checkpoints, "need": need, "free": free,
+            "output_dir": cfg.train.output_dir}

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from app.planning import costs, flops, shapes, timing
 from app.planning.costs import GiB, Shape, Workload
-from app.planning.inputs import cached_outputs, distinct_videos, host_memory, pixel_bytes
+from app.planning.inputs import cached_outputs, disk, distinct_videos, host_memory, pixel_bytes
+from app.planning.layers import kv_bytes_per_token, state_bytes
 from app.rollout.registry import BASELINE_ENGINE, memory_kind
 
 TEXT_TOKENS = 200  # system prompt, question and template around the video (Video-R1's prompt is about 150)
@@ -248,22 +249,6 @@ def layout_cfg(cfg, layout: str):
     return with_overrides(cfg, overrides)
 
 
-def disk(cfg, counts, trainable: int, b: int, stage: int, lora: bool) -> dict:
-    """What a checkpoint and the final export take on disk (``checkpoint.save_bytes``, the trainer's own
-    estimate), and the free bytes where train.output_dir is (or would be)."""
-    from app.runtime.checkpoint import free_bytes, save_bytes
-
-    adapter = trainable if lora else 0
-    sizes = save_bytes(counts.total, trainable, b, stage, adapter=adapter, save_adapter=lora and cfg.lora.save_adapter)
-    try:
-        free = free_bytes(cfg.train.output_dir)
-    except OSError:
-        free = None
-    need = sizes["checkpoint"] * (cfg.train.keep_checkpoints + 1) + (sizes["export"] if cfg.train.export_hf else 0)
-    return {**sizes, "keep": cfg.train.keep_checkpoints, "need": need, "free": free,
-            "output_dir": cfg.train.output_dir}
-
-
 def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: int, gpu: float, ranks: int = 1,
                    device: str = "cuda", varlen: bool = False) -> dict:
     """Bytes the rollout adds on one rank: gathered weights (ZeRO-3), the K/V cache, the prefill's working set, the
@@ -274,7 +259,7 @@ def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: in
     rank = timing.rank_work(cfg, work)
     share = rank.share
     prompts = min(rank.prompts, rank.families_here * rank.questions)
-    kv_token = 2 * shape.kv_heads * shape.head_dim * shape.layers * b
+    kv_token = kv_bytes_per_token(shape, b)  # the attention layers' (a hybrid's GDN layers: a state per sample)
     kind = memory_kind(cfg.rollout.engine)
     if kind in ("reserved", "none"):
         share = cfg.rollout.vllm_gpu_memory_utilization * gpu if kind == "reserved" else 0.0
@@ -318,7 +303,11 @@ def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: in
         root = embed + max(2 * work.visual * shape.hidden * b + tower, root_kv + chunk_work + exchange)
         prefill = max(0.0, (roots - 1) * root_kv + root - kv - tower)
     logits = prompts * work.group_size * shape.vocab * 4 * 2
-    parts = {"gathered_weights": gathered, "kv_cache": kv, "prefill": prefill, "vision_tower": tower,
+    # a hybrid's GDN states: one per sample (copied from its prompt's, this rank's heads when spread) and one per
+    # prompt held while its samples are made
+    states = (prompts * work.group_size + prompts) * state_bytes(shape, b) * timing.kv_share(shape, rank)
+    parts = {"gathered_weights": gathered, "kv_cache": kv, "gdn_states": states, "prefill": prefill,
+             "vision_tower": tower,
              "vision_cache": cached_outputs(shape, work, distinct_videos(prompts, k if shared else 1), b) * share
              if cfg.forward.vision_cache in ("step", "run") and not tower_trains(cfg) else 0.0,
              "sampling_logits": logits,

@@ -1,4 +1,5 @@
-"""Real model shapes: the published architecture of each Qwen-VL checkpoint users train, without its weights.
+"""Real model shapes: the published architecture of each Qwen-VL (and Qwen3.5) checkpoint users train, without its
+weights.
 
 ``configs/models/<preset>.json`` holds the released ``config.json`` of one checkpoint (its source and what it was
 checked against are in the file). From it:
@@ -62,6 +63,8 @@ def _reduced(config: dict, layers: int | None, vision_layers: int | None) -> dic
         text["num_hidden_layers"] = layers
         if "max_window_layers" in text:
             text["max_window_layers"] = layers
+        if "layer_types" in text:  # a hybrid's first ``layers`` layers (Qwen3.5 at 4: three GDN, one attention)
+            text["layer_types"] = text["layer_types"][:layers]
     vision = config.get("vision_config")
     if vision is not None and vision_layers is not None:
         if not 1 <= vision_layers <= vision["depth"]:

@@ -205,13 +205,17 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
     prefill = flops.forward_flops(shape, family, "flash")["total"] * rank.families_here * rank.share
     prompts_here = min(rank.prompts, rank.families_here * k)
     samples, steps = prompts_here * work.group_size, work.completion
-    kv_token = 2 * shape.kv_heads * shape.head_dim * shape.layers * b
+    from app.planning.layers import kv_bytes_per_token, state_bytes
+
+    kv_token = kv_bytes_per_token(shape, b)  # the attention layers' (a hybrid's GDN layers keep a state instead)
     shared = work.prefix - work.question if k > 1 else 0
     prefixes = rank.families_here * shared + prompts_here * (work.prefix - shared)
     kind = memory_kind(cfg.rollout.engine)
     copies = work.group_size if kind == "per_sample" else 1  # HF generate: every sample its own prompt copy
     weights = b * (shape.layers * counts.decoder_layer + shape.vocab * shape.hidden)
     kv = kv_token * (prefixes * copies + samples * steps / 2) * kv_share(shape, rank)  # the completions': half
+    # each step reads and writes every sample's GDN states (this rank's heads under a spread rollout)
+    kv += 2 * samples * state_bytes(shape, b) * kv_share(shape, rank)
     graph = (ds["stage"] != 3 or cfg.rollout.zero3_gather == "full") and copies == 1
     tower_copies = 1 if cfg.forward.vision_cache in ("step", "run") and not tower_trains else copies
     # ZeRO-3 gathering during the rollout (layerwise: each decoder layer per step; per_step: everything per step),
@@ -277,12 +281,20 @@ def spread_exchanges(shape: Shape, work: Workload, rank: Rank, b: int, *, steps:
     size = rank.size
     away = (size - 1) / size
     positions = rank.families_here * (work.prefix + (rank.questions - 1) * work.question)
+    from app.planning.layers import conv_channels
+
     per_position = (2 * shape.heads + 2 * max(shape.kv_heads, size)) * shape.head_dim * b
+    # a GDN layer's exchange: its conv input (q|k|v channels), b and a there; its heads' output back
+    per_gdn_position = (conv_channels(shape) + 2 * shape.linear_value_heads
+                        + shape.linear_value_heads * shape.linear_head_dim) * b
+    moved = per_position * shape.attention_layers + per_gdn_position * shape.linear_layers
     chunks = rank.families_here * max(1, math.ceil(work.prefix / chunk)) if chunk else rank.families_here
+    step_out = shape.heads * shape.head_dim * shape.attention_layers + (
+        shape.linear_value_heads * shape.linear_head_dim * shape.linear_layers)
     return {"tower_bytes": 2 * away * work.visual * shape.hidden * b * rank.videos_here,
-            "prefill_bytes": away * positions * per_position * shape.layers / size,
+            "prefill_bytes": away * positions * moved / size,
             "prefill_collectives": 4.0 * shape.layers * (chunks + rank.families_here),
-            "decode_bytes": away * steps * samples * shape.heads * shape.head_dim * b * shape.layers,
+            "decode_bytes": away * steps * samples * step_out * b,
             "decode_collectives": float(steps * shape.layers)}
 
 

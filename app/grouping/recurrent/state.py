@@ -69,9 +69,9 @@ class RecurrentStates:
         key_heads = module.num_k_heads * value_heads // module.num_v_heads
         dk, dv = module.head_k_dim, module.head_v_dim
         q, k, v = torch.split(x, [key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
-        repeat = value_heads // key_heads
-        q = q.reshape(-1, 1, key_heads, dk).repeat_interleave(repeat, dim=2)
-        k = k.reshape(-1, 1, key_heads, dk).repeat_interleave(repeat, dim=2)
+        repeat = value_heads // key_heads  # each key head read by ``repeat`` value heads (expand: no host sync)
+        q = q.reshape(-1, 1, key_heads, 1, dk).expand(-1, 1, key_heads, repeat, dk).reshape(-1, 1, value_heads, dk)
+        k = k.reshape(-1, 1, key_heads, 1, dk).expand(-1, 1, key_heads, repeat, dk).reshape(-1, 1, value_heads, dk)
         v = v.reshape(-1, 1, value_heads, dv)
         part = slice(None) if heads is None else heads
         b, a = module.in_proj_b(hidden_states)[..., part], module.in_proj_a(hidden_states)[..., part]

@@ -1,0 +1,105 @@
+"""One place per decoder-layer kind: what a token costs in it and what a sequence keeps of it between decode steps.
+The phases (``costs``, ``flops``, ``timing``, ``planner``) ask here and sum over a model's kinds, so a hybrid
+(Qwen3.5: Gated DeltaNet layers with gated full attention every 4th) is planned by the same formulas as an
+attention-only model, whose one kind is attention.
+
+- **attention**: q, k, v, o (Qwen3.5's q also writes its output gate); FLOPs per query-key pair (``flops``); K/V
+  per token kept for decoding, read by every step.
+- **gdn** (Gated DeltaNet): its projections (q|k|v, z, b, a, out); the causal conv and the chunked delta rule
+  (``RULE_CHUNK`` tokens a chunk: per value head and token C (5 dk + 3 dv) + 6 dk dv multiply-adds, counted from
+  the chunked form's products: the chunk's k k^T and q k^T, two triangular solves, the reads of the state and its
+  update); no K/V: a state per sequence, [value heads, dk, dv] float32 and the conv's last W - 1 inputs, read and
+  written by every decode step.
+
+What a GDN layer saves for the backward is a GUESS until a GPU measures it (``GDN_SAVED``: fla's chunked kernel
+keeps q, k, v, g, beta and its per-chunk WY factors; the conv its input; the gated norm its input and gate), as
+are ``RULE_BACKWARD`` (the delta rule's backward against its forward) and the decode step's efficiency on the
+state (taken as the K/V's): docs/planner.md says so where it prints them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RULE_CHUNK = 64  # the chunked delta rule's chunk (fla's and transformers' torch fallback's)
+RULE_BACKWARD = 2.5  # the delta rule's backward against its forward, as fused attention's (a guess: not measured)
+# per token of a GDN layer, saved for the backward, in units of (hidden | conv channels | value dims): the layer's
+# input (read by four projections), the conv's input and output, the rule's q, k, v (post-conv, L2-normalised in
+# float32 inside the kernel), its output, z and the norm's input. A guess from the kernels' code, not measured.
+GDN_SAVED = {"hidden": 1, "conv": 3, "value": 3, "float32_heads": 3}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One decoder-layer kind of a model: how many layers have it and the weights a token meets in its mixer."""
+
+    name: str
+    count: int
+    matmul_params: int
+
+
+def attention_params(shape) -> int:
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    return h * q * (2 if shape.attention_gate else 1) + 2 * h * kv + q * h
+
+
+def conv_channels(shape) -> int:
+    """A GDN layer's q|k|v channels (the conv runs over each)."""
+    return 2 * shape.linear_key_heads * shape.linear_head_dim + shape.linear_value_heads * shape.linear_head_dim
+
+
+def gdn_params(shape) -> int:
+    h, value = shape.hidden, shape.linear_value_heads * shape.linear_head_dim
+    return h * conv_channels(shape) + h * value + 2 * h * shape.linear_value_heads + value * h
+
+
+def kinds(shape) -> list[Kind]:
+    out = [Kind("attention", shape.attention_layers, attention_params(shape))]
+    if shape.linear_layers:
+        out.append(Kind("gdn", shape.linear_layers, gdn_params(shape)))
+    return out
+
+
+def rule_flops(shape, tokens: float) -> float:
+    """Forward FLOPs of the GDN layers' conv and chunked delta rule over ``tokens`` tokens (all GDN layers)."""
+    if not shape.linear_layers:
+        return 0.0
+    dk = dv = shape.linear_head_dim
+    per_head = RULE_CHUNK * (5 * dk + 3 * dv) + 6 * dk * dv  # multiply-adds per token and value head
+    return 2.0 * shape.linear_layers * tokens * (shape.linear_value_heads * per_head
+                                                 + shape.conv_kernel * conv_channels(shape))
+
+
+def decode_rule_flops(shape, samples: float) -> float:
+    """FLOPs of one decode step's GDN layers for ``samples`` sequences: each value head's state decayed, read by k,
+    updated and read by q (about 4 dk dv multiply-adds), and the conv's window."""
+    if not shape.linear_layers:
+        return 0.0
+    dk = dv = shape.linear_head_dim
+    return 2.0 * shape.linear_layers * samples * (4 * shape.linear_value_heads * dk * dv
+                                                 + shape.conv_kernel * conv_channels(shape))
+
+
+def linear_saved(shape, tokens: float, dtype_bytes: int) -> float:
+    """Bytes one GDN layer saves for the backward over ``tokens`` tokens (``GDN_SAVED``: a guess)."""
+    if not shape.linear_layers:
+        return 0.0
+    value = shape.linear_value_heads * shape.linear_head_dim
+    per_token = dtype_bytes * (GDN_SAVED["hidden"] * shape.hidden + GDN_SAVED["conv"] * conv_channels(shape)
+                               + GDN_SAVED["value"] * value) + 4 * GDN_SAVED["float32_heads"] * (
+        shape.linear_value_heads * (2 * shape.linear_head_dim + 2 + RULE_CHUNK))
+    return tokens * per_token
+
+
+def kv_bytes_per_token(shape, dtype_bytes: int) -> float:
+    """K/V one token keeps for decoding, over the attention layers only."""
+    return 2 * shape.kv_heads * shape.head_dim * shape.attention_layers * dtype_bytes
+
+
+def state_bytes(shape, dtype_bytes: int) -> float:
+    """What one sequence keeps of the GDN layers, whatever its length: the float32 state and the conv's last W - 1
+    inputs, per GDN layer (0 for an attention-only model)."""
+    if not shape.linear_layers:
+        return 0.0
+    state = 4 * shape.linear_value_heads * shape.linear_head_dim * shape.linear_head_dim
+    return shape.linear_layers * (state + dtype_bytes * conv_channels(shape) * (shape.conv_kernel - 1))
