@@ -422,3 +422,68 @@ def test_the_compiled_step_on_qwen3_5_draws_the_eager_tokens(tiny_checkpoints, v
                                        static_steps=keep)
         assert torch.equal(eager.completion_ids, compiled.completion_ids), kinds
         assert compiled.parts["kept/compiles"] == float(i == 0) and compiled.parts["recompiles"] == 0, i
+
+
+@pytest.mark.slow  # three 2-process runs through scripts/train.sh and one evaluation (about 2-3 minutes)
+@pytest.mark.distributed
+def test_qwen3_5_through_the_launchers_killed_and_resumed_then_evaluated(tmp_path):
+    """scripts/train.sh on a tiny Qwen3.5 and generated videos: 2 processes as one replica of S = 2 (the GDN layers
+    Ulysses over their heads), ZeRO-3, data.questions_per_video=2, the grouped engine, 2 steps. Killed (SIGKILL) at a
+    seeded random moment and resumed, it ends bit for bit at the uninterrupted run's weights, which training moved;
+    scripts/eval.sh scores the final model on held-out videos."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from safetensors.torch import load_file
+
+    from app.data.synthetic import generate
+    from app.runtime.models import build_tiny_checkpoint
+    from tests.test_trainer import ROOT, run
+
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen3_5", seed=0)
+    files = generate(tmp_path / "data", train=8, heldout=3, seed=0, questions_per_video=2)
+    plugin = tmp_path / "varied_reward.py"  # rewards that differ within every group: the weights really move
+    plugin.write_text("def varied(completions, records):\n    return [len(c) % 5 / 4 for c in completions]\n")
+    pixels = ["data.min_pixels=4096", "data.max_pixels=4096"]  # 64 x 64: Qwen3.5's patch 16, merge 2
+
+    def launch(out, *extra):
+        settings = {"model.path": checkpoint, "data.train_file": files["train"], "train.output_dir": out,
+                    "data.shuffle": False, "data.max_frames": 4, "data.questions_per_video": 2,
+                    "train.sequence_parallel_size": 2, "train.deepspeed_config": "deepspeed_configs/zero3.json",
+                    "train.max_steps": 2, "train.save_every": 1, "train.prompts_per_rank": 2,
+                    "train.groups_per_micro_batch": 2, "train.learning_rate": 1e-3, "rollout.group_size": 2,
+                    "rollout.max_completion_length": 6, "logging.progress_bar": False,
+                    "logging.wandb_mode": "disabled", "rewards.functions": f"[format, accuracy, '{plugin}:varied']"}
+        return ["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *[f"{k}={v}" for k, v in settings.items()],
+                *pixels, *extra]
+
+    env = {"NPROC_PER_NODE": "2"}
+    start = time.perf_counter()
+    run(launch(tmp_path / "straight"), env=env, timeout=900)
+    took = time.perf_counter() - start
+    rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["tokens/shared_video"] > 0 for r in rows)
+    process = subprocess.Popen(launch(tmp_path / "resumed"), cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, env={**os.environ, **env}, start_new_session=True)
+    try:
+        process.wait(timeout=random.Random(73).uniform(0.4, 0.8) * took)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert process.returncode == -signal.SIGKILL, "the run ended before the kill"
+    run(launch(tmp_path / "resumed", "train.resume=true"), env=env, timeout=900)
+    straight, resumed = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("straight", "resumed"))
+    initial = load_file(str(checkpoint / "model.safetensors"))
+    assert sum(not torch.equal(straight[n], initial[n]) for n in straight) > len(straight) // 2
+    assert any("linear_attn" in n and not torch.equal(straight[n], initial[n]) for n in straight)
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+    evaluated = subprocess.run(["bash", "scripts/eval.sh", str(tmp_path / "straight" / "final"), str(files["heldout"]),
+                                f"eval.output_dir={tmp_path / 'eval'}", *pixels, "eval.max_new_tokens=8"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["overall"]["count"] == 3 and summary["skipped_total"] == 0

@@ -53,6 +53,8 @@ def run_ranks(tmp_path, size: int, **spec) -> dict:
 @pytest.mark.parametrize(("family", "size", "backends"), [
     ("qwen2_5_vl", 2, None), ("qwen2_5_vl", 4, ["split"]), ("qwen3_vl", 2, ["packed"]),
     pytest.param("qwen3_vl", 4, None, marks=pytest.mark.slow),  # 4 ranks are covered on Qwen2.5-VL in make test
+    ("qwen3_5", 2, ["split"]),  # the GDN layers Ulysses over their key and value heads too
+    pytest.param("qwen3_5", 4, ["split", "masked"], marks=pytest.mark.slow),
 ])
 def test_sequence_parallel_equals_one_rank(family, size, backends, tiny_checkpoints, long_videos, tmp_path):
     """S = 2 and 4 ranks (tiny models: 4 query heads, 2 KV heads, so S = 4 repeats each KV head) on a batch of a
@@ -225,6 +227,22 @@ def test_a_familys_rollout_spread_over_two_ranks_draws_one_rank_tokens(tiny_chec
              {"plan": [0, 0, 1, 1], "temperature": 1.0, "decode": "static", "max_new": 12, "eos": [7, 40]}]
     reports = run_spread(tmp_path, 2, 2, "qwen2_5_vl", tiny_checkpoints["qwen2_5_vl"], long_videos, cases)
     check_spread(reports, 2, kv_divides=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_a_hybrid_models_rollout_spread_holds_each_ranks_gdn_heads(size, tiny_checkpoints, long_videos, tmp_path):
+    """Qwen3.5 at S = 2 and 4: the GDN heads shared out like the attention heads (each rank 1/S of every sample's
+    GDN states, carried chunk to chunk in the video's prefill and from the video to each question), every rank the
+    one-process tokens: a family of three questions with a chunked prefill, a long prompt alone, seeded static steps
+    with stop tokens."""
+    cases = [{"plan": [0, 0, 0, 1, -1], "chunk": 24},
+             {"plan": [0], "chunk": 16},
+             {"plan": [0, 0, 1, 1], "temperature": 1.0, "decode": "static", "max_new": 12, "eos": [7, 40]}]
+    reports = run_spread(tmp_path, size, size, "qwen3_5", tiny_checkpoints["qwen3_5"], long_videos, cases)
+    check_spread(reports, size, kv_divides=size <= 2)
+    for i in range(len(cases)):
+        assert all(r["cases"][i]["mine"]["states"] * size == r["cases"][i]["whole"]["states"] > 0 for r in reports)
 
 
 @pytest.mark.slow

@@ -65,8 +65,8 @@ def run_case(spec: dict, case: dict, sp: SequenceParallel) -> dict:
         if visual is not None else None
     kv = {}
 
-    def count(layers):
-        return sum(x.numel() * x.element_size() for layer in layers for x in layer)
+    def count(layers):  # a hybrid's GDN layers hold no K/V (None): their states are counted apart
+        return sum(x.numel() * x.element_size() for layer in layers for x in layer if x is not None)
 
     from app.grouping.decoding import decode as decoding
 
@@ -76,7 +76,8 @@ def run_case(spec: dict, case: dict, sp: SequenceParallel) -> dict:
         original(self, *args, **kwargs)
         kv["roots"] = count(zip(self.cache.roots.keys, self.cache.roots.values)) if self.cache.roots is not None \
             else 0
-        kv["questions"] = count(self.cache.prefix)
+        kv["questions"] = count(filter(None, self.cache.prefix))
+        kv["states"] = self.cache.recurrent.nbytes()  # every sample's GDN states (this rank's heads when spread)
 
     decoding.GroupedDecoder.__init__ = spying
     from app.grouping.media import keep_share

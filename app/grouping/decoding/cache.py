@@ -186,9 +186,9 @@ class GroupedKVCache:
 
 
 def is_recurrent_layer(layer) -> bool:
-    """A prefill cache layer of a Gated DeltaNet layer (transformers' ``LinearAttentionLayer``: conv and recurrent
-    states, no K/V)."""
-    return getattr(layer, "keys", None) is None and hasattr(layer, "conv_states")
+    """A prefill cache layer without K/V: a Gated DeltaNet layer's (transformers' ``LinearAttentionLayer``, or a
+    spread prefill's placeholder); its states travel beside (``prompt_states_of``)."""
+    return getattr(layer, "keys", None) is None
 
 
 def prompt_states_of(prefix_cache, layers):

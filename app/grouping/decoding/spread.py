@@ -78,6 +78,13 @@ class UlyssesPlan:
     sp: SequenceParallel
     lengths: list[int]  # positions per rank of this piece
     attend_heads: object
+    linear_heads: object = None  # a hybrid's GDN layers: ``core(module, mixed, beta, g, heads)`` of this piece
+
+    def linear_attention(self, module, hidden_states, *, cache_params=None, original=None):
+        """A Gated DeltaNet layer on this piece: its heads shared out as the attention's (``recurrent.spread``)."""
+        from app.grouping.recurrent.spread import ulysses_linear
+
+        return ulysses_linear(module, hidden_states, self.sp, self.lengths, self.linear_heads)
 
     def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
         size = self.sp.size
@@ -166,11 +173,14 @@ def root_prefill(model, ids: torch.Tensor, positions: torch.Tensor, vision: dict
     extra = {}
     if vision:
         embeds, extra = insert_vision(model, vision, ids, (0, ids.shape[0]), embeds, sp)
+    from app.grouping.recurrent.spread import RootStates
+
     store, ran = RootStore(ids.shape[0]), 0
+    store.states = RootStates()  # a hybrid's GDN states of this rank's heads, chunk to chunk
     for start, end in _pieces(ids.shape[0], chunk_size, sp.size):
         bounds = shard_bounds(end - start, sp.size)
         lo, hi = bounds[sp.rank]
-        plan = UlyssesPlan(sp, [b - a for a, b in bounds], store.attend)
+        plan = UlyssesPlan(sp, [b - a for a, b in bounds], store.attend, store.states.core)
         _run_language(model, embeds[:, start + lo : start + hi], positions[:, None, start + lo : start + hi], plan,
                       _local_extra(extra, start + lo, start + hi))
         store.end = end
@@ -226,7 +236,11 @@ def spread_prefill(model, prompts: dict, families: Sequence[int], positions: tor
     from app.grouping import attention
 
     set_text_attention(model, attention.ATTENTION_NAME)
-    keys, values, root_masks, group_root, ran = [], [], [], {}, 0
+    from app.grouping.modules import text_config
+    from app.grouping.recurrent.state import RecurrentStates
+
+    layer_count = text_config(model).num_hidden_layers
+    keys, values, root_masks, group_root, ran, root_states = [], [], [], {}, 0, []
     q_ids, q_pos = {}, {}
     for r, (members, v) in enumerate(roots):
         first = width - lengths[members[0]]
@@ -234,9 +248,10 @@ def spread_prefill(model, prompts: dict, families: Sequence[int], positions: tor
         store, done = root_prefill(model, ids[members[0], first : first + v], positions[:, members[0], first : first + v],
                                    vision_of_items(root_items), sp=sp, chunk_size=chunk_size)
         ran += done
-        layers = sorted(store.keys)
-        keys.append([store.keys[layer][0] for layer in layers])
-        values.append([store.values[layer][0] for layer in layers])
+        # per layer: the attention layers' K/V of this rank's heads, None for a hybrid's GDN layers (their states)
+        keys.append([store.keys[layer][0] if layer in store.keys else None for layer in range(layer_count)])
+        values.append([store.values[layer][0] if layer in store.keys else None for layer in range(layer_count)])
+        root_states.append(store.states.layers)
         root_masks.append(torch.ones(v, dtype=torch.long, device=device))
         for m in members:
             group_root[m] = r
@@ -249,13 +264,18 @@ def spread_prefill(model, prompts: dict, families: Sequence[int], positions: tor
     def stacked(per_root: list) -> list[torch.Tensor]:  # roots' [h_kv, V_r, D] per layer -> [R, h_kv, Vmax, D]
         layers = []
         for layer in range(len(per_root[0])):
+            if per_root[0][layer] is None:  # a GDN layer: no K/V
+                layers.append(None)
+                continue
             layers.append(torch.stack([padded_left(x[layer], widest, 1) for x in per_root]).contiguous())
             for x in per_root:  # the roots' own copy of this layer goes as its stacked one comes: K/V held once
                 x[layer] = None
         return layers
 
+    gdn = {layer: (torch.cat([r[layer][0] for r in root_states]), torch.cat([r[layer][1] for r in root_states]))
+           for layer in root_states[0]}  # the roots' GDN states of this rank's heads, [R, ...] per layer
     shared = SharedRoots(stacked(keys), stacked(values), _left_padded(root_masks),
-                         torch.tensor([group_root[m] for m in order], device=device))
+                         torch.tensor([group_root[m] for m in order], device=device), states=RecurrentStates(gdn))
     # the questions, left-padded to a common width of at least S (each rank a piece of every row)
     q_width = max(max(q_ids[m].shape[0] for m in order), sp.size)
     q_mask = _left_padded([torch.ones_like(q_ids[m]) for m in order])
@@ -266,8 +286,12 @@ def spread_prefill(model, prompts: dict, families: Sequence[int], positions: tor
     pos = torch.nn.functional.pad(pos, (q_width - pos.shape[-1], 0))
     bounds = shard_bounds(q_width, sp.size)
     lo, hi = bounds[sp.rank]
+    from app.grouping.recurrent.spread import question_core
+
     questions = QuestionStore(QuestionPrefill(shared, q_mask))
-    plan = UlyssesPlan(sp, [b - a for a, b in bounds], questions.attend)
+    kept_states: dict = {}
+    plan = UlyssesPlan(sp, [b - a for a, b in bounds], questions.attend,
+                       question_core(gdn, shared.group_root, q_mask, kept_states))
     embeds = unwrap(model).get_input_embeddings()(q_rows[:, lo:hi])
     hidden = _run_language(model, embeds, pos[..., lo:hi], plan, {})
     ran += int(q_mask[:, lo:hi].sum())  # the questions' real tokens in this rank's piece
@@ -277,8 +301,8 @@ def spread_prefill(model, prompts: dict, families: Sequence[int], positions: tor
         dist.broadcast(last, src=holder, group=sp.group)
     with head.installed():
         logits = unwrap(model).lm_head(last)
-    layers = sorted(questions.keys)
-    past = _Past([_Layer(questions.keys[layer], questions.values[layer]) for layer in layers])
+    past = _Past([_Layer(questions.keys.get(layer), questions.values.get(layer)) for layer in range(layer_count)])
+    past.recurrent = RecurrentStates(kept_states)  # the questions' GDN states: what each sample continues
     return past, q_mask, shared, logits, ran
 
 
@@ -298,3 +322,9 @@ class SpreadKVCache(GroupedKVCache):
     def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
         local = decode_attention(self, module.layer_idx, query[:, self.q_share], key, value, scale)
         return gather_heads(local, self.sp, dim=2)
+
+    def linear_attention(self, module, hidden_states, *, cache_params=None, original=None):
+        """A Gated DeltaNet layer's step: this rank's heads' states advanced, the heads' outputs gathered."""
+        from app.grouping.recurrent.spread import spread_step
+
+        return spread_step(self.recurrent, module, hidden_states, self.sp)

@@ -73,10 +73,7 @@ class RecurrentStates:
         q = q.reshape(-1, 1, key_heads, 1, dk).expand(-1, 1, key_heads, repeat, dk).reshape(-1, 1, value_heads, dk)
         k = k.reshape(-1, 1, key_heads, 1, dk).expand(-1, 1, key_heads, repeat, dk).reshape(-1, 1, value_heads, dk)
         v = v.reshape(-1, 1, value_heads, dv)
-        part = slice(None) if heads is None else heads
-        b, a = module.in_proj_b(hidden_states)[..., part], module.in_proj_a(hidden_states)[..., part]
-        beta = b.sigmoid()
-        g = -module.A_log[part].float().exp() * F.softplus(a.float() + module.dt_bias[part])
+        beta, g = gates(module, hidden_states, heads)
         out, new = recurrent_step_rule(q.device)(q, k, v, g=g, beta=beta, initial_state=state,
                                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
         state.copy_(new)
@@ -84,9 +81,7 @@ class RecurrentStates:
 
     def finish(self, module, core: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """The gated norm and output projection of a step's core output [N, 1, HV, V] -> [N, 1, hidden]."""
-        z = module.in_proj_z(hidden_states).reshape(-1, module.head_v_dim)
-        normed = module.norm(core.reshape(-1, module.head_v_dim), z)
-        return module.out_proj(normed.reshape(hidden_states.shape[0], 1, -1))
+        return finish_rows(module, core, hidden_states)
 
 
 def heads_channels(module, heads: slice) -> torch.Tensor:
@@ -104,15 +99,43 @@ def continue_from(module, hidden_states: torch.Tensor, mask: torch.Tensor, start
     """Left-padded prompts ([B, L, hidden], ``mask`` [B, L] 0/1) each continuing the states of ``start``'s row
     ``rows[b]`` (its conv tail in front, its recurrent state as the initial one) through GDN layer ``module`` ->
     (output [B, L, hidden], 0 at pads; (their conv tails [B, C, W - 1], final states [B, HV, K, V]))."""
+    conv_start, state_start = start.layers[module.layer_idx]
+    beta, g = gates(module, hidden_states)
+    core, states = continue_core(module, module.in_proj_qkv(hidden_states), beta, g, mask,
+                                 (conv_start.index_select(0, rows), state_start.index_select(0, rows)))
+    return finish_rows(module, core, hidden_states) * mask[..., None].to(hidden_states.dtype), states
+
+
+def gates(module, hidden_states: torch.Tensor, heads: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """beta (sigmoid of b) and g (the log decay, float32) of ``heads`` value heads (all: None), [..., HV']."""
+    part = slice(None) if heads is None else heads
+    beta = module.in_proj_b(hidden_states)[..., part].sigmoid()
+    g = -module.A_log[part].float().exp() * F.softplus(module.in_proj_a(hidden_states)[..., part].float()
+                                                      + module.dt_bias[part])
+    return beta, g
+
+
+def finish_rows(module, core: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The gated norm and output projection: core [B, L, HV, V] -> [B, L, hidden]."""
+    dv = module.head_v_dim
+    z = module.in_proj_z(hidden_states).reshape(-1, dv)
+    return module.out_proj(module.norm(core.reshape(-1, dv), z).reshape(*hidden_states.shape[:2], -1))
+
+
+def continue_core(module, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, mask: torch.Tensor,
+                  start: tuple[torch.Tensor, torch.Tensor], heads: slice | None = None):
+    """The conv and the delta rule of left-padded rows ([B, L, C'] q|k|v channels of ``heads``, beta and g
+    [B, L, HV']) each from its own start (conv tail [B, C', W - 1], state [B, HV', K, V]) -> (core [B, L, HV', V],
+    0 at pads; (conv tails [B, C', W - 1], final states float32)). ``heads``: the value heads held here (a spread
+    rollout's share; None: all)."""
     from app.grouping.recurrent.segments import ExplicitLevel
 
-    batch, width, _ = hidden_states.shape
-    conv_start, state_start = start.layers[module.layer_idx]
+    batch, width, _ = mixed.shape
+    conv_start, state_start = start
     kernel = module.conv_kernel_size
-    mixed = module.in_proj_qkv(hidden_states)  # [B, L, C]
     lengths = mask.sum(1).tolist()
-    tails = conv_start.index_select(0, rows).transpose(1, 2)  # [B, W - 1, C]
-    # rows of the level: every prompt token (b * L + j), then every prompt's tail, then a zero row
+    tails = conv_start.transpose(1, 2)  # [B, W - 1, C']
+    # rows of the level: every token (b * L + j), then every row's tail, then a zero row
     table = torch.cat([mixed.reshape(batch * width, -1), tails.reshape(batch * (kernel - 1), -1).to(mixed.dtype),
                        mixed.new_zeros(1, mixed.shape[-1])])
     tokens = [list(range(b * width + width - n, b * width + width)) for b, n in enumerate(lengths)]
@@ -120,26 +143,27 @@ def continue_from(module, hidden_states: torch.Tensor, mask: torch.Tensor, start
               for b in range(batch)]
     level = ExplicitLevel(tokens, before, pad=table.shape[0] - 1)
     kernels = level_kernels(mixed.device)
-    x = kernels.conv(table, level, module.conv1d.weight[:, 0])
-    dk, dv, key_heads, value_heads = module.head_k_dim, module.head_v_dim, module.num_k_heads, module.num_v_heads
+    weight = module.conv1d.weight[:, 0]
+    value_heads = module.num_v_heads
+    if heads is not None:
+        weight = weight[heads_channels(module, heads).to(weight.device)]
+        value_heads = heads.stop - heads.start
+    key_heads = module.num_k_heads * value_heads // module.num_v_heads
+    x = kernels.conv(table, level, weight)
+    dk, dv = module.head_k_dim, module.head_v_dim
     q, k, v = torch.split(x, [key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
     repeat = value_heads // key_heads
     q = q.reshape(*q.shape[:-1], key_heads, dk).repeat_interleave(repeat, dim=-2)
     k = k.reshape(*k.shape[:-1], key_heads, dk).repeat_interleave(repeat, dim=-2)
     v = v.reshape(*v.shape[:-1], value_heads, dv)
-    beta = module.in_proj_b(hidden_states).sigmoid().reshape(batch * width, -1)
-    g = (-module.A_log.float().exp() * F.softplus(module.in_proj_a(hidden_states).float() + module.dt_bias))
-    g = g.reshape(batch * width, -1)
-    zero = lambda t: torch.cat([t, t.new_zeros(1 + batch * (kernel - 1), *t.shape[1:])])  # noqa: E731
+    zero = lambda t: torch.cat([t.reshape(batch * width, -1),  # noqa: E731
+                                t.new_zeros(1 + batch * (kernel - 1), t.shape[-1])])
     out, final = kernels.rule(q, k, v, g=kernels.gather(zero(g), level), beta=kernels.gather(zero(beta), level),
-                              initial_state=state_start.index_select(0, rows), index=level)
+                              initial_state=state_start, index=level)
     where, values = kernels.scatter(out, level)
     core = values.new_zeros(batch * width, value_heads, dv).index_copy(0, where, values)
-    z = module.in_proj_z(hidden_states).reshape(-1, dv)
-    output = module.out_proj(module.norm(core.reshape(-1, dv), z).reshape(batch, width, -1))
-    output = output * mask[..., None].to(output.dtype)
-    # each prompt's path tail: the last W - 1 inputs of [its start's tail; its tokens]
+    # each row's path tail: the last W - 1 inputs of [its start's tail; its tokens]
     path = [before[b] + tokens[b] for b in range(batch)]
     tail_rows = torch.tensor([p[-(kernel - 1):] for p in path], device=table.device)
-    conv_tail = rows_of(table, tail_rows).transpose(1, 2).to(conv_start.dtype).contiguous()  # [B, C, W - 1]
-    return output, (conv_tail, final.float())
+    conv_tail = rows_of(table, tail_rows).transpose(1, 2).to(conv_start.dtype).contiguous()  # [B, C', W - 1]
+    return core.reshape(batch, width, value_heads, dv), (conv_tail, final.float())
