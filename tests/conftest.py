@@ -12,6 +12,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import app  # noqa: E402,F401
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n 2: two workers share the 2 cores, one torch thread each
+    torch.set_num_threads(1)
 from app.runtime.models import FAMILIES, HYBRID_FAMILIES, build_tiny_checkpoint  # noqa: E402
 
 

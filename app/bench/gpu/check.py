@@ -4,10 +4,11 @@ line of progress per part, and the report (report.json + report.md) written afte
     scripts/gpu_check.sh [--quick] [--budget SECONDS] [--parts a,b] [--report DIR] [--raw DIR]
 
 Parts, in order (limits in seconds; a part never runs past what is left of ``--budget``, default 540); without
-``--parts`` it runs ``varlen``, ``decode``, ``full_depth`` and ``hf_compiled``:
+``--parts`` it runs ``qwen3_5``, ``varlen``, ``decode``, ``full_depth`` and ``hf_compiled``:
 
 | part | what | limit |
 |---|---|---|
+| qwen3_5 | app.bench.gpu.hybrid: Qwen3.5 at the 9B width, 4 layers (3 GDN + 1 attention): which GDN kernels ran and fla's initial-state gradient against the torch path's, grouped vs repeated forward+backward at 8k / 16k (G = 8), the decode step against the bandwidth limit with every sample's GDN states | 120 |
 | varlen | app.bench.gpu.varlen: torch's varlen flash kernel against the paths it replaces at 7B width: the decode step at 28 layers (8k / 16k / 64k, a k = 6 family on a 64k video) against the bandwidth limit, the 64k chunked prefill, the tower over 64 and 640 frames (one call per block against the per-chunk loop), one policy forward+backward with flash on the kernel against flex; the points calibrate --merge takes | 150 |
 | full_depth | app.bench.gpu.full_depth: the 7B LoRA config at 28 layers through train.sh (6 steps, the rollout's parts per step), plan.sh and eval.sh; the TRL-style run (repeated + HF generate, 2 steps); k = 4 against k = 1; the planner beside each | 420 |
 | tests | tests/test_gpu.py (GPU-only tests, wandb not needed) | 150 |
@@ -46,6 +47,7 @@ class Part:
 
 
 PARTS = (
+    Part("qwen3_5", 120, ("app.bench.gpu.hybrid", "--out", "{raw}/gpu_hybrid")),
     Part("varlen", 150, ("app.bench.gpu.varlen", "--out", "{raw}/gpu_varlen")),
     Part("full_depth", 420, ("app.bench.gpu.full_depth", "--out", "{raw}/full_depth"), quick_limit=900),
     Part("tests", 150, ("pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py", "-rA",
@@ -56,8 +58,8 @@ PARTS = (
     Part("hf_compiled", 45, ("app.bench.gpu.decode", "--hf-compiled-only", "--layers", "4", "--out",
                              "{raw}/gpu_decode_hf_compiled")),
 )
-DEFAULT_BUDGET = 540  # 9 minutes: varlen, decode, full_depth (what is left), hf_compiled (the others by --parts)
-DEFAULT_PARTS = ("varlen", "decode", "full_depth", "hf_compiled")
+DEFAULT_BUDGET = 540  # 9 minutes: qwen3_5, varlen, decode, full_depth (what is left), hf_compiled (others by --parts)
+DEFAULT_PARTS = ("qwen3_5", "varlen", "decode", "full_depth", "hf_compiled")
 
 
 def last_error_line(log: Path) -> str:

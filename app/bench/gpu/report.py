@@ -17,8 +17,9 @@ import torch
 
 from app.bench.common import environment, markdown_table
 
-RESULTS = (("varlen", "gpu_varlen"), ("full_depth", "full_depth"), ("train", "gpu_real_shape"), ("decode", "gpu_decode"),
-           ("rehearsal", "rehearsal"), ("hf_compiled", "gpu_decode_hf_compiled"))
+RESULTS = (("qwen3_5", "gpu_hybrid"), ("varlen", "gpu_varlen"), ("full_depth", "full_depth"),
+           ("train", "gpu_real_shape"), ("decode", "gpu_decode"), ("rehearsal", "rehearsal"),
+           ("hf_compiled", "gpu_decode_hf_compiled"))
 
 
 def test_results(junit: Path) -> list[dict]:

@@ -59,7 +59,7 @@ class RootStates:
             start = (mixed.new_zeros(1, mixed.shape[-1], module.conv_kernel_size - 1),
                      torch.zeros(1, count, module.head_k_dim, module.head_v_dim, device=mixed.device))
         mask = torch.ones(mixed.shape[:2], dtype=torch.long, device=mixed.device)
-        out, self.layers[module.layer_idx] = continue_core(module, mixed, beta, g, mask, start, heads)
+        out, self.layers[module.layer_idx] = continue_core(module, mixed, beta, g, mask, start=start, heads=heads)
         return out
 
 
@@ -70,8 +70,8 @@ def question_core(roots, group_root: torch.Tensor, mask: torch.Tensor, kept: dic
 
     def core(module, mixed, beta, g, heads: slice):
         tails, states = roots[module.layer_idx]
-        out, kept[module.layer_idx] = continue_core(module, mixed, beta, g, mask, (
-            tails.index_select(0, group_root), states.index_select(0, group_root)), heads)
+        out, kept[module.layer_idx] = continue_core(module, mixed, beta, g, mask, start=(
+            tails.index_select(0, group_root), states.index_select(0, group_root)), heads=heads)
         return out
 
     return core

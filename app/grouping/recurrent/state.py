@@ -102,7 +102,7 @@ def continue_from(module, hidden_states: torch.Tensor, mask: torch.Tensor, start
     conv_start, state_start = start.layers[module.layer_idx]
     beta, g = gates(module, hidden_states)
     core, states = continue_core(module, module.in_proj_qkv(hidden_states), beta, g, mask,
-                                 (conv_start.index_select(0, rows), state_start.index_select(0, rows)))
+                                 start=(conv_start.index_select(0, rows), state_start.index_select(0, rows)))
     return finish_rows(module, core, hidden_states) * mask[..., None].to(hidden_states.dtype), states
 
 
@@ -122,7 +122,7 @@ def finish_rows(module, core: torch.Tensor, hidden_states: torch.Tensor) -> torc
     return module.out_proj(module.norm(core.reshape(-1, dv), z).reshape(*hidden_states.shape[:2], -1))
 
 
-def continue_core(module, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, mask: torch.Tensor,
+def continue_core(module, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, mask: torch.Tensor, *,
                   start: tuple[torch.Tensor, torch.Tensor], heads: slice | None = None):
     """The conv and the delta rule of left-padded rows ([B, L, C'] q|k|v channels of ``heads``, beta and g
     [B, L, HV']) each from its own start (conv tail [B, C', W - 1], state [B, HV', K, V]) -> (core [B, L, HV', V],

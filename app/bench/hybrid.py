@@ -1,0 +1,132 @@
+"""Qwen3.5 (Gated DeltaNet + attention) grouped against repeated, beside Qwen2.5-VL at the same width.
+
+    python -m app.bench.hybrid --out docs/bench/hybrid [--quick]      (scripts/bench.sh hybrid)
+
+A reduced width on this CPU: hidden 256, 4 decoder layers (Qwen3.5: 3 GDN layers, 1 gated attention layer; its GDN
+with 4 key / 8 value heads of 64; Qwen2.5-VL: 4 attention layers), 4 query / 2 KV heads of 64, MLP 1,024, a 32k
+vocabulary; a text prompt of 2k or 8k tokens, G = 8 completions of 128, float32. Each point runs in its own process
+(a warm-up pass on a short prompt, then one measured forward+backward of the completion log-probs as training runs
+them): wall time, the allocator's peak above the weights and gradient buffers, torch's flop counter. The GDN layers
+run transformers' torch fallback here (flash-linear-attention is CUDA-only); the 9B-width case is
+``scripts/gpu_check.sh``'s ``qwen3_5`` part.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from app.bench.common import attempt, cli, exit_if_failed, failed_points, markdown_table, write_report
+
+FAMILIES = ("qwen3_5", "qwen2_5_vl")
+PREFIXES = (2048, 8192)
+GROUP, COMPLETION = 8, 128
+
+
+def tiny_model(family: str, vocab: int = 32768):
+    """The reduced-width model of ``family`` (random weights, the real transformers class)."""
+    from app.runtime.models import TinySizes, build_tokenizer, model_class, tiny_config
+
+    sizes = TinySizes(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64 if family != "qwen3_5" else 32,
+                      intermediate=1024, hybrid_layers=4, linear_heads=(4, 8, 64), max_positions=65536)
+    config = tiny_config(family, build_tokenizer(), sizes, vocab_size=vocab)
+    torch.manual_seed(0)
+    return model_class(config).from_config(config, dtype=torch.float32)
+
+
+def measure(family: str, prefix: int, group: int, completion: int, mode: str) -> dict:
+    """One point, in a child process."""
+    from app.bench.measure import forward_backward
+
+    model = tiny_model(family)
+    model.train()
+    generator = torch.Generator().manual_seed(0)
+
+    def inputs(length):
+        ids = torch.randint(10, 30000, (1, length), generator=generator)
+        completions = torch.randint(10, 30000, (group, completion), generator=generator)
+        return ({"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": torch.zeros_like(ids)},
+                completions, torch.ones_like(completions))
+
+    backend = None if mode == "repeated" else "split"
+    forward_backward(model, *inputs(64), group, mode=mode, backend=backend, flops=False)  # warm-up
+    timed = forward_backward(model, *inputs(prefix), group, mode=mode, backend=backend)
+    return {"seconds": timed["seconds"], "peak_mb": timed["peak"] / 2**20, "flops": timed["flops"]}
+
+
+def run(out: Path, quick: bool = False) -> dict:
+    prefixes = (256,) if quick else PREFIXES
+    group, completion = (4, 16) if quick else (GROUP, COMPLETION)
+    rows: list[dict] = []
+    payload = {"prefixes": list(prefixes), "group": group, "completion": completion, "rows": rows}
+    for family in FAMILIES:
+        for prefix in prefixes:
+            row = {"family": family, "prefix": prefix, "G": group, "completion": completion}
+            for mode in ("grouped", "repeated"):
+                result = attempt("app.bench.hybrid:measure", family=family, prefix=prefix, group=group,
+                                 completion=completion, mode=mode)
+                if "error" in result:
+                    row[f"error_{mode}"] = result["error"]
+                    print(f"{family} P={prefix} {mode}: FAILED: {result['error']}", flush=True)
+                    continue
+                row.update({f"{key}_{mode}": value for key, value in result.items()})
+                print(f"{family} P={prefix} {mode}: {result['seconds']:.1f} s, peak {result['peak_mb']:.0f} MB, "
+                      f"{result['flops'] / 1e12:.2f} TFLOPs", flush=True)
+            if all(f"seconds_{m}" in row for m in ("grouped", "repeated")):
+                row.update(time_ratio=row["seconds_grouped"] / row["seconds_repeated"],
+                           memory_ratio=row["peak_mb_grouped"] / row["peak_mb_repeated"],
+                           flop_ratio=row["flops_grouped"] / row["flops_repeated"])
+            rows.append(row)
+            write_report(out, "hybrid", payload, table(rows), quiet=True)
+    write_report(out, "hybrid", payload, table(rows))
+    if any("time_ratio" in r for r in rows):
+        plot([r for r in rows if "time_ratio" in r], out / "hybrid.png")
+    exit_if_failed(sum(any(k.startswith("error_") for k in r) for r in rows), len(rows), out)
+    return payload
+
+
+def table(rows: list[dict]) -> str:
+    columns = ["family", "prefix", "G", "completion", "seconds_grouped", "seconds_repeated", "time_ratio",
+               "peak_mb_grouped", "peak_mb_repeated", "memory_ratio", "flops_grouped", "flops_repeated", "flop_ratio"]
+    formats = {c: ".2f" for c in ("seconds_grouped", "seconds_repeated")}
+    formats |= {c: ".3f" for c in ("time_ratio", "memory_ratio", "flop_ratio")}
+    formats |= {c: ".0f" for c in ("peak_mb_grouped", "peak_mb_repeated")}
+    formats |= {c: ".3e" for c in ("flops_grouped", "flops_repeated")}
+    errors = [f"- {r['family']} P={r['prefix']} {k.removeprefix('error_')}: {v}"
+              for r in rows for k, v in r.items() if k.startswith("error_")]
+    return ("## Qwen3.5 (3 GDN + 1 attention layer) against Qwen2.5-VL (4 attention layers), grouped vs repeated "
+            "(hidden 256, float32, CPU; one measured forward+backward per point)\n\n" + markdown_table(rows, columns,
+                                                                                                     formats)
+            + "\n\npeak_mb: the allocator's peak above weights and gradient buffers; flops: torch's flop counter "
+            "(transformers' torch GDN fallback counted as its matmuls). Grouped runs each prompt once through "
+            "every layer; repeated runs it G times." + failed_points(errors))
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    labels = [f"{r['family']}\nP={r['prefix']}" for r in rows]
+    x = range(len(rows))
+    for offset, key, name in ((-0.25, "time_ratio", "time"), (0.0, "memory_ratio", "peak memory"),
+                              (0.25, "flop_ratio", "FLOPs")):
+        ax.bar([i + offset for i in x], [r[key] for r in rows], width=0.25, label=name)
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("grouped / repeated")
+    ax.set_title(f"grouped vs repeated, G = {rows[0]['G']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli(run, __doc__, "outputs/bench/hybrid", argv)
+
+
+if __name__ == "__main__":
+    main()
