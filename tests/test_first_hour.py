@@ -28,13 +28,30 @@ def _load_op_in_subprocess(**kwargs):
                             stderr=subprocess.PIPE, **kwargs)
 
 
-def test_a_stale_build_lock_is_cleared_with_a_warning():
-    """torch's JIT build lock left by a killed process: the next start removes it, names it, and goes on."""
+@pytest.fixture
+def own_op_dir(tmp_path, monkeypatch):
+    """A private copy of this environment's built op (TORCH_EXTENSIONS_DIR for this test and its children), so the
+    lock these tests plant and hold is theirs alone: a launch of another test running beside them (pytest -n 2)
+    loads the environment's own copy and never touches it."""
+    import shutil
+
     from torch.utils.cpp_extension import _get_build_directory
 
-    from app.runtime.distributed import COMM_OP
+    from app.runtime.distributed import COMM_OP, prepare_comm_op
 
-    lock = Path(_get_build_directory(COMM_OP, verbose=False)) / "lock"
+    prepare_comm_op()  # built once per environment (setup_env.sh does it at install)
+    built = Path(_get_build_directory(COMM_OP, verbose=False))
+    root = tmp_path / "torch_extensions"
+    shutil.copytree(built, root / built.name, symlinks=True, ignore=shutil.ignore_patterns("lock", "*.owner"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
+    mine = Path(_get_build_directory(COMM_OP, verbose=False))
+    assert mine != built and (mine / "build.ninja").is_file()
+    return mine
+
+
+def test_a_stale_build_lock_is_cleared_with_a_warning(own_op_dir):
+    """torch's JIT build lock left by a killed process: the next start removes it, names it, and goes on."""
+    lock = own_op_dir / "lock"
     lock.write_text("")  # what a process killed inside torch's FileBaton leaves behind
     proc = _load_op_in_subprocess()
     try:
@@ -46,7 +63,7 @@ def test_a_stale_build_lock_is_cleared_with_a_warning():
     assert "removing a stale build lock" in err and str(lock) in err
 
 
-def test_a_live_builder_is_waited_for_by_name():
+def test_a_live_builder_is_waited_for_by_name(own_op_dir):
     """While another live process holds the op, a start waits and says whom it waits for (never silently)."""
     from app.runtime.distributed import comm_op_guard
 
