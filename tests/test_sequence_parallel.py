@@ -31,38 +31,106 @@ def long_videos(tmp_path_factory):
             for i, (n, h, w) in enumerate([(16, 56, 84), (12, 64, 64)])]
 
 
-def launch_workers(tmp_path, module: str, world: int, spec: dict, timeout: int = 600) -> None:
+def launch_workers(tmp_path, module: str, world: int, spec: dict, timeout: int = 600,
+                   check: bool = True) -> subprocess.CompletedProcess:
     """``tests.workers.<module>`` on ``world`` processes through torch.distributed.run, its spec in a JSON file."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     spec_file = tmp_path / f"{module}.spec.json"
     spec_file.write_text(json.dumps(spec))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                            str(world), "-m", f"tests.workers.{module}", str(spec_file)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-5000:]
+    if check:
+        assert done.returncode == 0, done.stderr[-5000:]
+    return done
 
 
-def run_ranks(tmp_path, size: int, **spec) -> dict:
-    launch_workers(tmp_path, "sequence_parallel", size, {**spec, "out": str(tmp_path / "out.json")})
-    result = json.loads((tmp_path / "out.json").read_text())
+# ---- every multi-process check of this module is a job; a launch runs a batch of them ------------------------------
+# A job: (world, slow, worker module, spec without checkpoint, videos and out). The jobs of one (world, slow) batch
+# run in ONE launch of ``world`` processes (tests.workers.jobs), the first time a test asks for one of them: a
+# test module pays each start of S processes once (make test: one launch of 2 and one of 4; the slow set: one
+# more of each), not once per test (docs/testing.md).
+JOBS: dict[str, tuple[int, bool, str, dict]] = {}
+
+
+def job(name: str, world: int, module: str, slow: bool = False, **spec) -> str:
+    JOBS[name] = (world, slow, module, spec)
+    return name
+
+
+SPREAD_CASES = [{"plan": [0, 0, 0, 1, -1], "chunk": 24},
+                {"plan": [0], "chunk": 16},
+                {"plan": [0, 0, 1, 1], "temperature": 1.0, "decode": "static", "max_new": 12, "eos": [7, 40]}]
+SETUP_CASES = [{"plan": [0, 0, 0, -1], "chunk": 24, "setup": "lora", "temperature": 1.0},
+               {"plan": [0], "setup": "frozen", "chunk": 20},
+               {"plan": [0, 0, 1], "setup": "frozen", "decode": "static", "temperature": 1.0, "max_new": 12}]
+FORWARD_CASES = [("qwen2_5_vl", 2, None, False), ("qwen2_5_vl", 4, ["split"], False), ("qwen3_vl", 2, ["packed"], False),
+                 ("qwen3_vl", 4, None, True),  # 4 ranks are covered on Qwen2.5-VL in make test
+                 ("qwen3_5", 2, ["split"], False),  # the GDN layers Ulysses over their key and value heads too
+                 ("qwen3_5", 4, ["split", "masked"], True)]
+for _family, _size, _backends, _slow in FORWARD_CASES:
+    job(f"forward-{_family}-{_size}", _size, "sequence_parallel", _slow, family=_family,
+        kinds=["video", "text", "image+video"], group_sizes=[3, 1, 2], backends=_backends)
+job("forward-frozen-tower", 2, "sequence_parallel", family="qwen2_5_vl", kinds=["video", "video"], group_sizes=[2, 3],
+    backends=["split"], freeze_tower=True)
+job("forward-text-model", 2, "sequence_parallel", family="qwen2", kinds=["text", "text"], group_sizes=[1, 4],
+    backends=["split"], chunk_size=0)  # whole logits
+SHARING_CASES = [("qwen2_5_vl", 2, "full", False), ("qwen2_vl", 2, "lora", True), ("qwen3_vl", 2, "frozen tower", True),
+                 ("qwen2_5_vl", 4, "lora", True), ("qwen3_vl", 4, "full", True)]
+for _family, _size, _variant, _slow in SHARING_CASES:
+    job(f"sharing-{_family}-{_size}-{_variant}", _size, "sequence_parallel", _slow, family=_family,
+        plan=[0, 0, 0, 1, -1], families=[3, 1, 1], group_sizes=[2, 3, 1, 2, 1], backends=["split", "masked", "flash"],
+        freeze_tower=_variant == "frozen tower", lora=4 if _variant == "lora" else 0)
+job("rollout-families", 2, "sp_rollout", family="qwen2_5_vl", plan=[0, 0, 0, 1, 1, 1, -1], chunk=0)
+job("rollout-spread", 2, "sp_rollout", family="qwen2_5_vl", plan=[0, 0, 0, 1, -1], chunk=24)
+job("rollout-fewer-families", 2, "sp_rollout", family="qwen2_5_vl", plan=[0, 0, 0], chunk=24)
+job("spread-qwen2_5_vl-2", 2, "spread_rollout", family="qwen2_5_vl", sp=2, cases=SPREAD_CASES)
+job("spread-qwen3_5-2", 2, "spread_rollout", family="qwen3_5", sp=2, cases=SPREAD_CASES)
+job("spread-qwen3_5-4", 4, "spread_rollout", True, family="qwen3_5", sp=4, cases=SPREAD_CASES)
+job("spread-qwen2_vl-4-4", 4, "spread_rollout", True, family="qwen2_vl", sp=4, cases=SETUP_CASES)
+job("spread-qwen3_vl-4-2", 4, "spread_rollout", True, family="qwen3_vl", sp=2, cases=SETUP_CASES)
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_checkpoints, long_videos, tmp_path_factory):
+    """``launched(name)``: the output path of job ``name``, its batch launched on first use (once per module)."""
+    root = tmp_path_factory.mktemp("sp-jobs")
+    failed: dict[tuple[int, bool], str] = {}
+
+    def result(name: str) -> Path:
+        world, slow, _, _ = JOBS[name]
+        batch = (world, slow)
+        if batch not in failed:
+            jobs = [{"module": module, "spec": {**spec, "checkpoint": str(tiny_checkpoints[spec["family"]]),
+                                                "videos": long_videos, "out": str(root / other)}}
+                    for other, (w, s, module, spec) in JOBS.items() if (w, s) == batch]
+            done = launch_workers(root / f"batch-{world}{'-slow' if slow else ''}", "jobs", world, {"jobs": jobs},
+                                  timeout=1800, check=False)
+            failed[batch] = "" if done.returncode == 0 else done.stderr[-5000:]
+        errors = sorted(root.glob(f"{name}.error.*"))
+        assert not errors, errors[0].read_text()[-5000:]
+        assert list(root.glob(f"{name}*")), f"job {name} did not run: its launch failed before it\n{failed[batch]}"
+        return root / name
+
+    return result
+
+
+def run_ranks(launched, name: str, size: int) -> dict:
+    result = json.loads(launched(name).read_text())
     assert result["size"] == size
     return result["report"]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("family", "size", "backends"), [
-    ("qwen2_5_vl", 2, None), ("qwen2_5_vl", 4, ["split"]), ("qwen3_vl", 2, ["packed"]),
-    pytest.param("qwen3_vl", 4, None, marks=pytest.mark.slow),  # 4 ranks are covered on Qwen2.5-VL in make test
-    ("qwen3_5", 2, ["split"]),  # the GDN layers Ulysses over their key and value heads too
-    pytest.param("qwen3_5", 4, ["split", "masked"], marks=pytest.mark.slow),
-])
-def test_sequence_parallel_equals_one_rank(family, size, backends, tiny_checkpoints, long_videos, tmp_path):
+@pytest.mark.parametrize(("family", "size"), [pytest.param(f, n, marks=[pytest.mark.slow] if slow else [])
+                                              for f, n, _, slow in FORWARD_CASES])
+def test_sequence_parallel_equals_one_rank(family, size, launched):
     """S = 2 and 4 ranks (tiny models: 4 query heads, 2 KV heads, so S = 4 repeats each KV head) on a batch of a
     video prompt, a text prompt and an image + video prompt, groups of 3, 1 and 2 completions of unequal lengths:
     log-probs equal the one-rank grouped forward's to 1e-5 and every parameter's gradient, summed over the ranks,
     to 1e-4 (the vision tower's too, run split by temporal patches); every CPU backend inside it (None = all)."""
-    report = run_ranks(tmp_path, size, family=family, checkpoint=str(tiny_checkpoints[family]), videos=long_videos,
-                       kinds=["video", "text", "image+video"], group_sizes=[3, 1, 2], backends=backends)
+    report = run_ranks(launched, f"forward-{family}-{size}", size)
     for backend, r in report.items():
         assert r["logprob"] <= 1e-5 and r["entropy"] <= 1e-5, (backend, r)
         assert r["grad"] <= 1e-4, (backend, r)
@@ -70,38 +138,25 @@ def test_sequence_parallel_equals_one_rank(family, size, backends, tiny_checkpoi
 
 
 @pytest.mark.distributed
-def test_sequence_parallel_with_a_frozen_tower_and_a_text_model(tiny_checkpoints, long_videos, tmp_path):
+def test_sequence_parallel_with_a_frozen_tower_and_a_text_model(launched):
     """A frozen tower (run without a backward) and the text-only family (its output head computing whole logits
     instead of chunks)."""
-    frozen = run_ranks(tmp_path, 2, family="qwen2_5_vl", checkpoint=str(tiny_checkpoints["qwen2_5_vl"]),
-                       videos=long_videos, kinds=["video", "video"], group_sizes=[2, 3], backends=["split"],
-                       freeze_tower=True)
-    text = run_ranks(tmp_path, 2, family="qwen2", checkpoint=str(tiny_checkpoints["qwen2"]), videos=long_videos,
-                     kinds=["text", "text"], group_sizes=[1, 4], backends=["split"], chunk_size=0)  # whole logits
+    frozen, text = run_ranks(launched, "forward-frozen-tower", 2), run_ranks(launched, "forward-text-model", 2)
     for r in (*frozen.values(), *text.values()):
         assert r["logprob"] <= 1e-5 and r["entropy"] <= 1e-5 and r["grad"] <= 1e-4, r
         assert ".visual." not in r["worst"]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("family", "size", "variant"), [
-    ("qwen2_5_vl", 2, "full"),
-    pytest.param("qwen2_vl", 2, "lora", marks=pytest.mark.slow),  # each: one 2-process launch, 25-40 s
-    pytest.param("qwen3_vl", 2, "frozen tower", marks=pytest.mark.slow),
-    pytest.param("qwen2_5_vl", 4, "lora", marks=pytest.mark.slow),
-    pytest.param("qwen3_vl", 4, "full", marks=pytest.mark.slow),
-])
-def test_questions_sharing_a_video_under_sequence_parallelism(family, size, variant, tiny_checkpoints, long_videos,
-                                                              tmp_path):
+@pytest.mark.parametrize(("family", "size", "variant"), [pytest.param(f, n, v, marks=[pytest.mark.slow] if slow else [])
+                                                         for f, n, v, slow in SHARING_CASES])
+def test_questions_sharing_a_video_under_sequence_parallelism(family, size, variant, launched):
     """A family [V; Q1; R1*; Q2; R2*; Q3; R3*] (three questions on one video), a question on another video and a
     text prompt (families [3, 1, 1]), the row sharded over S ranks: log-probs equal the one-rank forward of the same
     families and the one-rank per-question forward (k = 1) to 1e-5, every gradient summed over the ranks to 1e-4,
     on every backend that shares a video (split, masked, flash played by SDPA; flex's backward needs CUDA); LoRA
     (adapters only) and a frozen tower as variants. The family's video is in the row once."""
-    report = run_ranks(tmp_path, size, family=family, checkpoint=str(tiny_checkpoints[family]), videos=long_videos,
-                       plan=[0, 0, 0, 1, -1], families=[3, 1, 1], group_sizes=[2, 3, 1, 2, 1],
-                       backends=["split", "masked", "flash"], freeze_tower=variant == "frozen tower",
-                       lora=4 if variant == "lora" else 0)
+    report = run_ranks(launched, f"sharing-{family}-{size}-{variant}", size)
     for backend, r in report.items():
         assert r["logprob"] <= 1e-5 and r["entropy"] <= 1e-5 and r["grad"] <= 1e-4, (backend, r)
         assert r["k1_logprob"] <= 1e-5 and r["k1_grad"] <= 1e-4, (backend, r)
@@ -146,41 +201,31 @@ def test_shards_are_contiguous_and_cover_the_row():
         shard_bounds(3, 4)
 
 
-def sp_rollout(tmp_path, tiny_checkpoints, long_videos, *, plan: list[int], chunk: int) -> dict:
-    """``tests.workers.sp_rollout`` on 2 processes (one group of S = 2, Qwen2.5-VL): its report."""
-    launch_workers(tmp_path, "sp_rollout", 2, {"family": "qwen2_5_vl", "checkpoint": str(tiny_checkpoints["qwen2_5_vl"]),
-                                               "videos": long_videos, "plan": plan, "chunk": chunk,
-                                               "out": str(tmp_path / "out.json")})
-    return json.loads((tmp_path / "out.json").read_text())
-
-
 @pytest.mark.distributed
-@pytest.mark.parametrize("chunk, plan, split", [
-    (0, [0, 0, 0, 1, 1, 1, -1], "families"),  # loads 220, 182, 47 tokens: whole families share out evenly (1.02)
-    (24, [0, 0, 0, 1, -1], "spread"),  # 220, 59, 52: whole ones would load one rank 1.33 even shares
+@pytest.mark.parametrize("split", [
+    "families",  # rollout-families: loads 220, 182, 47 tokens: whole families share out evenly (1.02)
+    "spread",  # rollout-spread: 220, 59, 52: whole ones would load one rank 1.33 even shares
 ])
-def test_a_sequence_parallel_groups_rollout_prefills_each_family_once(chunk, plan, split, tiny_checkpoints,
-                                                                      long_videos, tmp_path):
+def test_a_sequence_parallel_groups_rollout_prefills_each_family_once(split, launched):
     """S = 2 ranks sample families of three questions on one video, questions on another and a text prompt as one
     group, chunked prefill too: whole families shared out over the ranks where they divide evenly, else every
     family spread over both (``split_of``); either way each video is prefilled once in the group (as many prompt
     tokens prefilled over both ranks as one rank sampling all, which holds each video once), and the greedy
     tokens, masks and stop reasons equal one rank's rollout of every prompt."""
-    r = sp_rollout(tmp_path, tiny_checkpoints, long_videos, plan=plan, chunk=chunk)
+    r = json.loads(launched(f"rollout-{split}").read_text())
     assert r["split"] == split, r
-    assert r["tokens_equal"] and r["mask_equal"] and r["reasons_equal"] and r["sizes"] == [2] * len(plan), r
+    assert r["tokens_equal"] and r["mask_equal"] and r["reasons_equal"] and r["sizes"] == [2] * len(JOBS[f"rollout-{split}"][3]["plan"]), r
     assert r["logprob"] <= 1e-5, r
     assert all(p > 0 for p in r["prefilled_per_rank"]), r  # both ranks sampled a share
     assert sum(r["prefilled_per_rank"]) == r["prefill_whole"] == r["prefill_group"] < r["prompt_tokens"], str(r)
 
 
 @pytest.mark.distributed
-def test_a_group_with_fewer_families_than_ranks_spreads_them_through_the_engine(tiny_checkpoints, long_videos,
-                                                                                 tmp_path):
+def test_a_group_with_fewer_families_than_ranks_spreads_them_through_the_engine(launched):
     """One family of three questions on one video and S = 2 (fewer families than ranks): ``SharedInGroup`` asks
     the grouped engine to spread it, both ranks prefill half of it, and the rollout
     every rank returns equals one rank's."""
-    r = sp_rollout(tmp_path, tiny_checkpoints, long_videos, plan=[0, 0, 0], chunk=24)
+    r = json.loads(launched("rollout-fewer-families").read_text())
     assert r["split"] == "spread", r
     assert r["tokens_equal"] and r["mask_equal"] and r["reasons_equal"] and r["logprob"] <= 1e-5, r
     assert sum(r["prefilled_per_rank"]) == r["prefill_whole"], r
@@ -188,11 +233,10 @@ def test_a_group_with_fewer_families_than_ranks_spreads_them_through_the_engine(
 
 
 # ---- a family's rollout spread over its group: every rank samples every prompt, each with 1/S of the work -------
-def run_spread(tmp_path, world: int, size: int, family: str, checkpoint, videos, cases: list[dict]) -> list[dict]:
-    launch_workers(tmp_path, "spread_rollout", world, {"family": family, "checkpoint": str(checkpoint), "videos": videos,
-                                                       "sp": size, "cases": cases, "out": str(tmp_path / "spread")},
-                   timeout=900)
-    return [json.loads((tmp_path / f"spread.{r}.json").read_text()) for r in range(world)]
+def run_spread(launched, name: str) -> list[dict]:
+    out = launched(name)
+    world = JOBS[name][0]
+    return [json.loads(out.with_name(f"{out.name}.{r}.json").read_text()) for r in range(world)]
 
 
 def check_spread(reports: list[dict], size: int, kv_divides: bool) -> None:
@@ -219,41 +263,29 @@ def check_spread(reports: list[dict], size: int, kv_divides: bool) -> None:
 
 
 @pytest.mark.distributed
-def test_a_familys_rollout_spread_over_two_ranks_draws_one_rank_tokens(tiny_checkpoints, long_videos, tmp_path):
+def test_a_familys_rollout_spread_over_two_ranks_draws_one_rank_tokens(launched):
     """S = 2 on Qwen2.5-VL: a family of three questions on one video with a second video's question and a text
     prompt; one long prompt alone (k = 1); seeded sampling with stop tokens and static steps; a chunked prefill."""
-    cases = [{"plan": [0, 0, 0, 1, -1], "chunk": 24},
-             {"plan": [0], "chunk": 16},
-             {"plan": [0, 0, 1, 1], "temperature": 1.0, "decode": "static", "max_new": 12, "eos": [7, 40]}]
-    reports = run_spread(tmp_path, 2, 2, "qwen2_5_vl", tiny_checkpoints["qwen2_5_vl"], long_videos, cases)
-    check_spread(reports, 2, kv_divides=True)
+    check_spread(run_spread(launched, "spread-qwen2_5_vl-2"), 2, kv_divides=True)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_a_hybrid_models_rollout_spread_holds_each_ranks_gdn_heads(size, tiny_checkpoints, long_videos, tmp_path):
+def test_a_hybrid_models_rollout_spread_holds_each_ranks_gdn_heads(size, launched):
     """Qwen3.5 at S = 2 and 4: the GDN heads shared out like the attention heads (each rank 1/S of every sample's
     GDN states, carried chunk to chunk in the video's prefill and from the video to each question), every rank the
     one-process tokens: a family of three questions with a chunked prefill, a long prompt alone, seeded static steps
     with stop tokens."""
-    cases = [{"plan": [0, 0, 0, 1, -1], "chunk": 24},
-             {"plan": [0], "chunk": 16},
-             {"plan": [0, 0, 1, 1], "temperature": 1.0, "decode": "static", "max_new": 12, "eos": [7, 40]}]
-    reports = run_spread(tmp_path, size, size, "qwen3_5", tiny_checkpoints["qwen3_5"], long_videos, cases)
+    reports = run_spread(launched, f"spread-qwen3_5-{size}")
     check_spread(reports, size, kv_divides=size <= 2)
-    for i in range(len(cases)):
+    for i in range(len(SPREAD_CASES)):
         assert all(r["cases"][i]["mine"]["states"] * size == r["cases"][i]["whole"]["states"] > 0 for r in reports)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(("family", "world", "size"), [("qwen2_vl", 4, 4), ("qwen3_vl", 4, 2)])
-def test_spread_rollouts_on_every_family_with_lora_and_a_frozen_tower(family, world, size, tiny_checkpoints,
-                                                                     long_videos, tmp_path):
+def test_spread_rollouts_on_every_family_with_lora_and_a_frozen_tower(family, world, size, launched):
     """Qwen2-VL at S = 4 (its 2 KV heads held by two ranks each), Qwen3-VL (deepstack) as two replicas of S = 2
     (Qwen2.5-VL at S = 2 in make test): k = 1 and k = 3, LoRA adapters and a frozen tower, greedy and seeded."""
-    cases = [{"plan": [0, 0, 0, -1], "chunk": 24, "setup": "lora", "temperature": 1.0},
-             {"plan": [0], "setup": "frozen", "chunk": 20},
-             {"plan": [0, 0, 1], "setup": "frozen", "decode": "static", "temperature": 1.0, "max_new": 12}]
-    reports = run_spread(tmp_path, world, size, family, tiny_checkpoints[family], long_videos, cases)
-    check_spread(reports, size, kv_divides=size <= 2)
+    check_spread(run_spread(launched, f"spread-{family}-{world}-{size}"), size, kv_divides=size <= 2)

@@ -26,9 +26,13 @@ from tests.helpers import load, max_rel_diff, prompt_batch, random_completions
 
 
 def main(spec_path: str) -> None:
-    spec = json.loads(open(spec_path).read())
     dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
+    run(json.loads(open(spec_path).read()))
+    exit_worker()
+
+
+def run(spec: dict) -> None:
+    """One job on the initialised process group (``tests.workers.jobs`` runs several in one launch)."""
     torch.manual_seed(0)
     model, processor = load(spec["family"], {spec["family"]: spec["checkpoint"]})
     if spec.get("freeze_tower"):
@@ -51,12 +55,24 @@ def main(spec_path: str) -> None:
         prompts = encode_prompts(processor, family_conversations(spec["family"], spec["videos"], spec["plan"]))
     else:
         prompts = prompt_batch(spec["family"], processor, spec["videos"], spec["kinds"])
+    had_flash = sys.modules.get("flash_attn")
     if "flash" in (spec.get("backends") or ()):
         import types
 
         from tests.test_attention import sdpa_varlen
 
         sys.modules["flash_attn"] = types.SimpleNamespace(flash_attn_varlen_func=sdpa_varlen)
+    try:
+        _compare(spec, model, prompts, families, sizes)
+    finally:  # the next job in the launch sees the modules as they were
+        if had_flash is None:
+            sys.modules.pop("flash_attn", None)
+        else:
+            sys.modules["flash_attn"] = had_flash
+
+
+def _compare(spec: dict, model, prompts, families, sizes) -> None:
+    rank, size = dist.get_rank(), dist.get_world_size()
     lengths = [5, 9, 3, 7, 4, 8, 6, 2, 5, 3, 7, 4][: sum(sizes)]
     ids, mask = random_completions(lengths, model.config.get_text_config().vocab_size, 0, seed=2)
     weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(3))
@@ -101,7 +117,6 @@ def main(spec_path: str) -> None:
     if rank == 0:
         with open(spec["out"], "w") as f:
             json.dump({"size": size, "report": report}, f)
-    exit_worker()
 
 
 if __name__ == "__main__":

@@ -28,8 +28,13 @@ from tests.test_families import family_conversations
 
 
 def main(spec_path: str) -> None:
-    spec = json.loads(open(spec_path).read())
     dist.init_process_group("gloo")
+    run(json.loads(open(spec_path).read()))
+    exit_worker()
+
+
+def run(spec: dict) -> None:
+    """One job on the initialised process group (``tests.workers.jobs`` runs several in one launch)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     model, processor = load(spec["family"], {spec["family"]: spec["checkpoint"]})
     model.eval()
@@ -76,7 +81,6 @@ def main(spec_path: str) -> None:
                   "prefill_group": got.prefill_tokens, "prompt_tokens": got.prompt_tokens, "split": adapter.split}
         with open(spec["out"], "w") as f:
             json.dump(report, f)
-    exit_worker()
 
 
 if __name__ == "__main__":

@@ -106,8 +106,13 @@ def run_case(spec: dict, case: dict, sp: SequenceParallel) -> dict:
 
 
 def main(spec_path: str) -> None:
-    spec = json.loads(open(spec_path).read())
     dist.init_process_group("gloo")
+    run(json.loads(open(spec_path).read()))
+    exit_worker()
+
+
+def run(spec: dict) -> None:
+    """One job on the initialised process group (``tests.workers.jobs`` runs several in one launch)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     size = spec.get("sp", world)
     group = None
@@ -120,7 +125,6 @@ def main(spec_path: str) -> None:
     report = {"rank": rank, "size": size, "world": world, "cases": [run_case(spec, case, sp) for case in cases]}
     with open(f"{spec['out']}.{rank}.json", "w") as f:
         json.dump(report, f)
-    exit_worker()
 
 
 if __name__ == "__main__":
