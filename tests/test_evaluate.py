@@ -43,22 +43,30 @@ def predictions(out: Path) -> dict:
     return {r["key"]: r for r in map(json.loads, (out / "predictions.jsonl").read_text().splitlines())}
 
 
-def test_two_ranks_merge_to_the_single_rank_result(assets, tmp_path):
-    run_eval(assets, tmp_path / "one")
+@pytest.fixture(scope="module")
+def straight(assets, tmp_path_factory):
+    """One single-rank evaluation through scripts/eval.sh, the reference of the two-rank and the resumed ones."""
+    out = tmp_path_factory.mktemp("eval-straight") / "one"
+    run_eval(assets, out)
+    return out
+
+
+def test_two_ranks_merge_to_the_single_rank_result(assets, straight, tmp_path):
     run_eval(assets, tmp_path / "two", nproc=2)
-    one, two = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
+    one, two = (json.loads((d / "summary.json").read_text()) for d in (straight, tmp_path / "two"))
     assert two["world_size"] == 2 and one["world_size"] == 1
     for key in ("overall", "by_problem_type", "by_data_source", "skipped", "skipped_total"):
         assert one[key] == two[key], key
     assert one["overall"]["count"] == 11 and one["skipped_total"] == 1
-    assert predictions(tmp_path / "one") == predictions(tmp_path / "two")
-    ids = [r["problem_id"] for r in predictions(tmp_path / "one").values()]
+    assert predictions(straight) == predictions(tmp_path / "two")
+    ids = [r["problem_id"] for r in predictions(straight).values()]
     assert ids == list(range(2, 13))  # file order, not rank order
-    table = (tmp_path / "one" / "summary.md").read_text()
+    table = (straight / "summary.md").read_text()
     assert "| **overall** | 11 |" in table and "video file not found" in table
 
 
-def test_killed_evaluation_resumes_without_rescoring(assets, tmp_path):
+@pytest.mark.slow  # two launches
+def test_killed_evaluation_resumes_without_rescoring(assets, straight, tmp_path):
     out = tmp_path / "resumed"
     killed = run_eval(assets, out, env={"PREFIX_GRPO_EVAL_CRASH_AFTER": "4"}, check=False)
     assert killed.returncode == 17
@@ -71,12 +79,15 @@ def test_killed_evaluation_resumes_without_rescoring(assets, tmp_path):
     assert len(merged) == 11
     for row in finished:  # the rows written before the kill are kept as they were
         assert merged[row["key"]] == row
-    run_eval(assets, tmp_path / "straight")
-    assert json.loads((tmp_path / "straight" / "summary.json").read_text())["overall"] == summary["overall"]
+    assert json.loads((straight / "summary.json").read_text())["overall"] == summary["overall"]
 
 
 def test_sampled_evaluation_reports_pass_at_k(assets, tmp_path):
-    run_eval(assets, tmp_path / "k", extra=["eval.samples=4", "eval.temperature=1.0"])
+    """In this process (scripts/eval.sh is run by the tests above)."""
+    from app.evaluation.evaluate import evaluate
+
+    evaluate(assets["model"], [assets["data"]], [f"eval.output_dir={tmp_path / 'k'}", *EVAL, "eval.samples=4",
+                                                  "eval.temperature=1.0"])
     summary = json.loads((tmp_path / "k" / "summary.json").read_text())
     assert summary["samples_per_question"] == 4 and "pass@4" in summary["overall"]
     assert all(len(r["completions"]) == 4 for r in predictions(tmp_path / "k").values())
@@ -161,9 +172,9 @@ def test_merged_benchmark_files_with_colliding_ids_give_one_prediction_each(asse
         path.write_text(json.dumps(rows))
         files.append(path)
     out = tmp_path / "merged"
-    args = ["bash", "scripts/eval.sh", str(assets["model"]), *map(str, files), f"eval.output_dir={out}", *EVAL]
-    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ))
-    assert result.returncode == 0, result.stderr[-3000:]
+    from app.evaluation.evaluate import evaluate
+
+    evaluate(assets["model"], files, [f"eval.output_dir={out}", *EVAL])  # in this process
     rows = predictions(out)
     assert len(rows) == 5 and [r["problem_id"] for r in rows.values()] == [1, 2, 3, 1, 2]
     summary = json.loads((out / "summary.json").read_text())

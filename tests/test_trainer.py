@@ -145,24 +145,7 @@ def test_grouped_and_repeated_training_reach_the_same_parameters(assets, tmp_pat
     assert total / sum(float(repeated[n].norm() ** 2) for n in grouped) ** 0.5 <= 1e-5
 
 
-def test_crash_then_resume_equals_uninterrupted(assets, tmp_path):
-    settings = {"train.max_steps": 4, "train.save_every": 2}
-    straight = run(trainer(assets, tmp_path / "straight", **settings))
-    # qwen-vl-utils' line per decoded video goes to the run's log file, not over the progress bar
-    assert "decord:  video_path" not in straight.stderr
-    assert "decord:  video_path" in (tmp_path / "straight" / "logs" / "rank0.log").read_text()
-    crashed = run(trainer(assets, tmp_path / "resumed", **settings), env={"PREFIX_GRPO_CRASH_AFTER_STEP": "3"},
-                  check=False)
-    assert crashed.returncode == 17
-    assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text() == "step-0000002"
-    assert not (tmp_path / "resumed" / "final").exists()
-    run(trainer(assets, tmp_path / "resumed", **settings, **{"train.resume": True}))
-    assert_trained_and_equal(tmp_path / "resumed" / "final", tmp_path / "straight" / "final", assets["checkpoint"])
-    steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]  # step 3 ran twice (before the crash and after resuming), logged once
-
-
-@pytest.mark.slow  # 30 s; the plain crash-and-resume test above stays in make test
+@pytest.mark.slow  # 30 s
 def test_prefetch_resume_equals_plain_uninterrupted_and_counts_a_skip_once(assets, tmp_path):
     """Prefetch on (2 steps ahead), a crash and a resume, against prefetch off straight through: same weights, same
     skip count at every step, although the corrupt record's video was decoded ahead of time, more than once."""
@@ -338,43 +321,52 @@ def test_bf16_two_processes_self_check_crash_and_resume(zero, assets, tmp_path):
         assert torch.equal(a[name], b[name]), name
 
 
-@pytest.mark.slow
-def test_resume_falls_back_past_damaged_checkpoints_and_never_restarts_silently(assets, tmp_path):
-    """A dangling or empty `latest`, a truncated shard or a truncated trainer state: resume takes the newest
-    complete checkpoint (ending bitwise equal to an uninterrupted run) or refuses by name; never step 0."""
+@pytest.mark.slow  # five launches (about 40 s on 2 cores)
+def test_a_crash_resumes_to_the_uninterrupted_run_falling_back_past_damaged_checkpoints(assets, tmp_path):
+    """One run killed after step 3 (checkpoints after steps 1-3; no export), copied three times and damaged three
+    ways: a dangling `latest` with a truncated newest shard, or no `latest` with the newest optimizer shard gone,
+    resume from the newest complete checkpoint (step 2, naming what they passed over), run step 3 again, log each
+    step once and end bitwise equal to an uninterrupted run; with every checkpoint damaged and `latest` empty, the
+    resume refuses, naming the files, and wipes nothing. Never step 0."""
+    import shutil
+
     settings = {"train.max_steps": 4, "train.save_every": 1, "train.keep_checkpoints": 3}
-    run(trainer(assets, tmp_path / "straight", **settings))
-    straight = weights(tmp_path / "straight" / "final")
+    straight = run(trainer(assets, tmp_path / "straight", **settings))
+    # qwen-vl-utils' line per decoded video goes to the run's log file, not over the progress bar
+    assert "decord:  video_path" not in straight.stderr
+    assert "decord:  video_path" in (tmp_path / "straight" / "logs" / "rank0.log").read_text()
+    crashed = run(trainer(assets, tmp_path / "crashed", **settings), env={"PREFIX_GRPO_CRASH_AFTER_STEP": "3"},
+                  check=False)
+    assert crashed.returncode == 17
+    assert (tmp_path / "crashed" / "checkpoints" / "latest").read_text() == "step-0000003"
+    assert not (tmp_path / "crashed" / "final").exists()
 
-    def crashed_run(name):
-        out = tmp_path / name
-        result = run(trainer(assets, out, **settings), env={"PREFIX_GRPO_CRASH_AFTER_STEP": "3"}, check=False)
-        assert result.returncode == 17
-        return out, out / "checkpoints"
+    def damaged(name):  # a copy of the crashed run (one kill serves the three cases)
+        shutil.copytree(tmp_path / "crashed", tmp_path / name, symlinks=True)
+        return tmp_path / name, tmp_path / name / "checkpoints"
 
-    out, root = crashed_run("dangling")  # step-1..3 saved; latest names a directory that is gone
+    def resumed_to_the_straight_run(out):
+        resumed = run(trainer(assets, out, **settings, **{"train.resume": True}))
+        assert "resumed from" in resumed.stderr and "step-0000002" in resumed.stderr
+        assert_trained_and_equal(out / "final", tmp_path / "straight" / "final", assets["checkpoint"])
+        steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [1, 2, 3, 4]  # step 3 ran twice (before the crash and after resuming), logged once
+        return resumed.stderr
+
+    out, root = damaged("dangling")  # step-1..3 saved; latest names a directory that is gone
     (root / "latest").write_text("step-0000009")
     shard = next((root / "step-0000003").rglob("*model_states.pt"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # and the newest one is truncated
-    resumed = run(trainer(assets, out, **settings, **{"train.resume": True}))
-    log = resumed.stderr
+    log = resumed_to_the_straight_run(out)
     assert "names step-0000009, which does not exist" in log and "model_states.pt is unreadable" in log
-    assert "resumed from" in log and "step-0000002" in log
-    for name in straight:
-        assert torch.equal(weights(out / "final")[name], straight[name]), name
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]
 
-    out, root = crashed_run("no-pointer")  # `latest` missing, the newest checkpoint lacks its optimizer shard
+    out, root = damaged("no-pointer")  # `latest` missing, the newest checkpoint lacks its optimizer shard
     (root / "latest").unlink()
     next((root / "step-0000003").rglob("*optim_states.pt")).unlink()
-    resumed = run(trainer(assets, out, **settings, **{"train.resume": True}))
-    assert "lacks rank 0's zero_pp_rank_0_mp_rank_00_optim_states.pt" in resumed.stderr
-    assert "resumed from" in resumed.stderr and "step-0000002" in resumed.stderr
-    for name in straight:
-        assert torch.equal(weights(out / "final")[name], straight[name]), name
+    log = resumed_to_the_straight_run(out)
+    assert "lacks rank 0's zero_pp_rank_0_mp_rank_00_optim_states.pt" in log
 
-    out, root = crashed_run("refused")  # every checkpoint damaged, `latest` empty: a refusal naming files
+    out, root = damaged("refused")  # every checkpoint damaged, `latest` empty: a refusal naming files
     (root / "latest").write_text("")
     for step in (1, 2, 3):
         state = root / f"step-{step:07d}" / "trainer_state_rank0.json"
@@ -413,20 +405,7 @@ def assert_sequence_parallel_matches(one: Path, two: Path, initial: Path, trains
     assert float((want[worst] - got[worst]).abs().max()) < 1e-5, worst
 
 
-@pytest.mark.distributed
-def test_two_process_sequence_parallel_grpo_under_zero2_trains_like_one_process(assets, tmp_path):
-    """The tiny Qwen2.5-VL on generated videos, 2 steps of GRPO (2 groups per step, gradient accumulation 2): one
-    process, and two processes holding each packed row half each (S=2, one data-parallel replica), end at the same
-    weights with the same per-step loss, KL and gradient norm; the S=2 rollouts are the one-process ones."""
-    settings = {"train.deepspeed_config": "deepspeed_configs/zero2.json", "train.max_steps": 2}
-    run(trainer(assets, tmp_path / "one", **settings))
-    two = run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml",
-               *overrides(assets, tmp_path / "two", **settings, **{"train.sequence_parallel_size": 2})],
-              env={"NPROC_PER_NODE": "2"})
-    assert "1 data-parallel replica(s) of 2 sequence-parallel ranks" in two.stderr
-    assert_sequence_parallel_matches(tmp_path / "one", tmp_path / "two", assets["checkpoint"])
-
-
+@pytest.mark.slow  # three launches, two of 2 processes (about 30 s)
 @pytest.mark.distributed
 def test_a_spread_rollout_feeds_the_vision_cache_and_trains_like_one_process(assets, tmp_path):
     """S = 2 with one prompt per step (fewer families than ranks: the rollout is spread over the group, said once
@@ -454,6 +433,8 @@ def test_a_spread_rollout_feeds_the_vision_cache_and_trains_like_one_process(ass
 
 
 SP_VARIANTS = {  # settings, and which exported tensors can move
+    # every weight trains, the vision tower too (each rank encodes its share of the frames)
+    "full": ({}, lambda n: True),
     # the paths the 7B configs take: activation checkpointing with a frozen tower (the one-process run caches the
     # tower's outputs per step; the S=2 run encodes its share of the frames in every forward), under ZeRO-3 in the
     # kill-and-resume test below
@@ -468,11 +449,13 @@ SP_VARIANTS = {  # settings, and which exported tensors can move
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("variant", ["lora"])
-def test_sequence_parallel_grpo_on_the_7b_config_paths_trains_like_one_process(assets, tmp_path, variant):
-    """S=2 on two processes under ZeRO-2 against one process, with the settings the 7B configs use: same rollouts
-    (rewards that differ within every group), loss, KL, gradient norm and entropy within 1e-4, and the weights
-    that moved equal up to summation order."""
+@pytest.mark.parametrize("variant", ["full", "lora"])
+def test_sequence_parallel_grpo_trains_like_one_process(assets, tmp_path, variant):
+    """The tiny Qwen2.5-VL on generated videos, 2 steps of GRPO (2 groups per step, gradient accumulation 2): one
+    process, and two processes holding each packed row half each (S=2, one data-parallel replica) under ZeRO-2, with
+    every weight training or with the LoRA the 7B configs use: the S=2 rollouts are the one-process ones (rewards
+    that differ within every group), loss, KL, gradient norm and entropy within 1e-4, and the weights that moved
+    equal up to summation order."""
     extra, trains = SP_VARIANTS[variant]
     settings = {"train.deepspeed_config": "deepspeed_configs/zero2.json", "train.max_steps": 2, **extra}
     run(trainer(assets, tmp_path / "one", **settings))
@@ -480,6 +463,7 @@ def test_sequence_parallel_grpo_on_the_7b_config_paths_trains_like_one_process(a
                *overrides(assets, tmp_path / "two", **settings, **{"train.sequence_parallel_size": 2})],
               env={"NPROC_PER_NODE": "2"})
     assert "self-check passed (sequence parallel" in two.stderr
+    assert "1 data-parallel replica(s) of 2 sequence-parallel ranks" in two.stderr
     assert_sequence_parallel_matches(tmp_path / "one", tmp_path / "two", assets["checkpoint"], trains)
 
 
@@ -509,7 +493,7 @@ def test_sequence_parallel_sft_trains_like_one_process(assets, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # 2-2.5 minutes; make test keeps the ZeRO-2 two-process sequence-parallel run
+@pytest.mark.slow  # 2-2.5 minutes
 def test_sequence_parallel_under_zero3_trains_like_one_process_and_resumes_bit_for_bit(assets, tmp_path):
     """Under ZeRO-3 on the 7B configs' paths (activation checkpointing, a frozen tower, the per-step vision cache),
     3 steps: S=2 on two processes ends at the one-process weights (as above); the same S=2 run killed after step 2
