@@ -56,7 +56,8 @@ def test_without_cuda_nothing_runs_unless_quick(tmp_path):
 
 @pytest.mark.slow  # the default parts at toy sizes on this CPU (about 3 minutes): make test-all (CI) runs it
 def test_the_whole_acceptance_runs_quick_here(tmp_path):
-    """scripts/gpu_check.sh --quick: the varlen part (the kernel against the paths it replaces; the training pass
+    """scripts/gpu_check.sh --quick: the qwen3_5 part (the GDN kernels chosen, grouped vs repeated, the decode step
+    with its states), the varlen part (the kernel against the paths it replaces; the training pass
     says why it does not run off CUDA), the full-depth part (the rehearsal through the launchers with the rollout's
     parts per step, the TRL-style run, k = 4 against k = 1, the planner beside each), the decode part (graph or
     static, compiled, eager) and HF generate compiled, their report written."""
@@ -64,8 +65,12 @@ def test_the_whole_acceptance_runs_quick_here(tmp_path):
                              str(tmp_path / "report")], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     payload = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert [r["part"] for r in payload["parts"]] == ["varlen", "decode", "full_depth", "hf_compiled"]
-    assert [r["status"] for r in payload["parts"]] == ["ok", "ok", "ok", "ok"]
+    assert [r["part"] for r in payload["parts"]] == ["qwen3_5", "varlen", "decode", "full_depth", "hf_compiled"]
+    assert [r["status"] for r in payload["parts"]] == ["ok"] * 5
+    hybrid = payload["results"]["qwen3_5"]
+    assert hybrid["kernels"]["kernels"] == "torch" and "does not run here" in hybrid["kernels"]["note"]
+    assert [r["prefix"] for r in hybrid["train"]] == [256] and hybrid["train"][0]["max_logprob_diff"] < 1e-4
+    assert hybrid["decode"][0]["step_ms"] > 0 and hybrid["decode"][0]["state_bytes"] > 0
     varlen = payload["results"]["varlen"]
     assert {(r["prefix"], r["kernel"]) for r in varlen["decode"]} >= {(64, True), (64, False)}
     assert {r["attention"] for r in varlen["tower"]} == {"torch_flash_varlen", "sdpa"}
