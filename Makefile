@@ -3,6 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# two pytest workers, each test module whole on one (its module fixtures built once), longest modules first
+# (tests/conftest.py); XDIST= runs on one worker (docs/testing.md has both timed)
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 DEMO_ARGS ?=
 
 .PHONY: demo selfcheck test test-all lint install clean gpu-check
@@ -20,12 +23,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	@echo "make test: the suite without the tests marked slow (at most 14 minutes on 2 cores; measured times: docs/history.md); make test-all runs everything (CI runs it)"
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	@echo "make test: the suite without the tests marked slow, on 2 pytest workers (at most 6 minutes on 2 cores; measured times: docs/history.md, structure: docs/testing.md); make test-all runs everything (CI runs it)"
+	$(PY) -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 test-all: lint
-	@echo "make test-all: the whole suite, slow tests included (at most 60 minutes on 2 cores, CI limit 90 with the install; measured times: docs/history.md)"
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	@echo "make test-all: the whole suite, slow tests included, on 2 pytest workers (at most 30 minutes on 2 cores, CI at most 40 with the install; measured times: docs/history.md)"
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m app.demos.video $(DEMO_ARGS)

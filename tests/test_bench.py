@@ -27,7 +27,7 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
 # tests/test_planner_accuracy.py's and tests/test_plan.py's checks; their reports, the failed-point test below)
 @pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale", "lora",
                                   "vision_cache", "long_video", "long_prefill", "judge", "tree", "shared_video",
-                                  "long_rehearsal"])
+                                  "long_rehearsal", "hybrid"])
 def test_benchmark_runs_quick(name, tmp_path):
     out = tmp_path / name
     result = subprocess.run(["bash", "scripts/bench.sh", name, "--out", str(out), "--quick"], cwd=ROOT,
@@ -74,6 +74,10 @@ def test_benchmark_runs_quick(name, tmp_path):
         for phase in ("decode", "tower", "prefill", "reference", "policy"):
             assert points[2][f"{phase}_family_s"] > 0 and points[2][f"{phase}_apart_s"] > 0, phase
         assert points[2]["visual_tokens"] == 512 and points[2]["planned_tower"] == 0.5
+    if name == "hybrid":  # Qwen3.5 beside Qwen2.5-VL, grouped against repeated, each point in its own process
+        assert [(r["family"], r["prefix"]) for r in report["rows"]] == [("qwen3_5", 256), ("qwen2_5_vl", 256)]
+        assert all(r["flop_ratio"] < 1 and r["seconds_grouped"] > 0 for r in report["rows"])
+        assert (out / "hybrid.png").is_file()
     if name == "lora":
         full, adapters = report["rows"]
         assert full["separate_reference"] and not adapters["separate_reference"]
