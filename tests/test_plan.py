@@ -117,6 +117,8 @@ def test_plan_of_the_7b_config_on_8_gpus_is_standard_zero_arithmetic(tmp_path):
     (["--gpu-memory-gib", "0"], "--gpu-memory-gib must be > 0, got 0.0"),
     (["rollout.group_sizes=8"], "rollout.group_sizes"),
     (["model.path=/models/my-finetune"], "names no preset; pass --model"),
+    (["--measure-video", "/nowhere/clip.mp4"], "--measure-video /nowhere/clip.mp4: no such file"),
+    (["--host-cores", "8", "--source-fps", "0"], "--source-fps / --video-size / --bitrate / --keyframe-interval"),
 ])
 def test_bad_input_is_named(args, message, tmp_path, capsys, monkeypatch):
     from app.planning.plan import main
@@ -407,3 +409,74 @@ def test_family_attention_pairs_are_the_split_backends_calls(k, shared, question
                              shared + question, completion, (k,), (shared,))
         assert causal == int(dense_family_mask(layout, "cpu").sum())
         assert work.grouped_tokens == layout.total_len
+
+
+HOUR = ["data.max_frames=3600", "data.fps=1", "data.max_prompt_length=262144", "rollout.prefill_chunk_size=4096",
+        "forward.vision_chunk_frames=64", "train.sequence_parallel_size=4", "train.prompts_per_rank=6",
+        "data.questions_per_video=6", "train.groups_per_micro_batch=6"]
+
+
+def test_the_host_rates_reproduce_the_clip_they_were_measured_on():
+    """decord at 1 fps from the 2-minute 720p30 clip decodes all 3,600 source frames: 5.2 s of CPU; encode_record on
+    its 120 frames at data.max_pixels (grid [60, 16, 30], patch 14): 12.4 s in all (issue 76's measurement). A
+    sparser sampling decodes from each sampled frame's keyframe only."""
+    from app.planning.host import MEASURED, Source, decoded_frames
+
+    source = Source()
+    assert decoded_frames(120, 1.0, source) == 3600
+    decode = decoded_frames(120, 1.0, source) * 1280 * 720 * MEASURED.decode_ns / 1e9
+    assert decode == pytest.approx(5.2)
+    assert decode + 120 * (16 * 14) * (30 * 14) * MEASURED.process_ns / 1e9 == pytest.approx(12.4)
+    assert decoded_frames(12, 0.1, source) == 12 * 125  # one frame in 300: half a keyframe interval each
+
+
+def test_the_hour_long_plan_shows_the_host_as_its_limit_and_what_would_change_it(tmp_path, capsys, monkeypatch):
+    """scripts/plan.sh --host-cores: an hour at 1 fps on the 7B LoRA config, S = 4, k = 6, 96 cores a node (12 a
+    rank): each rank decodes and processes the whole video (about 160 s and 230 s of CPU, one video, so the second
+    prefetch thread idles) against a 92 s GPU step; prefetched, the step is the data's. The remedies named are the
+    ones that apply; more cores a rank help once there are more videos than threads."""
+    from app.planning.plan import main
+
+    monkeypatch.chdir(ROOT)
+    main(["configs/qwen2_5_vl_7b_video_lora.yaml", "model.path=/models/Qwen2.5-VL-7B-Instruct", *HOUR,
+          "--host-cores", "96", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "plan.json").read_text())["data"]
+    assert data["videos"] == 1 and data["sampled_frames"] == 3600 and data["decoded_frames"] == 108000
+    assert data["decode_cpu_s"] == pytest.approx(156, rel=0.01) and 200 < data["process_cpu_s"] < 260
+    assert data["cores"] == 12 and data["wall_s"] == pytest.approx(data["cpu_s"])  # one video: one thread at work
+    assert data["host_limits"] and data["step_s"] == data["wall_s"] > data["gpu_step_s"]
+    assert "the host is the limit" in out and "a video decoded on several threads" in out
+    assert "only its share of the frames" in out and "data.fps" in out
+    # six questions a video at k = 1: six videos a step over 2 threads and 12 cores, 3x faster; no prefetch: a sum
+    main(["configs/qwen2_5_vl_7b_video_lora.yaml", "model.path=/models/Qwen2.5-VL-7B-Instruct", *HOUR[:-2],
+          "data.questions_per_video=1", "train.groups_per_micro_batch=1", "data.prefetch=0", "--host-cores", "96",
+          "--out", str(tmp_path / "k1")])
+    data = json.loads((tmp_path / "k1" / "plan.json").read_text())["data"]
+    assert data["videos"] == 6 and data["threads"] == 1 and data["step_s"] == pytest.approx(
+        data["gpu_step_s"] + data["wall_s"])
+    assert "data.prefetch=1" in data["remedy"]
+    # no --host-cores: no data phase (the plan as before)
+    main(["configs/qwen2_5_vl_7b_video_lora.yaml", "model.path=/models/Qwen2.5-VL-7B-Instruct", "--out",
+          str(tmp_path / "none")])
+    assert json.loads((tmp_path / "none" / "plan.json").read_text())["data"] is None
+
+
+def test_measure_video_prices_the_host_on_a_real_h264_file(tmp_path, capsys, monkeypatch):
+    """--measure-video: decord and qwen-vl-utils on a file written here (H.264 through PyAV), the rates this
+    machine gives, named in the plan."""
+    import numpy as np
+
+    from app.data.video import write_mp4
+    from app.planning.host import measure_video
+
+    clip = write_mp4(tmp_path / "clip.mp4", np.random.default_rng(0).integers(0, 255, (24, 96, 128, 3),
+                                                                            dtype=np.uint8), fps=8)
+    rates = measure_video(str(clip), sample_fps=2.0, max_pixels=12544)
+    assert rates.decode_ns > 0 and rates.process_ns > 0 and "clip.mp4 (24 frames of 128x96 at 8 fps)" in rates.source
+    from app.planning.plan import main
+
+    monkeypatch.chdir(ROOT)
+    main(["configs/qwen2_5_vl_7b_video_lora.yaml", "model.path=/models/Qwen2.5-VL-7B-Instruct", "data.fps=2",
+          "--measure-video", str(clip), "--out", str(tmp_path / "plan")])
+    assert "measured on" in capsys.readouterr().out

@@ -3,6 +3,8 @@
     scripts/plan.sh CONFIG.yaml [section.key=value ...] [--nodes 1] [--gpus-per-node 8] [--gpu-memory-gib 80]
                     [--peak-tflops 989] [--bandwidth-tbs 3.35] [--calibration KEY=VALUE ...] [--videos N]
                     [--model PRESET|PRESET@LAYERS|DIR] [--frames N] [--out DIR]
+                    [--host-cores N [--source-fps 30] [--video-size WxH] [--bitrate low|medium|high]]
+                    [--measure-video FILE]
 
 It reads the config the trainer reads (same keys, same errors) and the model's shape from ``model.path`` when that
 is a checkpoint here, else from the preset its name matches (``configs/models``), or ``--model``. Nothing is
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -52,6 +55,32 @@ def video_size_of(text: str) -> tuple[int, int] | None:
     if not sep or not width.isdigit() or not height.isdigit() or not int(width) or not int(height):
         raise PlanError(f"--video-size {text!r}: expected WIDTHxHEIGHT, e.g. 1280x720")
     return int(width), int(height)
+
+
+def host_of(args, cfg):
+    """(cores per node, source, rates) for the data phase, or None when neither --host-cores nor --measure-video."""
+    from app.planning import host
+
+    if not args.host_cores and not args.measure_video:
+        return None
+    if args.host_cores < 0:
+        raise PlanError(f"--host-cores must be > 0, got {args.host_cores}")
+    size = video_size_of(args.video_size) or (1280, 720)
+    source = host.Source(fps=args.source_fps, width=size[0], height=size[1], bitrate=args.bitrate,
+                         keyframe_interval=args.keyframe_interval)
+    try:
+        source.check()
+    except ValueError as error:
+        raise PlanError(f"--source-fps / --video-size / --bitrate / --keyframe-interval: {error}") from None
+    rates = host.MEASURED
+    if args.measure_video:
+        if not Path(args.measure_video).is_file():
+            raise PlanError(f"--measure-video {args.measure_video}: no such file")
+        try:
+            rates = host.measure_video(args.measure_video, cfg.data.fps, cfg.data.max_pixels, cfg.data.min_pixels)
+        except Exception as error:  # decord's own error types
+            raise PlanError(f"--measure-video {args.measure_video}: could not be decoded ({error})") from None
+    return (args.host_cores or float(os.cpu_count() or 1)), source, rates
 
 
 def _gib(value: float) -> str:
@@ -117,6 +146,10 @@ def report(result: dict, frames_by_size: dict, fixes: list[dict]) -> str:
                            for k in ("repeated", "repeated_flash")))
     lines += [f"WARNING: {w}" for w in result.get("warnings", [])]
     lines += ["", *time_table(result)]
+    if result.get("data"):
+        from app.planning.host import lines as host_lines
+
+        lines += host_lines(result["data"])
     lines += ["", *disk_lines(result["disk"])]
     lines += ["", "largest video that fits (frames at data.max_pixels), by sequence-parallel size S:"]
     lines.append("    " + ", ".join(f"S={size}: {frames if frames else 'none'}{'+ (the search stops there)' if frames >= SEARCH_LIMIT else ''}"
@@ -206,6 +239,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--video-size", default="", metavar="WxH",
                         help="the source videos' frame size, e.g. 1280x720: the visual tokens qwen-vl-utils' resize "
                              "gives (default: frames that fill data.max_pixels, the most a frame can get)")
+    parser.add_argument("--host-cores", type=float, default=0,
+                        help="CPU cores of one node: adds the host's decoding and processing per step beside the GPU "
+                             "phases (app/planning/host.py), with the prefetch's overlap")
+    parser.add_argument("--source-fps", type=float, default=30.0, help="the source videos' frame rate (--host-cores)")
+    parser.add_argument("--bitrate", default="low", choices=("low", "medium", "high"),
+                        help="the source videos' bitrate class: low is the measured clip's (1.1 Mbit/s at 720p); "
+                             "medium and high cost 1.5x and 2.5x to decode (a guess)")
+    parser.add_argument("--keyframe-interval", type=int, default=250, help="frames between keyframes (x264: 250)")
+    parser.add_argument("--measure-video", default="", metavar="FILE",
+                        help="measure the host's decode and processing rates on this video here (at data.fps, "
+                             "data.max_pixels) instead of the recorded ones; implies the data phase")
     parser.add_argument("--out", default="outputs/plan", help="where plan.json goes")
     args = parser.parse_intermixed_args(argv)
     start = time.perf_counter()
@@ -219,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
             raise PlanError(f"--frames must be >= 0, got {args.frames}")
         source = model_source(cfg, args.model)
         result = plan(cfg, world, source, frames=args.frames or None, videos=args.videos or None,
-                      video_size=video_size_of(args.video_size))
+                      video_size=video_size_of(args.video_size), data_host=host_of(args, cfg))
         sizes = sequence_parallel_sizes(model_of(source)[0], world.ranks)
         frames_by_size = {s: largest_frames(cfg, world, source, s) for s in sizes}
         fixes = [] if result["fits"] else remedies(cfg, world, source)

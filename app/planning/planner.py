@@ -184,10 +184,11 @@ def sequence_parallel_sizes(config, ranks: int) -> list[int]:
 
 
 def plan(cfg, world: World, source: str, frames: int | None = None, videos: int | None = None,
-         video_size: tuple[int, int] | None = None) -> dict:
+         video_size: tuple[int, int] | None = None, data_host=None) -> dict:
     """The whole prediction for one config, as a dict of bytes (per rank), FLOPs (per rank and step), seconds per
     phase (``timing``) and disk. ``videos``: distinct videos among a step's prompts of one replica when fewer than
-    its families (data that asks a video several questions at k = 1: the vision cache encodes each once)."""
+    its families (data that asks a video several questions at k = 1: the vision cache encodes each once).
+    ``data_host``: (cores per node, ``host.Source``, ``host.HostRates``) adds the data phase beside the GPU step."""
     world.check()
     config, counts, meta = model_of(source)
     shape = costs.shape_of(config)
@@ -225,7 +226,22 @@ def plan(cfg, world: World, source: str, frames: int | None = None, videos: int 
             "fits": peak <= usable, "host": host, "flops_per_group": flops, "phase_seconds": seconds, "phase_terms": terms,
             "activations_by_layout": layout_activations(cfg, shape, work, b, trains_head=not lora),
             "prompts_per_rank": cfg.train.prompts_per_rank, "questions": timing.rank_work(cfg, work).questions,
-            "disk": disk(cfg, counts, trainable, b, ds["stage"], lora), "warnings": plan_warnings(cfg, work)}
+            "disk": disk(cfg, counts, trainable, b, ds["stage"], lora), "warnings": plan_warnings(cfg, work),
+            "data": data_phase(cfg, shape, work, seconds["grouped"], world, data_host, videos)}
+
+
+def data_phase(cfg, shape: Shape, work: Workload, seconds: dict, world: World, host, videos: int | None):
+    """The host's decoding and processing per rank and step beside the GPU step (``app.planning.host``), or None
+    without ``--host-cores``. Every rank of a sequence-parallel group decodes its replica's videos whole."""
+    if host is None or not work.patches:
+        return None
+    from app.planning import host as host_time
+
+    cores, source, rates = host
+    k = max(1, min(getattr(cfg.data, "questions_per_video", 1), cfg.train.prompts_per_rank))
+    count = distinct_videos(cfg.train.prompts_per_rank, k) if not videos else videos
+    return host_time.host_plan(cfg, shape, work, seconds, source, rates, videos=count,
+                               cores=cores / world.gpus_per_node)
 
 
 def plan_warnings(cfg, work: Workload) -> list[str]:
