@@ -72,7 +72,8 @@ def _exact_delta_rule_for_hybrid_families(request):
     checked on its own in tests/test_recurrent.py. Subprocesses (launchers, workers) run it unpatched."""
     callspec = getattr(request.node, "callspec", None)
     values = callspec.params.values() if callspec is not None else ()
-    if any(isinstance(v, str) and v in HYBRID_FAMILIES for v in values):
+    on_cuda = request.node.get_closest_marker("gpu") is not None  # the CUDA tests run the kernels users get
+    if not on_cuda and any(isinstance(v, str) and v in HYBRID_FAMILIES for v in values):
         from tests.helpers import exact_delta_rule
 
         with exact_delta_rule():

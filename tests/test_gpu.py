@@ -82,8 +82,10 @@ def bf16_case_on_cuda(family, tiny_checkpoints, videos):
     return model32.cuda(), model16.cuda(), prompts, ids.cuda(), mask.cuda(), sizes
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3_5"])
 def test_bf16_model_on_cuda_no_worse_than_repeated(family, tiny_checkpoints, videos):
+    """Qwen3.5 here runs the GDN kernels users get on CUDA (flash-linear-attention's varlen ones where installed,
+    else transformers' torch fallback), not the CPU tests' exact rule."""
     from app.grouping import compare_to_reference, completion_logprobs, default_backend, verify_grouping
 
     model32, model16, prompts, ids, mask, sizes = bf16_case_on_cuda(family, tiny_checkpoints, videos)
@@ -95,6 +97,21 @@ def test_bf16_model_on_cuda_no_worse_than_repeated(family, tiny_checkpoints, vid
     print(f"\n{family} {default_backend('cuda')}: {comparison.describe()}")
     assert comparison.passes(), comparison.describe()
     verify_grouping(copy.deepcopy(model16), prompts, ids, mask, sizes)
+
+
+def test_fla_varlen_delta_rule_and_its_initial_state_gradient_equal_the_torch_paths():
+    """flash-linear-attention's chunk_gated_delta_rule with cu_seqlens and a per-sequence initial state (the adapter
+    in app/grouping/recurrent/kernels.py, FlashQLA off) on one level of segments, against transformers' torch path
+    run on each sequence alone with autograd, float32: the outputs, the initial states' gradient (dh0) and every
+    input's gradient, as relative differences (app.bench.gpu.hybrid.kernels_check, the gpu_check part's own
+    numbers). The bound (2e-3) is set before any measurement: fla's kernels may accumulate in tf32."""
+    pytest.importorskip("fla")
+    from app.bench.gpu.hybrid import kernels_check
+
+    row = kernels_check(torch.device("cuda"))
+    print(f"\nfla against the torch path: {row}")
+    assert row["kernels"] == "fla", row
+    assert row["out"] < 2e-3 and row["dh0"] < 2e-3 and row["grads"] < 2e-3, row
 
 
 def test_grouped_decode_equals_hf_generate_on_cuda(tiny_checkpoints, videos):
