@@ -69,6 +69,7 @@ def test_missing_file_and_help():
     ("data.image_min_pixels=999999999", "'data.image_min_pixels' must be <= data.image_max_pixels"),
     ("data.max_prompt_length=0", "'data.max_prompt_length' must be >= 1"),
     ("rollout.prefill_chunk_size=-1", "'rollout.prefill_chunk_size' must be >= 0"),
+    ("data.decode_threads=-1", "'data.decode_threads' must be >= 0"),
     ("forward.vision_chunk_frames=-2", "'forward.vision_chunk_frames' must be >= 0"),
 ])
 def test_counts_and_intervals_are_validated(override, message):

@@ -82,6 +82,7 @@ def validate(config: Config, training: bool = True) -> None:
         ("data.prefetch", config.data.prefetch, 0),
         ("train.stop_at_step", config.train.stop_at_step, 0),
         ("data.prefetch_workers", config.data.prefetch_workers, 1),
+        ("data.decode_threads", config.data.decode_threads, 0),
         ("data.questions_per_video", config.data.questions_per_video, 1),
     ):
         need(value >= least, key, f"must be >= {least}, got {value}")

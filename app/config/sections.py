@@ -106,6 +106,9 @@ class DataConfig:
     prefetch: int = _f(1, "Steps of prompts (video decoding and processor work) prepared in background threads while "
                        "the current step trains; 0: decode on the critical path. Order, skips and resume unchanged.")
     prefetch_workers: int = _f(2, "Background threads for data.prefetch.")
+    decode_threads: int = _f(0, "Threads decoding one video file, each a piece of its frames cut at keyframes (the "
+                             "pixels are bitwise those of one thread). 0: what the host allows per video: its cores "
+                             "/ the node's ranks / data.prefetch_workers, at least 1 (written in the run log).")
     questions_per_video: int = _f(1, "k > 1: questions on one video (or image) come as runs of up to k prompts: "
                                   "decoded, prefilled and packed once per micro-batch; same numbers, groups stay "
                                   "questions (docs/shared_video.md: what k trades). 1: as always.")

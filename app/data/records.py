@@ -166,6 +166,18 @@ def where(record: dict) -> str:
     return f"{record.get('_where', '?')}" + (f" (problem_id {pid})" if pid is not None else "")
 
 
+def decode_threads(data_cfg) -> int:
+    """``data.decode_threads``, its 0 resolved for this process (``video.default_decode_threads``: the node's ranks
+    from torchrun's LOCAL_WORLD_SIZE)."""
+    from app.data.video import default_decode_threads
+
+    set_to = getattr(data_cfg, "decode_threads", 1)
+    if set_to:
+        return set_to
+    workers = getattr(data_cfg, "prefetch_workers", 2) if getattr(data_cfg, "prefetch", 0) else 1
+    return default_decode_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), workers)
+
+
 def build_conversation(record: dict, data_root: Path, data_cfg) -> list[dict]:
     content: list[dict] = []
     if record.get("data_type") == "video":
@@ -173,6 +185,9 @@ def build_conversation(record: dict, data_root: Path, data_cfg) -> list[dict]:
             element = video_element(path, fps=data_cfg.fps, max_frames=data_cfg.max_frames,
                                     min_pixels=data_cfg.min_pixels, max_pixels=data_cfg.max_pixels,
                                     total_pixels=getattr(data_cfg, "video_total_pixels", 0))
+            threads = decode_threads(data_cfg)
+            if threads > 1 and not path.is_dir():
+                element["decode_threads"] = threads
             if path.is_dir():  # a frame folder: its frame rate from the record, else the config
                 element["folder_fps"] = float(record.get("fps") or data_cfg.frame_folder_fps)
                 # the record's own frame_sampling first: its answers may belong to particular frames

@@ -21,8 +21,11 @@ class VideoDecodeError(RuntimeError):
     """A video that could not be read or has no frames."""
 
 
-def write_mp4(path: str | Path, frames: np.ndarray, fps: float = 8.0) -> Path:
-    """Write uint8 frames [T, H, W, 3] (H, W even) to an H.264 mp4."""
+def write_mp4(path: str | Path, frames: np.ndarray, fps: float = 8.0, *, keyframe_interval: int = 0) -> Path:
+    """Write uint8 frames [T, H, W, 3] (H, W even) to an H.264 mp4 at ``fps`` (a fraction such as 29.97 is kept as
+    30000/1001); ``keyframe_interval`` > 0: a keyframe every that many frames (x264's default otherwise, 250)."""
+    from fractions import Fraction
+
     import av
 
     path = Path(path)
@@ -32,10 +35,13 @@ def write_mp4(path: str | Path, frames: np.ndarray, fps: float = 8.0) -> Path:
         raise ValueError(f"frames must be [T, H, W, 3] uint8, got shape {frames.shape}")
     tmp = path.with_suffix(".partial.mp4")
     with av.open(str(tmp), mode="w") as container:
-        stream = container.add_stream("libx264", rate=int(round(fps)))
+        rate = int(round(fps)) if float(fps).is_integer() else Fraction(fps).limit_denominator(1001)
+        stream = container.add_stream("libx264", rate=rate)
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": "18", "preset": "ultrafast"}
+        stream.options = {"crf": "18", "preset": "ultrafast",
+                          **({"g": str(keyframe_interval), "keyint_min": str(keyframe_interval), "sc_threshold": "0"}
+                             if keyframe_interval else {})}
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
@@ -146,8 +152,111 @@ def frame_folder_element(element: dict, image_patch_size: int = 14) -> dict:
     return out
 
 
-def decode_video(element: dict, image_patch_size: int = 14) -> tuple[torch.Tensor, dict]:
+def default_decode_threads(ranks_per_node: int, prefetch_workers: int) -> int:
+    """``data.decode_threads`` = 0: the cores this process may use, shared by the node's ranks and the prefetch
+    threads that decode videos side by side (at least 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, ranks_per_node) // max(1, prefetch_workers))
+
+
+def pieces_at_keyframes(indices: list[int], keyframes: list[int], threads: int) -> list[list[int]]:
+    """``indices`` (sorted frame numbers to read) cut into at most ``threads`` contiguous pieces, each starting at a
+    keyframe's segment so that no two pieces decode the same frames, balanced by the frames each must decode (from
+    its first segment's keyframe to its last index)."""
+    if threads <= 1 or len(indices) < 2:
+        return [list(indices)]
+    import bisect
+
+    starts = sorted(set(keyframes) | {0})
+    segments: dict[int, list[int]] = {}  # keyframe -> the indices that decoding reaches from it
+    for i in indices:
+        segments.setdefault(starts[bisect.bisect_right(starts, i) - 1], []).append(i)
+    groups = list(segments.items())
+    if len(groups) < 2:
+        return [list(indices)]
+    cost = [idx[-1] - key + 1 for key, idx in groups]
+    parts = min(threads, len(groups))
+    total, pieces, current, spent = sum(cost), [], [], 0.0
+    for (_, idx), c in zip(groups, cost):
+        # a new piece once this segment's middle passes the next even share of the decoding
+        if current and spent + c / 2 > total * (len(pieces) + 1) / parts and len(pieces) < parts - 1:
+            pieces.append(current)
+            current = []
+        current += idx
+        spent += c
+    pieces.append(current)
+    return pieces
+
+
+def read_frames(path: str, indices: list[int], threads: int = 1) -> torch.Tensor:
+    """Frames ``indices`` of ``path`` as uint8 [T, 3, H, W], decoded by decord in pieces cut at keyframes
+    (``pieces_at_keyframes``), one reader per piece on ``threads`` threads: the pixels are those of one reader
+    (H.264 decoding is exact). A piece that fails names the file, its frames and time range, and decord's error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import decord
+
+    reader = decord.VideoReader(str(path), num_threads=1)
+    fps = float(reader.get_avg_fps()) or 1.0
+    pieces = pieces_at_keyframes(indices, list(reader.get_key_indices()) if threads > 1 else [], threads)
+
+    def piece(frames: list[int], own=None):
+        try:
+            r = own or decord.VideoReader(str(path), num_threads=1)
+            return r.get_batch(frames).asnumpy()
+        except Exception as error:  # decord raises its own error types
+            raise VideoDecodeError(f"{path}: frames {frames[0]}-{frames[-1]} ({frames[0] / fps:.2f}-"
+                                   f"{frames[-1] / fps:.2f} s) could not be decoded ({type(error).__name__}: "
+                                   f"{str(error).splitlines()[0] if str(error) else ''})") from error
+
+    if len(pieces) == 1:
+        parts = [piece(pieces[0], reader)]
+    else:
+        with ThreadPoolExecutor(max_workers=len(pieces)) as pool:
+            parts = list(pool.map(piece, pieces))
+    return torch.from_numpy(np.concatenate(parts)).permute(0, 3, 1, 2)
+
+
+def decode_in_pieces(element: dict, image_patch_size: int, threads: int) -> tuple[torch.Tensor, dict]:
+    """qwen-vl-utils' ``fetch_video`` for a file on the decord backend (its frame indices, resize and metadata, its
+    own helpers), with the frames read by ``read_frames`` on ``threads`` threads: the same tensor."""
+    import time
+
+    import decord
+    from qwen_vl_utils import vision_process as qv
+    from torchvision.transforms import InterpolationMode, functional
+
+    path = element["video"]
+    began = time.time()
+    reader = decord.VideoReader(str(path), num_threads=1)
+    total, video_fps = len(reader), reader.get_avg_fps()
+    start, end, total = qv.calculate_video_frame_range(element, total, video_fps)
+    nframes = qv.smart_nframes(element, total_frames=total, video_fps=video_fps)
+    idx = torch.linspace(start, end, nframes).round().long().tolist()
+    del reader
+    video = read_frames(path, idx, threads)
+    qv.logger.info(f"decord:  video_path={path!r}, total_frames={total}, video_fps={video_fps}, "
+                   f"time={time.time() - began:.3f}s ({threads} threads)")  # qwen-vl-utils' own line, and the threads
+    metadata = {"fps": video_fps, "frames_indices": idx, "total_num_frames": total, "video_backend": "decord"}
+    factor = image_patch_size * qv.SPATIAL_MERGE_SIZE
+    min_pixels = element.get("min_pixels", qv.VIDEO_MIN_TOKEN_NUM * factor * factor)
+    total_pixels = element.get("total_pixels", qv.MODEL_SEQ_LEN * factor * factor * 0.9)
+    max_pixels = max(min(qv.VIDEO_MAX_TOKEN_NUM * factor * factor, total_pixels / nframes * qv.FRAME_FACTOR),
+                     int(min_pixels * 1.05))
+    max_pixels = min(element.get("max_pixels", max_pixels), max_pixels)
+    height, width = video.shape[2:]
+    if "resized_height" in element and "resized_width" in element:
+        size = qv.smart_resize(element["resized_height"], element["resized_width"], factor=factor)
+    else:
+        size = qv.smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    video = functional.resize(video, list(size), interpolation=InterpolationMode.BICUBIC, antialias=True).float()
+    return video, metadata
+
+
+def decode_video(element: dict, image_patch_size: int = 14, threads: int | None = None) -> tuple[torch.Tensor, dict]:
     """Decode one video element through qwen-vl-utils (decord backend): frames [T, 3, H, W] float and metadata.
+    ``threads`` (default: the element's ``decode_threads``, set from ``data.decode_threads``, else 1) > 1: the
+    file's frames are read in pieces cut at keyframes, side by side (``decode_in_pieces``), bitwise the same frames.
 
     The file is opened with decord first: when decord fails, qwen-vl-utils silently retries a torchvision reader
     that no longer exists, and its error would hide the real cause.
@@ -156,6 +265,8 @@ def decode_video(element: dict, image_patch_size: int = 14) -> tuple[torch.Tenso
     from qwen_vl_utils import fetch_video
     from qwen_vl_utils.vision_process import smart_nframes
 
+    threads = int(element.get("decode_threads", 1)) if threads is None else threads
+    element = {k: v for k, v in element.items() if k != "decode_threads"}
     path = element["video"]
     if Path(path).is_dir():
         try:
@@ -186,6 +297,8 @@ def decode_video(element: dict, image_patch_size: int = 14) -> tuple[torch.Tenso
         raise SettingError(f"qwen-vl-utils cannot sample {path} ({frame_count} frames at {native_fps:g} fps) with "
                            f"fps={element.get('fps')} and max_frames={element.get('max_frames')} ({error}); check "
                            "data.fps and data.max_frames (at least 2)") from error
+    if threads > 1:
+        return decode_in_pieces(element, image_patch_size, threads)
     try:
         (frames, metadata), _sample_fps = fetch_video(
             element, image_patch_size=image_patch_size, return_video_sample_fps=True, return_video_metadata=True

@@ -14,7 +14,8 @@ RUN_FILE = "run.json"
 # Settings that do not change a prediction (where it is written, how many questions share a generate call, how a
 # mismatch is handled, training-only data keys).
 NOT_PREDICTION_SETTINGS = {"eval": {"output_dir", "resume", "batch_size", "if_different", "share_video"},
-                           "data": {"train_file", "prefetch", "prefetch_workers", "shuffle", "questions_per_video"}}
+                           "data": {"train_file", "prefetch", "prefetch_workers", "decode_threads", "shuffle",
+                                    "questions_per_video"}}
 
 
 class EvaluationMismatch(RuntimeError):

@@ -1,0 +1,94 @@
+"""Decoding one video on several threads (``data.decode_threads``): the frames cut into pieces at keyframes, each
+piece read by its own decord reader, side by side; the pixels bitwise those of qwen-vl-utils' one reader, on real
+H.264 files (keyframes inside the range, a frame rate that is not an integer, a frame count the pieces do not
+divide, a per-frame cap and a whole-video pixel budget)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from app.data.video import (
+    VideoDecodeError,
+    decode_video,
+    default_decode_threads,
+    pieces_at_keyframes,
+    video_element,
+    write_mp4,
+)
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode")
+    rng = np.random.default_rng(0)
+    return {  # 61 frames at 29.97 fps, a keyframe every 7; 45 frames at 12 fps, every 10
+        "ntsc": write_mp4(root / "ntsc.mp4", rng.integers(0, 255, (61, 96, 128, 3), dtype=np.uint8), fps=29.97,
+                          keyframe_interval=7),
+        "twelve": write_mp4(root / "twelve.mp4", rng.integers(0, 255, (45, 64, 112, 3), dtype=np.uint8), fps=12,
+                            keyframe_interval=10),
+    }
+
+
+ELEMENTS = {"per frame": dict(fps=8, max_frames=64, min_pixels=3136, max_pixels=12544),
+            "whole-video budget": dict(fps=8, max_frames=64, min_pixels=3136, total_pixels=30 * 3136 * 2)}
+
+
+@pytest.mark.parametrize("budget", ELEMENTS)
+@pytest.mark.parametrize("clip", ["ntsc", "twelve"])
+def test_pieces_on_several_threads_give_one_readers_pixels(clips, clip, budget):
+    import decord
+
+    element = video_element(clips[clip], **ELEMENTS[budget])
+    whole, meta = decode_video(element, threads=1)  # qwen-vl-utils' fetch_video, one reader
+    keys = list(decord.VideoReader(str(clips[clip])).get_key_indices())
+    assert len(keys) > 3  # keyframes inside the range: the pieces are really several
+    for threads in (2, 3, 5):
+        assert len(pieces_at_keyframes(meta["frames_indices"], keys, threads)) > 1
+        frames, metadata = decode_video(element, threads=threads)
+        assert torch.equal(frames, whole), (clip, budget, threads)
+        assert metadata == meta
+    # the setting reaches it through the element (data.decode_threads, set by records.build_conversation)
+    frames, _ = decode_video({**element, "decode_threads": 3})
+    assert torch.equal(frames, whole)
+
+
+def test_pieces_start_at_keyframes_cover_every_frame_once_and_share_the_decoding():
+    keys = [0, 7, 14, 21, 28, 35, 42, 49, 56]
+    indices = list(range(0, 61, 3))
+    pieces = pieces_at_keyframes(indices, keys, 3)
+    assert [i for p in pieces for i in p] == indices and len(pieces) == 3
+    segment = [max(k for k in keys if k <= p[0]) for p in pieces]  # each piece's first keyframe
+    assert all(max(k for k in keys if k <= p[-1]) < segment[n + 1] for n, p in enumerate(pieces[:-1]))  # no overlap
+    assert max(map(len, pieces)) - min(map(len, pieces)) <= 3
+    assert pieces_at_keyframes(indices, [0], 4) == [indices]  # one keyframe: one piece
+    assert pieces_at_keyframes(indices, keys, 1) == [indices]
+    assert len(pieces_at_keyframes(indices, keys, 50)) == len(keys)  # at most one piece a keyframe
+
+
+def test_a_piece_that_fails_names_the_file_its_time_range_and_decords_error(clips, monkeypatch):
+    import decord
+
+    real = decord.VideoReader.get_batch
+
+    def broken(self, frames):
+        if frames[0] >= 28:
+            raise decord.DECORDError("[h264 @ 0x1] Invalid NAL unit size")
+        return real(self, frames)
+
+    monkeypatch.setattr(decord.VideoReader, "get_batch", broken)
+    element = video_element(clips["ntsc"], **ELEMENTS["per frame"])
+    with pytest.raises(VideoDecodeError) as failed:
+        decode_video(element, threads=2)
+    message = str(failed.value)
+    assert str(clips["ntsc"]) in message and "Invalid NAL unit size" in message
+    assert " s) could not be decoded" in message and "frames " in message
+
+
+def test_the_default_shares_the_cores_among_ranks_and_prefetch_threads(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert default_decode_threads(1, 1) == 16 and default_decode_threads(8, 2) == 1
+    assert default_decode_threads(2, 2) == 4 and default_decode_threads(32, 2) == 1
