@@ -432,9 +432,9 @@ def test_the_host_rates_reproduce_the_clip_they_were_measured_on():
 
 def test_the_hour_long_plan_shows_the_host_as_its_limit_and_what_would_change_it(tmp_path, capsys, monkeypatch):
     """scripts/plan.sh --host-cores: an hour at 1 fps on the 7B LoRA config, S = 4, k = 6, 96 cores a node (12 a
-    rank): each rank decodes and processes the whole video (about 160 s and 230 s of CPU, one video, so the second
-    prefetch thread idles) against a 92 s GPU step; prefetched, the step is the data's. The remedies named are the
-    ones that apply; more cores a rank help once there are more videos than threads."""
+    rank): each rank decodes and processes the whole video (about 160 s and 230 s of CPU; one video, so the second
+    prefetch thread idles; its decoding on 12 / 2 = 6 threads by default, its processing on one) against a 92 s GPU
+    step; prefetched, the step is the data's. The remedies named are the ones that apply."""
     from app.planning.plan import main
 
     monkeypatch.chdir(ROOT)
@@ -444,17 +444,18 @@ def test_the_hour_long_plan_shows_the_host_as_its_limit_and_what_would_change_it
     data = json.loads((tmp_path / "plan.json").read_text())["data"]
     assert data["videos"] == 1 and data["sampled_frames"] == 3600 and data["decoded_frames"] == 108000
     assert data["decode_cpu_s"] == pytest.approx(156, rel=0.01) and 200 < data["process_cpu_s"] < 260
-    assert data["cores"] == 12 and data["wall_s"] == pytest.approx(data["cpu_s"])  # one video: one thread at work
+    assert data["cores"] == 12 and data["decode_threads"] == 6
+    assert data["wall_s"] == pytest.approx(data["decode_cpu_s"] / 6 + data["process_cpu_s"])
     assert data["host_limits"] and data["step_s"] == data["wall_s"] > data["gpu_step_s"]
-    assert "the host is the limit" in out and "a video decoded on several threads" in out
+    assert "the host is the limit" in out and "data.decode_threads, now 6" in out
     assert "only its share of the frames" in out and "data.fps" in out
-    # six questions a video at k = 1: six videos a step over 2 threads and 12 cores, 3x faster; no prefetch: a sum
+    # six questions a video at k = 1, no prefetch: six videos one after another, each decoded on 12 threads; a sum
     main(["configs/qwen2_5_vl_7b_video_lora.yaml", "model.path=/models/Qwen2.5-VL-7B-Instruct", *HOUR[:-2],
           "data.questions_per_video=1", "train.groups_per_micro_batch=1", "data.prefetch=0", "--host-cores", "96",
           "--out", str(tmp_path / "k1")])
     data = json.loads((tmp_path / "k1" / "plan.json").read_text())["data"]
-    assert data["videos"] == 6 and data["threads"] == 1 and data["step_s"] == pytest.approx(
-        data["gpu_step_s"] + data["wall_s"])
+    assert data["videos"] == 6 and data["threads"] == 1 and data["decode_threads"] == 12
+    assert data["step_s"] == pytest.approx(data["gpu_step_s"] + data["wall_s"])
     assert "data.prefetch=1" in data["remedy"]
     # no --host-cores: no data phase (the plan as before)
     main(["configs/qwen2_5_vl_7b_video_lora.yaml", "model.path=/models/Qwen2.5-VL-7B-Instruct", "--out",

@@ -12,7 +12,8 @@ Priced as
 with the constants measured (``--measure-video FILE``, or ``MEASURED``: issue 76's clip on the project's 2-core CPU).
 Every rank of a sequence-parallel group decodes and processes the whole of each of its replica's videos today (the
 device keeps only its share: ``docs/known_limits.md``). A step's videos are shared among ``data.prefetch_workers``
-threads on the rank's cores; with ``data.prefetch`` >= 1 the next step's data is prepared while this one trains, so
+threads on the rank's cores, each video's decoding on ``data.decode_threads`` (pieces cut at keyframes; its
+processing stays on one thread); with ``data.prefetch`` >= 1 the next step's data is prepared while this one trains, so
 the step takes the longer of the two, else their sum.
 """
 
@@ -75,11 +76,17 @@ def data_seconds(cfg, shape, work, source: Source, rates: HostRates, *, videos: 
     decode = decoded * source.width * source.height * rates.decode_ns * BITRATE_CLASSES[source.bitrate] / 1e9
     process = frames * output_pixels * rates.process_ns / 1e9
     threads = max(1, cfg.data.prefetch_workers) if cfg.data.prefetch else 1
-    parallel = max(1.0, min(float(threads), cores, float(videos)))
+    # data.decode_threads (0: the rank's cores over its prefetch threads, as app.data.records.decode_threads does)
+    per_video = getattr(cfg.data, "decode_threads", 1) or max(1, int(cores) // threads)
+    side_by_side = min(float(threads), float(videos))
+    # the pieces of one video are decoded side by side; its processing stays on the thread that decodes it
+    decode_wall = decode * videos / max(1.0, min(side_by_side * per_video, cores))
+    process_wall = process * videos / max(1.0, min(side_by_side, cores))
     cpu = (decode + process) * videos
     return {"videos": videos, "sampled_frames": frames, "decoded_frames": decoded, "output_pixels": output_pixels,
             "decode_cpu_s": decode * videos, "process_cpu_s": process * videos, "cpu_s": cpu, "cores": cores,
-            "threads": threads, "wall_s": cpu / parallel, "prefetch": cfg.data.prefetch}
+            "threads": threads, "decode_threads": per_video, "wall_s": decode_wall + process_wall,
+            "prefetch": cfg.data.prefetch}
 
 
 def with_host(phase_seconds: dict, data: dict, size: int = 1) -> dict:
@@ -99,8 +106,8 @@ def with_host(phase_seconds: dict, data: dict, size: int = 1) -> dict:
                             f"{data['videos']} videos on {data['cores']:g} cores)")
         if data["cores"] < min(data["threads"], data["videos"]):
             remedies.append("more host cores per rank (--host-cores is a node's)")
-        if data["videos"] <= data["threads"]:
-            remedies.append("a video decoded on several threads (not built yet: each thread decodes one video)")
+        if data["cores"] > min(data["threads"], data["videos"]) * data["decode_threads"]:
+            remedies.append(f"more threads decoding each video (data.decode_threads, now {data['decode_threads']})")
         if size > 1:
             remedies.append(f"each of the S = {size} ranks decoding only its share of the frames (not built yet: "
                             "every rank decodes the whole video)")
@@ -122,7 +129,7 @@ def lines(host: dict) -> list[str]:
     out = [f"data on the host, per rank and step ({host['videos']} video(s), each {host['sampled_frames']} sampled "
            f"of {host['decoded_frames']:.0f} decoded source frames at {host['source']['width']}x"
            f"{host['source']['height']}, {host['source']['fps']:g} fps, bitrate {host['source']['bitrate']}; "
-           f"{host['cores']:g} cores, {host['threads']} thread(s)):",
+           f"{host['cores']:g} cores, {host['threads']} prefetch thread(s) x {host['decode_threads']} decoding each):",
            f"    decode {host['decode_cpu_s']:.1f} s + process {host['process_cpu_s']:.1f} s of CPU = "
            f"{host['wall_s']:.1f} s wall, against {host['gpu_step_s']:.1f} s on the GPUs: step "
            f"{host['step_s']:.1f} s ({'prefetched: the longer of the two' if host['prefetch'] else 'not prefetched: the sum'})"]
