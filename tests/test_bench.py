@@ -27,7 +27,7 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
 # tests/test_planner_accuracy.py's and tests/test_plan.py's checks; their reports, the failed-point test below)
 @pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale", "lora",
                                   "vision_cache", "long_video", "long_prefill", "judge", "tree", "shared_video",
-                                  "long_rehearsal", "hybrid"])
+                                  "long_rehearsal", "hybrid", "mismatch"])
 def test_benchmark_runs_quick(name, tmp_path):
     out = tmp_path / name
     result = subprocess.run(["bash", "scripts/bench.sh", name, "--out", str(out), "--quick"], cwd=ROOT,
@@ -78,6 +78,13 @@ def test_benchmark_runs_quick(name, tmp_path):
         assert [(r["family"], r["prefix"]) for r in report["rows"]] == [("qwen3_5", 256), ("qwen2_5_vl", 256)]
         assert all(r["flop_ratio"] < 1 and r["seconds_grouped"] > 0 for r in report["rows"])
         assert (out / "hybrid.png").is_file()
+    if name == "mismatch":  # the rollout's log-probs against the trainer's, both families, both dtypes
+        rows = report["rows"]
+        assert {(r["family"], r["dtype"]) for r in rows} == {(f, d) for f in ("qwen3_5", "qwen2_5_vl")
+                                                            for d in ("float32", "bfloat16")}
+        for r in rows:
+            bound = 1e-4 if r["dtype"] == "float32" else 0.05  # fp32: the same numbers two ways; bf16: its rounding
+            assert r["tokens"] == 4 * 16 and 0 <= r["mean_abs"] < bound and 1 <= r["max_ratio"], r
     if name == "lora":
         full, adapters = report["rows"]
         assert full["separate_reference"] and not adapters["separate_reference"]
