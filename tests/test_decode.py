@@ -11,9 +11,11 @@ import torch
 
 from app.data.video import (
     VideoDecodeError,
+    decode_share,
     decode_video,
     default_decode_threads,
     pieces_at_keyframes,
+    temporal_share,
     video_element,
     write_mp4,
 )
@@ -92,3 +94,62 @@ def test_the_default_shares_the_cores_among_ranks_and_prefetch_threads(monkeypat
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert default_decode_threads(1, 1) == 16 and default_decode_threads(8, 2) == 1
     assert default_decode_threads(2, 2) == 4 and default_decode_threads(32, 2) == 1
+
+
+@pytest.mark.parametrize("budget", ELEMENTS)
+@pytest.mark.parametrize("clip", ["ntsc", "twelve"])
+def test_a_ranks_share_decoded_alone_is_its_share_of_the_whole_decode(clips, clip, budget):
+    """Each of S = 2, 3, 4 ranks reads only its contiguous temporal patches (from the keyframe before them):
+    bitwise the rows of a whole decode, the whole video's metadata, the shares covering every frame once; at
+    S = 3 the temporal patches do not divide evenly, and keyframes fall inside shares."""
+    import decord
+
+    element = video_element(clips[clip], **ELEMENTS[budget])
+    whole, meta = decode_video(element, threads=1)
+    keys = set(decord.VideoReader(str(clips[clip])).get_key_indices())
+    inside = 0
+    for size in (2, 3, 4):
+        covered = []
+        for rank in range(size):
+            frames, metadata, (first, end) = decode_share(element, rank, size, threads=2)
+            assert torch.equal(frames, whole[first:end]), (clip, budget, size, rank)
+            assert metadata == meta and (end - first) % 2 == 0
+            covered += range(first, end)
+            inside += any(k in keys for k in meta["frames_indices"][first + 1:end])
+        assert covered == list(range(whole.shape[0]))
+    assert inside  # some share starts before a keyframe it then passes
+
+
+def test_shares_follow_the_towers_rule():
+    from app.grouping.media import local_share
+
+    for frames in (2, 8, 16, 30):
+        for size in (1, 2, 3, 4):
+            grid = torch.tensor([[frames // 2, 2, 2]])
+            pixels = torch.arange(frames // 2 * 4).unsqueeze(1)  # one row per patch, 4 patches a temporal patch
+            for rank in range(size):
+                first, end = temporal_share(frames, rank, size)
+                piece = local_share(pixels, grid, rank, size, split_time=True, merge=1)
+                if frames // 2 >= size:
+                    assert piece[1][0, 0].item() * 2 == end - first
+                    assert torch.equal(piece[0][:, 0], torch.arange(first // 2 * 4, end // 2 * 4))
+                else:
+                    assert (first, end) == (0, frames)  # too short to split: it goes whole to one rank
+
+
+def test_a_shares_pixels_through_the_processor_are_the_wholes_rows(clips, tiny_checkpoints):
+    """The processor on a share's frames alone gives the rows ``media.local_share`` takes from the whole video's
+    pixels, with the whole video's grid's spatial size."""
+    from app.grouping.media import local_share
+    from app.runtime.models import load_processor
+
+    processor = load_processor(tiny_checkpoints["qwen2_5_vl"]).video_processor
+    element = video_element(clips["twelve"], **ELEMENTS["per frame"])
+    whole, _ = decode_video(element)
+    out = processor(videos=[whole], return_tensors="pt")
+    for rank in range(3):
+        frames, _, _ = decode_share(element, rank, 3)
+        mine = processor(videos=[frames], return_tensors="pt")
+        rows, grid, _ = local_share(out["pixel_values_videos"], out["video_grid_thw"], rank, 3, split_time=True,
+                                    merge=1)
+        assert torch.equal(mine["pixel_values_videos"], rows) and torch.equal(mine["video_grid_thw"], grid)

@@ -217,26 +217,53 @@ def read_frames(path: str, indices: list[int], threads: int = 1) -> torch.Tensor
     return torch.from_numpy(np.concatenate(parts)).permute(0, 3, 1, 2)
 
 
-def decode_in_pieces(element: dict, image_patch_size: int, threads: int) -> tuple[torch.Tensor, dict]:
+def sampled_frames(element: dict) -> tuple[list[int], int, float]:
+    """The frame numbers qwen-vl-utils samples from a file (its own ``calculate_video_frame_range`` and
+    ``smart_nframes``, as its decord reader does), the file's frame count and rate: from the container, no frame
+    decoded."""
+    import decord
+    from qwen_vl_utils import vision_process as qv
+
+    reader = decord.VideoReader(str(element["video"]), num_threads=1)
+    total, video_fps = len(reader), reader.get_avg_fps()
+    start, end, total = qv.calculate_video_frame_range(element, total, video_fps)
+    nframes = qv.smart_nframes(element, total_frames=total, video_fps=video_fps)
+    return torch.linspace(start, end, nframes).round().long().tolist(), total, video_fps
+
+
+def temporal_share(frames: int, rank: int, size: int, temporal_patch: int = 2) -> tuple[int, int]:
+    """The sampled frames [first, end) of rank ``rank``'s share of a video over ``size`` ranks: contiguous temporal
+    patches, the first ranks one more (``app.grouping.media.local_share``'s rule); the whole video when it has
+    fewer temporal patches than ranks (it then goes whole to one rank)."""
+    patches = -(-frames // temporal_patch)
+    if size <= 1 or patches < size:
+        return 0, frames
+    base, extra = divmod(patches, size)
+    first = rank * base + min(rank, extra)
+    return first * temporal_patch, min(frames, (first + base + (rank < extra)) * temporal_patch)
+
+
+def decode_in_pieces(element: dict, image_patch_size: int, threads: int,
+                     share: tuple[int, int] | None = None) -> tuple[torch.Tensor, dict]:
     """qwen-vl-utils' ``fetch_video`` for a file on the decord backend (its frame indices, resize and metadata, its
-    own helpers), with the frames read by ``read_frames`` on ``threads`` threads: the same tensor."""
+    own helpers), with the frames read by ``read_frames`` on ``threads`` threads: the same tensor. ``share``
+    (first, end): only those of the sampled frames are read and resized, to the size the whole video gets (its
+    pixel budget counts every sampled frame): bitwise ``frames[first:end]`` of the whole decode, with the whole
+    video's metadata."""
     import time
 
-    import decord
     from qwen_vl_utils import vision_process as qv
     from torchvision.transforms import InterpolationMode, functional
 
     path = element["video"]
     began = time.time()
-    reader = decord.VideoReader(str(path), num_threads=1)
-    total, video_fps = len(reader), reader.get_avg_fps()
-    start, end, total = qv.calculate_video_frame_range(element, total, video_fps)
-    nframes = qv.smart_nframes(element, total_frames=total, video_fps=video_fps)
-    idx = torch.linspace(start, end, nframes).round().long().tolist()
-    del reader
-    video = read_frames(path, idx, threads)
+    idx, total, video_fps = sampled_frames(element)
+    nframes = len(idx)
+    first, end = share or (0, nframes)
+    video = read_frames(path, idx[first:end], threads)
     qv.logger.info(f"decord:  video_path={path!r}, total_frames={total}, video_fps={video_fps}, "
-                   f"time={time.time() - began:.3f}s ({threads} threads)")  # qwen-vl-utils' own line, and the threads
+                   f"time={time.time() - began:.3f}s ({threads} threads"
+                   + (f", frames {first}-{end} of {nframes}" if share else "") + ")")  # qwen-vl-utils' own line
     metadata = {"fps": video_fps, "frames_indices": idx, "total_num_frames": total, "video_backend": "decord"}
     factor = image_patch_size * qv.SPATIAL_MERGE_SIZE
     min_pixels = element.get("min_pixels", qv.VIDEO_MIN_TOKEN_NUM * factor * factor)
@@ -251,6 +278,20 @@ def decode_in_pieces(element: dict, image_patch_size: int, threads: int) -> tupl
         size = qv.smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
     video = functional.resize(video, list(size), interpolation=InterpolationMode.BICUBIC, antialias=True).float()
     return video, metadata
+
+
+def decode_share(element: dict, rank: int, size: int, image_patch_size: int = 14, temporal_patch: int = 2,
+                 threads: int = 1) -> tuple[torch.Tensor, dict, tuple[int, int]]:
+    """Rank ``rank``'s share of a video over ``size`` sequence-parallel ranks (``temporal_share``), decoded alone:
+    only its frames are read (from the keyframe before them) and resized, bitwise the same rows as that share of a
+    whole decode, with the whole video's metadata (so the grid, the token layout and the timestamps stay the whole
+    video's); also which sampled frames it holds. Not yet called by the data path (every rank decodes whole
+    videos: docs/known_limits.md)."""
+    idx, _, _ = sampled_frames(element)
+    share = temporal_share(len(idx), rank, size, temporal_patch)
+    frames, metadata = decode_in_pieces({k: v for k, v in element.items() if k != "decode_threads"},
+                                        image_patch_size, threads, share)
+    return frames, metadata, share
 
 
 def decode_video(element: dict, image_patch_size: int = 14, threads: int | None = None) -> tuple[torch.Tensor, dict]:
