@@ -10,12 +10,12 @@ name=${1:-}
 shift || true
 module_of() {  # benchmark name -> its module (app/bench/; decoding/, video/, gpu/ and planning/ under it)
   case "$1" in
-    rollout|decode_step|long_prefill) echo "app.bench.decoding.$1" ;;
+    rollout|decode_step|long_prefill|mismatch) echo "app.bench.decoding.$1" ;;
     gpu_real_shape) echo "app.bench.gpu.real_shape" ;;
     planner_accuracy) echo "app.bench.planning.accuracy" ;;
     planner_calibration) echo "app.bench.planning.calibrate" ;;
     vision_cache|shared_video|long_rehearsal) echo "app.bench.video.$1" ;;
-    grid|attention|e2e|flex_shapes|scale|lora|long_video|judge|tree|real_width|hybrid|mismatch) echo "app.bench.$1" ;;
+    grid|attention|e2e|flex_shapes|scale|lora|long_video|judge|tree|real_width|hybrid) echo "app.bench.$1" ;;
     *) return 1 ;;
   esac
 }

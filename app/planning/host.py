@@ -173,3 +173,17 @@ def measure_video(path: str, sample_fps: float = 1.0, max_pixels: int = 100352, 
                      process_ns=process * 1e9 / (sampled * out_pixels),
                      source=f"measured on {path} ({count} frames of {width}x{height} at {fps:g} fps) here")
 
+
+
+def data_phase(cfg, shape, work, seconds: dict, ranks_per_node: int, *, host, videos: int | None):
+    """The host's decoding and processing per rank and step beside the GPU step, or None without ``--host-cores``
+    (``host``: cores per node, ``Source``, ``HostRates``). Every rank of a sequence-parallel group decodes its
+    replica's videos whole."""
+    if host is None or not work.patches:
+        return None
+    from app.planning.inputs import distinct_videos
+
+    cores, source, rates = host
+    k = max(1, min(getattr(cfg.data, "questions_per_video", 1), cfg.train.prompts_per_rank))
+    count = videos or distinct_videos(cfg.train.prompts_per_rank, k)
+    return host_plan(cfg, shape, work, seconds, source, rates, videos=count, cores=cores / ranks_per_node)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from app.planning import costs, flops, shapes, timing
 from app.planning.costs import GiB, Shape, Workload
+from app.planning.host import data_phase
 from app.planning.inputs import cached_outputs, disk, distinct_videos, host_memory, pixel_bytes
 from app.planning.layers import kv_bytes_per_token, state_bytes
 from app.rollout.registry import BASELINE_ENGINE, memory_kind
@@ -184,7 +185,7 @@ def sequence_parallel_sizes(config, ranks: int) -> list[int]:
 
 
 def plan(cfg, world: World, source: str, frames: int | None = None, videos: int | None = None,
-         video_size: tuple[int, int] | None = None, data_host=None) -> dict:
+         video_size: tuple[int, int] | None = None, *, data_host=None) -> dict:
     """The whole prediction for one config, as a dict of bytes (per rank), FLOPs (per rank and step), seconds per
     phase (``timing``) and disk. ``videos``: distinct videos among a step's prompts of one replica when fewer than
     its families (data that asks a video several questions at k = 1: the vision cache encodes each once).
@@ -227,21 +228,9 @@ def plan(cfg, world: World, source: str, frames: int | None = None, videos: int 
             "activations_by_layout": layout_activations(cfg, shape, work, b, trains_head=not lora),
             "prompts_per_rank": cfg.train.prompts_per_rank, "questions": timing.rank_work(cfg, work).questions,
             "disk": disk(cfg, counts, trainable, b, ds["stage"], lora), "warnings": plan_warnings(cfg, work),
-            "data": data_phase(cfg, shape, work, seconds["grouped"], world, data_host, videos)}
+            "data": data_phase(cfg, shape, work, seconds["grouped"], world.gpus_per_node, host=data_host,
+                               videos=videos)}
 
-
-def data_phase(cfg, shape: Shape, work: Workload, seconds: dict, world: World, host, videos: int | None):
-    """The host's decoding and processing per rank and step beside the GPU step (``app.planning.host``), or None
-    without ``--host-cores``. Every rank of a sequence-parallel group decodes its replica's videos whole."""
-    if host is None or not work.patches:
-        return None
-    from app.planning import host as host_time
-
-    cores, source, rates = host
-    k = max(1, min(getattr(cfg.data, "questions_per_video", 1), cfg.train.prompts_per_rank))
-    count = distinct_videos(cfg.train.prompts_per_rank, k) if not videos else videos
-    return host_time.host_plan(cfg, shape, work, seconds, source, rates, videos=count,
-                               cores=cores / world.gpus_per_node)
 
 
 def plan_warnings(cfg, work: Workload) -> list[str]:

@@ -1,7 +1,7 @@
 """The rollout's sampling log-probs against the trainer's recomputation of the same tokens (the ``mismatch/*``
 metrics every step logs), on Qwen3.5 beside Qwen2.5-VL, in float32 and bfloat16:
 
-    python -m app.bench.mismatch --out docs/bench/mismatch [--quick]      (scripts/bench.sh mismatch)
+    python -m app.bench.decoding.mismatch --out docs/bench/mismatch [--quick]      (scripts/bench.sh mismatch)
 
 The grouped engine samples G = 8 completions of 512 tokens (temperature 1, no stop) for a text prompt of 2k or 8k
 tokens; the grouped forward the trainer runs (``completion_logprobs``, the same dtype) recomputes their log-probs.
@@ -62,7 +62,7 @@ def run(out: Path, quick: bool = False) -> dict:
         for dtype in DTYPES:
             for family in FAMILIES:
                 row = {"family": family, "prefix": prefix, "dtype": dtype, "G": group, "completion": completion}
-                result = attempt("app.bench.mismatch:measure", family=family, prefix=prefix, group=group,
+                result = attempt("app.bench.decoding.mismatch:measure", family=family, prefix=prefix, group=group,
                                  completion=completion, dtype=dtype)
                 if "error" in result:
                     failed += 1
