@@ -243,13 +243,13 @@ def temporal_share(frames: int, rank: int, size: int, temporal_patch: int = 2) -
     return first * temporal_patch, min(frames, (first + base + (rank < extra)) * temporal_patch)
 
 
-def decode_in_pieces(element: dict, image_patch_size: int, threads: int,
-                     share: tuple[int, int] | None = None) -> tuple[torch.Tensor, dict]:
+def decode_in_pieces(element: dict, image_patch_size: int, threads: int, share: tuple[int, int] | None = None,
+                     sampled: tuple[list[int], int, float] | None = None) -> tuple[torch.Tensor, dict]:
     """qwen-vl-utils' ``fetch_video`` for a file on the decord backend (its frame indices, resize and metadata, its
     own helpers), with the frames read by ``read_frames`` on ``threads`` threads: the same tensor. ``share``
     (first, end): only those of the sampled frames are read and resized, to the size the whole video gets (its
     pixel budget counts every sampled frame): bitwise ``frames[first:end]`` of the whole decode, with the whole
-    video's metadata."""
+    video's metadata. ``sampled``: ``sampled_frames(element)`` when the caller has it already."""
     import time
 
     from qwen_vl_utils import vision_process as qv
@@ -257,7 +257,7 @@ def decode_in_pieces(element: dict, image_patch_size: int, threads: int,
 
     path = element["video"]
     began = time.time()
-    idx, total, video_fps = sampled_frames(element)
+    idx, total, video_fps = sampled or sampled_frames(element)
     nframes = len(idx)
     first, end = share or (0, nframes)
     video = read_frames(path, idx[first:end], threads)
@@ -287,10 +287,10 @@ def decode_share(element: dict, rank: int, size: int, image_patch_size: int = 14
     whole decode, with the whole video's metadata (so the grid, the token layout and the timestamps stay the whole
     video's); also which sampled frames it holds. Not yet called by the data path (every rank decodes whole
     videos: docs/known_limits.md)."""
-    idx, _, _ = sampled_frames(element)
-    share = temporal_share(len(idx), rank, size, temporal_patch)
-    frames, metadata = decode_in_pieces({k: v for k, v in element.items() if k != "decode_threads"},
-                                        image_patch_size, threads, share)
+    element = {k: v for k, v in element.items() if k != "decode_threads"}
+    sampled = sampled_frames(element)
+    share = temporal_share(len(sampled[0]), rank, size, temporal_patch)
+    frames, metadata = decode_in_pieces(element, image_patch_size, threads, share, sampled)
     return frames, metadata, share
 
 

@@ -141,37 +141,32 @@ def lines(host: dict) -> list[str]:
 
 
 def measure_video(path: str, sample_fps: float = 1.0, max_pixels: int = 100352, min_pixels: int = 3136) -> HostRates:
-    """The rates on this machine from one video file: decord alone reading ``sample_fps`` frames a second on one
-    thread, then qwen-vl-utils' decode and resize with the processor's normalise and patchify; CPU seconds
+    """The rates on this machine from one video file, at the frames the data path samples
+    (``app.data.video.sampled_frames``): decord alone reading them on one thread (``read_frames``), then the data
+    path's decode and resize (``decode_video``) with the processor's normalise and patchify; CPU seconds
     (``time.process_time``)."""
     import decord
     import numpy as np
-    from qwen_vl_utils import fetch_video
     from transformers import Qwen2VLImageProcessor
 
-    reader = decord.VideoReader(str(path), num_threads=1)
-    count, fps = len(reader), float(reader.get_avg_fps())
-    height, width = reader[0].shape[:2]
-    step = max(1, round(fps / sample_fps))
-    indices = list(range(0, count, step))
-    del reader
+    from app.data.video import decode_video, read_frames, sampled_frames, video_element
+
+    element = video_element(path, fps=sample_fps, min_pixels=min(min_pixels, max_pixels), max_pixels=max_pixels)
+    indices, count, fps = sampled_frames(element)
+    height, width = decord.VideoReader(str(path), num_threads=1)[0].shape[:2]
     start = time.process_time()
-    reader = decord.VideoReader(str(path), num_threads=1)
-    reader.get_batch(indices).asnumpy()
+    read_frames(path, indices)
     decode = time.process_time() - start
     start = time.process_time()
-    frames, _ = fetch_video({"video": str(path), "fps": sample_fps, "max_pixels": max_pixels,
-                             "min_pixels": min(min_pixels, max_pixels), "max_frames": len(indices)},
-                            return_video_sample_fps=True)
-    processor = Qwen2VLImageProcessor()
-    flat = frames.numpy().astype(np.float32) if hasattr(frames, "numpy") else frames
-    processor(images=list(flat[: len(flat) - len(flat) % 2]), do_resize=False, return_tensors="pt")
+    frames, _ = decode_video(element, threads=1)
+    flat = frames.numpy().astype(np.float32)
+    Qwen2VLImageProcessor()(images=list(flat[: len(flat) - len(flat) % 2]), do_resize=False, return_tensors="pt")
     process = max(0.0, time.process_time() - start - decode)
     sampled, out_pixels = frames.shape[0], frames.shape[-1] * frames.shape[-2]
-    decoded = decoded_frames(len(indices), sample_fps, Source(fps=fps, width=width, height=height))
+    decoded = decoded_frames(len(indices), sample_fps, Source(fps=float(fps), width=width, height=height))
     return HostRates(decode_ns=decode * 1e9 / (decoded * width * height),
                      process_ns=process * 1e9 / (sampled * out_pixels),
-                     source=f"measured on {path} ({count} frames of {width}x{height} at {fps:g} fps) here")
+                     source=f"measured on {path} ({count} frames of {width}x{height} at {float(fps):g} fps) here")
 
 
 
