@@ -30,6 +30,50 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module keeps its own order
 
 
+# ---- CPU seconds per test: what it costs the machine, not the wall time it waited beside the other worker ----------
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    item._cpu_start = _cpu_seconds()  # from setup: a module fixture's launches count for the test that builds them
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield
+    start = getattr(item, "_cpu_start", None)
+    if start is not None:  # this process and the children it waited for (subprocess.run, torchrun's workers)
+        item.user_properties.append(("cpu_s", round(_cpu_seconds() - start, 2)))
+
+
+_CPU_ROWS: list[tuple[float, str]] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        cpu = dict(report.user_properties).get("cpu_s")
+        if cpu is not None:
+            _CPU_ROWS.append((cpu, report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """With --durations=N, also the N tests that cost the most CPU (junit XML: the cpu_s property of every test)."""
+    count = getattr(config.option, "durations", None)
+    if not count or not _CPU_ROWS:
+        return
+    rows = sorted(_CPU_ROWS, reverse=True)[:count]
+    terminalreporter.write_sep("=", f"{len(rows)} tests that cost the most CPU (own + waited children; "
+                                     f"all {len(_CPU_ROWS)}: {sum(c for c, _ in _CPU_ROWS):.0f} s)")
+    for cpu, nodeid in rows:
+        terminalreporter.write_line(f"{cpu:8.1f}s cpu  {nodeid}")
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")

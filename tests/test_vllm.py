@@ -257,8 +257,8 @@ def grpo_args(root: Path, out: Path, checkpoint: Path, train_file: Path, **extra
 def test_two_process_zero3_grpo_with_vllm_stays_in_sync_and_resumes_after_a_kill(tmp_path):
     """scripts/train.sh with 2 processes under ZeRO-3 and rollout.engine=vllm (one engine per rank, joined to the
     training world by vLLM's external launcher) on video prompts, the vision tower training too: it checkpoints,
-    dies right after the step-2 checkpoint, resumes, and ends with one metrics row per step; at every step, the
-    last after 3 optimizer steps and a resume, the log-probs vLLM reports for its sampled tokens equal the
+    dies right after the step-1 checkpoint, resumes, and ends with one metrics row per step; at every step, the
+    last after 2 optimizer steps and a resume, the log-probs vLLM reports for its sampled tokens equal the
     trainer's forward of them to 1e-4 (weights pushed one gathered tensor at a time before every rollout)."""
     require_vllm()
     from safetensors.torch import load_file
@@ -268,20 +268,20 @@ def test_two_process_zero3_grpo_with_vllm_stays_in_sync_and_resumes_after_a_kill
     out = tmp_path / "run"
     args = ["bash", "scripts/train.sh", *grpo_args(tmp_path, out, checkpoint, files["train"], **{
         "train.deepspeed_config": "deepspeed_configs/zero3.json", "train.save_every": 1, "train.prompts_per_rank": 1,
-        "data.max_frames": 8})[3:]]
+        "train.max_steps": 3, "data.max_frames": 8})[3:]]
     # as a new user runs it: no vLLM variables (the engine sizes its memory from config)
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env.update(PYTHONUNBUFFERED="1", NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
-    killed = subprocess.run(args, cwd=ROOT, env={**env, CRASH_POINT_ENV: "pointed@2"}, capture_output=True,
+    killed = subprocess.run(args, cwd=ROOT, env={**env, CRASH_POINT_ENV: "pointed@1"}, capture_output=True,
                             text=True, timeout=900)
     assert killed.returncode != 0, killed.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2], killed.stderr[-3000:]
+    assert steps == [1], killed.stderr[-3000:]
     done = subprocess.run([*args, "train.resume=true"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
     for m in metrics:
         assert m["mismatch/mean_abs_logprob_diff"] < 1e-4, m
         assert math.log(m["mismatch/max_ratio"]) < 1e-4, m
@@ -620,9 +620,16 @@ def test_grpo_on_qwen3_5_with_vllm_in_bf16_under_zero3_and_its_mismatch(tmp_path
         "train.deepspeed_config": "deepspeed_configs/zero3.json", "train.max_steps": 2, "data.max_frames": 4,
         "data.min_pixels": 4096, "data.max_pixels": 4096, "model.dtype": "bfloat16"})
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    refused = subprocess.run([*args, "model.dtype=float32"], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=600)
-    assert refused.returncode != 0 and "config error: 'model.dtype'=float32" in refused.stderr
+    # float32 is refused before vLLM is imported, naming the setting (the trainer prints it as a config error)
+    from app.common.options import OptionError
+    from app.config.loading import load_config
+    from app.rollout.vllm import VLLMEngine
+
+    cfg = load_config("configs/demo_cpu.yaml")
+    with pytest.raises(OptionError) as refused:
+        VLLMEngine(str(checkpoint), cfg.rollout, "float32", max_model_len=1024, seed=0, device_type="cpu",
+                   sampling=cfg.rollout.to_sampling(), eos_ids=[0], pad_id=0)
+    assert refused.value.field == "model.dtype" and "bfloat16 only" in str(refused.value)
     done = subprocess.run(args, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True,
                           timeout=1500)
     assert done.returncode == 0, done.stderr[-5000:]
