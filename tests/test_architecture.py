@@ -169,7 +169,7 @@ LAYERS = {  # package -> the packages it may import (app/__init__.py and app/com
     "app.rewards": ("app.common", "app.answers", "app.grouping", "app.runtime", "app.data"),
     "app.objectives": ("app.common",),
     "app.config": BELOW_CONFIG,
-    "app.training": (*BELOW_CONFIG, "app.config"),
+    "app.training": (*BELOW_CONFIG, "app.config", "app.planning"),  # the planner prices the rollout's split
     "app.evaluation": ("app.common", "app.answers", "app.grouping", "app.runtime", "app.data", "app.rollout",
                        "app.rewards", "app.config"),
     "app.planning": ("app.common", "app.grouping", "app.runtime", "app.data", "app.rollout", "app.objectives",

@@ -130,6 +130,27 @@ def test_bad_input_is_named(args, message, tmp_path, capsys, monkeypatch):
     assert message in capsys.readouterr().err
 
 
+def test_the_plan_chooses_spread_or_whole_families_by_price_as_the_trainer_does():
+    """rollout.sp_split=auto in a plan (``timing.resolve_split``, the trainer's price): the LoRA 7B config at 7
+    prompts on S = 4 keeps whole families at 128 frames (12.0 s spread against 11.7 s whole) and spreads at an hour
+    of video (125 s against 140 s); forced settings are planned as set."""
+    from app.config.loading import load_config
+    from app.planning.planner import World, plan
+
+    def planned(frames, *extra):
+        cfg = load_config("configs/qwen2_5_vl_7b_video_lora.yaml", [
+            "train.sequence_parallel_size=4", "train.prompts_per_rank=7", "train.groups_per_micro_batch=1",
+            f"data.max_frames={frames}", *extra])
+        return plan(cfg, World(), "qwen2_5_vl_7b", frames=frames)
+
+    short, hour = planned(128)["rollout_split"], planned(3600)["rollout_split"]
+    assert short["split"] == "families" and short["families_s"] < short["spread_s"] < 1.05 * short["families_s"]
+    assert hour["split"] == "spread" and hour["spread_s"] < 0.95 * hour["families_s"]
+    forced = planned(128, "rollout.sp_split=spread")
+    assert forced["rollout_split"] is None and forced["phase_seconds"]["grouped"]["rollout"] > planned(128)[
+        "phase_seconds"]["grouped"]["rollout"]
+
+
 def test_a_config_that_does_not_fit_gets_a_change_that_does(tmp_path):
     from app.config.loading import load_config
     from app.planning.planner import World, plan

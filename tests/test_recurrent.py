@@ -428,7 +428,8 @@ def test_the_compiled_step_on_qwen3_5_draws_the_eager_tokens(tiny_checkpoints, v
 @pytest.mark.distributed
 def test_qwen3_5_through_the_launchers_killed_and_resumed_then_evaluated(tmp_path):
     """scripts/train.sh on a tiny Qwen3.5 and generated videos: 2 processes as one replica of S = 2 (the GDN layers
-    Ulysses over their heads), ZeRO-3, data.questions_per_video=2, the grouped engine, 2 steps. Killed (SIGKILL) at a
+    Ulysses over their heads), ZeRO-3, data.questions_per_video=2, the grouped engine spreading each family's
+    rollout over the pair (each rank its heads' GDN states), 2 steps. Killed (SIGKILL) at a
     seeded random moment and resumed, it ends bit for bit at the uninterrupted run's weights, which training moved;
     scripts/eval.sh scores the final model on held-out videos."""
     import json
@@ -455,6 +456,7 @@ def test_qwen3_5_through_the_launchers_killed_and_resumed_then_evaluated(tmp_pat
                     "train.sequence_parallel_size": 2, "train.deepspeed_config": "deepspeed_configs/zero3.json",
                     "train.max_steps": 2, "train.save_every": 1, "train.prompts_per_rank": 2,
                     "train.groups_per_micro_batch": 2, "train.learning_rate": 1e-3, "rollout.group_size": 2,
+                    "rollout.sp_split": "spread",  # the GDN states' heads shared out (auto keeps this length whole)
                     "rollout.max_completion_length": 6, "logging.progress_bar": False,
                     "logging.wandb_mode": "disabled", "rewards.functions": f"[format, accuracy, '{plugin}:varied']"}
         return ["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *[f"{k}={v}" for k, v in settings.items()],

@@ -374,6 +374,36 @@ def test_a_group_spreads_its_families_when_whole_ones_would_leave_ranks_idle(loa
     assert busiest_share([1] * 7, 4) == pytest.approx(8 / 7) and busiest_share([3, 3], 2) == 1.0
 
 
+def test_auto_keeps_a_short_video_whole_and_spreads_a_long_one_as_the_planner_prices_them(tiny_checkpoints):
+    """rollout.sp_split=auto: ``choose_split`` asks ``app.planning.split.rollout_pricer`` (the planner's rollout
+    phases, on this machine's CPU numbers) for the busiest rank's seconds both ways. One family of 6 questions on
+    S = 2 or 4: a short video's prompts (300 tokens, as the suite's) stay whole, where a spread would give every
+    rank each decode step's linear layers and exchanges; a 640-frame one's (20,480) spread, near 1/S. A forced
+    setting wins; an engine that cannot spread keeps whole families; without a price, ``split_of``'s rule."""
+    from transformers import AutoConfig
+
+    from app.config.loading import load_config
+    from app.planning.split import rollout_pricer
+    from app.rollout.base import choose_split, split_of
+
+    cfg = load_config("configs/demo_cpu.yaml", ["rollout.group_size=2", "rollout.max_completion_length=8"])
+    priced = rollout_pricer(cfg, AutoConfig.from_pretrained(tiny_checkpoints["qwen2_5_vl"]), device="cpu", ranks=4)
+    for size in (2, 4):
+        short, why = choose_split([6 * 300], size, True, "auto", priced, [6])
+        assert short == "families" and "the planner prices the busiest rank's rollout at" in why, why
+        assert choose_split([6 * 20480], size, True, "auto", priced, [6])[0] == "spread"
+        spread_s, whole_s = priced([6 * 20480], [6], size)
+        assert 1 / size < spread_s / whole_s < 1.3 / size  # the prefill and K/V split, the linear layers not
+        ratios = [priced([6 * n], [6], size) for n in (300, 2000, 8000, 20480)]
+        assert sorted((a / b for a, b in ratios), reverse=True) == [a / b for a, b in ratios]  # longer, better
+    assert choose_split([6 * 300], 2, True, "spread", priced, [6]) == ("spread", "rollout.sp_split=spread")
+    assert choose_split([6 * 20480], 2, True, "families", priced, [6])[0] == "families"
+    assert choose_split([6 * 20480], 2, False, "auto", priced, [6])[0] == "families"
+    assert choose_split([90], 2, True)[0] == split_of([90], 2, True) == "spread"
+    with pytest.raises(ValueError, match="rollout.sp_split must be one of"):
+        choose_split([1], 2, True, "whole")
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_repetition_penalty_is_the_same_in_both_engines_and_changes_the_output(temperature, tiny_checkpoints,
                                                                                  videos):

@@ -218,7 +218,8 @@ def test_four_processes_at_s4_with_k6_spread_rollouts_under_zero3_killed_at_rand
         shared_assets, tmp_path):
     """scripts/train.sh, 4 ranks as one replica of S = 4, data.questions_per_video=6 on longer clips (32 frames
     sampled to 16) asked 1 to 6 questions, and records without video, ZeRO-3, chunked prefill and vision chunking:
-    the step's families are fewer than the ranks, so each is rolled out spread over the group (said in the log),
+    the step's families are fewer than the ranks, each rolled out spread over the group (rollout.sp_split=spread:
+    at this length auto keeps them whole; said in the log),
     the tower's outputs kept for the training forwards. Killed at a seeded random moment and resumed: bit for bit
     the uninterrupted run's weights."""
     files = generate(shared_assets["root"] / "long", train=21, heldout=0, seed=5, frames=32, size=56,
@@ -228,7 +229,7 @@ def test_four_processes_at_s4_with_k6_spread_rollouts_under_zero3_killed_at_rand
                 "train.deepspeed_config": "deepspeed_configs/zero3.json", "train.max_steps": 2, "train.save_every": 1,
                 "train.export_hf": True, "train.prompts_per_rank": 6, "train.groups_per_micro_batch": 6,
                 "rollout.prefill_chunk_size": 64, "forward.vision_chunk_frames": 2, "model.freeze_vision_tower": True,
-                "forward.vision_cache": "step"}
+                "forward.vision_cache": "step", "rollout.sp_split": "spread"}
 
     def check(out, stderr):
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -408,14 +408,14 @@ def assert_sequence_parallel_matches(one: Path, two: Path, initial: Path, trains
 @pytest.mark.slow  # three launches, two of 2 processes (about 30 s)
 @pytest.mark.distributed
 def test_a_spread_rollout_feeds_the_vision_cache_and_trains_like_one_process(assets, tmp_path):
-    """S = 2 with one prompt per step (fewer families than ranks: the rollout is spread over the group, said once
-    in the log) and a frozen tower: with forward.vision_cache=step each rank keeps the tower's output of its share
+    """S = 2 with one prompt per step, its rollout spread over the group (rollout.sp_split=spread: at this length
+    auto keeps it whole; said once in the log) and a frozen tower: with forward.vision_cache=step each rank keeps the tower's output of its share
     of the frames from the rollout, so the reference and the policy forwards make no tower call (one encoding per
     item); the weights equal those of the run with the cache off bit for bit, and the one-process run's up to
     summation order, with the same rollouts."""
     settings = {"train.deepspeed_config": "deepspeed_configs/zero2.json", "train.max_steps": 2,
                 "train.prompts_per_rank": 1, "model.freeze_vision_tower": True, "model.freeze_projector": True,
-                "rollout.prefill_chunk_size": 32}
+                "rollout.prefill_chunk_size": 32, "rollout.sp_split": "spread"}
     run(trainer(assets, tmp_path / "one", **settings, **{"forward.vision_cache": "off"}))
     runs = {}
     for cache in ("step", "off"):
@@ -464,6 +464,8 @@ def test_sequence_parallel_grpo_trains_like_one_process(assets, tmp_path, varian
               env={"NPROC_PER_NODE": "2"})
     assert "self-check passed (sequence parallel" in two.stderr
     assert "1 data-parallel replica(s) of 2 sequence-parallel ranks" in two.stderr
+    # rollout.sp_split=auto: at these prompt lengths the planner prices a spread rollout above whole families
+    assert two.stderr.count("whole families per rank (the planner prices the busiest rank's rollout at") == 1
     assert_sequence_parallel_matches(tmp_path / "one", tmp_path / "two", assets["checkpoint"], trains)
 
 

@@ -27,6 +27,7 @@ from app.objectives.grpo import (
     objective_settings,
 )
 from app.rewards.rules import BONUS_RULES, REGRESSION_METRICS
+from app.rollout.base import SPLIT_SETTINGS
 from app.rollout.generate import SamplingConfig
 from app.rollout.registry import ENGINE_NAMES
 from app.runtime.zero import GATHER_MODES
@@ -181,6 +182,14 @@ class RolloutConfig:
                            "layerwise gathers all but the decoder layers once and each layer (one collective) when it "
                            "runs; per_step leaves DeepSpeed's hooks on: every module re-gathered at every decode "
                            "step (slowest, least memory).", choices=GATHER_MODES)
+
+    sp_split: str = _f("auto", "train.sequence_parallel_size > 1, rollout.engine=grouped: how a sequence-parallel "
+                       "group shares its rollout. spread: every rank samples every prompt, with 1/S of each "
+                       "video's tower, prefill and K/V, but each decode step's linear layers on every rank; "
+                       "families: whole families of questions (or prompts) per rank, a rank left without one "
+                       "idle; auto: whichever the planner prices faster for the step's prompt lengths (a long "
+                       "video spreads, a short one stays whole), said in the run log when it changes. Same tokens "
+                       "either way.", choices=SPLIT_SETTINGS)
 
     def to_sampling(self, seed: int | None = None) -> SamplingConfig:
         """The sampler's settings (validated there)."""

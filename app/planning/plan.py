@@ -106,6 +106,12 @@ def report(result: dict, frames_by_size: dict, fixes: list[dict]) -> str:
         lines.append(f"questions per video k={w['questions']}: each micro-batch's families hold the system prompt and "
                      f"the video ({w['prefix'] - w['question']} tokens) once for k questions of {w['question']} "
                      "tokens each; FLOPs below are per question")
+    split = result.get("rollout_split")
+    if split:  # rollout.sp_split=auto, priced both ways (the tower left out), as the trainer chooses each step
+        lines.append(f"rollout over the S={result['sequence_parallel']} ranks: "
+                     f"{'each family spread over them' if split['split'] == 'spread' else 'whole families per rank'}"
+                     f" (the busiest rank's rollout {split['spread_s']:.2f} s spread, {split['families_s']:.2f} s "
+                     "whole; rollout.sp_split forces either)")
     lines += ["", "memory per rank (GiB)", "  model states"]
     for key in ("weights", "gradients", "optimizer", "reference"):
         lines.append(f"    {key:<22}{_gib(s[key])}")

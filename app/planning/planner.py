@@ -200,6 +200,8 @@ def plan(cfg, world: World, source: str, frames: int | None = None, videos: int 
     frames = frames or cfg.data.max_frames
     work = workload(cfg, shape, frames, video_size=video_size)
     lora = cfg.lora.rank > 0
+    cfg, split = timing.resolve_split(cfg, shape, counts, work, world, ds=ds, lora=lora, tower_trains=tower_trains(
+        cfg), backend=attention_backend(cfg), question_tokens=QUESTION_TOKENS)  # sp_split=auto: priced both ways
     frozen = (counts.vision if cfg.model.freeze_vision_tower else 0) + (counts.projector if cfg.model.freeze_projector
                                                                         else 0)
     trainable = lora_parameters(cfg, meta) if lora else counts.total - frozen
@@ -227,6 +229,7 @@ def plan(cfg, world: World, source: str, frames: int | None = None, videos: int 
             "fits": peak <= usable, "host": host, "flops_per_group": flops, "phase_seconds": seconds, "phase_terms": terms,
             "activations_by_layout": layout_activations(cfg, shape, work, b, trains_head=not lora),
             "prompts_per_rank": cfg.train.prompts_per_rank, "questions": timing.rank_work(cfg, work).questions,
+            "rollout_split": split,
             "disk": disk(cfg, counts, trainable, b, ds["stage"], lora), "warnings": plan_warnings(cfg, work),
             "data": data_phase(cfg, shape, work, seconds["grouped"], world.gpus_per_node, host=data_host,
                                videos=videos)}

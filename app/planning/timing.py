@@ -23,6 +23,7 @@ parallelism the training forwards split over S ranks and the rollout's families 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
@@ -120,15 +121,19 @@ class Rank:
 
 def rank_work(cfg, work: Workload, videos: int | None = None) -> Rank:
     """This rank's share: the replica's prompts in families of k (of equal load), each family spread over the S
-    ranks of its replica or whole families shared out among them, as ``app.rollout.base.split_of`` decides (spread
-    with fewer families than ranks, or too few to share out evenly, on the grouped engine)."""
+    ranks of its replica or whole families shared out among them, as rollout.sp_split says (the planner resolves
+    ``auto`` by price first: ``app.planning.split.resolve``; unresolved, ``app.rollout.base.split_of``'s rule:
+    spread with fewer families than ranks, or too few to share out evenly, on the grouped engine)."""
     from app.rollout.base import split_of
 
     prompts = cfg.train.prompts_per_rank
     k = max(1, min(getattr(cfg.data, "questions_per_video", 1), prompts))
     families = math.ceil(prompts / k)
     size = cfg.train.sequence_parallel_size
-    spread = size > 1 and split_of([1] * families, size, cfg.rollout.engine == "grouped") == "spread"
+    setting = getattr(cfg.rollout, "sp_split", "auto")
+    spreads = cfg.rollout.engine == "grouped"
+    spread = size > 1 and spreads and (setting == "spread" or (setting == "auto" and split_of(
+        [1] * families, size, spreads) == "spread"))
     here = families if spread else math.ceil(families / size)
     distinct = min(videos, families) if videos else families
     cached = size == 1 and cfg.forward.vision_cache in ("step", "run")
@@ -136,6 +141,53 @@ def rank_work(cfg, work: Workload, videos: int | None = None) -> Rank:
     return Rank(prompts=prompts, questions=k, families_here=here, videos_here=video_passes if work.patches else 0,
                 micro_batches=max(1, prompts // cfg.train.groups_per_micro_batch), size=size, spread=spread,
                 share=1 / size if spread else 1.0)
+
+
+def busiest(loads: list[float], questions: list[int], size: int) -> tuple[float, int, int]:
+    """The busiest rank under whole families (``app.rollout.base.spread_families``' rule: the largest first to the
+    least loaded rank): its (load, families, prompts)."""
+    held = [[0.0, 0, 0] for _ in range(size)]
+    for f in sorted(range(len(loads)), key=lambda j: (-loads[j], j)):
+        rank = min(range(size), key=lambda r: (held[r][0], r))
+        held[rank] = [held[rank][0] + loads[f], held[rank][1] + 1, held[rank][2] + questions[f]]
+    load, families, prompts = max(held, key=lambda row: (row[0], row[1]))
+    return load, families, prompts
+
+
+def split_seconds(cfg, shape: Shape, counts, world, *, loads: list[float], questions: list[int], size: int,
+                  ds: dict, lora: bool, tower_trains: bool, backend: str, question_tokens: int) -> tuple[float, float]:
+    """(seconds spread, seconds whole families): the busiest rank's rollout (``ROLLOUT_PHASES``) for families of
+    these ``loads`` (their prompts' tokens, the tower left out) of ``questions`` prompts each on ``size`` ranks."""
+    k = max(1, round(sum(questions) / len(loads)))
+
+    def priced(load: float, families: int, prompts: int, spread: bool) -> float:
+        prefix = max(1, round(load / max(1, prompts)))
+        work = Workload(prefix=prefix, completion=cfg.rollout.max_completion_length, group_size=cfg.rollout.group_size,
+                        questions=k, question=min(question_tokens, prefix - 1) if k > 1 else 0)
+        rank = Rank(prompts=prompts, questions=k, families_here=families, videos_here=0, micro_batches=1, size=size,
+                    spread=spread, share=1 / size if spread else 1.0)
+        terms = phase_terms(cfg, shape, counts, work, world, ds=ds, lora=lora, tower_trains=tower_trains,
+                            backend=backend, rank=rank)
+        return seconds(terms, world.calibration)["rollout"]
+
+    return (priced(sum(loads), len(loads), sum(questions), True),
+            priced(*busiest(loads, questions, size), False))
+
+
+def resolve_split(cfg, shape: Shape, counts, work: Workload, world, **priced) -> tuple[object, dict | None]:
+    """``cfg`` with rollout.sp_split=auto decided as the trainer decides it (``app.planning.split``) for equal
+    families of this workload, and {"split", "spread_s", "families_s"} (None where there is nothing to choose).
+    ``priced``: ``split_seconds``' keywords after ``size``."""
+    size = cfg.train.sequence_parallel_size
+    if size < 2 or cfg.rollout.engine != "grouped" or getattr(cfg.rollout, "sp_split", "auto") != "auto":
+        return cfg, None
+    k = max(1, min(getattr(cfg.data, "questions_per_video", 1), cfg.train.prompts_per_rank))
+    families = -(-cfg.train.prompts_per_rank // k)
+    spread_s, families_s = split_seconds(cfg, shape, counts, world, loads=[float(work.prefix * k)] * families,
+                                         questions=[k] * families, size=size, **priced)
+    cfg = copy.deepcopy(cfg)
+    cfg.rollout.sp_split = "spread" if spread_s < families_s else "families"
+    return cfg, {"split": cfg.rollout.sp_split, "spread_s": spread_s, "families_s": families_s}
 
 
 def kv_share(shape: Shape, rank: Rank) -> float:
@@ -188,11 +240,11 @@ def tower_calls(shape: Shape, work: Workload, vision_attention: str, *, chunk_fr
 
 
 def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, lora: bool, tower_trains: bool,
-                backend: str, videos: int | None = None) -> dict:
+                backend: str, videos: int | None = None, rank: Rank | None = None) -> dict:
     """Per phase, {calibration constant: its coefficient} (seconds = sum of coefficient x constant, with the
     efficiencies entering as their inverses: ``seconds``). FLOPs per rank over the card's peak, bytes over its
     bandwidth, counts of calls, layers and rollouts."""
-    rank = rank_work(cfg, work, videos)
+    rank = rank or rank_work(cfg, work, videos)
     k, peak, bandwidth = rank.questions, world.peak_tflops * 1e12, world.bandwidth_tbs * 1e12
     b = 2 if cfg.model.dtype == "bfloat16" else 4
     attention = planned_vision_attention(cfg, world)

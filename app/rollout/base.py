@@ -58,25 +58,45 @@ class RolloutEngine:
 
 # ---- adapters ----------------------------------------------------------------------------------------------------
 SPLITS = ("families", "spread")  # how a sequence-parallel group shares its rollout (``split_of``)
+SPLIT_SETTINGS = ("auto", *SPLITS)  # rollout.sp_split: auto prices both (``choose_split``), else that one
 
 
-SPREAD_ABOVE = 1.1  # whole families must load the busiest rank above this many even shares for the spread to win
+SPREAD_ABOVE = 1.1  # unpriced: whole families must load the busiest rank above this many even shares to spread
 
 
 def split_of(loads: list[float], size: int, spreads: bool) -> str:
-    """How a group of ``size`` ranks samples families of these ``loads`` (prompt tokens): ``spread`` (every rank
-    samples every family, each with 1/S of its tower, prefills and K/V) when the engine can and either there are
-    fewer families than ranks or whole families would leave the busiest rank more than ``SPREAD_ABOVE`` times an
-    even share (``busiest_share``: 3 families on 2 ranks, 1.33; 7 on 4, 1.14); ``families`` (whole families per
-    rank, ``spread_families``) otherwise. By the planner's own model the spread adds a per-layer gather to each
-    decode step and replicates the step's linear layers, and saves the idle ranks' time: at an hour of video it
-    wins from an imbalance of 1.14 (7 families on 4 ranks: 132 s of rollout against 147 s), at 128 frames it
-    loses by 2% there and wins from 1.33 (docs/scaling.md, "Whole families or spread")."""
+    """The unpriced rule (``choose_split`` without a price): ``spread`` (every rank samples every family, each with
+    1/S of its tower, prefills and K/V) when the engine can and either there are fewer families than ranks or whole
+    families would leave the busiest rank more than ``SPREAD_ABOVE`` times an even share (``busiest_share``: 3
+    families on 2 ranks, 1.33; 7 on 4, 1.14); ``families`` (whole families per rank, ``spread_families``)
+    otherwise. It ignores the length: at short prompts a spread rollout costs each rank more than a whole family
+    (every rank runs each decode step's linear layers and its exchanges), which only a price sees."""
     if not spreads or size < 2 or not loads:
         return "families"
     if len(loads) < size:
         return "spread"
     return "spread" if busiest_share(loads, size) > SPREAD_ABOVE else "families"
+
+
+def choose_split(loads: list[float], size: int, spreads: bool, setting: str = "auto",
+                 priced=None, questions: list[int] | None = None) -> tuple[str, str]:
+    """(``spread`` or ``families``, why: one line for the log) for families of these ``loads`` (prompt tokens) on
+    a group of ``size`` ranks. ``setting`` (rollout.sp_split) forces either where the engine can spread. ``auto``
+    with ``priced`` (``app.planning.split.rollout_pricer``: the planner's model of the rollout, called as
+    ``priced(loads, questions, size)`` -> (seconds spread, seconds whole families), the busiest rank's) takes the
+    faster, ties to whole families; without one, ``split_of``'s rule."""
+    if setting not in SPLIT_SETTINGS:
+        raise ValueError(f"rollout.sp_split must be one of {SPLIT_SETTINGS}, got {setting!r}")
+    if not spreads or size < 2 or not loads:
+        return "families", "whole families per rank" + ("" if spreads else " (this engine does not spread)")
+    if setting != "auto":
+        return setting, f"rollout.sp_split={setting}"
+    if priced is None:
+        split = split_of(loads, size, spreads)
+        return split, "by the families' balance (no price)"
+    spread_s, whole_s = priced(loads, questions or [1] * len(loads), size)
+    split = "spread" if spread_s < whole_s else "families"
+    return split, f"the planner prices the busiest rank's rollout at {spread_s:.3g} s spread, {whole_s:.3g} s whole"
 
 
 def busiest_share(loads: list[float], size: int) -> float:
@@ -91,12 +111,13 @@ def busiest_share(loads: list[float], size: int) -> float:
 
 class SharedInGroup(RolloutEngine):
     """The ranks of a sequence-parallel group train on one rollout of the group's prompts. With ``group`` (a
-    ``ParallelContext`` of S > 1), as ``split_of`` chooses (the run log says which, once per change):
+    ``ParallelContext`` of S > 1), as ``choose_split`` chooses (rollout.sp_split; ``auto``: whichever the planner
+    prices faster for these prompts' lengths; the run log says which and why, once per change):
 
-    - ``spread``: fewer families (questions sharing a video, or a prompt alone) than ranks, or more but too few to
-      share out evenly, on an engine that can (the grouped one): every rank samples every prompt together with the others (``generate(..., spread=sp)``):
-      the tower split by frames, the prefills by positions, the K/V by heads; every rank draws the same tokens and
-      holds the whole rollout, and no rank repeats another's work;
+    - ``spread``, on an engine that can (the grouped one): every rank samples every prompt together with the others
+      (``generate(..., spread=sp)``): the tower split by frames, the prefills by positions, the K/V by heads; every
+      rank draws the same tokens and holds the whole rollout, and no rank repeats another's work, but every rank
+      runs each decode step's linear layers and exchanges its heads' outputs;
     - ``families``: whole families spread over the S ranks (``spread_families``: balanced by prompt tokens), so
       each family's video is prefilled once in the group; each rank samples its share and every rank gets the
       whole rollout in prompt order (``group.gather_in_group``). Every sample draws from its prompt's own seed, so
@@ -106,9 +127,11 @@ class SharedInGroup(RolloutEngine):
 
     S = 1: the engine's own rollout."""
 
-    def __init__(self, inner: RolloutEngine, group=None, *, pad_id: int = 0, collective: bool = False):
+    def __init__(self, inner: RolloutEngine, group=None, *, pad_id: int = 0, collective: bool = False,
+                 setting: str = "auto", priced=None):
         self.inner, self.group, self.name = inner, group, inner.name
         self.pad_id, self.collective = pad_id, collective
+        self.setting, self.priced = setting, priced  # rollout.sp_split, and the planner's price (``choose_split``)
         self.split = ""  # the last choice made (logged when it changes)
 
     def generate(self, prompts, group_size, seeds, sampling=None):
@@ -118,16 +141,15 @@ class SharedInGroup(RolloutEngine):
             return self.inner.generate(prompts, group_size, seeds, sampling)
         size, me = self.group.sp.size, self.group.sp.rank
         families, loads = family_loads(prompts)
-        split = split_of(loads, size, getattr(self.inner, "spreads", False))
+        split, why = choose_split(loads, size, getattr(self.inner, "spreads", False), self.setting,
+                                  self.priced, [len(f) for f in families])
         if split != self.split:
             self.split = split
             if getattr(self.group, "rank", 0) == 0:
-                log.info("rollout: %d famil%s over a sequence-parallel group of %d ranks: %s", len(families),
+                log.info("rollout: %d famil%s over a sequence-parallel group of %d ranks: %s (%s)", len(families),
                          "y" if len(families) == 1 else "ies", size,
                          "each spread over the group (the tower by frames, the prefills by positions, the K/V by "
-                         "heads)" + (f"; whole families would load the busiest rank {busiest_share(loads, size):.2f}x "
-                                     "an even share" if len(families) >= size else "")
-                         if split == "spread" else "whole families per rank")
+                         "heads)" if split == "spread" else "whole families per rank", why)
         if split == "spread":  # every rank the whole rollout; its prefill counted for the group, as a gather would
             rollout = self.inner.generate(prompts, group_size, seeds, sampling, spread=self.group.sp)
             counts = self.group.gather_in_group([torch.tensor([rollout.prefill_tokens])])

@@ -236,10 +236,22 @@ def training_rollout_engine(t: GRPOTrainer):
         capture_guard=t.stream.paused)
     engine = build_rollout_engine(cfg.rollout.engine, setup)
     engine = SharedInGroup(engine, t.parallel, pad_id=t.tokenizer.pad_token_id,  # S = 1: each rank keeps its own
-                           collective=zero.zero_stage(t.ds_config) == 3)
+                           collective=zero.zero_stage(t.ds_config) == 3, setting=cfg.rollout.sp_split,
+                           priced=split_pricer(cfg, t.engine, t.device, t.world))
     if cfg.rollout.record:
         engine = Recorded(engine, t.output_dir / "rollouts", sampling=setup.sampling)
     return engine
+
+
+def split_pricer(cfg, policy, device, world: int):
+    """With sequence parallelism and rollout.sp_split=auto: the planner's price of a spread rollout against whole
+    families (``app.planning.split``), which the rollout asks for each step's prompt lengths."""
+    if cfg.train.sequence_parallel_size < 2 or cfg.rollout.sp_split != "auto":
+        return None
+    from app.planning.split import rollout_pricer
+
+    module = getattr(policy, "module", policy)  # a DeepSpeed engine holds the model
+    return rollout_pricer(cfg, module.config, device=device.type, ranks=world)
 
 
 def token_counts(layout, grouping: str) -> dict:
