@@ -600,6 +600,20 @@ def test_vllm_cpu_refuses_what_its_gdn_op_cannot_run_by_name():
     assert cpu_refusal({"model_type": "qwen2_5_vl"}, "float32") is None
 
 
+def test_a_stage_refusal_ends_the_run_as_a_config_error_naming_the_setting(tiny_checkpoints, tmp_path):
+    """What a stage can refuse only once it sees the model (an ``OptionError``, as vLLM's float32 refusal on a CPU)
+    ends the run in one line, ``config error: '<setting>'...``, like any config error."""
+    from app.common.options import OptionError
+    from app.training.recipe import run
+
+    def refusing(cfg):
+        raise OptionError("model.dtype", "=float32 with rollout.engine=vllm on CPU: bfloat16 only")
+
+    with pytest.raises(SystemExit, match=r"^config error: 'model.dtype'=float32 with rollout.engine=vllm"):
+        run(refusing, "doc", ["configs/demo_cpu.yaml", f"model.path={tiny_checkpoints['qwen2_5_vl']}",
+                              f"train.output_dir={tmp_path}"])
+
+
 @pytest.mark.slow  # one vLLM start and two GRPO steps (about 3 minutes on 2 cores)
 def test_grpo_on_qwen3_5_with_vllm_in_bf16_under_zero3_and_its_mismatch(tmp_path):
     """rollout.engine=vllm on a tiny Qwen3.5 (its GDN heads 128 wide, as vLLM's CPU kernel needs), colocated under
