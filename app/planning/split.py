@@ -42,14 +42,16 @@ def runtime_world(device: str, ranks: int) -> World:
     return replace(CPU_WORLD, gpus_per_node=max(1, ranks))
 
 
-def rollout_pricer(cfg, model_config, *, device: str, ranks: int):
+def rollout_pricer(cfg, model_config, *, device: str, ranks: int, zero_stage: int | None = None):
     """``priced(loads, questions, size)`` -> (seconds spread, seconds whole families) for
     ``app.rollout.base.choose_split``: this run's rollout priced both ways on ``device``
-    (``timing.split_seconds``, as the planner prices it: ``timing.resolve_split``)."""
+    (``timing.split_seconds``, as the planner prices it: ``timing.resolve_split``). ``zero_stage``: the run's own
+    (else read from train.deepspeed_config)."""
     from app.planning import costs, shapes
 
     shape, counts = costs.shape_of(model_config), shapes.count_parameters(model_config)
-    world, ds = runtime_world(device, ranks), deepspeed_settings(cfg)
+    world = runtime_world(device, ranks)
+    ds = deepspeed_settings(cfg) if zero_stage is None else {"stage": zero_stage}
     fixed = dict(ds=ds, lora=cfg.lora.rank > 0, tower_trains=tower_trains(cfg), backend=attention_backend(cfg),
                  question_tokens=QUESTION_TOKENS)
 

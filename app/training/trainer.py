@@ -237,13 +237,13 @@ def training_rollout_engine(t: GRPOTrainer):
     engine = build_rollout_engine(cfg.rollout.engine, setup)
     engine = SharedInGroup(engine, t.parallel, pad_id=t.tokenizer.pad_token_id,  # S = 1: each rank keeps its own
                            collective=zero.zero_stage(t.ds_config) == 3, setting=cfg.rollout.sp_split,
-                           priced=split_pricer(cfg, t.engine, t.device, t.world))
+                           priced=split_pricer(cfg, t.engine, t.device, t.world, zero.zero_stage(t.ds_config)))
     if cfg.rollout.record:
         engine = Recorded(engine, t.output_dir / "rollouts", sampling=setup.sampling)
     return engine
 
 
-def split_pricer(cfg, policy, device, world: int):
+def split_pricer(cfg, policy, device, world: int, stage: int):
     """With sequence parallelism and rollout.sp_split=auto: the planner's price of a spread rollout against whole
     families (``app.planning.split``), which the rollout asks for each step's prompt lengths."""
     if cfg.train.sequence_parallel_size < 2 or cfg.rollout.sp_split != "auto":
@@ -251,7 +251,7 @@ def split_pricer(cfg, policy, device, world: int):
     from app.planning.split import rollout_pricer
 
     module = getattr(policy, "module", policy)  # a DeepSpeed engine holds the model
-    return rollout_pricer(cfg, module.config, device=device.type, ranks=world)
+    return rollout_pricer(cfg, module.config, device=device.type, ranks=world, zero_stage=stage)
 
 
 def token_counts(layout, grouping: str) -> dict:
