@@ -93,6 +93,19 @@ def attempt(target: str, **kwargs) -> dict:
         return {"error": lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"}
 
 
+def point(target: str, quick: bool, **kwargs) -> dict:
+    """One benchmark point: in its own process (``attempt``: its memory apart, a failure kept to the point), or under
+    ``--quick`` (the suite's smoke run: every code path, no figure read) in this one, without a child's imports. A
+    point that fails comes back as ``{"error": why}`` either way."""
+    if not quick:
+        return attempt(target, **kwargs)
+    module, function = target.split(":")
+    try:
+        return getattr(importlib.import_module(module), function)(**kwargs)
+    except Exception as error:  # noqa: BLE001 - the point's failure is its row, as attempt reports a child's
+        return {"error": f"{target}: {type(error).__name__}: {error}"}
+
+
 def failed_points(lines: list[str]) -> str:
     """The end of a report whose points ``attempt`` ran: the ones that failed, one line each, or nothing."""
     return "\n\nPoints that failed (blank cells above):\n" + "\n".join(lines) if lines else ""

@@ -6,7 +6,8 @@ A reduced width on this CPU: hidden 256, 4 decoder layers (Qwen3.5: 3 GDN layers
 with 4 key / 8 value heads of 64; Qwen2.5-VL: 4 attention layers), 4 query / 2 KV heads of 64, MLP 1,024, a 32k
 vocabulary; a text prompt of 2k or 8k tokens, G = 8 completions of 128, float32. Each point runs in its own process
 (a warm-up pass on a short prompt, then one measured forward+backward of the completion log-probs as training runs
-them): wall time, the allocator's peak above the weights and gradient buffers, torch's flop counter. The GDN layers
+them; ``--quick``: every point in this one): wall time, the allocator's peak above the weights and gradient buffers,
+torch's flop counter. The GDN layers
 run transformers' torch fallback here (flash-linear-attention is CUDA-only); the 9B-width case is
 ``scripts/gpu_check.sh``'s ``qwen3_5`` part.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from app.bench.common import attempt, cli, exit_if_failed, failed_points, markdown_table, write_report
+from app.bench.common import cli, exit_if_failed, failed_points, markdown_table, point, write_report
 
 FAMILIES = ("qwen3_5", "qwen2_5_vl")
 PREFIXES = (2048, 8192)
@@ -36,7 +37,7 @@ def tiny_model(family: str, vocab: int = 32768):
 
 
 def measure(family: str, prefix: int, group: int, completion: int, mode: str) -> dict:
-    """One point, in a child process."""
+    """One point (in a child process, but under --quick)."""
     from app.bench.measure import forward_backward
 
     model = tiny_model(family)
@@ -64,8 +65,8 @@ def run(out: Path, quick: bool = False) -> dict:
         for prefix in prefixes:
             row = {"family": family, "prefix": prefix, "G": group, "completion": completion}
             for mode in ("grouped", "repeated"):
-                result = attempt("app.bench.hybrid:measure", family=family, prefix=prefix, group=group,
-                                 completion=completion, mode=mode)
+                result = point("app.bench.hybrid:measure", quick, family=family, prefix=prefix, group=group,
+                               completion=completion, mode=mode)
                 if "error" in result:
                     row[f"error_{mode}"] = result["error"]
                     print(f"{family} P={prefix} {mode}: FAILED: {result['error']}", flush=True)

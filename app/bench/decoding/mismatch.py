@@ -12,7 +12,7 @@ chunked form, so their difference compounds through the state; Qwen2.5-VL has no
 Qwen3.5 in bf16 no worse than Qwen2.5-VL at the same lengths.
 
 At reduced width on this CPU (``app.bench.hybrid.tiny_model``: hidden 256, 4 decoder layers, random weights);
-each point in its own process.
+each point in its own process (``--quick``: all in this one).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from app.bench.common import attempt, cli, exit_if_failed, failed_points, markdown_table, write_report
+from app.bench.common import cli, exit_if_failed, failed_points, markdown_table, point, write_report
 
 FAMILIES = ("qwen3_5", "qwen2_5_vl")
 PREFIXES = (2048, 8192)
@@ -62,8 +62,8 @@ def run(out: Path, quick: bool = False) -> dict:
         for dtype in DTYPES:
             for family in FAMILIES:
                 row = {"family": family, "prefix": prefix, "dtype": dtype, "G": group, "completion": completion}
-                result = attempt("app.bench.decoding.mismatch:measure", family=family, prefix=prefix, group=group,
-                                 completion=completion, dtype=dtype)
+                result = point("app.bench.decoding.mismatch:measure", quick, family=family, prefix=prefix,
+                               group=group, completion=completion, dtype=dtype)
                 if "error" in result:
                     failed += 1
                     print(f"{family} P={prefix} {dtype}: FAILED: {result['error']}", flush=True)
