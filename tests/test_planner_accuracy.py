@@ -53,11 +53,12 @@ def test_a_frozen_tower_is_planned_within_bounds(case):
 
 def test_a_video_the_old_planner_refused_runs_within_the_budget_the_new_one_plans():
     """The Qwen2-VL-2B width (1 decoder layer, 8 tower blocks, the tower trained under activation checkpointing as
-    the trainer runs it), a 32-frame video (4,096 patches; the benchmark's point has 64), the whole policy pass.
+    the trainer runs it), a 16-frame video (2,048 patches; the benchmark's point has 64), the whole policy pass
+    (measured here: planned 1,860 MiB, old 3,810, budget 2,836, measured 1,784).
     Before 2ce49cb the planner counted every tower block's saved tensors as if checkpointing were off; with a
     budget between the two plans, the old one refuses, the new one accepts, and the measured pass stays within the
     budget."""
-    result = points.video_point(**{**points.VIDEO, "temporal": 16})
+    result = points.video_point(**{**points.VIDEO, "temporal": 8})
     assert result["planned_old"] > result["budget"] > result["planned"]
     assert result["tower_planned_old"] > 4 * result["tower_planned"]
     assert result["measured"] <= result["budget"], result
