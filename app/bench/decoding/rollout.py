@@ -78,6 +78,14 @@ def prepare(root: Path, quick: bool, family: str = "qwen2_5_vl") -> Path:
     if not (checkpoint / "config.json").exists():
         build_tiny_checkpoint(checkpoint, family, seed=0, sizes=FAMILIES[family]["sizes"], real_tokenizer=True,
                               max_pixels=448 * 448)
+        if family == "qwen3_5":  # Qwen3-VL's video processor bounds a video's whole volume (frames x pixels): the
+            from app.runtime.models import load_processor  # tiny one's 65,536 would shrink the clips to 32 x 32
+
+            processor = load_processor(checkpoint)
+            processor.video_processor.size = {"shortest_edge": 32 * 32 * 4,
+                                              "longest_edge": max(f * h * w for f, h, w in FAMILIES[family][
+                                                  "videos"].values())}
+            processor.save_pretrained(checkpoint)
     from app.data.video import write_mp4
 
     for prompt in ({128} if quick else {2048, 8192}):
