@@ -151,6 +151,27 @@ def test_the_plan_chooses_spread_or_whole_families_by_price_as_the_trainer_does(
         "phase_seconds"]["grouped"]["rollout"]
 
 
+def test_the_rollouts_price_is_made_in_a_zero3_process_too(tiny_checkpoints):
+    """A ZeRO-3 run's process has transformers' ZeRO-3 integration on (``zero.hf_deepspeed_config``); the rollout's
+    price (``app.planning.split.rollout_pricer``, built once at setup) counts the model on the meta device outside
+    it (before, the S = 2 ZeRO-3 run died at setup: the long rehearsal's smoke run), and the integration is on after."""
+    from transformers import AutoConfig
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    from app.config.loading import load_config
+    from app.planning.split import rollout_pricer
+    from app.runtime import zero
+
+    cfg = load_config("configs/demo_cpu.yaml", ["train.sequence_parallel_size=2"])
+    config = AutoConfig.from_pretrained(tiny_checkpoints["qwen2_5_vl"])
+    keep = zero.hf_deepspeed_config({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    assert is_deepspeed_zero3_enabled()
+    priced = rollout_pricer(cfg, config, device="cpu", ranks=2, zero_stage=3)
+    spread_s, whole_s = priced([1200], [4], 2)
+    assert spread_s > 0 and whole_s > 0 and is_deepspeed_zero3_enabled()
+    del keep
+
+
 def test_a_config_that_does_not_fit_gets_a_change_that_does(tmp_path):
     from app.config.loading import load_config
     from app.planning.planner import World, plan

@@ -98,7 +98,10 @@ class Counts:
 
 
 def meta_model(config):
-    with torch.device("meta"):
+    """``config``'s model on the meta device, never partitioned (in a ZeRO-3 run's process too)."""
+    from app.runtime.zero import without_hf_zero3
+
+    with torch.device("meta"), without_hf_zero3():
         return model_class(config).from_config(config)
 
 

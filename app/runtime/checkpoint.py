@@ -313,8 +313,6 @@ def export_hf(engine, processor, out_dir: str | Path, source_path: str | Path, d
 def _export(state: dict, out: Path, processor, source_path, dtype, lora_cfg) -> None:
     """Rank 0's half of ``export_hf``: the merged (LoRA) state loaded into a plain copy of the source model, written
     to a hidden folder and renamed into place."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
     from app.runtime.models import load_model
 
     if lora_cfg is not None:
@@ -325,12 +323,8 @@ def _export(state: dict, out: Path, processor, source_path, dtype, lora_cfg) -> 
         state = lora.merged_state_dict(state, lora.scaling(lora_cfg))
     tmp = out.with_name(f".{out.name}.incoming")
     shutil.rmtree(tmp, ignore_errors=True)
-    saved_ref = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
+    with zero.without_hf_zero3():
         plain = load_model(source_path, dtype=dtype)
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved_ref
     plain.load_state_dict(state, strict=True)
     plain.save_pretrained(tmp, safe_serialization=True)
     processor.save_pretrained(tmp)

@@ -67,6 +67,20 @@ def hf_deepspeed_config(ds_config: dict):
     return HfDeepSpeedConfig(ds_config)
 
 
+@contextlib.contextmanager
+def without_hf_zero3():
+    """transformers' ZeRO-3 integration off for the block (a model built in it is not partitioned: a plain copy to
+    export, a meta model to count), back on after."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
 def build_engine(model, ds_config: dict, optimizer, lr_scheduler):
     import deepspeed
 
