@@ -202,7 +202,7 @@ def serve_torch(engine: str, checkpoint: str, root: str) -> None:
 
 
 def run(out: Path, quick: bool = False, vllm_python: str = "", trials: int = 0, only: str = "",
-        no_hf: bool = False, family: str = "qwen2_5_vl") -> dict:
+        no_hf: bool = False, *, family: str = "qwen2_5_vl") -> dict:
     """``only``: the points whose name contains it (e.g. "P=2048"); ``no_hf``: leave HF generate out (its
     column stays empty) when only the grouped engine against vLLM is wanted; ``family``: ``FAMILIES``."""
     out.mkdir(parents=True, exist_ok=True)
