@@ -122,7 +122,7 @@ class Rank:
 def rank_work(cfg, work: Workload, videos: int | None = None) -> Rank:
     """This rank's share: the replica's prompts in families of k (of equal load), each family spread over the S
     ranks of its replica or whole families shared out among them, as rollout.sp_split says (the planner resolves
-    ``auto`` by price first: ``app.planning.split.resolve``; unresolved, ``app.rollout.base.split_of``'s rule:
+    ``auto`` by price first: ``resolve_split``; unresolved, ``app.rollout.base.split_of``'s rule:
     spread with fewer families than ranks, or too few to share out evenly, on the grouped engine)."""
     from app.rollout.base import split_of
 
@@ -175,7 +175,7 @@ def split_seconds(cfg, shape: Shape, counts, world, *, loads: list[float], quest
 
 
 def resolve_split(cfg, shape: Shape, counts, work: Workload, world, **priced) -> tuple[object, dict | None]:
-    """``cfg`` with rollout.sp_split=auto decided as the trainer decides it (``app.planning.split``) for equal
+    """``cfg`` with rollout.sp_split=auto decided as the trainer decides it (``app.planning.split.rollout_pricer``) for equal
     families of this workload, and {"split", "spread_s", "families_s"} (None where there is nothing to choose).
     ``priced``: ``split_seconds``' keywords after ``size``."""
     size = cfg.train.sequence_parallel_size
