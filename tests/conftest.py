@@ -102,6 +102,22 @@ def videos(tmp_path_factory):
     return paths
 
 
+@pytest.fixture(scope="session")
+def clips(tmp_path_factory):
+    """Real H.264 files with keyframes inside (``write_mp4``): 61 frames at 29.97 fps (not an integer rate), a
+    keyframe every 7; 45 frames at 12 fps, every 10."""
+    from app.data.video import write_mp4
+
+    root = tmp_path_factory.mktemp("clips")
+    rng = np.random.default_rng(0)
+    return {
+        "ntsc": write_mp4(root / "ntsc.mp4", rng.integers(0, 255, (61, 96, 128, 3), dtype=np.uint8), fps=29.97,
+                          keyframe_interval=7),
+        "twelve": write_mp4(root / "twelve.mp4", rng.integers(0, 255, (45, 64, 112, 3), dtype=np.uint8), fps=12,
+                            keyframe_interval=10),
+    }
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -5,7 +5,6 @@ divide, a per-frame cap and a whole-video pixel budget)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,21 +16,7 @@ from app.data.video import (
     pieces_at_keyframes,
     temporal_share,
     video_element,
-    write_mp4,
 )
-
-
-@pytest.fixture(scope="module")
-def clips(tmp_path_factory):
-    root = tmp_path_factory.mktemp("decode")
-    rng = np.random.default_rng(0)
-    return {  # 61 frames at 29.97 fps, a keyframe every 7; 45 frames at 12 fps, every 10
-        "ntsc": write_mp4(root / "ntsc.mp4", rng.integers(0, 255, (61, 96, 128, 3), dtype=np.uint8), fps=29.97,
-                          keyframe_interval=7),
-        "twelve": write_mp4(root / "twelve.mp4", rng.integers(0, 255, (45, 64, 112, 3), dtype=np.uint8), fps=12,
-                            keyframe_interval=10),
-    }
-
 
 ELEMENTS = {"per frame": dict(fps=8, max_frames=64, min_pixels=3136, max_pixels=12544),
             "whole-video budget": dict(fps=8, max_frames=64, min_pixels=3136, total_pixels=30 * 3136 * 2)}

@@ -412,7 +412,8 @@ def test_a_spread_rollout_feeds_the_vision_cache_and_trains_like_one_process(ass
     auto keeps it whole; said once in the log) and a frozen tower: with forward.vision_cache=step each rank keeps the tower's output of its share
     of the frames from the rollout, so the reference and the policy forwards make no tower call (one encoding per
     item); the weights equal those of the run with the cache off bit for bit, and the one-process run's up to
-    summation order, with the same rollouts."""
+    summation order, with the same rollouts. The cached run's ranks decode only their shares of each video
+    (data.decode_shares, the default), the other run's whole videos: the same bits either way."""
     settings = {"train.deepspeed_config": "deepspeed_configs/zero2.json", "train.max_steps": 2,
                 "train.prompts_per_rank": 1, "model.freeze_vision_tower": True, "model.freeze_projector": True,
                 "rollout.prefill_chunk_size": 32, "rollout.sp_split": "spread"}
@@ -420,9 +421,12 @@ def test_a_spread_rollout_feeds_the_vision_cache_and_trains_like_one_process(ass
     runs = {}
     for cache in ("step", "off"):
         runs[cache] = run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *overrides(
-            assets, tmp_path / cache, **settings, **{"train.sequence_parallel_size": 2, "forward.vision_cache": cache})],
+            assets, tmp_path / cache, **settings, **{"train.sequence_parallel_size": 2, "forward.vision_cache": cache,
+                                                     "data.decode_shares": cache == "step"})],
             env={"NPROC_PER_NODE": "2"})
     assert runs["step"].stderr.count("each spread over the group") == 1
+    assert "decodes only its share of each video file (1/2 of its frames)" in runs["step"].stderr
+    assert "every rank decodes whole videos" in runs["off"].stderr
     on, off = _metrics(tmp_path / "step"), _metrics(tmp_path / "off")
     assert all(row["vision/tower_passes_per_item"] == 1.0 and row["vision/cache_hits"] > 0 for row in on)
     assert all(row["vision/tower_passes_per_item"] >= 3.0 for row in off)  # rollout, reference, policy
@@ -466,6 +470,8 @@ def test_sequence_parallel_grpo_trains_like_one_process(assets, tmp_path, varian
     assert "1 data-parallel replica(s) of 2 sequence-parallel ranks" in two.stderr
     # rollout.sp_split=auto: at these prompt lengths the planner prices a spread rollout above whole families
     assert two.stderr.count("whole families per rank (the planner prices the busiest rank's rollout at") == 1
+    # each rank decoded its share of each video; the rollout's owners gathered the rest from the group
+    assert "decodes only its share of each video file" in two.stderr
     assert_sequence_parallel_matches(tmp_path / "one", tmp_path / "two", assets["checkpoint"], trains)
 
 

@@ -110,6 +110,11 @@ class DataConfig:
     decode_threads: int = _f(0, "Threads decoding one video file, each a piece of its frames cut at keyframes (the "
                              "pixels are bitwise those of one thread). 0: what the host allows per video: its cores "
                              "/ the node's ranks / data.prefetch_workers, at least 1 (written in the run log).")
+    decode_shares: bool = _f(True, "train.sequence_parallel_size > 1 with rollout.engine=grouped: each rank decodes "
+                             "and processes only its share of each video file (its contiguous frames, read from the "
+                             "keyframe before them); the prompt, its grid and its tokens stay the whole video's. A "
+                             "step whose rollout keeps whole families on one rank gathers them from the group. Off "
+                             "(or rollout.sp_split=families): every rank decodes whole videos.")
     questions_per_video: int = _f(1, "k > 1: questions on one video (or image) come as runs of up to k prompts: "
                                   "decoded, prefilled and packed once per micro-batch; same numbers, groups stay "
                                   "questions (docs/shared_video.md: what k trades). 1: as always.")

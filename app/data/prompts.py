@@ -8,10 +8,12 @@ import re
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from app.data.video import decode_video
+from app.data.shares import share_marker, with_whole_grids
+from app.data.video import decode_share, decode_video
 
 TYPE_TEMPLATES = {
     "multiple choice": " Please provide only the single option letter (e.g., A, B, C, D, etc.) within the "
@@ -174,7 +176,7 @@ def image_patch_size(processor) -> int:
 
 
 def encode_prompts(processor, conversations: Sequence[Sequence[dict]], shuffle_frames_seed: int | None = None,
-                   with_media: bool = False, *, decoded: dict | None = None):
+                   with_media: bool = False, *, decoded: dict | None = None, sp_share: tuple[int, int] | None = None):
     """Encode B conversations (each ending with the user turn) into one left-padded batch.
 
     Video elements ({"type": "video", "video": path, "fps", "max_frames", "min_pixels", "max_pixels"}) are decoded
@@ -189,6 +191,9 @@ def encode_prompts(processor, conversations: Sequence[Sequence[dict]], shuffle_f
 
     ``decoded``: a dict shared by several calls on the same media (questions on one video): each video or image
     element is decoded once, the first time, and its frames reused (``media_decodes`` counts what was decoded).
+
+    ``sp_share`` = (rank, S): the videos' pixels only that sequence-parallel rank's share of them, decoded alone
+    (``app.data.shares``), where ``decodes_share`` allows; else whole.
     """
     texts = [processor.apply_chat_template(list(c), add_generation_prompt=True, tokenize=False) for c in conversations]
     if not is_multimodal_processor(processor):
@@ -196,10 +201,26 @@ def encode_prompts(processor, conversations: Sequence[Sequence[dict]], shuffle_f
             raise ValueError("a conversation has images or videos but the checkpoint has no vision processor")
         batch = dict(processor(texts, padding=True, padding_side="left", return_tensors="pt"))
         return (batch, _engine_view(processor, texts, [[] for _ in texts])) if with_media else batch
-    kwargs, media = _media_kwargs(processor, [media_elements(c) for c in conversations], shuffle_frames_seed,
-                                  with_media, decoded)
+    elements = [media_elements(c) for c in conversations]
+    share = sp_share if sp_share and decodes_share(elements, sp_share, shuffle_frames_seed, with_media) else None
+    # None: decoded whole (collating cuts it to the share: media.collate)
+    kwargs, media = _media_kwargs(processor, elements, shuffle_frames_seed, with_media, decoded, share)
+    if "whole_frames" in kwargs:  # the share's pixels, the whole video's grid and text (app.data.shares)
+        processor = with_whole_grids(processor, kwargs.pop("whole_frames"))
     batch = dict(processor(text=texts, padding=True, padding_side="left", return_tensors="pt", **kwargs))
+    if share is not None and batch.get("pixel_values_videos") is not None:
+        batch.update(share_marker(*share))
     return (batch, _engine_view(processor, texts, media)) if with_media else batch
+
+
+def decodes_share(elements: Sequence[Sequence[dict]], share: tuple[int, int], shuffle_frames_seed: int | None,
+                  with_media: bool) -> bool:
+    """Whether prompts with these media elements decode only rank/size ``share``'s frames: S > 1, every video a
+    file (a frame folder is read whole), frames in their order (temporal GRPO's shuffle needs them all), and no
+    engine that needs the whole frames (``with_media``)."""
+    videos = [e for items in elements for e in items if e["type"] == "video"]
+    return (share[1] > 1 and bool(videos) and shuffle_frames_seed is None and not with_media
+            and all(not Path(e["video"]).is_dir() for e in videos))
 
 
 def media_decodes(decoded: dict) -> int:
@@ -221,18 +242,26 @@ def _decoded_once(decoded: dict | None, element: dict, decode):
 
 
 def _media_kwargs(processor, elements: Sequence[Sequence[dict]], shuffle_frames_seed: int | None = None,
-                  with_media: bool = False, decoded: dict | None = None) -> tuple[dict, list[list]]:
+                  with_media: bool = False, decoded: dict | None = None,
+                  share: tuple[int, int] | None = None) -> tuple[dict, list[list]]:
     """The processor's media arguments for lists of image / video elements (decoded with decord through
     qwen-vl-utils; with ``decoded``, each element once), and per list what an engine with its own processor needs
-    (``encode_prompts``' ``with_media``)."""
+    (``encode_prompts``' ``with_media``). ``share`` = (rank, S): each video file's share alone
+    (``video.decode_share``); the whole videos' frame counts are then under ``"whole_frames"``."""
     from qwen_vl_utils import fetch_image
 
     patch = image_patch_size(processor)
+    temporal = int(getattr(processor.video_processor, "temporal_patch_size", 2) or 2)
     videos, metadata, images, media = [], [], [], []
     for items in elements:
         media.append([])
         for element in items:
-            if element["type"] == "video":
+            if element["type"] == "video" and share is not None:
+                frames, meta, _ = _decoded_once(decoded, {**element, "share": share}, lambda e=element: decode_share(
+                    e, *share, image_patch_size=patch, temporal_patch=temporal))
+                videos.append(frames)
+                metadata.append(meta)
+            elif element["type"] == "video":
                 frames, meta = _decoded_once(decoded, element, lambda e=element: decode_video(e, image_patch_size=patch))
                 if shuffle_frames_seed is not None:
                     order = torch.randperm(frames.shape[0], generator=torch.Generator().manual_seed(shuffle_frames_seed))
@@ -251,6 +280,8 @@ def _media_kwargs(processor, elements: Sequence[Sequence[dict]], shuffle_frames_
         kwargs.update(videos=videos, video_metadata=metadata, do_sample_frames=False, cap_pixels_per_frame=False)
     if images:
         kwargs.update(images=images)
+    if share is not None and videos:
+        kwargs["whole_frames"] = [len(meta["frames_indices"]) for meta in metadata]
     return kwargs, media
 
 

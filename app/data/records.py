@@ -234,13 +234,14 @@ def media_key(record: dict, data_root: Path) -> tuple | None:
 
 
 def encode_record(processor, record: dict, data_root: Path, data_cfg, shuffle_frames_seed: int | None = None,
-                  engine_view: bool = False, *, decoded: dict | None = None,
-                  template: dict | None = None) -> tuple[EncodedPrompt | None, str]:
+                  engine_view: bool = False, *, decoded: dict | None = None, template: dict | None = None,
+                  sp_share: tuple[int, int] | None = None) -> tuple[EncodedPrompt | None, str]:
     """One record's prompt, or (None, the reason it cannot be used): undecodable video, an image PIL cannot open, a
     processor error, a prompt over ``data.max_prompt_length``. Training and evaluation both skip on the reason.
     ``engine_view``: keep what an engine with its own processor needs (``EncodedPrompt.engine_view``).
     ``decoded`` / ``template``: shared by the records of one run on the same media (``encode_run``): the media are
-    decoded once, and a question after the media reuses the first prompt's processor output (``spliced_prompt``)."""
+    decoded once, and a question after the media reuses the first prompt's processor output (``spliced_prompt``).
+    ``sp_share`` = (rank, S): its videos' pixels only that sequence-parallel rank's share (``app.data.shares``)."""
     view = None
     try:
         conversation = build_conversation(record, data_root, data_cfg)
@@ -254,7 +255,7 @@ def encode_record(processor, record: dict, data_root: Path, data_cfg, shuffle_fr
                         "media": template["view"]["media"]}
         if inputs is None:
             inputs = encode_prompts(processor, [conversation], shuffle_frames_seed=shuffle_frames_seed,
-                                    with_media=engine_view, decoded=decoded)
+                                    with_media=engine_view, decoded=decoded, sp_share=sp_share)
             if engine_view:
                 inputs, (view,) = inputs
             if template is not None and "inputs" not in template:
@@ -295,8 +296,8 @@ def say_video_tokens(record: dict, inputs: dict, processor) -> None:
                      where(record), shape[0], t, shape[1], w * patch, h * patch, t * shape[1])
 
 
-def encode_run(processor, records: list[dict], data_root: Path, data_cfg,
-               engine_view: bool = False) -> tuple[list[tuple[EncodedPrompt | None, str]], int]:
+def encode_run(processor, records: list[dict], data_root: Path, data_cfg, engine_view: bool = False, *,
+               sp_share: tuple[int, int] | None = None) -> tuple[list[tuple[EncodedPrompt | None, str]], int]:
     """The prompts of records on the same media (a run of ``data.questions_per_video``), each (prompt, "") or
     (None, reason), and how many media files were decoded for them: the media once for the run, the processor once
     when the questions follow the media. The prompts carry the media's key (``EncodedPrompt.share``)."""
@@ -305,7 +306,7 @@ def encode_run(processor, records: list[dict], data_root: Path, data_cfg,
     out = []
     for record in records:
         prompt, reason = encode_record(processor, record, data_root, data_cfg, None, engine_view, decoded=decoded,
-                                       template=template)
+                                       template=template, sp_share=sp_share)
         if prompt is not None:
             prompt.share = media_key(record, data_root)
         elif reason.startswith("undecodable"):  # the same file for the rest: skip them for the same reason

@@ -104,6 +104,11 @@ class PromptStream:
     # the dtype the vision tower reads (bf16 in a bf16 run): pixels are kept in it from encoding on, on the host and
     # in prefetch (the model casts them to it anyway: the same bits), half of float32's bytes
     pixel_dtype: object = None
+    # (rank, S): decode only that sequence-parallel rank's share of each video (app.data.shares); None: whole
+    sp_share: tuple | None = None
+    # with sp_share: (this rank's result for a position: True when it made the prompt) -> True when every rank
+    # of its group did (``ParallelContext.all_in_group``), called once per position on every rank of the group
+    agree: object = None
 
     def _order(self, epoch: int) -> list[int]:
         """This rank's record indices for ``epoch``; the last epoch's is kept (a shuffle of Video-R1-260k takes
@@ -183,11 +188,22 @@ class PromptStream:
             )
 
     def encode(self, record: dict, shuffle_frames_seed: int | None = None, epoch: int = 0) -> EncodedPrompt | None:
-        prompt, reason = self._in_dtype(encode_record(self.processor, record, self.data_root, self.data_cfg,
-                                                      shuffle_frames_seed, self.engine_views))
+        prompt, reason = self._encoded(record, shuffle_frames_seed)
         if prompt is None:
             self.skip(record, reason)
         return None if prompt is None else replace(prompt, epoch=epoch)
+
+    def _encoded(self, record: dict, shuffle_frames_seed: int | None = None) -> tuple[EncodedPrompt | None, str]:
+        return self._in_dtype(encode_record(self.processor, record, self.data_root, self.data_cfg,
+                                            shuffle_frames_seed, self.engine_views, sp_share=self.sp_share))
+
+    def _agreed(self, prompt: EncodedPrompt | None, reason: str) -> tuple[EncodedPrompt | None, str]:
+        """A position's result as its whole sequence-parallel group takes it (``agree``: ranks decoding their
+        own shares may fail apart; a prompt one rank could not make is skipped by all)."""
+        if self.agree is None or self.agree(prompt is not None) or prompt is None:
+            return prompt, reason
+        return None, ("undecodable video: another rank of this sequence-parallel group could not decode its share "
+                      "(its log names the file and frames)")
 
     def epoch_of(self, position: int) -> int:
         """The epoch the stream position ``position`` falls in (each usable record once per epoch over all ranks)."""
@@ -202,7 +218,7 @@ class PromptStream:
         if self._run_cache[0] != run:
             ahead: Future | None = self._pending.pop(run, None)
             results, decodes = ahead.result() if ahead is not None else self._in_dtype(encode_run(
-                self.processor, records, self.data_root, self.data_cfg, self.engine_views))
+                self.processor, records, self.data_root, self.data_cfg, self.engine_views, sp_share=self.sp_share))
             self._run_cache = (run, results)
             with self._lock:
                 self.decodes += decodes
@@ -219,7 +235,7 @@ class PromptStream:
         out: list[EncodedPrompt] = []
         while self.questions_per_video > 1 and len(out) < count:
             run, records, i = self._run_at(self.position)
-            prompt, reason = self._run_results(run, records)[i]
+            prompt, reason = self._agreed(*self._run_results(run, records)[i])
             self.position += 1
             if prompt is None:
                 self.skip(records[i], reason)
@@ -232,13 +248,10 @@ class PromptStream:
             self.position += 1
             with self._lock:
                 self.decodes += media_count(record, self.data_root)
-            if ahead is None:
-                prompt = self.encode(record)
+            prompt, reason = self._agreed(*(self._encoded(record) if ahead is None else ahead.result()))
+            if prompt is None:
+                self.skip(record, reason)
             else:
-                prompt, reason = ahead.result()
-                if prompt is None:
-                    self.skip(record, reason)
-            if prompt is not None:
                 out.append(replace(prompt, epoch=epoch))
         self.prefetch()
         self.wait_seconds += time.perf_counter() - start
@@ -263,7 +276,8 @@ class PromptStream:
             for run, records, _ in ahead:
                 if run not in self._pending and run != self._run_cache[0]:
                     self._pending[run] = self._pool.submit(self._quietly, encode_run, self.processor, records,
-                                                           self.data_root, self.data_cfg, self.engine_views)
+                                                           self.data_root, self.data_cfg, self.engine_views,
+                                                           sp_share=self.sp_share)
             return
         for stale in [p for p in self._pending if p < self.position]:
             self._pending.pop(stale).cancel()
@@ -271,11 +285,11 @@ class PromptStream:
             if position not in self._pending:
                 self._pending[position] = self._pool.submit(
                     self._quietly, encode_record, self.processor, self._record_at(position), self.data_root,
-                    self.data_cfg, None, self.engine_views)
+                    self.data_cfg, None, self.engine_views, sp_share=self.sp_share)
 
-    def _quietly(self, work, *args):
+    def _quietly(self, work, *args, **kwargs):
         with self._quiet:
-            return self._in_dtype(work(*args))
+            return self._in_dtype(work(*args, **kwargs))
 
     def _in_dtype(self, result):
         """An encode's result ((prompt, reason), or a run's ([(prompt, reason)...], decodes)) with its pixels in
@@ -340,9 +354,10 @@ def pixels_in(prompt: EncodedPrompt | None, dtype, memo: dict) -> EncodedPrompt 
 
 
 def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int, *, lookahead: int = 0,
-                skip_log: Path | None = None, engine_views: bool = False, pixel_dtype=None) -> PromptStream:
+                skip_log: Path | None = None, engine_views: bool = False, pixel_dtype=None, sp_share=None,
+                agree=None) -> PromptStream:
     """This rank's stream of ``data_cfg.train_file``. Records that cannot be used are counted on every rank and
-    reported once, by rank 0 (``report_skips``)."""
+    reported once, by rank 0 (``report_skips``). ``sp_share`` / ``agree``: ``PromptStream``'s (share decoding)."""
     records, skipped = read_records(data_cfg.train_file)
     data_root = Path(data_cfg.data_root) if data_cfg.data_root else Path(data_cfg.train_file).parent
     usable = []
@@ -365,4 +380,5 @@ def load_stream(data_cfg, processor, seed: int, rank: int, world_size: int, *, l
     return PromptStream(usable, data_root, data_cfg, processor, seed=seed, rank=rank, world_size=world_size,
                         skipped=reasons, total_records=total, lookahead=lookahead,
                         workers=getattr(data_cfg, "prefetch_workers", 2), engine_views=engine_views,
-                        questions_per_video=getattr(data_cfg, "questions_per_video", 1), pixel_dtype=pixel_dtype)
+                        questions_per_video=getattr(data_cfg, "questions_per_video", 1), pixel_dtype=pixel_dtype,
+                        sp_share=sp_share, agree=agree if sp_share else None)

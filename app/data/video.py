@@ -281,45 +281,31 @@ def decode_in_pieces(element: dict, image_patch_size: int, threads: int, share: 
 
 
 def decode_share(element: dict, rank: int, size: int, image_patch_size: int = 14, temporal_patch: int = 2,
-                 threads: int = 1) -> tuple[torch.Tensor, dict, tuple[int, int]]:
-    """Rank ``rank``'s share of a video over ``size`` sequence-parallel ranks (``temporal_share``), decoded alone:
-    only its frames are read (from the keyframe before them) and resized, bitwise the same rows as that share of a
-    whole decode, with the whole video's metadata (so the grid, the token layout and the timestamps stay the whole
-    video's); also which sampled frames it holds. Not yet called by the data path (every rank decodes whole
-    videos: docs/known_limits.md)."""
+                 threads: int | None = None) -> tuple[torch.Tensor, dict, tuple[int, int]]:
+    """Rank ``rank``'s share of a video file over ``size`` sequence-parallel ranks (``temporal_share``), decoded
+    alone: only its frames are read (from the keyframe before them) and resized, bitwise the same rows as that share
+    of a whole decode, with the whole video's metadata (so the grid, the token layout and the timestamps stay the
+    whole video's); also which sampled frames it holds. The file is checked as ``decode_video`` checks it (the
+    same errors); ``threads`` as there. The data path's share decoding (``app.data.shares``)."""
+    threads = int(element.get("decode_threads", 1)) if threads is None else threads
     element = {k: v for k, v in element.items() if k != "decode_threads"}
+    checked_file(element)
     sampled = sampled_frames(element)
     share = temporal_share(len(sampled[0]), rank, size, temporal_patch)
     frames, metadata = decode_in_pieces(element, image_patch_size, threads, share, sampled)
     return frames, metadata, share
 
 
-def decode_video(element: dict, image_patch_size: int = 14, threads: int | None = None) -> tuple[torch.Tensor, dict]:
-    """Decode one video element through qwen-vl-utils (decord backend): frames [T, 3, H, W] float and metadata.
-    ``threads`` (default: the element's ``decode_threads``, set from ``data.decode_threads``, else 1) > 1: the
-    file's frames are read in pieces cut at keyframes, side by side (``decode_in_pieces``), bitwise the same frames.
+def checked_file(element: dict) -> None:
+    """A video file decord opens, with at least 2 frames, that qwen-vl-utils can sample with the element's
+    settings; else ``VideoDecodeError`` naming the file (or ``SettingError`` naming the settings).
 
     The file is opened with decord first: when decord fails, qwen-vl-utils silently retries a torchvision reader
-    that no longer exists, and its error would hide the real cause.
-    """
+    that no longer exists, and its error would hide the real cause."""
     import decord
-    from qwen_vl_utils import fetch_video
     from qwen_vl_utils.vision_process import smart_nframes
 
-    threads = int(element.get("decode_threads", 1)) if threads is None else threads
-    element = {k: v for k, v in element.items() if k != "decode_threads"}
     path = element["video"]
-    if Path(path).is_dir():
-        try:
-            (frames, metadata), _ = fetch_video(frame_folder_element(element, image_patch_size),
-                                                image_patch_size=image_patch_size, return_video_sample_fps=True,
-                                                return_video_metadata=True)
-        except (VideoDecodeError, SettingError):
-            raise
-        except Exception as error:  # PIL on a corrupt frame, ...
-            raise VideoDecodeError(f"{path}: frame folder could not be read ({type(error).__name__}: {error})") \
-                from error
-        return frames, dict(metadata)
     if not Path(path).is_file():
         raise VideoDecodeError(f"{path}: video file not found")
     try:
@@ -338,6 +324,31 @@ def decode_video(element: dict, image_patch_size: int = 14, threads: int | None 
         raise SettingError(f"qwen-vl-utils cannot sample {path} ({frame_count} frames at {native_fps:g} fps) with "
                            f"fps={element.get('fps')} and max_frames={element.get('max_frames')} ({error}); check "
                            "data.fps and data.max_frames (at least 2)") from error
+
+
+def decode_video(element: dict, image_patch_size: int = 14, threads: int | None = None) -> tuple[torch.Tensor, dict]:
+    """Decode one video element through qwen-vl-utils (decord backend): frames [T, 3, H, W] float and metadata.
+    ``threads`` (default: the element's ``decode_threads``, set from ``data.decode_threads``, else 1) > 1: the
+    file's frames are read in pieces cut at keyframes, side by side (``decode_in_pieces``), bitwise the same frames.
+    A file is checked first (``checked_file``).
+    """
+    from qwen_vl_utils import fetch_video
+
+    threads = int(element.get("decode_threads", 1)) if threads is None else threads
+    element = {k: v for k, v in element.items() if k != "decode_threads"}
+    path = element["video"]
+    if Path(path).is_dir():
+        try:
+            (frames, metadata), _ = fetch_video(frame_folder_element(element, image_patch_size),
+                                                image_patch_size=image_patch_size, return_video_sample_fps=True,
+                                                return_video_metadata=True)
+        except (VideoDecodeError, SettingError):
+            raise
+        except Exception as error:  # PIL on a corrupt frame, ...
+            raise VideoDecodeError(f"{path}: frame folder could not be read ({type(error).__name__}: {error})") \
+                from error
+        return frames, dict(metadata)
+    checked_file(element)
     if threads > 1:
         return decode_in_pieces(element, image_patch_size, threads)
     try:

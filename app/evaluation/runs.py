@@ -15,7 +15,7 @@ RUN_FILE = "run.json"
 # mismatch is handled, training-only data keys).
 NOT_PREDICTION_SETTINGS = {"eval": {"output_dir", "resume", "batch_size", "if_different", "share_video"},
                            "data": {"train_file", "prefetch", "prefetch_workers", "decode_threads", "shuffle",
-                                    "questions_per_video"}}
+                                    "questions_per_video", "decode_shares"}}
 
 
 class EvaluationMismatch(RuntimeError):

@@ -30,7 +30,10 @@ PER_OCCURRENCE = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
 def collate(items: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The vision tensors of single-prompt processor outputs, joined: grids (and frame timing) per occurrence,
-    pixels once per distinct tensor (the same object in several prompts), with ``ROWS`` when any repeats."""
+    pixels once per distinct tensor (the same object in several prompts), with ``ROWS`` when any repeats. Items
+    that hold only one rank's share of their videos' pixels (``SHARE``: the data path decoded that share alone)
+    give a batch holding that share (``keep_share``'s layout); an item beside them that holds whole videos is cut
+    to the same share first."""
     batch: dict[str, torch.Tensor] = {}
     for key in PER_OCCURRENCE:
         parts = [item[key] for item in items if item.get(key) is not None]
@@ -40,6 +43,12 @@ def collate(items: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tens
         present = [item for item in items if item.get(key) is not None]
         if not present:
             continue
+        held = {share_of(item, key) for item in present} - {None}
+        if len(held) > 1:
+            raise ValueError(f"prompts holding different ranks' shares of their pixels in one batch: {sorted(held)}")
+        share = held.pop() if held else None
+        if share is not None:
+            present = [item if share_of(item, key) else keep_share(dict(item), *share) for item in present]
         seen: dict[int, int] = {}  # id of a pixel tensor -> its first row in the batch
         distinct, rows, start = [], [], 0
         for item in present:
@@ -49,13 +58,43 @@ def collate(items: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tens
                 distinct.append(pixels)
                 start += pixels.shape[0]
             offset = seen[id(pixels)]
-            counts = item[grid_key].prod(-1).tolist()
+            counts = held_counts(item[grid_key], *share) if share else item[grid_key].prod(-1).tolist()
             for before, count in zip([0, *torch.tensor(counts).cumsum(0).tolist()], counts):
                 rows.append((offset + before, offset + before + count))
         batch[key] = distinct[0] if len(distinct) == 1 and len(present) == 1 else torch.cat(distinct)
-        if len(distinct) < len(present):
-            batch[ROWS[key]] = torch.tensor(rows, dtype=torch.long)
+        if len(distinct) < len(present) or share is not None:
+            batch[ROWS[key]] = torch.tensor(rows, dtype=torch.long).reshape(-1, 2)
+        if share is not None:
+            batch[SHARE[key]] = torch.tensor(list(share))
     return batch
+
+
+def held_counts(grid: torch.Tensor, rank: int, size: int) -> list[int]:
+    """The pixel rows rank ``rank`` of ``size`` holds of each video of ``grid`` (``keep_share``'s rule: its
+    contiguous temporal patches of a video of at least ``size`` of them, the whole of a shorter one)."""
+    counts = []
+    for t, h, w in grid.tolist():
+        if t >= size:
+            base, extra = divmod(t, size)
+            t = base + (rank < extra)
+        counts.append(t * h * w)
+    return counts
+
+
+def whole_from_shares(shares: Sequence[torch.Tensor], grid: torch.Tensor) -> torch.Tensor:
+    """One prompt's video pixels whole again from every rank's share of them (rank order; each ``keep_share``'s
+    layout of the videos of ``grid``): a split video's shares one after another in time, a short one as rank 0
+    holds it (every rank holds it whole)."""
+    size = len(shares)
+    cursors, out = [0] * size, []
+    for one in grid.tolist():
+        item = torch.tensor([one])
+        for rank in range(size) if one[0] >= size else [0]:
+            count = held_counts(item, rank, size)[0]
+            out.append(shares[rank][cursors[rank] : cursors[rank] + count])
+        for rank in range(size):
+            cursors[rank] += held_counts(item, rank, size)[0]
+    return torch.cat(out)
 
 
 def item_rows(prompts: Mapping, key: str) -> list[tuple[int, int]]:
@@ -92,6 +131,11 @@ def keep_share(batch: dict, rank: int, size: int) -> dict:
     whose share it is. S = 1, or a batch without videos: the batch as it is."""
     key = "pixel_values_videos"
     if size <= 1 or batch.get(key) is None:
+        return batch
+    if share_of(batch, key) is not None:  # already held (the data path decoded this rank's share alone)
+        if share_of(batch, key) != (rank, size):
+            raise ValueError(f"this batch holds rank/size {share_of(batch, key)}'s share of its pixels, not "
+                             f"{(rank, size)}'s")
         return batch
     out = dict(batch)
     pixels, grid = distinct(batch, key)

@@ -10,8 +10,10 @@ Priced as
                 + sampled frames x output pixels x ``process_ns``
 
 with the constants measured (``--measure-video FILE``, or ``MEASURED``: issue 76's clip on the project's 2-core CPU).
-Every rank of a sequence-parallel group decodes and processes the whole of each of its replica's videos today (the
-device keeps only its share: ``docs/known_limits.md``). A step's videos are shared among ``data.prefetch_workers``
+Under sequence parallelism each rank decodes and processes only its share of each video (``data.decode_shares``,
+``app.data.shares``): 1/S of the sampled frames, plus the run-in from the keyframe before its first one; with the
+decoding whole (``data.decode_shares=false``, ``rollout.sp_split=families`` or another engine) every rank reads
+whole videos. A step's videos are shared among ``data.prefetch_workers``
 threads on the rank's cores, each video's decoding on ``data.decode_threads`` (pieces cut at keyframes; its
 processing stays on one thread); with ``data.prefetch`` >= 1 the next step's data is prepared while this one trains, so
 the step takes the longer of the two, else their sum.
@@ -69,10 +71,18 @@ def decoded_frames(sampled: int, sample_fps: float, source: Source) -> float:
 
 def data_seconds(cfg, shape, work, source: Source, rates: HostRates, *, videos: int, cores: float) -> dict:
     """One rank's data path for one step: CPU seconds (decoding and processing), and its wall time on ``cores``
-    cores with ``data.prefetch_workers`` threads (one video per thread at a time)."""
-    frames = work.temporal * shape.temporal_patch if work.temporal else 0  # sampled frames
+    cores with ``data.prefetch_workers`` threads (one video per thread at a time). Under shares
+    (``inputs.share_of_video``): the rank's share of the sampled frames (whole temporal patches) and the run-in from the
+    keyframe before its first one (half an interval on average, less what the sampling decodes anyway)."""
+    from app.planning.inputs import share_of_video
+
+    size = share_of_video(cfg)
+    patches = -(-work.temporal // size) if work.temporal else 0  # the largest share's temporal patches
+    frames = patches * shape.temporal_patch  # sampled frames
     output_pixels = work.patches / work.temporal * shape.patch**2 if work.temporal else 0.0  # per sampled frame
     decoded = decoded_frames(frames, cfg.data.fps, source)
+    if size > 1 and frames:
+        decoded += max(0.0, source.keyframe_interval / 2 - max(1.0, source.fps / cfg.data.fps))
     decode = decoded * source.width * source.height * rates.decode_ns * BITRATE_CLASSES[source.bitrate] / 1e9
     process = frames * output_pixels * rates.process_ns / 1e9
     threads = max(1, cfg.data.prefetch_workers) if cfg.data.prefetch else 1
@@ -83,7 +93,7 @@ def data_seconds(cfg, shape, work, source: Source, rates: HostRates, *, videos: 
     decode_wall = decode * videos / max(1.0, min(side_by_side * per_video, cores))
     process_wall = process * videos / max(1.0, min(side_by_side, cores))
     cpu = (decode + process) * videos
-    return {"videos": videos, "sampled_frames": frames, "decoded_frames": decoded, "output_pixels": output_pixels,
+    return {"videos": videos, "share": size, "sampled_frames": frames, "decoded_frames": decoded, "output_pixels": output_pixels,
             "decode_cpu_s": decode * videos, "process_cpu_s": process * videos, "cpu_s": cpu, "cores": cores,
             "threads": threads, "decode_threads": per_video, "wall_s": decode_wall + process_wall,
             "prefetch": cfg.data.prefetch}
@@ -108,9 +118,9 @@ def with_host(phase_seconds: dict, data: dict, size: int = 1) -> dict:
             remedies.append("more host cores per rank (--host-cores is a node's)")
         if data["cores"] > min(data["threads"], data["videos"]) * data["decode_threads"]:
             remedies.append(f"more threads decoding each video (data.decode_threads, now {data['decode_threads']})")
-        if size > 1:
-            remedies.append(f"each of the S = {size} ranks decoding only its share of the frames (not built yet: "
-                            "every rank decodes the whole video)")
+        if size > 1 and data.get("share", 1) == 1:
+            remedies.append(f"each of the S = {size} ranks decoding only its share of the frames "
+                            "(data.decode_shares=true, rollout.sp_split not families)")
         remedies.append("fewer frames (data.fps, data.max_frames) or smaller ones (data.max_pixels)")
     return {"gpu_step_s": gpu, "data_wall_s": wall, "step_s": step, "host_limits": limit,
             "remedy": "; ".join(remedies)}
@@ -126,7 +136,8 @@ def host_plan(cfg, shape, work, phase_seconds: dict, source: Source, rates: Host
 
 def lines(host: dict) -> list[str]:
     """The data phase beside the GPU step, for the plan's text."""
-    out = [f"data on the host, per rank and step ({host['videos']} video(s), each {host['sampled_frames']} sampled "
+    share = f"its 1/{host['share']} share of " if host.get("share", 1) > 1 else ""
+    out = [f"data on the host, per rank and step ({host['videos']} video(s), {share}each {host['sampled_frames']} sampled "
            f"of {host['decoded_frames']:.0f} decoded source frames at {host['source']['width']}x"
            f"{host['source']['height']}, {host['source']['fps']:g} fps, bitrate {host['source']['bitrate']}; "
            f"{host['cores']:g} cores, {host['threads']} prefetch thread(s) x {host['decode_threads']} decoding each):",
@@ -172,8 +183,8 @@ def measure_video(path: str, sample_fps: float = 1.0, max_pixels: int = 100352, 
 
 def data_phase(cfg, shape, work, seconds: dict, ranks_per_node: int, *, host, videos: int | None):
     """The host's decoding and processing per rank and step beside the GPU step, or None without ``--host-cores``
-    (``host``: cores per node, ``Source``, ``HostRates``). Every rank of a sequence-parallel group decodes its
-    replica's videos whole."""
+    (``host``: cores per node, ``Source``, ``HostRates``). Each rank of a sequence-parallel group decodes its share
+    of its replica's videos, or the whole of them (``inputs.share_of_video``)."""
     if host is None or not work.patches:
         return None
     from app.planning.inputs import distinct_videos

@@ -29,18 +29,28 @@ def distinct_videos(prompts: float, questions: int) -> int:
 HOST_WORKERS_FLOAT32 = 1  # the processor's float32 output of a video, before the cast, per prefetch worker
 
 
+def share_of_video(cfg) -> int:
+    """How many ranks share each video's decoding: S when they decode shares (``app.data.shares``), else 1."""
+    from app.data.shares import shares_decoded
+
+    size = cfg.train.sequence_parallel_size
+    return size if shares_decoded(cfg, size) else 1
+
+
 def host_memory(cfg, shape: Shape, work: Workload, world, states: dict, b: int) -> dict:
     """Host (CPU) memory per node while a step runs: per rank, the step's and the prefetch's prompts' pixels (a
     family's video once, in the tower's dtype), each prefetch worker's decode at work (the frames as decord gives
     them, uint8, and the processor's float32 output before the cast), and what ZeRO offloads to the host; times
-    the ranks of a node."""
+    the ranks of a node. Ranks that decode their shares (``share_of_video``) hold 1/S of each video."""
     k = max(1, min(getattr(cfg.data, "questions_per_video", 1), cfg.train.prompts_per_rank))
     lookahead = cfg.data.prefetch * cfg.train.prompts_per_rank
     held = distinct_videos(cfg.train.prompts_per_rank + lookahead, k)
-    video = pixel_bytes(shape, work.patches, b)
-    frames = work.patches / shape.temporal_patch * shape.patch**2 * 3 if work.patches else 0.0  # uint8, per frame
+    size = share_of_video(cfg)
+    part = -(-work.temporal // size) / work.temporal if work.temporal else 1.0  # the largest share
+    video = pixel_bytes(shape, work.patches, b) * part
+    frames = work.patches / shape.temporal_patch * shape.patch**2 * 3 * part if work.patches else 0.0  # uint8
     workers = min(getattr(cfg.data, "prefetch_workers", 2), max(1, held)) if cfg.data.prefetch else 1
-    decode = workers * (frames + pixel_bytes(shape, work.patches, 4) * HOST_WORKERS_FLOAT32)
+    decode = workers * (frames + pixel_bytes(shape, work.patches, 4) * part * HOST_WORKERS_FLOAT32)
     rank = {"pixels": held * video, "decoding": decode, "offload": states.get("host", 0.0)}
     rank["total"] = sum(rank.values())
     per_node = rank["total"] * world.gpus_per_node

@@ -156,6 +156,7 @@ class SharedInGroup(RolloutEngine):
             rollout.prefill_tokens = int(sum(int(part[0][0]) for part in counts))
             return rollout
         owners = spread_families(prompts, size)
+        prompts = whole_media(prompts, self.group)  # prompts holding a rank's share of their videos made whole
         mine = [i for i, owner in enumerate(owners) if owner == me]
         if mine:
             rollout = self.inner.generate([prompts[i] for i in mine], group_size, [seeds[i] for i in mine], sampling)
@@ -178,6 +179,34 @@ class SharedInGroup(RolloutEngine):
 
     def sync_weights(self, policy) -> int:
         return self.inner.sync_weights(policy)
+
+
+def whole_media(prompts, group) -> list:
+    """``prompts`` with whole video pixels where the data path left each rank only its share
+    (``app.data.shares``): every rank's share gathered over the sequence-parallel group (``gather_in_group``, the
+    same prompts in the same order on every rank) and joined in time (``media.whole_from_shares``), once per pixel
+    tensor (a family's questions hold one), bitwise the whole decode's pixels. Prompts holding whole pixels stay as
+    they are."""
+    from dataclasses import replace
+
+    from app.grouping.media import SHARE, share_of, whole_from_shares
+
+    key = "pixel_values_videos"
+    made: dict[int, torch.Tensor] = {}
+    out = []
+    for prompt in prompts:
+        inputs = getattr(prompt, "inputs", None)
+        if not inputs or share_of(inputs, key) is None:
+            out.append(prompt)
+            continue
+        pixels = inputs[key]
+        if id(pixels) not in made:
+            parts = group.gather_in_group([pixels])
+            made[id(pixels)] = whole_from_shares([part[0] for part in parts], inputs["video_grid_thw"])
+        whole = {k: v for k, v in inputs.items() if k != SHARE[key]}
+        whole[key] = made[id(pixels)]
+        out.append(replace(prompt, inputs=whole))
+    return out
 
 
 def family_loads(prompts) -> tuple[list[range], list[int]]:

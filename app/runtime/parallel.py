@@ -112,6 +112,15 @@ class ParallelContext:
         """True on every rank once every rank is done (one collective)."""
         return self.agree_max([0.0 if done_here else 1.0])[0] == 0.0
 
+    def all_in_group(self, true_here: bool) -> bool:
+        """True on every rank of the SP group when it is true on every one of them (one collective; S = 1: as
+        it is): a prompt whose share one rank could not decode is skipped by the whole group."""
+        if self.sp.size == 1:
+            return true_here
+        tensor = _comm_tensor([1.0 if true_here else 0.0])
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.sp.group)
+        return tensor.item() == 1.0
+
     def gather_in_group(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Every rank's ``tensors`` (the same count on each, shapes and sizes free), per rank of the SP group in
         group order, on every rank of it: shapes first, then each tensor padded to the largest and cut back. Tensor

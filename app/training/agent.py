@@ -64,6 +64,7 @@ def tool_rewards(calls, cost: float, bonus: float) -> dict[str, list[float]]:
 
 class AgentGRPOTrainer(GRPOTrainer):
     name = "GRPO with tools"
+    reads_shares = False  # its trees hold whole prompts (observations appended to them)
 
     def setup(self) -> None:
         super().setup()

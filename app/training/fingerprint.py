@@ -27,7 +27,8 @@ FINGERPRINTED = {
     "model": ("dtype", "freeze_vision_tower", "freeze_projector"),
     "lora": "*",
 }
-FREE = {"data": {"train_file", "data_root", "prefetch", "prefetch_workers", "decode_threads", "max_skip_fraction"},
+FREE = {"data": {"train_file", "data_root", "prefetch", "prefetch_workers", "decode_threads", "decode_shares",
+                  "max_skip_fraction"},
         "lora": {"save_adapter"}}
 SCHEDULE = ("max_steps", "warmup_steps", "learning_rate", "min_lr_ratio")  # train.*: continue, said in one line
 

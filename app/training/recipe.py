@@ -20,6 +20,7 @@ import torch
 from app.common.options import OptionError
 from app.config.loading import Config, ConfigError, load_config
 from app.data.records import DataError
+from app.data.shares import shares_decoded
 from app.data.stream import load_stream
 from app.data.video import SettingError
 from app.grouping import MODALITIES, present_vision_calls
@@ -111,7 +112,8 @@ class Recipe:
                                   lookahead=cfg.data.prefetch * cfg.train.prompts_per_rank,
                                   skip_log=self.output_dir / "logs" / "skipped_at_load.jsonl",
                                   engine_views=needs_engine_views(cfg.rollout.engine),
-                                  pixel_dtype=self.dtype if self.dtype != torch.float32 else None)
+                                  pixel_dtype=self.dtype if self.dtype != torch.float32 else None,
+                                  sp_share=self.decoded_share(), agree=self.parallel.all_in_group)
         self.start_step = 0
         self.scorer = GroupScorer(cfg.forward, self.parallel.sp)  # a recipe whose groups are trees sets a TreeScorer
         self.setup()
@@ -121,6 +123,19 @@ class Recipe:
             log.info("batch: %s", self.batch_plan())
         self.tracker = Tracker(cfg.logging, self.output_dir, cfg.to_dict(), self.rank == 0, cfg.train.max_steps,
                                start_step=self.start_step, label=self.name)
+
+    # its batches are collated with this rank's share of the pixels (the GRPO recipe's: Recipe.decoded_share)
+    reads_shares = True
+
+    def decoded_share(self) -> tuple[int, int] | None:
+        """(rank, S) when this rank's stream decodes only its share of each video (``data.decode_shares``:
+        S > 1, a recipe that reads shares, the grouped engine, a rollout that may spread), else None; said once."""
+        cfg, sp = self.cfg, self.parallel.sp
+        share = shares_decoded(cfg, sp.size, self.reads_shares) and (sp.rank, sp.size) or None
+        if sp.size > 1 and self.rank == 0:
+            log.info("data: %s", f"each rank of a sequence-parallel group decodes only its share of each video "
+                     f"file (1/{sp.size} of its frames)" if share else "every rank decodes whole videos")
+        return share
 
     @staticmethod
     def updates_per_step(cfg: Config) -> int:

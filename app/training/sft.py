@@ -42,6 +42,7 @@ def target_text(record: dict) -> str:
 
 class SFTTrainer(Recipe):
     name = "SFT"
+    reads_shares = False  # its batches hold whole prompts
 
     def setup(self) -> None:
         end = self.tokenizer.convert_tokens_to_ids(END_OF_TURN)
