@@ -472,25 +472,36 @@ def test_the_host_rates_reproduce_the_clip_they_were_measured_on():
     assert decoded_frames(12, 0.1, source) == 12 * 125  # one frame in 300: half a keyframe interval each
 
 
-def test_the_hour_long_plan_shows_the_host_as_its_limit_and_what_would_change_it(tmp_path, capsys, monkeypatch):
+def test_the_hour_long_plan_prices_the_host_beside_the_gpus_and_names_what_would_change_it(tmp_path, capsys,
+                                                                                          monkeypatch):
     """scripts/plan.sh --host-cores: an hour at 1 fps on the 7B LoRA config, S = 4, k = 6, 96 cores a node (12 a
-    rank): each rank decodes and processes the whole video (about 160 s and 230 s of CPU; one video, so the second
-    prefetch thread idles; its decoding on 12 / 2 = 6 threads by default, its processing on one) against a 92 s GPU
-    step; prefetched, the step is the data's. The remedies named are the ones that apply."""
+    rank). Each rank decodes and processes its quarter of the video (data.decode_shares): 900 of the 3,600 sampled
+    frames, about 27,000 source frames decoded with the run-in from a keyframe, decoded on 12 / 2 = 6 threads by
+    default (one video: the second prefetch thread idles), processed on one: 64 s against a 92 s GPU step, so the
+    step stays the GPUs'. With every rank decoding the whole video (data.decode_shares=false: about 160 s and 230
+    s of CPU) the host is the limit, and the remedies named are the ones that apply, share decoding among them."""
     from app.planning.plan import main
 
     monkeypatch.chdir(ROOT)
-    main(["configs/qwen2_5_vl_7b_video_lora.yaml", "model.path=/models/Qwen2.5-VL-7B-Instruct", *HOUR,
-          "--host-cores", "96", "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    data = json.loads((tmp_path / "plan.json").read_text())["data"]
-    assert data["videos"] == 1 and data["sampled_frames"] == 3600 and data["decoded_frames"] == 108000
-    assert data["decode_cpu_s"] == pytest.approx(156, rel=0.01) and 200 < data["process_cpu_s"] < 260
+    plan = ["configs/qwen2_5_vl_7b_video_lora.yaml", "model.path=/models/Qwen2.5-VL-7B-Instruct", *HOUR]
+    main([*plan, "--host-cores", "96", "--out", str(tmp_path / "shares")])
+    data = json.loads((tmp_path / "shares" / "plan.json").read_text())["data"]
+    assert data["share"] == 4 and data["sampled_frames"] == 900
+    assert 900 * 30 < data["decoded_frames"] < 900 * 30 + 125  # the run-in: under half a keyframe interval
     assert data["cores"] == 12 and data["decode_threads"] == 6
     assert data["wall_s"] == pytest.approx(data["decode_cpu_s"] / 6 + data["process_cpu_s"])
-    assert data["host_limits"] and data["step_s"] == data["wall_s"] > data["gpu_step_s"]
+    assert not data["host_limits"] and data["step_s"] == data["gpu_step_s"] > data["wall_s"]
+    assert "its 1/4 share of each: 900 sampled" in capsys.readouterr().out
+    main([*plan, "data.decode_shares=false", "--host-cores", "96", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    whole = json.loads((tmp_path / "plan.json").read_text())["data"]
+    assert whole["share"] == 1 and whole["sampled_frames"] == 3600 and whole["decoded_frames"] == 108000
+    assert whole["decode_cpu_s"] == pytest.approx(156, rel=0.01) and 200 < whole["process_cpu_s"] < 260
+    assert 0.25 < data["decode_cpu_s"] / whole["decode_cpu_s"] < 0.26
+    assert data["process_cpu_s"] == pytest.approx(whole["process_cpu_s"] / 4)
+    assert whole["host_limits"] and whole["step_s"] == whole["wall_s"] > whole["gpu_step_s"]
     assert "the host is the limit" in out and "data.decode_threads, now 6" in out
-    assert "only its share of the frames" in out and "data.fps" in out
+    assert "only its share of the frames (data.decode_shares=true" in out and "data.fps" in out
     # six questions a video at k = 1, no prefetch: six videos one after another, each decoded on 12 threads; a sum
     main(["configs/qwen2_5_vl_7b_video_lora.yaml", "model.path=/models/Qwen2.5-VL-7B-Instruct", *HOUR[:-2],
           "data.questions_per_video=1", "train.groups_per_micro_batch=1", "data.prefetch=0", "--host-cores", "96",

@@ -136,8 +136,8 @@ def host_plan(cfg, shape, work, phase_seconds: dict, source: Source, rates: Host
 
 def lines(host: dict) -> list[str]:
     """The data phase beside the GPU step, for the plan's text."""
-    share = f"its 1/{host['share']} share of " if host.get("share", 1) > 1 else ""
-    out = [f"data on the host, per rank and step ({host['videos']} video(s), {share}each {host['sampled_frames']} sampled "
+    share = f"its 1/{host['share']} share of each: " if host.get("share", 1) > 1 else "each "
+    out = [f"data on the host, per rank and step ({host['videos']} video(s), {share}{host['sampled_frames']} sampled "
            f"of {host['decoded_frames']:.0f} decoded source frames at {host['source']['width']}x"
            f"{host['source']['height']}, {host['source']['fps']:g} fps, bitrate {host['source']['bitrate']}; "
            f"{host['cores']:g} cores, {host['threads']} prefetch thread(s) x {host['decode_threads']} decoding each):",
