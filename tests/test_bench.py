@@ -27,7 +27,8 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
 # tests/test_planner_accuracy.py's and tests/test_plan.py's checks; their reports, the failed-point test below)
 @pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale", "lora",
                                   "vision_cache", "long_video", "long_prefill", "judge", "tree", "shared_video",
-                                  "long_rehearsal", "hybrid", "mismatch", "rollout --family qwen3_5 --no-hf"])
+                                  "long_rehearsal", "hybrid", "mismatch", "rollout --family qwen3_5 --no-hf",
+                                  "host_decode"])
 def test_benchmark_runs_quick(name, tmp_path):
     name, *extra = name.split()
     out = tmp_path / name
@@ -53,6 +54,13 @@ def test_benchmark_runs_quick(name, tmp_path):
         spread = rows[(2, 2)]  # one family over S = 2: each rank did about half of S = 1's rank, both together all
         assert spread["prefill_tokens_group_vs_s1"] == pytest.approx(1.0, abs=0.02)
         assert spread["tower_patches_vs_s1"] <= 0.6 and spread["kv_bytes_vs_s1"] <= 0.55
+    if name == "host_decode":  # every rank's share of one clip: S = 1, 2, 4 x 1 and 2 threads, 4 ranks each
+        rows = {(row["S"], row["threads"]): row for row in report["rows"]}
+        assert set(rows) == {(s, t) for s in (1, 2, 4) for t in (1, 2)} and (out / "host_decode.png").is_file()
+        for (size, _), row in rows.items():
+            assert len(row["ranks"]) == 4 and {r["grid"] == report["grid"] for r in row["ranks"]} == {True}
+            held = sum(r["rows"] for r in row["ranks"][:size])  # one group's shares make the whole video
+            assert held == rows[(1, 1)]["ranks"][0]["rows"] and row["plan_cpu_s"] > 0
     if name == "flex_shapes":
         assert report["summary"]["compiles_after_call_3"] == 0
         assert report["environment"]["flush_denormal"] is True

@@ -22,17 +22,31 @@ ELEMENTS = {"per frame": dict(fps=8, max_frames=64, min_pixels=3136, max_pixels=
             "whole-video budget": dict(fps=8, max_frames=64, min_pixels=3136, total_pixels=30 * 3136 * 2)}
 
 
+def fetched(element: dict):
+    """qwen-vl-utils' own ``fetch_video`` (decord backend): the frames the data path must give bit for bit."""
+    from qwen_vl_utils import fetch_video
+
+    (frames, metadata), _ = fetch_video(element, image_patch_size=14, return_video_sample_fps=True,
+                                        return_video_metadata=True)
+    return frames, dict(metadata)
+
+
+@pytest.mark.parametrize("chunk", [3, 16])
 @pytest.mark.parametrize("budget", ELEMENTS)
 @pytest.mark.parametrize("clip", ["ntsc", "twelve"])
-def test_pieces_on_several_threads_give_one_readers_pixels(clips, clip, budget):
+def test_pieces_on_several_threads_give_one_readers_pixels(clips, clip, budget, chunk, monkeypatch):
+    """Each piece decoded and resized ``chunk`` frames at a time (``video.CHUNK_FRAMES``: 16; 3 puts several
+    chunks in every piece): the pixels of qwen-vl-utils' one reader resizing all frames at once."""
     import decord
 
+    monkeypatch.setattr("app.data.video.CHUNK_FRAMES", chunk)
+
     element = video_element(clips[clip], **ELEMENTS[budget])
-    whole, meta = decode_video(element, threads=1)  # qwen-vl-utils' fetch_video, one reader
+    whole, meta = fetched(element)  # qwen-vl-utils' fetch_video: one reader, every frame resized at once
     keys = list(decord.VideoReader(str(clips[clip])).get_key_indices())
     assert len(keys) > 3  # keyframes inside the range: the pieces are really several
-    for threads in (2, 3, 5):
-        assert len(pieces_at_keyframes(meta["frames_indices"], keys, threads)) > 1
+    for threads in (1, 2, 3, 5):
+        assert threads == 1 or len(pieces_at_keyframes(meta["frames_indices"], keys, threads)) > 1
         frames, metadata = decode_video(element, threads=threads)
         assert torch.equal(frames, whole), (clip, budget, threads)
         assert metadata == meta

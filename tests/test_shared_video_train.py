@@ -220,20 +220,23 @@ def test_four_processes_at_s4_with_k6_spread_rollouts_under_zero3_killed_at_rand
     sampled to 16) asked 1 to 6 questions, and records without video, ZeRO-3, chunked prefill and vision chunking:
     the step's families are fewer than the ranks, each rolled out spread over the group (rollout.sp_split=spread:
     at this length auto keeps them whole; said in the log),
-    the tower's outputs kept for the training forwards. Killed at a seeded random moment and resumed: bit for bit
-    the uninterrupted run's weights."""
+    the tower's outputs kept for the training forwards. Each rank decodes only its quarter of each video
+    (data.decode_shares, the default), on 2 threads (data.decode_threads=2: the clips have a keyframe every 4
+    frames, so a share is read in pieces). Killed at a seeded random moment and resumed: bit for bit the
+    uninterrupted run's weights."""
     files = generate(shared_assets["root"] / "long", train=21, heldout=0, seed=5, frames=32, size=56,
-                     questions_per_video=(1, 6, 3, 2, 5, 4))
+                     questions_per_video=(1, 6, 3, 2, 5, 4), keyframe_interval=4)
     settings = {"data.train_file": files["train"], "data.shuffle": True, "data.questions_per_video": 6,
                 "data.max_frames": 16, "train.sequence_parallel_size": 4,
                 "train.deepspeed_config": "deepspeed_configs/zero3.json", "train.max_steps": 2, "train.save_every": 1,
                 "train.export_hf": True, "train.prompts_per_rank": 6, "train.groups_per_micro_batch": 6,
                 "rollout.prefill_chunk_size": 64, "forward.vision_chunk_frames": 2, "model.freeze_vision_tower": True,
-                "forward.vision_cache": "step", "rollout.sp_split": "spread"}
+                "forward.vision_cache": "step", "rollout.sp_split": "spread", "data.decode_threads": 2}
 
     def check(out, stderr):
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2] and all(r["tokens/shared_video"] > 0 for r in rows)
         assert "each spread over the group" in stderr
+        assert "decodes only its share of each video file (1/4 of its frames)" in stderr
 
     kill_resume_equals_straight(shared_assets, tmp_path, settings, 61, check)

@@ -172,12 +172,13 @@ SHARED_QUESTIONS = (("colour", "What colour are the squares?"), ("direction", "W
 
 
 def make_video_questions(index: int, clip_index: int, count: int, rng: random.Random, out: Path, *, frames: int,
-                         size: int, fps: int) -> list[dict]:
+                         size: int, fps: int, keyframe_interval: int = 0) -> list[dict]:
     """``count`` records on one clip (1-3 squares of one colour moving together): its colour, direction and
     number of squares asked in turn (options shuffled each time), problem ids from ``index``."""
     colour, direction, squares = rng.choice(list(COLOURS)), rng.choice(DIRECTIONS), rng.randint(1, 3)
     path = Path("videos") / f"clip{clip_index:05d}.mp4"
-    write_mp4(out / path, render([colour] * squares, direction, frames, size, rng), fps=fps)
+    write_mp4(out / path, render([colour] * squares, direction, frames, size, rng), fps=fps,
+              keyframe_interval=keyframe_interval)
     answers = {"colour": (list(COLOURS), colour), "direction": (list(DIRECTIONS), direction),
                "count": (["1", "2", "3", "4"], str(squares))}
     records = []
@@ -196,10 +197,11 @@ def make_video_questions(index: int, clip_index: int, count: int, rng: random.Ra
 def generate(out: str | Path, train: int, heldout: int, seed: int = 0, tasks: tuple[str, ...] = TASKS, *,
              frames: int = 8, size: int = 56, fps: int = 4, shuffle_options: bool = True,
              heldout_tasks: tuple[str, ...] | None = None,
-             questions_per_video: int | tuple[int, ...] = 1) -> dict[str, Path]:
+             questions_per_video: int | tuple[int, ...] = 1, keyframe_interval: int = 0) -> dict[str, Path]:
     """``tasks`` alternate over the training records, ``heldout_tasks`` (default: the same) over the held-out ones.
     ``questions_per_video`` > 1: ``train`` / ``heldout`` records asked of clips of their own, that many per clip
-    (``make_video_questions``; ``tasks`` then unused); a tuple gives each clip's count in turn (uneven runs)."""
+    (``make_video_questions``; ``tasks`` then unused); a tuple gives each clip's count in turn (uneven runs), and
+    ``keyframe_interval`` > 0 puts a keyframe every that many frames in their clips (x264's default otherwise)."""
     out = Path(out)
     (out / "videos").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -213,7 +215,8 @@ def generate(out: str | Path, train: int, heldout: int, seed: int = 0, tasks: tu
         clips = 0
         while shared and len(records) < count:
             many = min(counts[clips % len(counts)], count - len(records))
-            records += make_video_questions(index, index, many, rng, out, frames=frames, size=size, fps=fps)
+            records += make_video_questions(index, index, many, rng, out, frames=frames, size=size, fps=fps,
+                                            keyframe_interval=keyframe_interval)
             index, clips = index + many, clips + 1
         for i in range(0 if shared else count):
             records.append(make_item(index, kinds[i % len(kinds)], rng, out, frames=frames, size=size, fps=fps,

@@ -188,10 +188,16 @@ def pieces_at_keyframes(indices: list[int], keyframes: list[int], threads: int) 
     return pieces
 
 
-def read_frames(path: str, indices: list[int], threads: int = 1) -> torch.Tensor:
+CHUNK_FRAMES = 16  # frames a piece decodes and hands to ``then`` at a time (read_frames)
+
+
+def read_frames(path: str, indices: list[int], threads: int = 1, then=None) -> torch.Tensor:
     """Frames ``indices`` of ``path`` as uint8 [T, 3, H, W], decoded by decord in pieces cut at keyframes
     (``pieces_at_keyframes``), one reader per piece on ``threads`` threads: the pixels are those of one reader
-    (H.264 decoding is exact). A piece that fails names the file, its frames and time range, and decord's error."""
+    (H.264 decoding is exact). A piece that fails names the file, its frames and time range, and decord's error.
+    ``then``: a function of uint8 frames [t, 3, H, W] applied to each ``CHUNK_FRAMES`` of a piece in the piece's
+    thread as soon as they are decoded (the resize: its work spread over the threads too, and only a chunk of
+    source-size frames held at a time); the result is its outputs joined."""
     from concurrent.futures import ThreadPoolExecutor
 
     import decord
@@ -201,20 +207,26 @@ def read_frames(path: str, indices: list[int], threads: int = 1) -> torch.Tensor
     pieces = pieces_at_keyframes(indices, list(reader.get_key_indices()) if threads > 1 else [], threads)
 
     def piece(frames: list[int], own=None):
-        try:
-            r = own or decord.VideoReader(str(path), num_threads=1)
-            return r.get_batch(frames).asnumpy()
-        except Exception as error:  # decord raises its own error types
-            raise VideoDecodeError(f"{path}: frames {frames[0]}-{frames[-1]} ({frames[0] / fps:.2f}-"
-                                   f"{frames[-1] / fps:.2f} s) could not be decoded ({type(error).__name__}: "
-                                   f"{str(error).splitlines()[0] if str(error) else ''})") from error
+        r = own or decord.VideoReader(str(path), num_threads=1)
+        step = CHUNK_FRAMES if then is not None else max(1, len(frames))
+        out = []
+        for at in range(0, len(frames), step):
+            chunk = frames[at : at + step]
+            try:
+                batch = torch.from_numpy(r.get_batch(chunk).asnumpy()).permute(0, 3, 1, 2)
+            except Exception as error:  # decord raises its own error types
+                raise VideoDecodeError(f"{path}: frames {chunk[0]}-{chunk[-1]} ({chunk[0] / fps:.2f}-"
+                                       f"{chunk[-1] / fps:.2f} s) could not be decoded ({type(error).__name__}: "
+                                       f"{str(error).splitlines()[0] if str(error) else ''})") from error
+            out.append(batch if then is None else then(batch))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     if len(pieces) == 1:
         parts = [piece(pieces[0], reader)]
     else:
         with ThreadPoolExecutor(max_workers=len(pieces)) as pool:
             parts = list(pool.map(piece, pieces))
-    return torch.from_numpy(np.concatenate(parts)).permute(0, 3, 1, 2)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def sampled_frames(element: dict) -> tuple[list[int], int, float]:
@@ -246,7 +258,8 @@ def temporal_share(frames: int, rank: int, size: int, temporal_patch: int = 2) -
 def decode_in_pieces(element: dict, image_patch_size: int, threads: int, share: tuple[int, int] | None = None,
                      sampled: tuple[list[int], int, float] | None = None) -> tuple[torch.Tensor, dict]:
     """qwen-vl-utils' ``fetch_video`` for a file on the decord backend (its frame indices, resize and metadata, its
-    own helpers), with the frames read by ``read_frames`` on ``threads`` threads: the same tensor. ``share``
+    own helpers), with the frames read and resized by ``read_frames`` on ``threads`` threads, a chunk at a time:
+    the same tensor. ``share``
     (first, end): only those of the sampled frames are read and resized, to the size the whole video gets (its
     pixel budget counts every sampled frame): bitwise ``frames[first:end]`` of the whole decode, with the whole
     video's metadata. ``sampled``: ``sampled_frames(element)`` when the caller has it already."""
@@ -260,23 +273,26 @@ def decode_in_pieces(element: dict, image_patch_size: int, threads: int, share: 
     idx, total, video_fps = sampled or sampled_frames(element)
     nframes = len(idx)
     first, end = share or (0, nframes)
-    video = read_frames(path, idx[first:end], threads)
-    qv.logger.info(f"decord:  video_path={path!r}, total_frames={total}, video_fps={video_fps}, "
-                   f"time={time.time() - began:.3f}s ({threads} threads"
-                   + (f", frames {first}-{end} of {nframes}" if share else "") + ")")  # qwen-vl-utils' own line
-    metadata = {"fps": video_fps, "frames_indices": idx, "total_num_frames": total, "video_backend": "decord"}
     factor = image_patch_size * qv.SPATIAL_MERGE_SIZE
     min_pixels = element.get("min_pixels", qv.VIDEO_MIN_TOKEN_NUM * factor * factor)
     total_pixels = element.get("total_pixels", qv.MODEL_SEQ_LEN * factor * factor * 0.9)
     max_pixels = max(min(qv.VIDEO_MAX_TOKEN_NUM * factor * factor, total_pixels / nframes * qv.FRAME_FACTOR),
                      int(min_pixels * 1.05))
     max_pixels = min(element.get("max_pixels", max_pixels), max_pixels)
-    height, width = video.shape[2:]
-    if "resized_height" in element and "resized_width" in element:
-        size = qv.smart_resize(element["resized_height"], element["resized_width"], factor=factor)
-    else:
-        size = qv.smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
-    video = functional.resize(video, list(size), interpolation=InterpolationMode.BICUBIC, antialias=True).float()
+
+    def resized(frames: torch.Tensor) -> torch.Tensor:  # qwen-vl-utils' resize, a chunk of frames at a time
+        height, width = frames.shape[2:]
+        if "resized_height" in element and "resized_width" in element:
+            size = qv.smart_resize(element["resized_height"], element["resized_width"], factor=factor)
+        else:
+            size = qv.smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+        return functional.resize(frames, list(size), interpolation=InterpolationMode.BICUBIC, antialias=True).float()
+
+    video = read_frames(path, idx[first:end], threads, then=resized)
+    qv.logger.info(f"decord:  video_path={path!r}, total_frames={total}, video_fps={video_fps}, "
+                   f"time={time.time() - began:.3f}s ({threads} threads"
+                   + (f", frames {first}-{end} of {nframes}" if share else "") + ")")  # qwen-vl-utils' own line
+    metadata = {"fps": video_fps, "frames_indices": idx, "total_num_frames": total, "video_backend": "decord"}
     return video, metadata
 
 
@@ -328,9 +344,11 @@ def checked_file(element: dict) -> None:
 
 def decode_video(element: dict, image_patch_size: int = 14, threads: int | None = None) -> tuple[torch.Tensor, dict]:
     """Decode one video element through qwen-vl-utils (decord backend): frames [T, 3, H, W] float and metadata.
-    ``threads`` (default: the element's ``decode_threads``, set from ``data.decode_threads``, else 1) > 1: the
-    file's frames are read in pieces cut at keyframes, side by side (``decode_in_pieces``), bitwise the same frames.
-    A file is checked first (``checked_file``).
+    A file is checked first (``checked_file``), then read as qwen-vl-utils' ``fetch_video`` reads it, bitwise the
+    same frames and metadata, a chunk of frames at a time (``decode_in_pieces``: only a chunk of source-size frames
+    is held, where ``fetch_video`` holds every sampled frame at the source's size and a float32 copy while it
+    resizes: at an hour of 720p at 1 fps, some 50 GB); ``threads`` (default: the element's ``decode_threads``, set
+    from ``data.decode_threads``, else 1) > 1: in pieces cut at keyframes, side by side.
     """
     from qwen_vl_utils import fetch_video
 
@@ -349,12 +367,4 @@ def decode_video(element: dict, image_patch_size: int = 14, threads: int | None 
                 from error
         return frames, dict(metadata)
     checked_file(element)
-    if threads > 1:
-        return decode_in_pieces(element, image_patch_size, threads)
-    try:
-        (frames, metadata), _sample_fps = fetch_video(
-            element, image_patch_size=image_patch_size, return_video_sample_fps=True, return_video_metadata=True
-        )
-    except Exception as error:
-        raise VideoDecodeError(f"{path}: decoding failed ({error})") from error
-    return frames, dict(metadata)
+    return decode_in_pieces(element, image_patch_size, threads)

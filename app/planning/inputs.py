@@ -26,7 +26,9 @@ def distinct_videos(prompts: float, questions: int) -> int:
     return max(1, math.ceil(prompts / max(1, questions)))
 
 
-HOST_WORKERS_FLOAT32 = 1  # the processor's float32 output of a video, before the cast, per prefetch worker
+HOST_WORKERS_FLOAT32 = 2  # float32 copies of a video per prefetch worker: its resized frames, the processor's output
+SOURCE_FRAME_BYTES = 1280 * 720 * 3  # a source frame as decord gives it (uint8), 720p: the planner's default source
+IN_FLIGHT_BYTES = 5  # per source byte while a chunk is resized: decord's uint8 and the resize's float32 copy
 
 
 def share_of_video(cfg) -> int:
@@ -39,18 +41,24 @@ def share_of_video(cfg) -> int:
 
 def host_memory(cfg, shape: Shape, work: Workload, world, states: dict, b: int) -> dict:
     """Host (CPU) memory per node while a step runs: per rank, the step's and the prefetch's prompts' pixels (a
-    family's video once, in the tower's dtype), each prefetch worker's decode at work (the frames as decord gives
-    them, uint8, and the processor's float32 output before the cast), and what ZeRO offloads to the host; times
-    the ranks of a node. Ranks that decode their shares (``share_of_video``) hold 1/S of each video."""
+    family's video once, in the tower's dtype), each prefetch worker's decode at work (each decoding thread's chunk
+    of source frames, ``app.data.video.CHUNK_FRAMES``, as decord gives them and as the resize copies them; the
+    resized frames and the processor's output, float32, before the cast), and what ZeRO offloads to the host; times
+    the ranks of a node. Ranks that decode their shares (``share_of_video``) hold 1/S of each video.
+    ``data.decode_threads`` = 0 is counted as 1 thread (the host's cores are not known here)."""
+    from app.data.video import CHUNK_FRAMES
+
     k = max(1, min(getattr(cfg.data, "questions_per_video", 1), cfg.train.prompts_per_rank))
     lookahead = cfg.data.prefetch * cfg.train.prompts_per_rank
     held = distinct_videos(cfg.train.prompts_per_rank + lookahead, k)
     size = share_of_video(cfg)
     part = -(-work.temporal // size) / work.temporal if work.temporal else 1.0  # the largest share
     video = pixel_bytes(shape, work.patches, b) * part
-    frames = work.patches / shape.temporal_patch * shape.patch**2 * 3 * part if work.patches else 0.0  # uint8
+    sampled = -(-work.temporal // size) * shape.temporal_patch if work.temporal else 0
+    threads = max(1, getattr(cfg.data, "decode_threads", 1) or 1)
+    in_flight = threads * min(CHUNK_FRAMES, sampled) * SOURCE_FRAME_BYTES * IN_FLIGHT_BYTES
     workers = min(getattr(cfg.data, "prefetch_workers", 2), max(1, held)) if cfg.data.prefetch else 1
-    decode = workers * (frames + pixel_bytes(shape, work.patches, 4) * part * HOST_WORKERS_FLOAT32)
+    decode = workers * (in_flight + pixel_bytes(shape, work.patches, 4) * part * HOST_WORKERS_FLOAT32)
     rank = {"pixels": held * video, "decoding": decode, "offload": states.get("host", 0.0)}
     rank["total"] = sum(rank.values())
     per_node = rank["total"] * world.gpus_per_node

@@ -19,7 +19,7 @@ import torch
 
 from app.common.options import OptionError
 from app.config.loading import Config, ConfigError, load_config
-from app.data.records import DataError
+from app.data.records import DataError, decode_threads
 from app.data.shares import shares_decoded
 from app.data.stream import load_stream
 from app.data.video import SettingError
@@ -132,9 +132,15 @@ class Recipe:
         S > 1, a recipe that reads shares, the grouped engine, a rollout that may spread), else None; said once."""
         cfg, sp = self.cfg, self.parallel.sp
         share = shares_decoded(cfg, sp.size, self.reads_shares) and (sp.rank, sp.size) or None
-        if sp.size > 1 and self.rank == 0:
-            log.info("data: %s", f"each rank of a sequence-parallel group decodes only its share of each video "
-                     f"file (1/{sp.size} of its frames)" if share else "every rank decodes whole videos")
+        if self.rank == 0:
+            threads = decode_threads(cfg.data)
+            how = f"{threads} thread{'s' if threads > 1 else ''} decoding each video" + (
+                " (data.decode_threads=0: this host's cores over its ranks and prefetch threads)"
+                if not cfg.data.decode_threads else "")
+            if sp.size > 1:
+                how = (f"each rank of a sequence-parallel group decodes only its share of each video file (1/{sp.size}"
+                       " of its frames)" if share else "every rank decodes whole videos") + "; " + how
+            log.info("data: %s", how)
         return share
 
     @staticmethod
