@@ -14,8 +14,8 @@ Under sequence parallelism each rank decodes and processes only its share of eac
 ``app.data.shares``): 1/S of the sampled frames, plus the run-in from the keyframe before its first one; with the
 decoding whole (``data.decode_shares=false``, ``rollout.sp_split=families`` or another engine) every rank reads
 whole videos. A step's videos are shared among ``data.prefetch_workers``
-threads on the rank's cores, each video's decoding on ``data.decode_threads`` (pieces cut at keyframes; its
-processing stays on one thread); with ``data.prefetch`` >= 1 the next step's data is prepared while this one trains, so
+threads on the rank's cores, each video's decoding and resizing on ``data.decode_threads`` (pieces cut at
+keyframes, each decoded and resized a chunk at a time: ``THREAD_GAIN``); with ``data.prefetch`` >= 1 the next step's data is prepared while this one trains, so
 the step takes the longer of the two, else their sum.
 """
 
@@ -25,6 +25,10 @@ import time
 from dataclasses import asdict, dataclass
 
 KEYFRAME_INTERVAL = 250  # x264's default GOP (frames between keyframes)
+# what each decoding thread of one video beyond the first adds, as a share of one thread's work: 2 threads took
+# 0.66-0.72x of one's wall time (scripts/bench.sh host_decode, a 720p clip on this 2-core CPU; the resize already
+# on torch's 2 threads in both); more threads on more cores are priced alike, unmeasured
+THREAD_GAIN = 0.45
 BITRATE_CLASSES = {"low": 1.0, "medium": 1.5, "high": 2.5}  # decode cost against the measured clip's: a guess
 
 
@@ -88,14 +92,14 @@ def data_seconds(cfg, shape, work, source: Source, rates: HostRates, *, videos: 
     threads = max(1, cfg.data.prefetch_workers) if cfg.data.prefetch else 1
     # data.decode_threads (0: the rank's cores over its prefetch threads, as app.data.records.decode_threads does)
     per_video = getattr(cfg.data, "decode_threads", 1) or max(1, int(cores) // threads)
-    side_by_side = min(float(threads), float(videos))
-    # the pieces of one video are decoded side by side; its processing stays on the thread that decodes it
-    decode_wall = decode * videos / max(1.0, min(side_by_side * per_video, cores))
-    process_wall = process * videos / max(1.0, min(side_by_side, cores))
+    side_by_side = max(1.0, min(float(threads), float(videos), cores))
+    # the pieces of one video decoded and resized side by side, each thread gaining THREAD_GAIN of one
+    usable = max(1.0, min(float(per_video), cores / side_by_side))
+    wall = (decode + process) * videos / side_by_side / (1 + (usable - 1) * THREAD_GAIN)
     cpu = (decode + process) * videos
     return {"videos": videos, "share": size, "sampled_frames": frames, "decoded_frames": decoded, "output_pixels": output_pixels,
             "decode_cpu_s": decode * videos, "process_cpu_s": process * videos, "cpu_s": cpu, "cores": cores,
-            "threads": threads, "decode_threads": per_video, "wall_s": decode_wall + process_wall,
+            "threads": threads, "decode_threads": per_video, "wall_s": wall,
             "prefetch": cfg.data.prefetch}
 
 
