@@ -187,3 +187,29 @@ def test_the_plan_prices_a_ranks_share_of_the_decoding():
     whole = data_seconds(cfg(**{"data.decode_shares": False}), shape, work, Source(), MEASURED, videos=1, cores=4)
     assert shared["sampled_frames"] == 900 and whole["sampled_frames"] == 3600
     assert 0.25 < shared["cpu_s"] / whole["cpu_s"] < 0.26  # the run-in: under 1 % of a share here
+
+
+def test_which_runs_decode_shares_and_a_held_prompt_has_no_identity(clips, tiny_checkpoints):
+    """Shares are decoded at S > 1 by a recipe that reads them, on the grouped engine, with a rollout that may spread
+    and not recorded (a record is named by the prompt's whole pixels: a held prompt asked for its identity says so)."""
+    from app.config import Config
+    from app.data.records import EncodedPrompt
+    from app.data.shares import shares_decoded
+    from app.rollout.base import prompt_identity
+
+    def cfg(**over):
+        c = Config()
+        for key, value in over.items():
+            section, name = key.split(".")
+            setattr(getattr(c, section), name, value)
+        return c
+
+    assert shares_decoded(cfg(), 2) and not shares_decoded(cfg(), 1) and not shares_decoded(cfg(), 2, False)
+    for off in ({"data.decode_shares": False}, {"rollout.sp_split": "families"}, {"rollout.engine": "hf"},
+                {"rollout.engine": "vllm"}, {"rollout.record": True}):
+        assert not shares_decoded(cfg(**off), 2), off
+    processor = processor_of(tiny_checkpoints, "qwen2_5_vl")
+    held = EncodedPrompt({}, encode_prompts(processor, [conversation(clips["ntsc"])], sp_share=(0, 2)))
+    with pytest.raises(ValueError, match="share of its pixels"):
+        prompt_identity(held)
+    assert prompt_identity(EncodedPrompt({}, encode_prompts(processor, [conversation(clips["ntsc"])])))

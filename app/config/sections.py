@@ -114,7 +114,7 @@ class DataConfig:
                              "and processes only its share of each video file (its contiguous frames, read from the "
                              "keyframe before them); the prompt, its grid and its tokens stay the whole video's. A "
                              "step whose rollout keeps whole families on one rank gathers them from the group. Off "
-                             "(or rollout.sp_split=families): every rank decodes whole videos.")
+                             "(or rollout.sp_split=families, or rollout.record): every rank decodes whole videos.")
     questions_per_video: int = _f(1, "k > 1: questions on one video (or image) come as runs of up to k prompts: "
                                   "decoded, prefilled and packed once per micro-batch; same numbers, groups stay "
                                   "questions (docs/shared_video.md: what k trades). 1: as always.")

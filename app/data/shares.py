@@ -22,9 +22,11 @@ import torch
 def shares_decoded(cfg, sp_size: int, reads_shares: bool = True) -> bool:
     """Whether a run's ranks decode only their shares of each video: S > 1, ``data.decode_shares``, a recipe whose
     batches are collated with the rank's share (``reads_shares``: the GRPO recipe's are), the grouped engine (the
-    one that spreads a rollout) and a split that may spread (``rollout.sp_split`` not ``families``)."""
+    one that spreads a rollout), a split that may spread (``rollout.sp_split`` not ``families``) and no recording
+    of the rollouts (``rollout.record``: a record is named by its prompt's whole pixels, ``prompt_identity``)."""
     return (sp_size > 1 and reads_shares and getattr(cfg.data, "decode_shares", True)
-            and cfg.rollout.engine == "grouped" and getattr(cfg.rollout, "sp_split", "auto") != "families")
+            and cfg.rollout.engine == "grouped" and getattr(cfg.rollout, "sp_split", "auto") != "families"
+            and not getattr(cfg.rollout, "record", False))
 
 
 class WholeGrids:

@@ -264,7 +264,12 @@ def prompt_identity(prompt) -> str:
     """A prompt's identity: its real tokens and every media tensor the processor gave it (pixels, grids, frame
     timing), hashed; the same for the same record encoded with the same settings, whatever the order, the batch or
     data.questions_per_video."""
+    from app.grouping.media import SHARE
+
     inputs = prompt.inputs
+    if any(key in inputs for key in SHARE.values()):
+        raise ValueError("a prompt holding one sequence-parallel rank's share of its pixels (data.decode_shares) has "
+                         "no identity of its own: it is named by its whole pixels")
     real = inputs["attention_mask"].bool() if "attention_mask" in inputs else None
     digest = hashlib.sha256()
     for key in sorted(inputs):
