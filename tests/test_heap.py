@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -19,6 +20,9 @@ def test_heap_peak_sees_what_the_block_held_and_frees_made_on_other_threads():
     with HeapPeak() as peak:  # a tensor made here and dropped by another thread, five times: 4 MiB at most
         for _ in range(5):
             box.append(torch.ones(2**20))
+            # held long enough for the sampler to see it: under a loaded machine's scheduling a tensor dropped at
+            # once can go unsampled (a run of the whole suite saw 3.96 MiB)
+            time.sleep(0.05)
             worker = threading.Thread(target=box.clear)
             worker.start()
             worker.join()
