@@ -144,11 +144,12 @@ def rank_work(cfg, work: Workload, videos: int | None = None) -> Rank:
 
 
 def busiest(loads: list[float], questions: list[int], size: int) -> tuple[float, int, int]:
-    """The busiest rank under whole families (``app.rollout.base.spread_families``' rule: the largest first to the
-    least loaded rank): its (load, families, prompts)."""
+    """The busiest rank under whole families (``app.rollout.base.owners_of``, the rollout's own rule): its (load,
+    families, prompts)."""
+    from app.rollout.base import owners_of
+
     held = [[0.0, 0, 0] for _ in range(size)]
-    for f in sorted(range(len(loads)), key=lambda j: (-loads[j], j)):
-        rank = min(range(size), key=lambda r: (held[r][0], r))
+    for f, rank in enumerate(owners_of(loads, size)):
         held[rank] = [held[rank][0] + loads[f], held[rank][1] + 1, held[rank][2] + questions[f]]
     load, families, prompts = max(held, key=lambda row: (row[0], row[1]))
     return load, families, prompts

@@ -99,12 +99,22 @@ def choose_split(loads: list[float], size: int, spreads: bool, setting: str = "a
     return split, f"the planner prices the busiest rank's rollout at {spread_s:.3g} s spread, {whole_s:.3g} s whole"
 
 
+def owners_of(loads: list[float], size: int) -> list[int]:
+    """The rank of ``size`` each family goes to when whole families are spread: the largest load first to the least
+    loaded rank (ties: the lower index, the lower rank). One rule for the rollout (``spread_families``), its
+    balance (``busiest_share``) and the planner's price (``app.planning.timing.busiest``)."""
+    held, owners = [0.0] * size, [0] * len(loads)
+    for f in sorted(range(len(loads)), key=lambda j: (-loads[j], j)):
+        owners[f] = min(range(size), key=lambda r: (held[r], r))
+        held[owners[f]] += loads[f]
+    return owners
+
+
 def busiest_share(loads: list[float], size: int) -> float:
-    """The busiest rank's load, in even shares (sum / size), when whole families go the largest first to the least
-    loaded rank (``spread_families``'s rule): 1.0 when they divide evenly."""
+    """The busiest rank's load, in even shares (sum / size), under ``owners_of``: 1.0 when they divide evenly."""
     held = [0.0] * size
-    for load in sorted(loads, reverse=True):
-        held[min(range(size), key=lambda r: (held[r], r))] += load
+    for load, owner in zip(loads, owners_of(loads, size)):
+        held[owner] += load
     total = sum(loads)
     return max(held) * size / total if total else 1.0
 
@@ -223,15 +233,12 @@ def family_loads(prompts) -> tuple[list[range], list[int]]:
 
 def spread_families(prompts, size: int) -> list[int]:
     """Which rank of a sequence-parallel group of ``size`` samples each prompt: whole families, the largest first
-    to the least loaded rank (by prompt tokens, ``family_loads``)."""
+    to the least loaded rank (``owners_of``, by prompt tokens: ``family_loads``)."""
     families, weight = family_loads(prompts)
-    load = [0] * size
     owners = [0] * len(prompts)
-    for f in sorted(range(len(families)), key=lambda j: (-weight[j], j)):
-        rank = min(range(size), key=lambda r: (load[r], r))
-        load[rank] += weight[f]
-        for i in families[f]:
-            owners[i] = rank
+    for family, owner in zip(families, owners_of(weight, size)):
+        for i in family:
+            owners[i] = owner
     return owners
 
 
