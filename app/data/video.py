@@ -21,29 +21,40 @@ class VideoDecodeError(RuntimeError):
     """A video that could not be read or has no frames."""
 
 
-def write_mp4(path: str | Path, frames: np.ndarray, fps: float = 8.0, *, keyframe_interval: int = 0) -> Path:
+def write_mp4(path: str | Path, frames, fps: float = 8.0, *, keyframe_interval: int = 0, crf: int = 18,
+              preset: str = "ultrafast") -> Path:
     """Write uint8 frames [T, H, W, 3] (H, W even) to an H.264 mp4 at ``fps`` (a fraction such as 29.97 is kept as
-    30000/1001); ``keyframe_interval`` > 0: a keyframe every that many frames (x264's default otherwise, 250)."""
+    30000/1001); ``keyframe_interval`` > 0: a keyframe every that many frames (x264's default otherwise, 250).
+    ``frames`` may also be an iterator of [H, W, 3] frames, made one at a time (a long clip never sits in memory);
+    ``crf`` and ``preset``: x264's."""
+    import itertools
     from fractions import Fraction
 
     import av
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    frames = np.asarray(frames, dtype=np.uint8)
-    if frames.ndim != 4 or frames.shape[-1] != 3:
-        raise ValueError(f"frames must be [T, H, W, 3] uint8, got shape {frames.shape}")
+    if hasattr(frames, "__next__"):
+        first = np.asarray(next(frames), dtype=np.uint8)
+        height, width = first.shape[:2]
+        frames = itertools.chain([first], frames)
+    else:
+        frames = np.asarray(frames, dtype=np.uint8)
+        if frames.ndim != 4 or frames.shape[-1] != 3:
+            raise ValueError(f"frames must be [T, H, W, 3] uint8, got shape {frames.shape}")
+        height, width = frames.shape[1], frames.shape[2]
     tmp = path.with_suffix(".partial.mp4")
     with av.open(str(tmp), mode="w") as container:
         rate = int(round(fps)) if float(fps).is_integer() else Fraction(fps).limit_denominator(1001)
         stream = container.add_stream("libx264", rate=rate)
-        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.width, stream.height = width, height
         stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": "18", "preset": "ultrafast",
+        stream.options = {"crf": str(crf), "preset": preset,
                           **({"g": str(keyframe_interval), "keyint_min": str(keyframe_interval), "sc_threshold": "0"}
                              if keyframe_interval else {})}
         for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.asarray(frame, dtype=np.uint8),
+                                                                   format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)

@@ -41,18 +41,15 @@ DATA = {"fps": 1.0, "min_pixels": 3136, "max_pixels": 100352}  # issue 76's sett
 def write_clip(path: Path, seconds: int, width: int, height: int, fps: int, keyframe_interval: int = 250) -> Path:
     """A clip that codes like footage (x264 veryfast, crf 23): a textured scene panning slowly, with a few moving
     objects and a brightness that drifts; frames made one at a time (an hour's worth never sits in memory)."""
-    import av
     import numpy as np
+
+    from app.data.video import write_mp4
 
     rng = np.random.default_rng(0)
     scene = rng.integers(0, 255, (height // 8 + 2, width // 8 + 64, 3), dtype=np.uint8)
     scene = np.kron(scene, np.ones((8, 8, 1), dtype=np.uint8))  # a coarse texture, 8 x 8 blocks
-    tmp = path.with_suffix(".partial.mp4")
-    with av.open(str(tmp), mode="w") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {"crf": "23", "preset": "veryfast", "g": str(keyframe_interval),
-                          "keyint_min": str(keyframe_interval), "sc_threshold": "0"}
+
+    def made():
         for t in range(seconds * fps):
             shift = (t * 2) % (scene.shape[1] - width)
             frame = scene[:height, shift : shift + width].copy()
@@ -60,13 +57,9 @@ def write_clip(path: Path, seconds: int, width: int, height: int, fps: int, keyf
                 y = int((height - 60) * (0.5 + 0.5 * np.sin(t / (40 + 17 * k) + k)))
                 x = int((width - 80) * (0.5 + 0.5 * np.cos(t / (55 + 11 * k))))
                 frame[y : y + 60, x : x + 80] = (80 * k + 40, 200 - 60 * k, 120)
-            frame = np.clip(frame.astype(np.int16) + int(20 * np.sin(t / 90)), 0, 255).astype(np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    os.replace(tmp, path)
-    return path
+            yield np.clip(frame.astype(np.int16) + int(20 * np.sin(t / 90)), 0, 255).astype(np.uint8)
+
+    return write_mp4(path, made(), fps, keyframe_interval=keyframe_interval, crf=23, preset="veryfast")
 
 
 def processor_dir(out: Path) -> Path:
