@@ -13,7 +13,10 @@ import torch  # noqa: E402
 
 import app  # noqa: E402,F401
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n 2: two workers share the 2 cores, one torch thread each
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n 2: two workers share the 2 cores, one torch thread each,
+    # and so do the processes a test launches (unless it sets its own): measured beside a busy core, a launch on
+    # torch's default 2 threads took 105 CPU-s and 92 s, on one thread 53 CPU-s and 54 s (docs/testing.md)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 from app.runtime.models import FAMILIES, HYBRID_FAMILIES, build_tiny_checkpoint  # noqa: E402
 

@@ -94,15 +94,24 @@ def test_sampled_evaluation_reports_pass_at_k(assets, tmp_path):
     assert summary["overall"]["pass@4"] >= summary["overall"]["accuracy"] - 1e-9
 
 
-@pytest.mark.slow  # about a minute (five launcher runs): make test-all and CI run it
-def test_demo_smoke(tmp_path):
-    """The `make demo` pipeline end to end on a handful of records and steps (the real run: README)."""
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """`make demo` on a handful of records and steps, once: its smoke test reads it and the objectives demo reuses
+    its checkpoint, data and warm start, as it does after a user's `make demo`."""
+    root = tmp_path_factory.mktemp("demo")
     result = subprocess.run(
-        [sys.executable, "-m", "app.demos.video", "--out", str(tmp_path / "demo"), "--data", str(tmp_path / "data"),
+        [sys.executable, "-m", "app.demos.video", "--out", str(root / "demo"), "--data", str(root / "data"),
          "--train-size", "8", "--heldout-size", "4", "--warm-steps", "2", "--ab-steps", "2", "train.max_steps=2",
          "train.prompts_per_rank=2", "train.groups_per_micro_batch=2", "train.save_every=0",
          "logging.wandb_mode=disabled", "logging.progress_bar=false"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return root, result
+
+
+@pytest.mark.slow  # about a minute (five launcher runs): make test-all and CI run it
+def test_demo_smoke(demo):
+    """The `make demo` pipeline end to end on a handful of records and steps (the real run: README)."""
+    tmp_path, result = demo
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "demo" / "demo_summary.json").read_text())
     assert summary["heldout_questions"] == 4
@@ -323,15 +332,21 @@ def test_evaluation_with_tools_answers_in_several_turns(small, tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_each_objective_runs_on_the_demo_and_logs_its_ratios(tmp_path):
-    """app.demos.objectives on a handful of records and steps: every policy objective trains from the demo's warm
-    start through scripts/train.sh and its ratio statistics reach the summary."""
+def test_each_objective_runs_on_the_demo_and_logs_its_ratios(demo):
+    """app.demos.objectives on a handful of records and steps, in the folder `make demo` left: every policy
+    objective trains from the demo's own warm start (reused, not trained again) through scripts/train.sh and its
+    ratio statistics reach the summary."""
     from app.demos import objectives as demo_objectives
 
+    tmp_path, result = demo
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    warm = tmp_path / "demo" / "sft" / "final" / "model.safetensors"
+    before = warm.stat().st_mtime_ns
     summary = demo_objectives.main(["--out", str(tmp_path / "demo"), "--data", str(tmp_path / "data"),
                                     "--train-size", "8", "--heldout-size", "4", "--warm-steps", "2", "--steps", "2",
                                     "train.prompts_per_rank=2", "train.groups_per_micro_batch=2",
                                     "logging.progress_bar=false"])
+    assert warm.stat().st_mtime_ns == before  # the demo's warm start, reused
     assert list(summary["objectives"]) == list(demo_objectives.OBJECTIVES)
     for name, r in summary["objectives"].items():
         assert r["steps"] == 2 and r["ratio_min"] <= r["ratio_mean"] <= r["ratio_max"], name

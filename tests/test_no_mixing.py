@@ -113,13 +113,19 @@ def test_every_fingerprinted_setting_changes_the_fingerprint_by_name(shared_asse
     assert fingerprint(**free)["schedule"]["max_steps"] == 9
 
 
-@pytest.mark.slow  # 7 refused launches and 2 resumed runs through scripts/train.sh: about 90 s
-def test_a_resume_with_other_settings_stops_naming_each_and_continue_goes_on(shared_assets, tmp_path):  # noqa: F811
+@pytest.mark.slow  # 3 runs through scripts/train.sh (one of them refused): about 50 s
+def test_a_resume_with_other_settings_stops_naming_each_and_continue_goes_on(shared_assets, tmp_path,  # noqa: F811
+                                                                               monkeypatch):
     """Through scripts/train.sh: 2 steps saved; a resume that changes any one setting of the list stops before
-    loading a model, in one line naming it with its old and new value and the setting that continues anyway;
+    loading a model, in one line naming it with its old and new value and the setting that continues anyway (the
+    first setting through the launcher; each other one through the same command line, ``app.training.train``, in
+    this process: the launch adds nothing to a refusal made before any model is loaded);
     train.resume_if_different=continue resumes (each difference warned); a longer max_steps continues, saying how the
     schedule goes on."""
+    import app.training.recipe as recipe_module
     from app.runtime.models import build_tiny_checkpoint
+    from app.training.train import main as train_main
+    from tests.helpers import world_of_one
     from tests.test_trainer import run
 
     out = tmp_path / "run"
@@ -132,14 +138,24 @@ def test_a_resume_with_other_settings_stops_naming_each_and_continue_goes_on(sha
     reordered = tmp_path / "reordered.jsonl"
     reordered.write_text("\n".join(reversed(open(shared_assets["train"]).read().splitlines())) + "\n")
     other = build_tiny_checkpoint(tmp_path / "other", "qwen2_5_vl", seed=1)
-    for name, (override, named) in FINGERPRINTED_CHANGES.items():
+    for number, (name, (override, named)) in enumerate(FINGERPRINTED_CHANGES.items()):
         override = {k: {"REORDERED": reordered, "OTHER_MODEL": other}.get(v, v) for k, v in override.items()}
-        refused = run(train(**override, **{"train.resume": True}), check=False)
-        assert refused.returncode != 0, name
-        lines = [line for line in refused.stderr.splitlines() if line.startswith("resume error:")]
-        assert len(lines) == 1 and named in lines[0] and "train.resume_if_different=continue" in lines[0], \
-            (name, refused.stderr[-2000:])
-        assert "loading the policy" not in refused.stderr, name  # stopped before any model was loaded
+        if number == 0:  # through the launcher
+            refused = run(train(**override, **{"train.resume": True}), check=False)
+            assert refused.returncode != 0, name
+            lines = [line for line in refused.stderr.splitlines() if line.startswith("resume error:")]
+            assert len(lines) == 1 and named in lines[0] and "train.resume_if_different=continue" in lines[0], \
+                (name, refused.stderr[-2000:])
+            assert "loading the policy" not in refused.stderr, name  # stopped before any model was loaded
+            continue
+        with monkeypatch.context() as patch, world_of_one(patch):
+            patch.setattr(recipe_module, "load_processor", lambda *a, _name=name, **k: pytest.fail(
+                f"{_name}: a model was loaded"))
+            with pytest.raises(SystemExit) as stopped:
+                train_main(train(**override, **{"train.resume": True})[1:])
+        message = str(stopped.value)
+        assert message.startswith("resume error:") and "\n" not in message, (name, message)
+        assert named in message and "train.resume_if_different=continue" in message, (name, message)
     went_on = run(train(**{"train.resume": True, "train.max_steps": 3, "data.questions_per_video": 2,
                            "train.resume_if_different": "continue"}))
     assert "resume despite a difference (train.resume_if_different=continue): data.questions_per_video: " \
