@@ -441,11 +441,12 @@ WORLD_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PO
 
 
 def train_with_vllm(tmp_path: Path, name: str, checkpoint: Path, train_file: Path, **extra) -> list[dict]:
-    """One process, ``python -m app.training.trainer`` as a user types it (no vLLM variables): the metrics rows."""
+    """One process, ``scripts/train.sh`` as a user types it (no vLLM variables): the metrics rows."""
     out = tmp_path / name
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") and k not in WORLD_VARIABLES}
-    done = subprocess.run(grpo_args(tmp_path, out, checkpoint, train_file, **{"train.max_steps": 3, **extra}),
-                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    args = grpo_args(tmp_path, out, checkpoint, train_file, **{"train.max_steps": 3, **extra})[3:]
+    done = subprocess.run(["bash", "scripts/train.sh", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env={**env, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -477,16 +478,10 @@ def test_a_head_biased_towards_a_placeholder_trains_through_both_engines_and_a_f
     files = generate(tmp_path / "data", train=6, heldout=2, seed=0)
     initial = load_file(str(checkpoint / "model.safetensors"))
 
-    out = tmp_path / "vllm"
-    args = ["bash", "scripts/train.sh", *grpo_args(tmp_path, out, checkpoint, files["train"], **{
-        "train.max_steps": 3, "model.freeze_vision_tower": "true", "data.max_frames": 8,
-        "rollout.tools": "[get_frames, zoom]", "rollout.branching": "[2, 2]", "rollout.max_turns": 2,
-        "rollout.vllm_max_videos": 2, "rollout.vllm_max_images": 2})[3:]]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") and k not in WORLD_VARIABLES}
-    done = subprocess.run(args, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = train_with_vllm(tmp_path, "vllm", checkpoint, files["train"], **{
+        "model.freeze_vision_tower": "true", "data.max_frames": 8, "rollout.tools": "[get_frames, zoom]",
+        "rollout.branching": "[2, 2]", "rollout.max_turns": 2, "rollout.vllm_max_videos": 2,
+        "rollout.vllm_max_images": 2})
     assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["completion_length"] > 0 for m in metrics)
     assert all("tools/calls" in m for m in metrics)
     pushed = [m["weight_sync/tensors"] for m in metrics]
