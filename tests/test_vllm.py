@@ -258,8 +258,9 @@ def test_two_process_zero3_grpo_with_vllm_stays_in_sync_and_resumes_after_a_kill
     """scripts/train.sh with 2 processes under ZeRO-3 and rollout.engine=vllm (one engine per rank, joined to the
     training world by vLLM's external launcher) on video prompts, the vision tower training too: it checkpoints,
     dies right after the step-1 checkpoint, resumes, and ends with one metrics row per step; at every step, the
-    last after 2 optimizer steps and a resume, the log-probs vLLM reports for its sampled tokens equal the
-    trainer's forward of them to 1e-4 (weights pushed one gathered tensor at a time before every rollout)."""
+    last after an optimizer step and a resume (fresh engines given the restored weights), the log-probs vLLM
+    reports for its sampled tokens equal the trainer's forward of them to 1e-4 (weights pushed one gathered tensor
+    at a time before every rollout)."""
     require_vllm()
     from safetensors.torch import load_file
 
@@ -268,7 +269,7 @@ def test_two_process_zero3_grpo_with_vllm_stays_in_sync_and_resumes_after_a_kill
     out = tmp_path / "run"
     args = ["bash", "scripts/train.sh", *grpo_args(tmp_path, out, checkpoint, files["train"], **{
         "train.deepspeed_config": "deepspeed_configs/zero3.json", "train.save_every": 1, "train.prompts_per_rank": 1,
-        "train.max_steps": 3, "data.max_frames": 8})[3:]]
+        "train.max_steps": 2, "data.max_frames": 8})[3:]]
     # as a new user runs it: no vLLM variables (the engine sizes its memory from config)
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env.update(PYTHONUNBUFFERED="1", NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
@@ -281,7 +282,7 @@ def test_two_process_zero3_grpo_with_vllm_stays_in_sync_and_resumes_after_a_kill
                           timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["mismatch/mean_abs_logprob_diff"] < 1e-4, m
         assert math.log(m["mismatch/max_ratio"]) < 1e-4, m

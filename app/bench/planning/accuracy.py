@@ -50,11 +50,11 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def build(preset: str, layers: int, vision_layers: int = 1, *, lora: bool = False, checkpointing: bool = False):
     """The real class of ``preset`` at full width and the given depth, float32, random weights, in training mode."""
     from app.planning import shapes
-    from app.runtime.models import enable_activation_checkpointing, model_class
+    from app.runtime.models import enable_activation_checkpointing
 
     config = shapes.hf_config(preset, layers=layers, vision_layers=vision_layers)
     torch.manual_seed(0)
-    model = model_class(config).from_config(config, dtype=torch.float32).train()
+    model = shapes.random_model(config).train()
     if lora:
         from app.runtime import lora as adapters
 
@@ -63,6 +63,20 @@ def build(preset: str, layers: int, vision_layers: int = 1, *, lora: bool = Fals
     if checkpointing:
         enable_activation_checkpointing(model)
     return model, config
+
+
+def tower(preset: str, blocks: int, *, checkpointing: bool = False):
+    """The vision tower of ``preset`` alone (its own class, ``blocks`` blocks), float32, random weights, training
+    mode: the tower points measure nothing else, so the language model is not built."""
+    from app.planning import shapes
+    from app.runtime.models import enable_activation_checkpointing
+
+    config = shapes.hf_config(preset, layers=1, vision_layers=blocks)
+    torch.manual_seed(0)
+    visual = shapes.random_tower(config).train()
+    if checkpointing:
+        enable_activation_checkpointing(visual)
+    return visual, config
 
 
 def language_point(preset: str, layers: int, prefix: int, group: int, completion: int, mode: str, *,
@@ -112,8 +126,7 @@ def tower_point(preset: str, blocks: int, patches: int, checkpointing: bool) -> 
     from app.bench.measure import allocator_peak, cpu_attention_flops
     from app.planning import costs, flops
 
-    model, config = build(preset, 1, blocks, checkpointing=checkpointing)
-    visual = model.model.visual
+    visual, config = tower(preset, blocks, checkpointing=checkpointing)
     for p in visual.parameters():
         p.grad = torch.zeros_like(p)
     pixels, grid, temporal = tower_inputs(config, patches)
@@ -135,8 +148,8 @@ def frozen_point(preset: str, blocks: int, patches: int) -> dict:
     from app.bench.measure import allocator_peak, cpu_attention_flops
     from app.planning import costs, flops
 
-    model, config = build(preset, 1, blocks)
-    visual = model.model.visual.eval()
+    visual, config = tower(preset, blocks)
+    visual.eval()
     pixels, grid, temporal = tower_inputs(config, patches)
     with torch.no_grad():
         _, peak = allocator_peak(lambda: visual(pixels, grid_thw=grid))
