@@ -108,6 +108,27 @@ def text_layers(model):
     return getattr(inner, "language_model", inner).layers
 
 
+def cut_back_copy(run_dir, to, step: int):
+    """A copy of a finished run as a crash right after step ``step``'s checkpoint leaves it: the later checkpoints and
+    the exports gone, ``latest`` naming step ``step``. For tests whose property is the resume (a bitwise end, a
+    refusal), not the dying, which tests/test_crash.py and the float32 crash tests assert."""
+    import shutil
+    from pathlib import Path
+
+    run_dir, to = Path(run_dir), Path(to)
+    shutil.copytree(run_dir, to, symlinks=True)
+    for export in to.glob("final*"):
+        shutil.rmtree(export)
+    tag = f"step-{step:07d}"
+    checkpoints = to / "checkpoints"
+    assert (checkpoints / tag).is_dir(), f"{run_dir} kept no {tag}: {sorted(p.name for p in checkpoints.iterdir())}"
+    for later in checkpoints.glob("step-*"):
+        if later.name > tag:
+            shutil.rmtree(later)
+    (checkpoints / "latest").write_text(tag)
+    return to
+
+
 @contextlib.contextmanager
 def world_of_one(monkeypatch):
     """A DeepSpeed world of one in this process (for in-process recipe tests); torn down afterwards, and the

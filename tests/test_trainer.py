@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from app.data.synthetic import generate
 from app.runtime.models import build_tiny_checkpoint
+from tests.helpers import cut_back_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.distributed
@@ -298,7 +299,6 @@ def test_bf16_two_processes_self_check_crash_and_resume(zero, assets, tmp_path):
     finite, and a resume from the step-2 checkpoint ends bitwise equal to the uninterrupted run. The run resumed is
     a copy of the uninterrupted one cut back to that checkpoint, as a crash after step 2 leaves it (dying there is
     tests/test_crash.py's; here: that bf16 optimizer states and weights come back bitwise under each stage)."""
-    import shutil
 
     settings = {"model.dtype": "bfloat16", "train.deepspeed_config": f"deepspeed_configs/{zero}.json",
                 "train.max_steps": 3, "train.save_every": 1}
@@ -309,10 +309,7 @@ def test_bf16_two_processes_self_check_crash_and_resume(zero, assets, tmp_path):
     assert straight.stderr.count("self-check passed: torch.bfloat16") == 1
     for rank in (0, 1):
         assert "self-check passed: torch.bfloat16" in (tmp_path / "straight" / "logs" / f"rank{rank}.log").read_text()
-    shutil.copytree(tmp_path / "straight", tmp_path / "resumed", symlinks=True)
-    shutil.rmtree(tmp_path / "resumed" / "final")
-    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step-0000003")
-    (tmp_path / "resumed" / "checkpoints" / "latest").write_text("step-0000002")
+    cut_back_copy(tmp_path / "straight", tmp_path / "resumed", 2)
     resumed = run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml",
                    *overrides(assets, tmp_path / "resumed", **settings, **{"train.resume": True})], env=env)
     assert "resumed from" in resumed.stderr and "step-0000002" in resumed.stderr
@@ -508,12 +505,14 @@ def test_sequence_parallel_sft_trains_like_one_process(assets, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # 2-2.5 minutes
+@pytest.mark.slow  # about 1.5 minutes
 def test_sequence_parallel_under_zero3_trains_like_one_process_and_resumes_bit_for_bit(assets, tmp_path):
     """Under ZeRO-3 on the 7B configs' paths (activation checkpointing, a frozen tower, the per-step vision cache),
-    3 steps: S=2 on two processes ends at the one-process weights (as above); the same S=2 run killed after step 2
-    and resumed ends bitwise equal to the uninterrupted one, one metrics row per step; a resume with another
+    3 steps: S=2 on two processes ends at the one-process weights (as above); the same S=2 run resumed from its
+    step-2 checkpoint (a copy cut back to it, as a crash after step 2 leaves it: dying is tests/test_crash.py's)
+    ends bitwise equal to the uninterrupted one, one metrics row per step; a resume with another
     sequence_parallel_size is refused by name."""
+
     extra, trains = SP_VARIANTS["checkpointing+frozen tower+cache"]
     settings = {"train.deepspeed_config": "deepspeed_configs/zero3.json", "train.max_steps": 3,
                 "train.save_every": 1, **extra}
@@ -523,9 +522,7 @@ def test_sequence_parallel_under_zero3_trains_like_one_process_and_resumes_bit_f
     run(trainer(assets, tmp_path / "one", **settings))
     run([*launch, *overrides(assets, tmp_path / "straight", **sp)], env=env)
     assert_sequence_parallel_matches(tmp_path / "one", tmp_path / "straight", assets["checkpoint"], trains)
-    crashed = run([*launch, *overrides(assets, tmp_path / "resumed", **sp)],
-                  env={**env, "PREFIX_GRPO_CRASH_AFTER_STEP": "2"}, check=False)
-    assert crashed.returncode != 0
+    cut_back_copy(tmp_path / "straight", tmp_path / "resumed", 2)
     refused = run([*launch, *overrides(assets, tmp_path / "resumed", **{**sp, "train.resume": True,
                                                                         "train.sequence_parallel_size": 1})],
                   env=env, check=False)
