@@ -77,10 +77,11 @@ def check_same_outputs(heads=4, head_dim=16, prefix=64, group=3, suffix=8) -> fl
 def run(out: Path, quick: bool = False) -> dict:
     shape = {"heads": 4, "head_dim": 32, "prefix": 256, "group": 4, "suffix": 32} if quick else dict(DEFAULT)
     difference = check_same_outputs()
-    baseline = isolated("app.bench.attention:run_variant", variant="inputs-only", **shape)["peak_memory_mb"]
+    baseline = isolated("app.bench.attention:run_variant", here=quick, variant="inputs-only", **shape)["peak_memory_mb"]
     rows = []
     for variant in ("prefix-grouper", *usable_backends(device())):
-        result = isolated("app.bench.attention:run_variant", variant=variant, repeats=1 if quick else 3, **shape)
+        result = isolated("app.bench.attention:run_variant", here=quick, variant=variant, repeats=1 if quick else 3,
+                          **shape)
         rows.append({"variant": variant, "seconds": result["seconds"], "peak_mb": result["peak_memory_mb"],
                      "above_inputs_mb": result["peak_memory_mb"] - baseline})
     ref = rows[0]

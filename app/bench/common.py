@@ -67,8 +67,12 @@ def child_env(**extra: str) -> dict[str, str]:
 LIVE_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-def isolated(target: str, **kwargs) -> dict:
-    """Run ``module:function(**kwargs)`` in a fresh interpreter; return its dict plus that process's peak memory."""
+def isolated(target: str, here: bool = False, **kwargs) -> dict:
+    """Run ``module:function(**kwargs)`` in a fresh interpreter; return its dict plus that process's peak memory.
+    ``here`` (a benchmark's ``--quick`` smoke run: every code path, no figure read): in this process instead, without
+    a child's imports; its peak memory is then this process's, everything before the point included."""
+    if here:
+        return _called(target, kwargs)
     result = subprocess.run([sys.executable, "-m", "app.bench.common", target, json.dumps(kwargs)], cwd=ROOT,
                             capture_output=True, text=True, timeout=3600, env=child_env())
     if result.returncode != 0:
@@ -99,9 +103,8 @@ def point(target: str, quick: bool, **kwargs) -> dict:
     point that fails comes back as ``{"error": why}`` either way."""
     if not quick:
         return attempt(target, **kwargs)
-    module, function = target.split(":")
     try:
-        return getattr(importlib.import_module(module), function)(**kwargs)
+        return _called(target, kwargs)
     except Exception as error:  # noqa: BLE001 - the point's failure is its row, as attempt reports a child's
         return {"error": f"{target}: {type(error).__name__}: {error}"}
 
@@ -173,12 +176,16 @@ def cli(run, doc: str, default_out: str, argv: list[str] | None = None) -> None:
     run(Path(args.out), args.quick)
 
 
-def _child() -> None:
-    target, kwargs = sys.argv[1], json.loads(sys.argv[2])
+def _called(target: str, kwargs: dict) -> dict:
+    """``module:function(**kwargs)`` in this process, with this process's peak memory."""
     module, function = target.split(":")
     result = getattr(importlib.import_module(module), function)(**kwargs)
     result["peak_memory_mb"] = peak_memory_mb()
-    print(json.dumps(result))
+    return result
+
+
+def _child() -> None:
+    print(json.dumps(_called(sys.argv[1], json.loads(sys.argv[2]))))
 
 
 if __name__ == "__main__":

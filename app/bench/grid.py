@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from app.bench.common import attempt, cli, device, exit_if_failed, failed_points, markdown_table, timed, write_report
+from app.bench.common import cli, device, exit_if_failed, failed_points, markdown_table, point, timed, write_report
 from app.grouping import (
     GroupedAttentionPlan,
     GroupLayout,
@@ -149,8 +149,8 @@ def run(out: Path, quick: bool = False) -> dict:
     for prefix, suffix, group in points:
         row = {"prefix": prefix, "suffix": suffix, "G": group}
         for variant in ("baseline", "repeated", "paper", "packed", "split"):
-            result = attempt("app.bench.grid:measure_point", prefix=prefix, suffix=suffix, group=group,
-                             variant=variant, repeats=1 if quick else 2)
+            result = point("app.bench.grid:measure_point", quick, prefix=prefix, suffix=suffix, group=group,
+                           variant=variant, repeats=1 if quick else 2)
             if "error" in result:  # kept as a row that says why; the other variants and points still run
                 row[f"error_{variant}"] = result["error"]
                 print(f"P={prefix} S={suffix} G={group} {variant}: FAILED: {result['error']}", flush=True)

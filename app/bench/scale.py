@@ -171,7 +171,7 @@ def bench_memory(quick: bool) -> list[dict]:
         dict(prompt=2048, completions=8, length=768, hidden=256)
     rows = []
     for chunk in (0, 1024):
-        result = isolated("app.bench.scale:logprob_memory", chunk_size=chunk, vocab=QWEN_VOCAB, **shape)
+        result = isolated("app.bench.scale:logprob_memory", here=quick, chunk_size=chunk, vocab=QWEN_VOCAB, **shape)
         rows.append({"variant": "full logits" if chunk == 0 else f"chunked ({chunk} tokens)", "chunk_size": chunk,
                      **result, "above_model_mb": result["peak_memory_mb"] - result["peak_before_mb"],
                      "vocab": QWEN_VOCAB, **shape})
