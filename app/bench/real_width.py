@@ -26,11 +26,10 @@ def measure(preset: str, layers: int, prefix: int, group: int, completion: int, 
     """One point, in a child process."""
     from app.bench.measure import forward_backward
     from app.planning import costs, flops, shapes
-    from app.runtime.models import model_class
 
     torch.manual_seed(0)
     config = shapes.hf_config(preset, layers=layers, vision_layers=1)
-    model = model_class(config).from_config(config, dtype=torch.float32)
+    model = shapes.random_model(config, torch.float32)
     model.train()
     generator = torch.Generator().manual_seed(0)
 

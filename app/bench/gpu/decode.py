@@ -151,12 +151,11 @@ def hf_rollout(model, prompts: dict, group: int, new: int, **extra) -> float:
 
 def build(preset: str, layers: int, dtype, dev):
     from app.planning import shapes
-    from app.runtime.models import model_class
 
     config = shapes.hf_config(preset, layers=layers, vision_layers=1)
     torch.manual_seed(0)
     with torch.device(dev):
-        model = model_class(config).from_config(config, dtype=dtype)
+        model = shapes.random_model(config, dtype)
     model.eval()
     model.generation_config.pad_token_id = model.generation_config.eos_token_id
     return model

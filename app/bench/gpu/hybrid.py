@@ -29,7 +29,6 @@ PRESET, LAYERS, PREFIXES, GROUP, COMPLETION = "qwen3_5_9b", 4, (8192, 16384), 8,
 
 def model_at(quick: bool, dev, dtype):
     from app.planning import shapes
-    from app.runtime.models import model_class
 
     if quick:
         from app.bench.hybrid import tiny_model
@@ -38,7 +37,7 @@ def model_at(quick: bool, dev, dtype):
     config = shapes.hf_config(PRESET, layers=LAYERS, vision_layers=1)
     torch.manual_seed(0)
     with torch.device(dev):
-        return model_class(config).from_config(config, dtype=dtype)
+        return shapes.random_model(config, dtype)
 
 
 def kernels_check(dev) -> dict:

@@ -46,12 +46,11 @@ def sync(dev) -> None:
 def build(preset: str, layers: int, dtype: torch.dtype, dev):
     """The real class at full width and ``layers`` decoder layers, random weights made on ``dev`` directly."""
     from app.planning import shapes
-    from app.runtime.models import model_class
 
     config = shapes.hf_config(preset, layers=layers, vision_layers=1)
     torch.manual_seed(0)
     with torch.device(dev):
-        model = model_class(config).from_config(config, dtype=dtype)
+        model = shapes.random_model(config, dtype)
     return model.train(), config
 
 

@@ -99,12 +99,11 @@ def tower_pass(preset: str, frames: int, dtype, dev, *, quick: bool) -> list[dic
     from app.grouping.vision.attention import TOWER_ATTENTION, register_tower_attention
     from app.planning import costs, shapes
     from app.planning.timing import tower_calls
-    from app.runtime.models import model_class
 
     blocks = 2 if quick else 28
     config = shapes.hf_config(preset, layers=1, vision_layers=blocks)
     with torch.device(dev):
-        model = model_class(config).from_config(config, dtype=dtype)
+        model = shapes.random_model(config, dtype)
     visual = model.model.visual.eval()
     side = 56 if quick else SIDE
     patch, merge = config.vision_config.patch_size, config.vision_config.spatial_merge_size

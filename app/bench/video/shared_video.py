@@ -95,7 +95,7 @@ def build_model(size: str, root: Path, layers: int = 1):
     identical runs). ``7b``: the 7B layer shape with a tiny checkpoint's processor that carries Qwen's real tokenizer
     (the real token ids)."""
     from app.planning import shapes
-    from app.runtime.models import TinySizes, build_tiny_checkpoint, load_model, load_processor, model_class
+    from app.runtime.models import TinySizes, build_tiny_checkpoint, load_model, load_processor
 
     checkpoint = build_tiny_checkpoint(root / "tiny", "qwen2_5_vl", seed=0, real_tokenizer=size != "tiny",
                                        max_pixels=SIDE * SIDE, sizes=TinySizes(**TINY, max_positions=1 << 16))
@@ -105,7 +105,7 @@ def build_model(size: str, root: Path, layers: int = 1):
     else:
         config = shapes.hf_config("qwen2_5_vl_7b", layers=layers, vision_layers=1)
         torch.manual_seed(0)
-        model = model_class(config).from_config(config, dtype=torch.float32)
+        model = shapes.random_model(config, torch.float32)
     model.requires_grad_(True)
     model.model.visual.requires_grad_(False)  # a frozen tower (LoRA, or model.freeze_vision_tower)
     model.get_input_embeddings().requires_grad_(False)
