@@ -92,7 +92,7 @@ def language_point(preset: str, layers: int, prefix: int, group: int, completion
     completions = torch.randint(1000, 100000, (group, completion), generator=generator)
     backend = "repeated" if mode == "repeated" else "split"
     measured = forward_backward(model, prompts, completions, torch.ones_like(completions), group, mode=mode,
-                                backend=None if mode == "repeated" else "split")
+                                backend=None if mode == "repeated" else "split", flops=not lora)  # LoRA: none read
     shape, work = costs.shape_of(config), costs.Workload(prefix=prefix, completion=completion, group_size=group)
     planned = costs.training_activations(shape, work, backend=backend, dtype_bytes=4, checkpointing=checkpointing,
                                          chunk=1024, trains_head=not lora)["peak"]
