@@ -26,7 +26,10 @@ def test_heap_peak_sees_what_the_block_held_and_frees_made_on_other_threads():
             worker = threading.Thread(target=box.clear)
             worker.start()
             worker.join()
-    assert 4 <= peak.above_bytes / 2**20 < 8  # the profiler's record summed these to 20 MiB (its frees unseen)
+    # one 4 MiB tensor at a time: the profiler's record summed them to 20 MiB (its frees unseen). The heap around them
+    # moves too: a make test run saw 4,153,376 bytes above the start, the tensor less 40 KB the interpreter freed
+    # meanwhile, so the lower bound is most of one tensor, not all of it to the byte
+    assert 0.95 * 4 <= peak.above_bytes / 2**20 < 8
 
 
 def test_heap_peak_is_a_cpu_benchmark_switch(monkeypatch):
