@@ -115,17 +115,17 @@ def cut_back_copy(run_dir, to, step: int):
     import shutil
     from pathlib import Path
 
-    run_dir, to = Path(run_dir), Path(to)
+    from app.runtime.checkpoint import catalogue, checkpoint_tag
+
+    to, tag = Path(to), checkpoint_tag(step)
     shutil.copytree(run_dir, to, symlinks=True)
     for export in to.glob("final*"):
         shutil.rmtree(export)
-    tag = f"step-{step:07d}"
-    checkpoints = to / "checkpoints"
-    assert (checkpoints / tag).is_dir(), f"{run_dir} kept no {tag}: {sorted(p.name for p in checkpoints.iterdir())}"
-    for later in checkpoints.glob("step-*"):
-        if later.name > tag:
-            shutil.rmtree(later)
-    (checkpoints / "latest").write_text(tag)
+    kept = catalogue(to)  # newest first: the later ones go
+    assert tag in [p.name for p in kept], f"{run_dir} kept no {tag}: {[p.name for p in kept]}"
+    for later in kept[:[p.name for p in kept].index(tag)]:
+        shutil.rmtree(later)
+    (to / "checkpoints" / "latest").write_text(tag)
     return to
 
 

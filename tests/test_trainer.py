@@ -299,7 +299,6 @@ def test_bf16_two_processes_self_check_crash_and_resume(zero, assets, tmp_path):
     finite, and a resume from the step-2 checkpoint ends bitwise equal to the uninterrupted run. The run resumed is
     a copy of the uninterrupted one cut back to that checkpoint, as a crash after step 2 leaves it (dying there is
     tests/test_crash.py's; here: that bf16 optimizer states and weights come back bitwise under each stage)."""
-
     settings = {"model.dtype": "bfloat16", "train.deepspeed_config": f"deepspeed_configs/{zero}.json",
                 "train.max_steps": 3, "train.save_every": 1}
     env = {"NPROC_PER_NODE": "2"}
@@ -512,7 +511,6 @@ def test_sequence_parallel_under_zero3_trains_like_one_process_and_resumes_bit_f
     step-2 checkpoint (a copy cut back to it, as a crash after step 2 leaves it: dying is tests/test_crash.py's)
     ends bitwise equal to the uninterrupted one, one metrics row per step; a resume with another
     sequence_parallel_size is refused by name."""
-
     extra, trains = SP_VARIANTS["checkpointing+frozen tower+cache"]
     settings = {"train.deepspeed_config": "deepspeed_configs/zero3.json", "train.max_steps": 3,
                 "train.save_every": 1, **extra}

@@ -124,10 +124,15 @@ def _agree_failed(failed: bool) -> bool:
     return all_reduce_max([float(failed)])[0] > 0
 
 
+def checkpoint_tag(step: int) -> str:
+    """The folder name of step ``step``'s checkpoint under ``output_dir/checkpoints``."""
+    return f"step-{step:07d}"
+
+
 def save_checkpoint(engine, output_dir: str | Path, step: int, trainer_state: dict, keep: int = 2,
                     need_bytes: int = 0) -> Path:
     root = Path(output_dir) / "checkpoints"
-    tag = f"step-{step:07d}"
+    tag = checkpoint_tag(step)
     incoming = root / ".incoming"
     rank = distributed.rank()
     if rank == 0:
