@@ -97,7 +97,7 @@ def rollout_worker(checkpoint: str, video: str, zero: str, new_tokens: int, roun
         Path(out).write_text(json.dumps({"world": world, "results": results,
                                          "parameters": sum(getattr(p, "ds_numel", p.numel())
                                                            for p in engine.module.parameters())}))
-    distributed.exit_worker()  # no interpreter finalization to abort in (distributed.exit_worker)
+    distributed.exit_worker()  # leaves without the interpreter's finalization, where a worker once aborted
 
 
 def _torchrun(args: list[str], timeout: int = 1800) -> None:

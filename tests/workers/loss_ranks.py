@@ -60,7 +60,7 @@ def main(out: str) -> None:
     if rank == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "rank0.json").write_text(json.dumps(moved))
-    distributed.exit_worker()  # no interpreter finalization to abort in (distributed.exit_worker)
+    distributed.exit_worker()  # leaves without the interpreter's finalization, where a worker once aborted
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def main(checkpoint: str, video: str, out: str) -> None:
         "chunked_equal": torch.equal(chunked.completion_ids, free.completion_ids),
         "layerwise_chunked_equal": torch.equal(layered_chunked.completion_ids, free.completion_ids),
     }))
-    distributed.exit_worker()  # no interpreter finalization to abort in (distributed.exit_worker)
+    distributed.exit_worker()  # leaves without the interpreter's finalization, where a worker once aborted
 
 
 if __name__ == "__main__":
