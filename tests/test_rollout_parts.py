@@ -11,31 +11,51 @@ import time
 import pytest
 import torch
 
+from app.config.loading import load_config
 from app.grouping import StaticSteps
 from app.rollout.generate import SamplingConfig, generate_groups
-from tests.helpers import load, prompt_batch, tokenizer_of
-from tests.test_shared_video_train import one_step, shared_assets  # noqa: F401 - the module's fixture, reused
+from tests.helpers import load, prompt_batch, tokenizer_of, world_of_one
+from tests.test_shared_video_train import shared_assets, shared_overrides  # noqa: F401 - the module's fixture, reused
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=10)
 ORDERS = (["video", "text"], ["text", "video"], ["video", "video"], ["text", "text"], ["video", "text"])
 
 
+def steps_in_process(assets, out, monkeypatch, steps, **extra):
+    """``steps`` GRPO steps of one trainer in this process: each step's metrics, the last step's trajectory."""
+    from app.training.trainer import GRPOTrainer
+
+    cfg = load_config("configs/demo_cpu.yaml", shared_overrides(assets, out, **{"train.max_steps": steps, **extra}))
+    with world_of_one(monkeypatch):
+        trainer = GRPOTrainer(cfg)
+        kept, collect = {}, trainer.collect
+        trainer.collect = lambda index: kept.setdefault(index, collect(index))
+        metrics = [trainer.train_step(step) for step in range(steps)]
+    return metrics, kept[steps - 1]
+
+
 @pytest.mark.parametrize("extra", [{}, {"data.questions_per_video": 4}, {"rollout.decode": "static"}],
                          ids=["eager", "k4", "static"])
 def test_every_part_of_the_rollout_is_accounted_for(extra, shared_assets, tmp_path, monkeypatch):  # noqa: F811
-    """A real step in process: the parts the trainer logs (gathering, the tower, the prefill, capture, decode,
+    """Real steps in process: the parts the trainer logs (gathering, the tower, the prefill, capture, decode,
     sampling, scoring, waiting for data) sum to time/rollout within 5%; each is measured (the tower apart from the
-    prefill, a decode step's milliseconds from the steps taken)."""
-    metrics, _, t = one_step(shared_assets, tmp_path / "run", monkeypatch, **extra)
+    prefill, a decode step's milliseconds from the steps taken). A region left off the clock is missing from every
+    step; the scheduler's pauses (the other pytest worker's processes share the 2 cores) land in one step's 0.1 s
+    now and then, so the closest of three steps is held to 5%, and every step to the parts' own checks."""
+    steps, t = steps_in_process(shared_assets, tmp_path / "run", monkeypatch, 3, **extra)
     names = ("gather", "tower", "prefill", "capture", "decode", "sampling", "scoring")
-    parts = {name: metrics[f"rollout/{name}_s"] for name in names}
-    assert all(value >= 0 for value in parts.values()), parts
-    assert all(parts[name] > 0 for name in ("tower", "prefill", "decode", "sampling", "scoring")), parts
-    accounted = sum(parts.values()) + metrics["time/data_wait"]
-    assert abs(accounted - metrics["time/rollout"]) <= 0.05 * metrics["time/rollout"], (parts, metrics["time/rollout"])
-    assert metrics["rollout/other_s"] == pytest.approx(metrics["time/rollout"] - accounted)
-    steps = int(t.rollout.completion_mask.shape[1])
-    assert metrics["rollout/decode_steps"] >= steps - 1 and metrics["rollout/decode_ms_per_step"] > 0
+    gaps = []
+    for metrics in steps:
+        parts = {name: metrics[f"rollout/{name}_s"] for name in names}
+        assert all(value >= 0 for value in parts.values()), parts
+        assert all(parts[name] > 0 for name in ("tower", "prefill", "decode", "sampling", "scoring")), parts
+        accounted = sum(parts.values()) + metrics["time/data_wait"]
+        assert metrics["rollout/other_s"] == pytest.approx(metrics["time/rollout"] - accounted)
+        gaps.append((abs(accounted - metrics["time/rollout"]) / metrics["time/rollout"], parts))
+    assert min(gap for gap, _ in gaps) <= 0.05, gaps
+    metrics = steps[-1]
+    decoded = int(t.rollout.completion_mask.shape[1])
+    assert metrics["rollout/decode_steps"] >= decoded - 1 and metrics["rollout/decode_ms_per_step"] > 0
 
 
 class FakeGraph:
