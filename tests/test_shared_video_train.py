@@ -188,9 +188,9 @@ def kill_resume_equals_straight(shared_assets, tmp_path, settings: dict, seed: i
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         assert process.returncode == -signal.SIGKILL, f"the run ended before the kill at {delay:.1f} s"
-    resumed = run(launch(tmp_path / "resumed", **{"train.resume": True}), env=env, timeout=900)
+    resumed_run = run(launch(tmp_path / "resumed", **{"train.resume": True}), env=env, timeout=900)
     if seed is None:
-        assert "step-0000001" in resumed.stderr
+        assert "step-0000001" in resumed_run.stderr
     straight, resumed = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("straight", "resumed"))
     initial = load_file(str(shared_assets["checkpoint"] / "model.safetensors"))
     assert sum(not torch.equal(straight[n], initial[n]) for n in straight) > len(straight) // 2
