@@ -50,6 +50,11 @@ def set_environment_defaults() -> None:
     # JIT-built torch extensions (DeepSpeed's CPU communication op) in this environment's own folder: two
     # environments on one machine no longer rebuild one shared copy in turn (each build.ninja names its env).
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    # torch.compile's inductor compiles in a pool of subprocesses, one per core, each importing torch: on a small
+    # host the pool costs more than it saves (FlexAttention's first compile on 2 cores: 21 CPU-s with the pool,
+    # 10 without). Above 4 cores torch's own choice is kept; TORCHINDUCTOR_COMPILE_THREADS set by the user wins.
+    if len(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)) <= 4:
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 TORCHVISION_STATUS = ensure_torchvision_importable()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,14 +24,25 @@ from app.runtime.models import (
 from tests.helpers import load, max_rel_diff, prompt_batch, random_completions, tokenizer_of
 
 
-def test_torchvision_fix_in_a_fresh_interpreter():
+def test_torchvision_fix_in_a_fresh_interpreter(monkeypatch):
+    """The torchvision fix, and torch.compile's compile processes: one on a host of 4 cores or fewer, unless the user
+    chose (app.compat)."""
     code = (
-        "import app, app.compat as c; import torchvision, qwen_vl_utils; "
-        "from transformers import Qwen2ForCausalLM, Qwen2VLVideoProcessor; print(c.TORCHVISION_STATUS)"
+        "import os, app, app.compat as c; import torchvision, qwen_vl_utils; import torch._inductor.config as i; "
+        "from transformers import Qwen2ForCausalLM, Qwen2VLVideoProcessor; "
+        "print(len(os.sched_getaffinity(0)), i.compile_threads); print(c.TORCHVISION_STATUS)"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_COMPILE_THREADS"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1] in {"native", "schemas"}
+    *_, (cores, threads), status = [line.split() for line in result.stdout.strip().splitlines()]
+    assert status[0] in {"native", "schemas"}
+    assert int(threads) == 1 if int(cores) <= 4 else int(threads) > 1
+    from app import compat
+
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+    compat.set_environment_defaults()
+    assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "3"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
