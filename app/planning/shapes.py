@@ -78,11 +78,21 @@ def _reduced(config: dict, layers: int | None, vision_layers: int | None) -> dic
     return config
 
 
-def hf_config(preset: str, layers: int | None = None, vision_layers: int | None = None):
-    """The transformers config of ``preset`` at full width; ``layers`` / ``vision_layers`` reduce the depth."""
+# a preset's decoder at a toy width with its layout kept (head_dim 128, M-RoPE's sections, grouped K/V heads, the
+# vocabulary and its special ids): what the GPU benchmarks' ``--quick`` runs build on a CPU, a second instead of 10-14
+NARROW = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+def hf_config(preset: str, layers: int | None = None, vision_layers: int | None = None, *, narrow: bool = False):
+    """The transformers config of ``preset`` at full width; ``layers`` / ``vision_layers`` reduce the depth;
+    ``narrow`` sets the decoder's width to ``NARROW`` (the tower's output follows it)."""
     from transformers import AutoConfig
 
     config = _reduced(load_preset(preset)["config"], layers, vision_layers)
+    if narrow:
+        config.get("text_config", config).update(NARROW)
+        if "out_hidden_size" in config.get("vision_config", {}):
+            config["vision_config"]["out_hidden_size"] = NARROW["hidden_size"]
     return AutoConfig.for_model(**config)
 
 

@@ -149,10 +149,10 @@ def hf_rollout(model, prompts: dict, group: int, new: int, **extra) -> float:
     return time.perf_counter() - start
 
 
-def build(preset: str, layers: int, dtype, dev):
+def build(preset: str, layers: int, dtype, dev, *, narrow: bool = False):
     from app.planning import shapes
 
-    config = shapes.hf_config(preset, layers=layers, vision_layers=1)
+    config = shapes.hf_config(preset, layers=layers, vision_layers=1, narrow=narrow)
     torch.manual_seed(0)
     with torch.device(dev):
         model = shapes.random_model(config, dtype)
@@ -171,14 +171,14 @@ def run(out: Path, quick: bool = False, layers: int | None = None, hf_compiled: 
         preset, layers, prefixes, group, news, steps = PRESET, layers or LAYERS, PREFIXES, GROUP, NEW_TOKENS, STEPS
         dtype, graph = torch.bfloat16, "graph"
     start = time.perf_counter()
-    model = build(preset, layers, dtype, dev)
+    model = build(preset, layers, dtype, dev, narrow=quick)  # --quick: the layout at a toy width
     print(f"{preset} x{layers} layers built in {time.perf_counter() - start:.1f} s", flush=True)
     name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
     bandwidth = {"nominal_tb_s": (nominal_bandwidth(name) or 0) / 1e12,
                  "copy_tb_s": copy_bandwidth(dev) / 1e12 if dev.type == "cuda" else 0.0}
     steps_rows: list[dict] = []
     rollout_rows: list[dict] = []
-    payload = {"preset": preset, "layers": layers, "dtype": str(dtype), "group": group, "device": name,
+    payload = {"preset": preset + (" narrowed" if quick else ""), "layers": layers, "dtype": str(dtype), "group": group, "device": name,
                "bandwidth": bandwidth, "steps": steps_rows, "rollouts": rollout_rows}
 
     # the report's name is what app.bench.gpu.report looks for: one per part, so the two never overwrite each other
