@@ -103,16 +103,24 @@ def launch(args: list[str], log: Path, ranks: int, **env: str) -> tuple[int, flo
     return code, time.perf_counter() - start
 
 
-def planned(a: dict, out: Path, size: int, k: int) -> dict:
-    """What plan.sh plans on top of the states, per rank, for the same configuration on as many ranks."""
+def planned(a: dict, out: Path, size: int, k: int, quick: bool = False) -> dict:
+    """What plan.sh plans on top of the states, per rank, for the same configuration on as many ranks (``quick``: its
+    command line in this process, ``app.planning.plan.main``)."""
     target = out / f"plan-S{size}-k{k}"
-    args = overrides(a, out / "unused", size, k, 1)
-    done = subprocess.run(["bash", "scripts/plan.sh", "configs/demo_cpu.yaml", *args, "--gpus-per-node", str(a["ranks"]),
-                           "--gpu-memory-gib", "24", "--device", "cpu", "--out", str(target)], cwd=ROOT,
-                          capture_output=True, text=True,
-                          env=child_env())
-    if done.returncode != 0:
-        return {"error": done.stderr[-500:]}
+    args = ["configs/demo_cpu.yaml", *overrides(a, out / "unused", size, k, 1), "--gpus-per-node", str(a["ranks"]),
+            "--gpu-memory-gib", "24", "--device", "cpu", "--out", str(target)]
+    if quick:
+        from app.planning.plan import main
+
+        try:
+            main(args)
+        except SystemExit as error:
+            return {"error": f"plan exited {error.code}"}
+    else:
+        done = subprocess.run(["bash", "scripts/plan.sh", *args], cwd=ROOT, capture_output=True, text=True,
+                              env=child_env())
+        if done.returncode != 0:
+            return {"error": done.stderr[-500:]}
     plan = json.loads((target / "plan.json").read_text())
     # each peak is measured above what its stage began with: the prompts' pixels, collated before (the update's) or
     # as the engine begins (the rollout's), are not in it
@@ -149,7 +157,7 @@ def point(a: dict, out: Path, size: int, k: int, quick: bool = False) -> dict:
         launch(overrides(a, memory, size, k, 1), out / f"S{size}-k{k}-memory.log", a["ranks"],
                PREFIX_GRPO_ALLOCATOR_PEAK="1")
     mrows = run_metrics(memory)
-    plan = planned(a, out, size, k)
+    plan = planned(a, out, size, k, quick)
     row.update({f"planned_{key}": value for key, value in plan.items()})
     for stage, metric, planned_key in (("rollout", "rollout_engine", "planned_rollout_gib"),
                                        ("policy", "policy", "planned_training_gib")):
