@@ -54,9 +54,9 @@ def train(out: Path, name: str, ckpt: Path, data: dict, s: dict, extra: list[str
     return {"launch": launched, "steps": run_metrics(run_dir), "args": args}
 
 
-def planned(out: Path, name: str, args: list[str], env: dict, videos: int = 1) -> dict:
+def planned(out: Path, name: str, args: list[str], env: dict, videos: int = 1, *, here: bool = False) -> dict:
     result = rehearsal.planned(out / f"plan_{name}", "configs/qwen2_5_vl_7b_video.yaml", [*args, "--videos",
-                                                                                          str(videos)], env)
+                                                                                          str(videos)], env, here=here)
     plan_file = out / f"plan_{name}" / "plan" / "plan.json"
     if plan_file.is_file():
         plan = json.loads(plan_file.read_text())
@@ -117,7 +117,7 @@ def run(out: Path, quick: bool = False, steps: int = 6) -> dict:
     save()
     main = train(out, "rehearsal", ckpt, data, s, ["train.export_hf=true"], env=env)
     report["rehearsal"] = {"launch": main["launch"], "rollouts": rollout_rows(main["steps"])}
-    report["rehearsal"]["plan"] = plan = planned(out, "rehearsal", main["args"], env)
+    report["rehearsal"]["plan"] = plan = planned(out, "rehearsal", main["args"], env, here=quick)
     report["rehearsal"]["beside_planner"] = beside(main, plan)
     rollouts = [r["rollout_s"] for r in report["rehearsal"]["rollouts"][1:] if r["rollout_s"]]
     if rollouts:
@@ -140,7 +140,7 @@ def run(out: Path, quick: bool = False, steps: int = 6) -> dict:
     report["trl_style"] = {"launch": trl["launch"], "rollouts": rollout_rows(trl["steps"])}
     if len(trl["steps"]) > 1 and len(main["steps"]) > 1:
         report["trl_style"]["step_vs_grouped"] = trl["steps"][1]["time/step"] / main["steps"][1]["time/step"]
-    report["trl_style"]["plan"] = plan = planned(out, "trl_style", trl["args"], env)
+    report["trl_style"]["plan"] = plan = planned(out, "trl_style", trl["args"], env, here=quick)
     report["trl_style"]["beside_planner"] = beside(trl, plan)
     save()
     shared = generate(out / "shared", train=8, heldout=0, seed=0, frames=s["frames"], size=s["size"],
@@ -151,7 +151,7 @@ def run(out: Path, quick: bool = False, steps: int = 6) -> dict:
                     [f"data.questions_per_video={k}", "train.prompts_per_rank=4", "train.groups_per_micro_batch=4",
                      "data.shuffle=false", "train.export_hf=false"], env=env)
         report[name] = {"launch": got["launch"], "rollouts": rollout_rows(got["steps"])}
-        report[name]["plan"] = plan = planned(out, name, got["args"], env)
+        report[name]["plan"] = plan = planned(out, name, got["args"], env, here=quick)
         report[name]["beside_planner"] = beside(got, plan)
         report[name]["step2"] = got["steps"][1] if len(got["steps"]) > 1 else {}
         save()

@@ -105,15 +105,36 @@ def phases(metrics_file: Path, group: int) -> list[dict]:
     return rows
 
 
-def planned(out: Path, config: str, args: list[str], env: dict) -> dict:
+def plan_here(args: list[str], log: Path) -> dict:
+    """``scripts/plan.sh ARGS`` as its command line in this process (``app.planning.plan.main``), its output to
+    ``log``: what ``--quick`` runs (an interpreter start saved a plan); -> as ``launch``."""
+    import contextlib
+
+    from app.planning.plan import main
+
+    start, code = time.perf_counter(), 0
+    with log.open("w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        try:
+            main(args)
+        except SystemExit as error:
+            code = error.code if isinstance(error.code, int) else 1
+    print(f"plan: exit {code} in {time.perf_counter() - start:.1f} s (in this process)", flush=True)
+    last = (log.read_text(errors="replace").strip().splitlines() or [""])[-1]
+    return {"seconds": time.perf_counter() - start, "exit": code, **({"last_error": last[-400:]} if code else {})}
+
+
+def planned(out: Path, config: str, args: list[str], env: dict, *, here: bool = False) -> dict:
+    """``scripts/plan.sh`` on the run's settings (``here``: in this process, ``plan_here``)."""
     from app.grouping.decoding.clock import nominal_bandwidth
 
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
     bandwidth = nominal_bandwidth("cuda") if torch.cuda.is_available() else None
     card = ["--bandwidth-tbs", str(bandwidth)] if bandwidth else []
     out.mkdir(parents=True, exist_ok=True)
-    result = launch("plan", ["bash", "scripts/plan.sh", config, *args, "--gpus-per-node", "1", "--gpu-memory-gib",
-                             f"{gib:.0f}", *card, "--out", str(out / "plan")], out / "plan.log", env)
+    plan_args = [config, *args, "--gpus-per-node", "1", "--gpu-memory-gib", f"{gib:.0f}", *card, "--out",
+                 str(out / "plan")]
+    result = plan_here(plan_args, out / "plan.log") if here else \
+        launch("plan", ["bash", "scripts/plan.sh", *plan_args], out / "plan.log", env)
     path = out / "plan" / "plan.json"
     if path.is_file():
         plan = json.loads(path.read_text())
@@ -149,7 +170,7 @@ def run(out: Path, quick: bool = False, layers: int = LAYERS, lora: bool = False
     report["phases"] = phases(out / "run" / "metrics.jsonl", s["group"])
     report["prefix_tokens"] = prompt_tokens(out / "run" / "metrics.jsonl", s["group"])
     save()
-    report["stages"]["plan"] = planned(out, config, args, env)
+    report["stages"]["plan"] = planned(out, config, args, env, here=quick)
     report["memory"] = memory_rows(report)
     save()
     final = out / "run" / "final"
