@@ -178,7 +178,8 @@ def run(out: Path, quick: bool = False, layers: int | None = None, hf_compiled: 
                  "copy_tb_s": copy_bandwidth(dev) / 1e12 if dev.type == "cuda" else 0.0}
     steps_rows: list[dict] = []
     rollout_rows: list[dict] = []
-    payload = {"preset": preset + (" narrowed" if quick else ""), "layers": layers, "dtype": str(dtype), "group": group, "device": name,
+    payload = {"preset": preset + (" narrowed" if quick else ""), "layers": layers, "dtype": str(dtype),
+               "group": group, "device": name,
                "bandwidth": bandwidth, "steps": steps_rows, "rollouts": rollout_rows}
 
     # the report's name is what app.bench.gpu.report looks for: one per part, so the two never overwrite each other

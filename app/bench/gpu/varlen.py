@@ -101,7 +101,7 @@ def tower_pass(preset: str, frames: int, dtype, dev, *, quick: bool) -> list[dic
     from app.planning.timing import tower_calls
 
     blocks = 2 if quick else 28
-    config = shapes.hf_config(preset, layers=1, vision_layers=blocks, narrow=quick)  # the tower at its width
+    config = shapes.hf_config(preset, layers=1, vision_layers=blocks, narrow=quick)  # --quick: the decoder narrowed
     with torch.device(dev):
         model = shapes.random_model(config, dtype)
     visual = model.model.visual.eval()
@@ -142,7 +142,8 @@ def run(out: Path, quick: bool = False) -> dict:
     name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
     bandwidth = {"nominal_tb_s": (nominal_bandwidth(name) or 0) / 1e12,
                  "copy_tb_s": copy_bandwidth(dev) / 1e12 if dev.type == "cuda" else 0.0}
-    payload = {"preset": preset + (" narrowed" if quick else ""), "layers": layers, "dtype": str(dtype), "group": group, "device": name,
+    payload = {"preset": preset + (" narrowed" if quick else ""), "layers": layers, "dtype": str(dtype),
+               "group": group, "device": name,
                "torch": torch.__version__, "kernel": kernel_state(dev, dtype), "bandwidth": bandwidth,
                "decode": [], "tower": []}
 
