@@ -41,6 +41,11 @@ def ensure_torchvision_importable() -> str:
     return "schemas"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS tells it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def set_environment_defaults() -> None:
     # qwen-vl-utils reads this once at import; its fallback reader (torchvision.io) no longer exists.
     os.environ.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
@@ -53,7 +58,7 @@ def set_environment_defaults() -> None:
     # torch.compile's inductor compiles in a pool of subprocesses, one per core, each importing torch: on a small
     # host the pool costs more than it saves (FlexAttention's first compile on 2 cores: 21 CPU-s with the pool,
     # 10 without). Above 4 cores torch's own choice is kept; TORCHINDUCTOR_COMPILE_THREADS set by the user wins.
-    if len(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)) <= 4:
+    if usable_cores() <= 4:
         os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 

@@ -176,6 +176,25 @@ def cli(run, doc: str, default_out: str, argv: list[str] | None = None) -> None:
     run(Path(args.out), args.quick)
 
 
+def plan_here(args: list[str], log: Path) -> dict:
+    """``scripts/plan.sh ARGS`` as its command line in this process (``app.planning.plan.main``), its output to
+    ``log``: what a ``--quick`` run does (an interpreter start saved a plan); -> seconds, exit code and, on an
+    error, the log's last line."""
+    import contextlib
+
+    from app.planning.plan import main
+
+    start, code = time.perf_counter(), 0
+    with log.open("w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        try:
+            main(args)
+        except SystemExit as error:
+            code = error.code if isinstance(error.code, int) else 1
+    print(f"plan: exit {code} in {time.perf_counter() - start:.1f} s (in this process)", flush=True)
+    last = (log.read_text(errors="replace").strip().splitlines() or [""])[-1]
+    return {"seconds": time.perf_counter() - start, "exit": code, **({"last_error": last[-400:]} if code else {})}
+
+
 def _called(target: str, kwargs: dict) -> dict:
     """``module:function(**kwargs)`` in this process, with this process's peak memory."""
     module, function = target.split(":")

@@ -166,8 +166,9 @@ def frame_folder_element(element: dict, image_patch_size: int = 14) -> dict:
 def default_decode_threads(ranks_per_node: int, prefetch_workers: int) -> int:
     """``data.decode_threads`` = 0: the cores this process may use, shared by the node's ranks and the prefetch
     threads that decode videos side by side (at least 1)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, ranks_per_node) // max(1, prefetch_workers))
+    from app.compat import usable_cores
+
+    return max(1, usable_cores() // max(1, ranks_per_node) // max(1, prefetch_workers))
 
 
 def pieces_at_keyframes(indices: list[int], keyframes: list[int], threads: int) -> list[list[int]]:

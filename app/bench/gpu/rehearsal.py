@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from app.bench.common import ROOT, child_env, device, markdown_table, write_report
+from app.bench.common import ROOT, child_env, device, markdown_table, plan_here, write_report
 
 PRESET, LAYERS, FRAMES, SIZE, FPS = "qwen2_5_vl_7b", 4, 64, 448, 2
 PHASES = (("rollout", "rollout"), ("reference", "reference"), ("update", "policy"), ("weight sync", "weight_sync"))
@@ -103,24 +103,6 @@ def phases(metrics_file: Path, group: int) -> list[dict]:
                          "tokens_per_second": tokens[key] / seconds if tokens[key] and seconds else None,
                          "cuda_peak_gib": m.get(f"memory/{key}_peak_gib")})
     return rows
-
-
-def plan_here(args: list[str], log: Path) -> dict:
-    """``scripts/plan.sh ARGS`` as its command line in this process (``app.planning.plan.main``), its output to
-    ``log``: what ``--quick`` runs (an interpreter start saved a plan); -> as ``launch``."""
-    import contextlib
-
-    from app.planning.plan import main
-
-    start, code = time.perf_counter(), 0
-    with log.open("w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-        try:
-            main(args)
-        except SystemExit as error:
-            code = error.code if isinstance(error.code, int) else 1
-    print(f"plan: exit {code} in {time.perf_counter() - start:.1f} s (in this process)", flush=True)
-    last = (log.read_text(errors="replace").strip().splitlines() or [""])[-1]
-    return {"seconds": time.perf_counter() - start, "exit": code, **({"last_error": last[-400:]} if code else {})}
 
 
 def planned(out: Path, config: str, args: list[str], env: dict, *, here: bool = False) -> dict:

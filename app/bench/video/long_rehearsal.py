@@ -36,7 +36,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from app.bench.common import ROOT, child_env, markdown_table, run_metrics, write_report
+from app.bench.common import ROOT, child_env, markdown_table, plan_here, run_metrics, write_report
 
 SIZES = dict(hidden=256, layers=2, heads=4, kv_heads=4, head_dim=64, intermediate=512, vision_hidden=64,
              vision_depth=2, vision_heads=2, max_positions=65536)
@@ -110,12 +110,10 @@ def planned(a: dict, out: Path, size: int, k: int, quick: bool = False) -> dict:
     args = ["configs/demo_cpu.yaml", *overrides(a, out / "unused", size, k, 1), "--gpus-per-node", str(a["ranks"]),
             "--gpu-memory-gib", "24", "--device", "cpu", "--out", str(target)]
     if quick:
-        from app.planning.plan import main
-
-        try:
-            main(args)
-        except SystemExit as error:
-            return {"error": f"plan exited {error.code}"}
+        target.mkdir(parents=True, exist_ok=True)
+        done = plan_here(args, target / "plan.log")
+        if done["exit"]:
+            return {"error": done.get("last_error", f"plan exited {done['exit']}")}
     else:
         done = subprocess.run(["bash", "scripts/plan.sh", *args], cwd=ROOT, capture_output=True, text=True,
                               env=child_env())
