@@ -510,7 +510,7 @@ def test_sequence_parallel_under_zero3_trains_like_one_process_and_resumes_bit_f
     3 steps: S=2 on two processes ends at the one-process weights (as above); the same S=2 run resumed from its
     step-2 checkpoint (a copy cut back to it, as a crash after step 2 leaves it: dying is tests/test_crash.py's)
     ends bitwise equal to the uninterrupted one, one metrics row per step; a resume with another
-    sequence_parallel_size is refused by name."""
+    sequence_parallel_size is refused by name before any model is loaded."""
     extra, trains = SP_VARIANTS["checkpointing+frozen tower+cache"]
     settings = {"train.deepspeed_config": "deepspeed_configs/zero3.json", "train.max_steps": 3,
                 "train.save_every": 1, **extra}
@@ -524,7 +524,9 @@ def test_sequence_parallel_under_zero3_trains_like_one_process_and_resumes_bit_f
     refused = run([*launch, *overrides(assets, tmp_path / "resumed", **{**sp, "train.resume": True,
                                                                         "train.sequence_parallel_size": 1})],
                   env=env, check=False)
-    assert refused.returncode != 0 and "train.sequence_parallel_size=2, this run has 1" in refused.stderr
+    assert refused.returncode != 0 and "resume error:" in refused.stderr
+    assert "train.sequence_parallel_size=2, this run has 1" in refused.stderr
+    assert "loading the policy" not in refused.stderr  # refused from the checkpoint's state, before any model loads
     run([*launch, *overrides(assets, tmp_path / "resumed", **sp, **{"train.resume": True})], env=env)
     assert [m["step"] for m in _metrics(tmp_path / "resumed")] == [1, 2, 3]
     resumed, straight = weights(tmp_path / "resumed" / "final"), weights(tmp_path / "straight" / "final")

@@ -295,7 +295,15 @@ class Recipe:
         if path is None:
             log.warning("train.resume=true but %s has no checkpoint yet; starting from step 0", self.output_dir)
             return None
-        old = checkpoint.trainer_state_of(path).get("fingerprint")
+        state = checkpoint.trainer_state_of(path)  # its layout before any model is loaded
+        if state["world_size"] != self.world:
+            raise checkpoint.CheckpointError(f"{path} was written by {state['world_size']} ranks, this run has "
+                                             f"{self.world}")
+        if state.get("sequence_parallel_size", 1) != self.cfg.train.sequence_parallel_size:
+            raise checkpoint.CheckpointError(
+                f"{path} was written with train.sequence_parallel_size={state.get('sequence_parallel_size', 1)}, this "
+                f"run has {self.cfg.train.sequence_parallel_size} (the data order per replica would differ)")
+        old = state.get("fingerprint")
         if old is None:
             log.warning("resume: %s was written before checkpoints recorded their data, settings and model: "
                         "not checked against this run", path)
@@ -321,12 +329,6 @@ class Recipe:
         """Continue from ``path``: weights, optimizer, data position, random state; a changed schedule (max_steps,
         warmup, learning rate) goes on from here under this run's settings, said in one line."""
         state = checkpoint.load_checkpoint(self.engine, path)
-        if state["world_size"] != self.world:
-            raise RuntimeError(f"{path} was written by {state['world_size']} ranks, this run has {self.world}")
-        if state.get("sequence_parallel_size", 1) != self.cfg.train.sequence_parallel_size:
-            raise RuntimeError(f"{path} was written with train.sequence_parallel_size="
-                               f"{state.get('sequence_parallel_size', 1)}, this run has "
-                               f"{self.cfg.train.sequence_parallel_size} (the data order per replica would differ)")
         self.start_step = state["step"]
         self.stream.position = state["stream_position"]
         self.stream.skipped.update(state["skipped"])
