@@ -156,10 +156,12 @@ def cpu_refusal(config: dict, dtype: str) -> tuple[str, str] | None:
 def logprobs_mode(temperature: float) -> str:
     """Which of vLLM's log-probs are the trainer's: at temperature 1 its raw log-probs (log-softmax of the logits
     before any processing) are exactly the trainer's whole-vocabulary log-probs, placeholders banned or top-p/top-k
-    set; at another temperature only the processed ones are tempered, and they are renormalised over what may be
-    drawn (banned placeholders and the top-p/top-k filter excluded): they differ from the trainer's by the log of
-    the excluded mass (nil for the placeholders of a sane checkpoint; config refuses top-p/top-k with TIS there)."""
-    return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
+    set; so they are at temperature 0 (greedy: nothing is tempered, and the grouped engine reports the untempered
+    log-probs; the processed ones would leave the banned placeholders' mass out, 4/V on a random model). At another
+    temperature only the processed ones are tempered, and they are renormalised over what may be drawn (banned
+    placeholders and the top-p/top-k filter excluded): they differ from the trainer's by the log of the excluded
+    mass (nil for the placeholders of a sane checkpoint; config refuses top-p/top-k with TIS there)."""
+    return "raw_logprobs" if temperature in (0.0, 1.0) else "processed_logprobs"
 
 
 PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
