@@ -110,15 +110,22 @@ def worker(prefix: int, out: str, shape: str = "tiny") -> None:
         exit_worker()
 
 
-def point(size: int, prefix: int, out: Path, shape: str = "tiny") -> dict:
+def point(size: int, prefix: int, out: Path, shape: str = "tiny", here: bool = False) -> dict:
+    """One (S, prefix) point in its own processes; ``here`` (``--quick``: every code path, no figure read) runs
+    S = 1 in this process."""
     target = out / f"point-S{size}-P{prefix}.json"
-    module = ["-m", "app.bench.long_video", "--worker", str(prefix), str(target), shape]
-    command = ([sys.executable, *module] if size == 1 else
-               [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(size), *module])
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600,
-                          env=child_env(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // size)), **LIVE_MEMORY_ENV))
-    if done.returncode != 0:
-        raise RuntimeError(f"S={size} P={prefix} failed:\n{done.stderr[-4000:]}")
+    if size == 1 and here:
+        worker(prefix, str(target), shape)
+    else:
+        module = ["-m", "app.bench.long_video", "--worker", str(prefix), str(target), shape]
+        command = ([sys.executable, *module] if size == 1 else
+                   [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(size),
+                    *module])
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600,
+                              env=child_env(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // size)),
+                                            **LIVE_MEMORY_ENV))
+        if done.returncode != 0:
+            raise RuntimeError(f"S={size} P={prefix} failed:\n{done.stderr[-4000:]}")
     ranks = json.loads(target.read_text())
     return {"S": size, "prefix": prefix, "seconds": max(r["seconds"] for r in ranks),
             "activation_mb": max(r["activation_mb"] for r in ranks), "peak_mb": max(r["peak_mb"] for r in ranks),
@@ -140,7 +147,7 @@ def run(out: Path, quick: bool = False, shape: str = "tiny", prefixes=None, size
     rows = []
     for prefix in prefixes:
         for size in sizes:
-            rows.append(point(size, prefix, out, shape))
+            rows.append(point(size, prefix, out, shape, here=quick))
             print(rows[-1], flush=True)
     return report(out, rows, shape, quick)
 
