@@ -4,8 +4,9 @@
 
 Three parts, each comparing variants side by side in one run:
 1. rollout: one greedy rollout (2 prompts per rank, G=4, every completion decoded to the token limit) with 2
-   processes (gloo on CPU, NCCL on GPU): ZeRO-2 against ZeRO-3 under each ``rollout.zero3_gather`` mode. Time,
-   all-gathers and bytes gathered per rank, and whether the greedy tokens equal ZeRO-2's.
+   processes (gloo on CPU, NCCL on GPU): ZeRO-2 against ZeRO-3 under each ``rollout.zero3_gather`` mode, the two
+   engines one after the other in one launch. Time, all-gathers and bytes gathered per rank, and whether the greedy
+   tokens equal ZeRO-2's.
 2. logprob_memory: peak memory of one grouped forward+backward at vocabulary 151,936 (a prompt and 8 completions),
    full logits against ``forward.logprob_chunk_size`` chunks; each variant in a fresh process; same loss and gradients.
 3. prefetch: the trainer on a slow-decoding video (long, high-resolution, sparse keyframes), ``data.prefetch`` 0
@@ -54,29 +55,44 @@ def _count_all_gathers() -> dict:
     return stats
 
 
-def rollout_worker(checkpoint: str, video: str, zero: str, new_tokens: int, rounds: int, out: str) -> None:
-    """Under torchrun: build the engine with ``zero`` (zero2|zero3), time greedy rollouts in each gather mode."""
+def rollout_worker(checkpoint: str, video: str, zeros: str, new_tokens: int, rounds: int, out: str) -> None:
+    """Under torchrun: for each stage of ``zeros`` (``zero2,zero3``), one after the other in this process, build the
+    engine and time greedy rollouts in each gather mode (one launch for both: the imports paid once)."""
     from app.data.prompts import encode_prompts
     from app.data.video import video_element
+    from app.runtime import distributed
+    from app.runtime.models import load_processor
+
+    rank, world = distributed.init_distributed()
+    processor = load_processor(checkpoint)
+    questions = [f"Question {rank}-{i}: what happens in the video?" for i in range(2)]
+    conversations = [[{"role": "user", "content": [video_element(video, fps=2, min_pixels=3136, max_pixels=3136),
+                                                   {"type": "text", "text": q}]}] for q in questions]
+    prompts = {k: v.to(device()) for k, v in encode_prompts(processor, conversations).items()}
+    stats = _count_all_gathers()
+    found = {zero: _timed_rollouts(checkpoint, zero, prompts, processor, new_tokens, rounds, stats)
+             for zero in zeros.split(",")}
+    if rank == 0:
+        Path(out).write_text(json.dumps({"world": world, **found}))
+    distributed.exit_worker()  # leaves without the interpreter's finalization, where a worker once aborted
+
+
+def _timed_rollouts(checkpoint: str, zero: str, prompts: dict, processor, new_tokens: int, rounds: int,
+                    stats: dict) -> dict:
+    """One engine with ``zero`` (zero2|zero3); its greedy rollouts timed in each gather mode. The engine goes when
+    this returns."""
     from app.rollout.generate import SamplingConfig, generate_groups
     from app.runtime import distributed
     from app.runtime import zero as zero_setup
-    from app.runtime.models import load_model, load_processor
+    from app.runtime.models import load_model
 
-    rank, world = distributed.init_distributed()
     dev = device()
     ds_config = zero_setup.load_deepspeed_config(f"deepspeed_configs/{zero}.json", gradient_accumulation_steps=1,
                                                   max_grad_norm=1.0, dtype="float32")
     keep = zero_setup.hf_deepspeed_config(ds_config)  # noqa: F841 (ZeRO-3 partitions at from_pretrained)
     model = load_model(checkpoint)
     engine = zero_setup.build_engine(model, ds_config, torch.optim.SGD(model.parameters(), lr=0.0), None)
-    processor = load_processor(checkpoint)
-    questions = [f"Question {rank}-{i}: what happens in the video?" for i in range(2)]
-    conversations = [[{"role": "user", "content": [video_element(video, fps=2, min_pixels=3136, max_pixels=3136),
-                                                   {"type": "text", "text": q}]}] for q in questions]
-    prompts = {k: v.to(dev) for k, v in encode_prompts(processor, conversations).items()}
     greedy = SamplingConfig(temperature=0, max_new_tokens=new_tokens)
-    stats = _count_all_gathers()
     results = {}
     for mode in (GATHER_MODES if zero == "zero3" else ("full",)):
         times, tokens = [], None
@@ -93,11 +109,9 @@ def rollout_worker(checkpoint: str, video: str, zero: str, new_tokens: int, roun
             tokens = rollout.completion_ids.tolist()
         results[mode] = {"seconds": statistics.median(times), "rounds": len(times), "all_gathers": stats["calls"],
                          "gathered_mb": stats["bytes"] / 2**20, "tokens": tokens}
-    if rank == 0:
-        Path(out).write_text(json.dumps({"world": world, "results": results,
-                                         "parameters": sum(getattr(p, "ds_numel", p.numel())
-                                                           for p in engine.module.parameters())}))
-    distributed.exit_worker()  # leaves without the interpreter's finalization, where a worker once aborted
+    parameters = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    engine.destroy()
+    return {"results": results, "parameters": parameters}
 
 
 def _torchrun(args: list[str], timeout: int = 1800) -> None:
@@ -119,11 +133,10 @@ def bench_rollout(out: Path, quick: bool) -> list[dict]:
     if not video.exists():
         write_mp4(video, np.random.default_rng(0).integers(0, 255, (8, 56, 56, 3), dtype=np.uint8), fps=4)
     new_tokens, rounds = (8, 1) if quick else (64, 3)
-    found = {}
-    for zero in ("zero2", "zero3"):
-        target = out / f"rollout-{zero}.json"
-        _torchrun(["rollout-worker", str(checkpoint), str(video), zero, str(new_tokens), str(rounds), str(target)])
-        found[zero] = json.loads(target.read_text())
+    target = out / "rollout-zero.json"
+    _torchrun(["rollout-worker", str(checkpoint), str(video), "zero2,zero3", str(new_tokens), str(rounds),
+               str(target)])
+    found = json.loads(target.read_text())
     base = found["zero2"]["results"]["full"]
     rows = [{"variant": "ZeRO-2", **{k: v for k, v in base.items() if k != "tokens"}, "vs_zero2": 1.0,
              "same_tokens": True}]
