@@ -8,7 +8,9 @@ pure-Python parts (transforms, io helpers) import; no compiled torchvision op is
 
 from __future__ import annotations
 
+import functools
 import glob
+import importlib
 import importlib.util
 import os
 import sys
@@ -60,6 +62,41 @@ def set_environment_defaults() -> None:
     # 10 without). Above 4 cores torch's own choice is kept; TORCHINDUCTOR_COMPILE_THREADS set by the user wins.
     if usable_cores() <= 4:
         os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
+def import_without_compiling(module: str) -> bool:
+    """Import ``module`` with ``torch.compile`` deferred to the first call of each function it wraps at import.
+
+    DeepSpeed imports its Muon optimizer every time it builds a ZeRO engine (for an isinstance check), and that
+    module wraps three functions in ``torch.compile`` as it is imported: the first ``torch.compile`` of a process
+    imports inductor's compiler, 1.1-1.5 s of CPU on every rank of every run, for an optimizer this project never
+    builds. Deferred, a wrapped function compiles when first called, as it would have anyway. Returns whether the
+    module was imported here (False: imported already, or absent)."""
+    if module in sys.modules:
+        return False
+    real = torch.compile
+
+    def deferred(model=None, **options):
+        if model is None:  # used as @torch.compile(**options)
+            return lambda fn: deferred(fn, **options)
+        compiled = []
+
+        @functools.wraps(model)
+        def first_call_compiles(*args, **kwargs):
+            if not compiled:
+                compiled.append(real(model, **options))
+            return compiled[0](*args, **kwargs)
+
+        return first_call_compiles
+
+    torch.compile = deferred
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    finally:
+        torch.compile = real
+    return True
 
 
 TORCHVISION_STATUS = ensure_torchvision_importable()

@@ -28,14 +28,17 @@ def test_torchvision_fix_in_a_fresh_interpreter(monkeypatch):
     """The torchvision fix, and torch.compile's compile processes: one on a host of 4 cores or fewer, unless the user
     chose (app.compat)."""
     code = (
-        "import os, app, app.compat as c; import torchvision, qwen_vl_utils; import torch._inductor.config as i; "
+        "import os, sys, app, app.compat as c; import torchvision, qwen_vl_utils; import torch._inductor.config as i; "
         "from transformers import Qwen2ForCausalLM, Qwen2VLVideoProcessor; "
+        "import app.runtime.zero as z; z._deepspeed(); import deepspeed.runtime.zero.muon.original_muon as m; "
+        "print('torch._inductor.compile_fx' in sys.modules, hasattr(m.muon_update, '__wrapped__')); "
         "print(len(os.sched_getaffinity(0)), i.compile_threads); print(c.TORCHVISION_STATUS)"
     )
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_COMPILE_THREADS"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
-    *_, (cores, threads), status = [line.split() for line in result.stdout.strip().splitlines()]
+    *_, muon, (cores, threads), status = [line.split() for line in result.stdout.strip().splitlines()]
+    assert muon == ["False", "True"]  # DeepSpeed's Muon imported for its engines, inductor's compiler not yet
     assert status[0] in {"native", "schemas"}
     assert int(threads) == 1 if int(cores) <= 4 else int(threads) > 1
     from app import compat
@@ -43,6 +46,36 @@ def test_torchvision_fix_in_a_fresh_interpreter(monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
     compat.set_environment_defaults()
     assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "3"
+
+
+def test_a_module_imported_without_compiling_compiles_each_function_at_its_first_call(tmp_path, monkeypatch):
+    """app.compat.import_without_compiling: torch.compile, as a decorator with and without options, runs at the
+    first call of each wrapped function, with its options, and torch.compile is torch's again afterwards."""
+    import torch
+
+    from app import compat
+
+    compiled = []
+
+    def recording_compile(model=None, **options):
+        compiled.append((model.__name__, options))
+        return lambda *args: ("compiled", model(*args))
+
+    (tmp_path / "wrapped_at_import.py").write_text(
+        "import torch\n@torch.compile\ndef double(x):\n    return 2 * x\n"
+        "@torch.compile(dynamic=False)\ndef square(x):\n    return x * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    assert compat.import_without_compiling("wrapped_at_import") and torch.compile is recording_compile
+    import wrapped_at_import as module
+
+    assert compiled == [] and module.double.__name__ == "double"
+    assert module.double(3) == ("compiled", 6) and module.double(4) == ("compiled", 8)
+    assert module.square(3) == ("compiled", 9)
+    assert compiled == [("double", {}), ("square", {"dynamic": False})]  # each once, with its options
+    assert not compat.import_without_compiling("wrapped_at_import")  # imported already: left alone
+    monkeypatch.delitem(sys.modules, "wrapped_at_import")
+    assert not compat.import_without_compiling("no_such_module_here")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -81,8 +81,22 @@ def without_hf_zero3():
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
-def build_engine(model, ds_config: dict, optimizer, lr_scheduler):
+# DeepSpeed imports this module whenever it builds a ZeRO engine; imported first through the project, its
+# torch.compile wrappers no longer import inductor's compiler at start-up (app.compat.import_without_compiling)
+DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.original_muon"
+
+
+def _deepspeed():
     import deepspeed
+
+    from app.compat import import_without_compiling
+
+    import_without_compiling(DEEPSPEED_MUON)
+    return deepspeed
+
+
+def build_engine(model, ds_config: dict, optimizer, lr_scheduler):
+    deepspeed = _deepspeed()
 
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                            config=ds_config, model_parameters=None)
@@ -95,7 +109,7 @@ def build_reference(model, ds_config: dict, device: torch.device):
     model.eval()
     if zero_stage(ds_config) != 3:
         return model.to(device)
-    import deepspeed
+    deepspeed = _deepspeed()
 
     config = copy.deepcopy(ds_config)
     config.pop("optimizer", None)
