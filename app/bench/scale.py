@@ -70,14 +70,15 @@ def rollout_worker(checkpoint: str, video: str, zeros: str, new_tokens: int, rou
                                                    {"type": "text", "text": q}]}] for q in questions]
     prompts = {k: v.to(device()) for k, v in encode_prompts(processor, conversations).items()}
     stats = _count_all_gathers()
-    found = {zero: _timed_rollouts(checkpoint, zero, prompts, processor, new_tokens, rounds, stats)
+    found = {zero: _timed_rollouts(checkpoint, zero, prompts, processor, new_tokens=new_tokens, rounds=rounds,
+                                   stats=stats)
              for zero in zeros.split(",")}
     if rank == 0:
         Path(out).write_text(json.dumps({"world": world, **found}))
     distributed.exit_worker()  # leaves without the interpreter's finalization, where a worker once aborted
 
 
-def _timed_rollouts(checkpoint: str, zero: str, prompts: dict, processor, new_tokens: int, rounds: int,
+def _timed_rollouts(checkpoint: str, zero: str, prompts: dict, processor, *, new_tokens: int, rounds: int,
                     stats: dict) -> dict:
     """One engine with ``zero`` (zero2|zero3); its greedy rollouts timed in each gather mode. The engine goes when
     this returns."""
