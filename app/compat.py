@@ -69,8 +69,8 @@ def import_without_compiling(module: str) -> bool:
 
     DeepSpeed imports its Muon optimizer every time it builds a ZeRO engine (for an isinstance check), and that
     module wraps three functions in ``torch.compile`` as it is imported: the first ``torch.compile`` of a process
-    imports inductor's compiler, 1.1-1.5 s of CPU on every rank of every run, for an optimizer this project never
-    builds. Deferred, a wrapped function compiles when first called, as it would have anyway. Returns whether the
+    imports inductor's compiler, about 2 CPU-s on every rank of every run (docs/testing.md), for an optimizer this
+    project never builds. Deferred, a wrapped function compiles when first called, as it would have anyway. Returns whether the
     module was imported here (False: imported already, or absent)."""
     if module in sys.modules:
         return False
