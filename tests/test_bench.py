@@ -61,6 +61,9 @@ def test_benchmark_runs_quick(name, tmp_path):
             assert len(row["ranks"]) == 4 and {r["grid"] == report["grid"] for r in row["ranks"]} == {True}
             held = sum(r["rows"] for r in row["ranks"][:size])  # one group's shares make the whole video
             assert held == rows[(1, 1)]["ranks"][0]["rows"] and row["plan_cpu_s"] > 0
+            # the host's floor: the run's own CPU seconds over the cores, against one thread's wall time
+            assert row["host_floor_vs_1_thread"] == pytest.approx(
+                row["alone_cpu_s"] / report["cores"] / rows[(size, 1)]["alone_wall_s"])
     if name == "flex_shapes":
         assert report["summary"]["compiles_after_call_3"] == 0
         assert report["environment"]["flush_denormal"] is True
