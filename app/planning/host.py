@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass
 
 KEYFRAME_INTERVAL = 250  # x264's default GOP (frames between keyframes)
 # what each decoding thread of one video beyond the first adds, as a share of one thread's work: 2 threads took
-# 0.66-0.72x of one's wall time (scripts/bench.sh host_decode, a 720p clip on this 2-core CPU; the resize already
-# on torch's 2 threads in both); more threads on more cores are priced alike, unmeasured
+# 0.65-0.72x of one's wall time (scripts/bench.sh host_decode, a 720p clip on this 2-core CPU, whose 2 cores set a
+# floor of 0.62-0.67x: one thread keeps 1.4 cores busy, decord decoding ahead while it resizes); more threads on more
+# cores are priced alike, unmeasured
 THREAD_GAIN = 0.45
 BITRATE_CLASSES = {"low": 1.0, "medium": 1.5, "high": 2.5}  # decode cost against the measured clip's: a guess
 
