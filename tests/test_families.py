@@ -265,11 +265,12 @@ def test_a_shared_rollout_draws_the_tokens_of_per_question_prompts(family, decod
 @pytest.mark.parametrize("family", VL_FAMILIES)
 def test_a_family_in_bf16_is_as_close_to_float32_as_the_repeated_layout(family, tiny_checkpoints, videos):
     """bfloat16: the family's log-probs and gradients are judged against a float32 forward of the same weights,
-    as every grouped forward is (``precision.compare_to_reference``; gradients within 1.5x of repeated's error)."""
+    as every grouped forward is (``precision.compare_to_reference``; gradients within 1.5x of repeated's error plus
+    bf16's roundoff: ``tests.test_bf16.grad_excess``)."""
     import copy
 
     from app.grouping import compare_to_reference
-    from tests.test_bf16 import GRAD_RATIO, grad_error
+    from tests.test_bf16 import grad_excess
 
     model, prompts, ids, mask, sizes = family_case(family, tiny_checkpoints, videos, [0, 0, 0, 1], seed=7)
     model32 = model.to(torch.bfloat16).float()
@@ -282,10 +283,9 @@ def test_a_family_in_bf16_is_as_close_to_float32_as_the_repeated_layout(family, 
     shared, grads = scores_and_grads(model16, prompts, ids, mask, sizes, families=[3, 1])
     comparison = compare_to_reference(shared.logprobs.float(), repeated.logprobs.float(), reference.logprobs, mask)
     assert comparison.repeated_mean > 1e-4 and comparison.passes(), comparison.describe()
-    ours = grad_error({n: g.float() for n, g in grads.items()}, ref_grads)
-    theirs = grad_error({n: g.float() for n, g in rep_grads.items()}, ref_grads)
-    worst = max(ref_grads, key=lambda n: ours[n] / max(theirs[n], 1e-12))
-    assert ours[worst] / max(theirs[worst], 1e-12) <= GRAD_RATIO, (worst, ours[worst], theirs[worst])
+    worst, excess, ours, theirs = grad_excess({n: g.float() for n, g in grads.items()},
+                                              {n: g.float() for n, g in rep_grads.items()}, ref_grads)
+    assert excess <= 0, (worst, ours, theirs)
 
 
 @pytest.mark.parametrize("setup", ["lora", "frozen_tower"])
