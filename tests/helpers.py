@@ -129,6 +129,37 @@ def cut_back_copy(run_dir, to, step: int):
     return to
 
 
+def killed_at_random(command: list[str], out, env: dict, took: float, rng, share: tuple[float, float]) -> float:
+    """``command`` (a launcher writing to ``out``) started in its own session and killed (SIGKILL to its process
+    group) after ``rng.uniform(*share) * took`` seconds, ``took`` being an uninterrupted run's time; the delay used.
+    A run that ends well before the kill is started again once, into an emptied ``out``, with the delay drawn from
+    that run's own time: the uninterrupted run's may hold one-off work the next run skips (a JIT build of DeepSpeed's
+    communication op where the environment lacked it)."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for _ in range(2):
+        delay, began = rng.uniform(*share) * took, time.perf_counter()
+        process = subprocess.Popen(command, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   env={**os.environ, **env}, start_new_session=True)
+        try:
+            process.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return delay
+        if process.returncode != 0:
+            raise AssertionError(f"the run failed before the kill at {delay:.1f} s (exit {process.returncode})")
+        took = time.perf_counter() - began
+        shutil.rmtree(out, ignore_errors=True)
+    raise AssertionError(f"the run ended before the kill at {delay:.1f} s twice (exit {process.returncode})")
+
+
 @contextlib.contextmanager
 def world_of_one(monkeypatch):
     """A DeepSpeed world of one in this process (for in-process recipe tests); torn down afterwards, and the

@@ -162,3 +162,16 @@ def test_launch_scripts_pass_arguments_through_untouched(script, tmp_path):
     received = json.loads(record.read_text())
     assert received[-len(args):] == args, received
     assert not canary.exists()
+
+
+def test_a_run_that_ends_before_its_kill_is_killed_on_a_second_start_drawn_from_its_own_time(tmp_path):
+    """``killed_at_random``: the uninterrupted run's time held one-off work (here: the first start only marks the
+    folder), so the first start ends before the kill; the second, drawn from that start's time, is killed."""
+    from tests.helpers import killed_at_random
+
+    out, marker = tmp_path / "out", tmp_path / "built"
+    script = f"mkdir -p {out}; if [ -e {marker} ]; then sleep 30; else touch {marker}; fi"
+    delay = killed_at_random(["bash", "-c", script], out, {}, 20.0, random.Random(0), (0.3, 0.8))
+    assert marker.exists() and delay < 1.0  # the first draw was 6-16 s: the second start's own time was used
+    with pytest.raises(AssertionError, match="failed before the kill"):
+        killed_at_random(["bash", "-c", "exit 3"], out, {}, 20.0, random.Random(0), (0.3, 0.8))

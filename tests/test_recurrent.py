@@ -436,8 +436,6 @@ def test_qwen3_5_through_the_launchers_killed_and_resumed_then_evaluated(tmp_pat
     seeded random moment and resumed, it ends bit for bit at the uninterrupted run's weights, which training moved;
     scripts/eval.sh scores the final model on held-out videos."""
     import json
-    import os
-    import signal
     import subprocess
     import time
 
@@ -445,6 +443,7 @@ def test_qwen3_5_through_the_launchers_killed_and_resumed_then_evaluated(tmp_pat
 
     from app.data.synthetic import generate
     from app.runtime.models import build_tiny_checkpoint
+    from tests.helpers import killed_at_random
     from tests.test_trainer import ROOT, run
 
     checkpoint = build_tiny_checkpoint(tmp_path / "tiny", "qwen3_5", seed=0)
@@ -471,14 +470,7 @@ def test_qwen3_5_through_the_launchers_killed_and_resumed_then_evaluated(tmp_pat
     took = time.perf_counter() - start
     rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["tokens/shared_video"] > 0 for r in rows)
-    process = subprocess.Popen(launch(tmp_path / "resumed"), cwd=ROOT, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, env={**os.environ, **env}, start_new_session=True)
-    try:
-        process.wait(timeout=random.Random(73).uniform(0.4, 0.8) * took)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    assert process.returncode == -signal.SIGKILL, "the run ended before the kill"
+    killed_at_random(launch(tmp_path / "resumed"), tmp_path / "resumed", env, took, random.Random(73), (0.4, 0.8))
     run(launch(tmp_path / "resumed", "train.resume=true"), env=env, timeout=900)
     straight, resumed = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("straight", "resumed"))
     initial = load_file(str(checkpoint / "model.safetensors"))

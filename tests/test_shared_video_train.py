@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import time
 
 import pytest
@@ -158,12 +156,11 @@ def kill_resume_equals_straight(shared_assets, tmp_path, settings: dict, seed: i
     it leaves a run); the resumed run ends bit for bit at the straight run's weights, which training moved.
     ``check(out, stderr)`` looks at the straight run first."""
     import random
-    import subprocess
 
     from safetensors.torch import load_file
 
-    from tests.helpers import cut_back_copy
-    from tests.test_trainer import ROOT, run
+    from tests.helpers import cut_back_copy, killed_at_random
+    from tests.test_trainer import run
 
     env = {"NPROC_PER_NODE": "4"}
 
@@ -179,15 +176,8 @@ def kill_resume_equals_straight(shared_assets, tmp_path, settings: dict, seed: i
     if seed is None:
         cut_back_copy(tmp_path / "straight", tmp_path / "resumed", 1)
     else:
-        delay = random.Random(seed).uniform(0.3, 0.8) * took  # somewhere in start-up, a step or a save
-        process = subprocess.Popen(launch(tmp_path / "resumed"), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL, env={**os.environ, **env}, start_new_session=True)
-        try:
-            process.wait(timeout=delay)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        assert process.returncode == -signal.SIGKILL, f"the run ended before the kill at {delay:.1f} s"
+        # somewhere in start-up, a step or a save
+        killed_at_random(launch(tmp_path / "resumed"), tmp_path / "resumed", env, took, random.Random(seed), (0.3, 0.8))
     resumed_run = run(launch(tmp_path / "resumed", **{"train.resume": True}), env=env, timeout=900)
     if seed is None:
         assert "step-0000001" in resumed_run.stderr
