@@ -83,8 +83,9 @@ def grad_excess(grads, other, reference) -> tuple[str, float, float, float]:
     """The parameter whose gradient error against ``reference`` (float32) most exceeds the bound that ``other``'s
     (a bf16 layout's own) sets: GRAD_RATIO x its error + GRAD_FLOOR. (name, excess: > 0 fails, error, other's)."""
     ours, theirs = grad_error(grads, reference), grad_error(other, reference)
-    worst = max(reference, key=lambda n: ours[n] - GRAD_RATIO * theirs[n] - GRAD_FLOOR)
-    return worst, ours[worst] - GRAD_RATIO * theirs[worst] - GRAD_FLOOR, ours[worst], theirs[worst]
+    excess = {n: ours[n] - GRAD_RATIO * theirs[n] - GRAD_FLOOR for n in reference}
+    worst = max(excess, key=excess.get)
+    return worst, excess[worst], ours[worst], theirs[worst]
 
 
 @pytest.mark.parametrize("backend", usable_backends("cpu"))

@@ -24,7 +24,6 @@ of one thread's wall time.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -187,8 +186,8 @@ def run(out: Path, quick: bool) -> None:
         row["alone_cpu_s"] = statistics.median(r["cpu_s"] for r in mine)
         # each trial runs 1 then 2 threads back to back: the median of its pairs' ratios (this machine's speed drifts)
         row["alone_wall_vs_1_thread"] = statistics.median(a["wall_s"] / b["wall_s"] for a, b in zip(mine, single))
-        row["host_floor_vs_1_thread"] = host_floor(row["alone_cpu_s"], cores,
-                                                   statistics.median(r["wall_s"] for r in single))
+        single_wall = statistics.median(r["wall_s"] for r in single)
+        row["host_floor_vs_1_thread"] = host_floor(row["alone_cpu_s"], cores, single_wall)
         row.update({k: v for k, v in plans[(row["S"], row["threads"])].items() if k != "rates"})
     goals = {"cpu_S2_at_most_0.6x": max(r["cpu_vs_s1"] for r in rows if r["S"] == 2) <= 0.6,
              "cpu_S4_at_most_0.35x": max(r["cpu_vs_s1"] for r in rows if r["S"] == 4) <= 0.35,
@@ -199,7 +198,7 @@ def run(out: Path, quick: bool) -> None:
                "alone_wall_vs_1_thread", "host_floor_vs_1_thread", "peak_above_gib", "pixels_gib", "plan_host_gib"]
     formats = {c: ".2f" for c in columns if c not in ("S", "threads")}
     formats.update(peak_above_gib=".3f", pixels_gib=".3f", plan_host_gib=".3f")
-    table = (f"Data path per rank: {clip.name} ({megabits:.2f} Mbit/s), grid {grid}, on {os.cpu_count()} cores; "
+    table = (f"Data path per rank: {clip.name} ({megabits:.2f} Mbit/s), grid {grid}, on {cores} cores; "
              f"cpu/wall/peak: the busiest of {PROCESSES} processes at once; alone: rank 0 by itself, median of "
              f"{shape['trials']}\n\n" + markdown_table(rows, columns, formats)
              + "\n\nGoals: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in goals.items())
