@@ -21,13 +21,13 @@ QUESTIONS = [
 
 
 def patch_size(family: str) -> int:
-    return 16 if family == "qwen3_vl" else 14
+    return 16 if family in ("qwen3_vl", "qwen3_vl_moe") else 14
 
 
 # Qwen3.5's GDN layers turn std-0.2 weights into a recurrence that amplifies float32 rounding past the 1e-4 the
 # layouts are held to (a gradient of a 16-element norm weight 1.03e-4 apart with one kernel on both sides); 0.1 keeps
 # its attention layer's positions and its states far from uniform.
-SHARPEN = {"qwen3_5": 0.1}
+SHARPEN = {"qwen3_5": 0.1, "qwen3_5_moe": 0.1}
 
 
 def load(family: str, checkpoints, sharpen: float | None | str = "family"):
@@ -327,16 +327,20 @@ def exact_delta_rule():
     """``delta_rule_reference`` as THE chunked delta rule for the block: transformers' (what the repeated layout and
     ``generate`` run) and the grouped forward's torch kernel alike."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe  # Qwen3.5-MoE's GDN calls its own copy
 
     import app.grouping.recurrent.kernels as kernels
 
-    previous = modeling_qwen3_5.torch_chunk_gated_delta_rule, kernels.torch_chunk_rule
+    previous = (modeling_qwen3_5.torch_chunk_gated_delta_rule, modeling_qwen3_5_moe.torch_chunk_gated_delta_rule,
+                kernels.torch_chunk_rule)
     modeling_qwen3_5.torch_chunk_gated_delta_rule = delta_rule_reference
+    modeling_qwen3_5_moe.torch_chunk_gated_delta_rule = delta_rule_reference
     kernels.torch_chunk_rule = lambda: delta_rule_reference
     try:
         yield
     finally:
-        modeling_qwen3_5.torch_chunk_gated_delta_rule, kernels.torch_chunk_rule = previous
+        (modeling_qwen3_5.torch_chunk_gated_delta_rule, modeling_qwen3_5_moe.torch_chunk_gated_delta_rule,
+         kernels.torch_chunk_rule) = previous
 
 
 def fla_conv_stand_in(x, weight=None, bias=None, activation=None, initial_state=None, cu_seqlens=None, **kwargs):

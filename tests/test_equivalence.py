@@ -32,6 +32,8 @@ PROMPT_KINDS = {
     "qwen3_5": ["video", "image", "text"],
     "qwen2": ["text", "text", "text"],
     "qwen3": ["text", "text", "text"],
+    "qwen3_vl_moe": ["video", "image", "text"],
+    "qwen3_5_moe": ["image", "video", "text"],
 }
 
 

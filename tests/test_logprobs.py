@@ -23,7 +23,7 @@ def _run(model, prompts, ids, mask, sizes, mode, chunk_size, temperature):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3_vl_moe", "qwen3_5_moe"])
 def test_chunked_equals_full_logits(family, mode, tiny_checkpoints, videos):
     model, prompts, ids, mask, sizes = make_case(family, tiny_checkpoints, videos, seed=5)
     full_lp, full_entropy, full_grads = _run(model, prompts, ids, mask, sizes, mode, 0, 0.7)

@@ -77,7 +77,7 @@ def scores_and_grads(model, tree, mode, backend=None):
     return scores, grads
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"])
 def case(request, tiny_checkpoints, videos):
     model, processor = load(request.param, tiny_checkpoints)
     tree = build_tree(request.param, processor, videos)

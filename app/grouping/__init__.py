@@ -24,18 +24,15 @@ from app.grouping.attention import (
     register,
     usable_backends,
 )
+from app.grouping.checks.selfcheck import GroupingMismatchError, SelfCheck, text_before_media, verify_grouping
 from app.grouping.decoding.decode import GroupedDecoder, idle_forward
 from app.grouping.decoding.static import DECODE_MODES, StaticSteps, decode_mode
 from app.grouping.forward import (
     DEFAULT_CHUNK_SIZE,
     MODES,
     CompletionScores,
-    GroupingMismatchError,
-    SelfCheck,
     completion_logprobs,
     repeated_inputs,
-    text_before_media,
-    verify_grouping,
 )
 from app.grouping.layout import GroupLayout, LayoutError, normalize_group_sizes
 from app.grouping.modules import attention_restored, set_text_attention, text_config, unwrap

@@ -13,13 +13,15 @@ batch: each completion gets its own row [P;Ri] with its own copy of the prompt a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from app.grouping import attention
+from app.grouping.experts.routing import ROUTER_STATISTICS, Routed, Routing, check_routing
+from app.grouping.experts.routing import install as install_routing
+from app.grouping.experts.statistics import token_repeats
 from app.grouping.families import check_shared_positions, family_layout
-from app.grouping.layout import GroupLayout, LayoutError
+from app.grouping.layout import GroupLayout, LayoutError, normalize_group_sizes
 from app.grouping.logprobs import CompletionScores, head_returns_logprobs
 from app.grouping.modules import keeps_attention_unless_grad, set_text_attention, text_config, unwrap
 from app.grouping.positions import (
@@ -29,15 +31,10 @@ from app.grouping.positions import (
     prompt_positions,
     rope_index_owner,
 )
-from app.grouping.precision import PrecisionComparison, compare_to_reference, float32_forward, parameter_dtype
 from app.grouping.vision.calls import aligned_vision_calls
 
 MODES = ("grouped", "repeated")
 DEFAULT_CHUNK_SIZE = 1024  # completion tokens per output-head chunk: never [tokens, vocab] logits by default
-
-
-class GroupingMismatchError(RuntimeError):
-    """The grouped forward disagreed with the repeated forward beyond tolerance."""
 
 
 def split_vision_inputs(model, prompts: Mapping) -> list[dict]:
@@ -113,7 +110,7 @@ def _head_logprobs(model, forward, targets, select, *, temperature, chunk_size, 
 
 
 def _grouped(model, prompts, completion_ids, layout: GroupLayout, *, backend, temperature, return_logits,
-             return_entropy, extra_forward_kwargs, chunk_size=0, vision=None):
+             return_entropy, extra_forward_kwargs, chunk_size=0, vision=None, routed: Routed | None = None):
     device = completion_ids.device
     set_text_attention(model, attention.ATTENTION_NAME)
     plan = attention.GroupedAttentionPlan(layout, backend or attention.default_backend(device))
@@ -131,6 +128,9 @@ def _grouped(model, prompts, completion_ids, layout: GroupLayout, *, backend, te
             prompts["mm_token_type_ids"], torch.zeros_like(completion_ids))[None]
     predict = layout.predict_index.to(device)
     targets = completion_ids.flatten().index_select(0, layout.target_index.to(device))
+    if routed is not None and routed.shape is not None:
+        kwargs.update(routed.plan_for(routed.replay.for_packed(layout) if routed.replay is not None else None,
+                                      token_repeats(layout).to(device)))
 
     def forward():
         return model(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False,
@@ -169,9 +169,13 @@ def repeated_inputs(model, prompts: Mapping, completion_ids, completion_mask, gr
 
 
 def _repeated(model, prompts, completion_ids, completion_mask, layout: GroupLayout, *, temperature, return_logits,
-              return_entropy, extra_forward_kwargs, chunk_size=0):
+              return_entropy, extra_forward_kwargs, chunk_size=0, routed: Routed | None = None):
     set_text_attention(model, "sdpa")
     batch = repeated_inputs(model, prompts, completion_ids, completion_mask, layout.group_sizes)
+    if routed is not None and routed.shape is not None:
+        extra_forward_kwargs = {**extra_forward_kwargs, **routed.plan_for(
+            routed.replay.for_repeated(layout.group_sizes) if routed.replay is not None else None,
+            batch["attention_mask"].flatten().float())}
     if rope_index_owner(unwrap(model)) is None:
         batch["position_ids"] = (batch["attention_mask"].long().cumsum(-1) - 1).clamp_min(0)
     else:  # the ids of [P;Ri] placed as Qwen places them (positions.continue_after_media), not as transformers 5.x does
@@ -225,6 +229,9 @@ def completion_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     sequence_parallel=None,
     families: Sequence[int] | None = None,
+    routing: Routing | None = None,
+    router_statistics: str = "off",
+    record_routing: bool = False,
     **forward_kwargs,
 ) -> CompletionScores:
     """Log-probs of each completion token given its prompt, through the grouped or the repeated layout.
@@ -246,6 +253,13 @@ def completion_logprobs(
     share: ``families.shared_prefix_lengths``) and its media once; the same numbers as without, sequence-parallel
     too (the family's row is sharded like any other). None: none share.
     Repeated mode ignores it (its rows are [P;Ri] either way).
+    Mixture-of-experts models (``experts``; ignored by a dense model): ``routing`` (a ``Routing``) routes every
+    token to its recorded experts (the gate weights recomputed over them from the current router); checked first
+    (``experts.routing.check_routing``: a token without a record stops it, naming the prompt).
+    ``router_statistics``: ``metrics`` or ``loss`` (differentiable probabilities) returns the router's sums per
+    sparse layer over the repeated layout's tokens (``scores.router``: a shared prompt token counts once per
+    response, the same numbers in both modes). ``record_routing`` returns the experts each token went to
+    (``scores.routing``: a ``Routing``).
     """
     if mode not in MODES:
         raise ValueError(f"unknown grouping mode {mode!r}; expected one of {MODES}")
@@ -263,6 +277,16 @@ def completion_logprobs(
             "differ in shape"
         )
     _refuse_placeholders_in_completions(model, completion_ids, completion_mask)
+    if router_statistics not in ROUTER_STATISTICS:
+        raise ValueError(f"unknown router_statistics {router_statistics!r}; expected one of {ROUTER_STATISTICS}")
+    routed = Routed(routing, router_statistics, record_routing)
+    if routed.wanted:
+        routed.shape = install_routing(model)
+        if routed.shape is None and routing is not None:
+            raise LayoutError(f"a routing record was given, but {type(unwrap(model)).__name__} has no sparse layers")
+        if routing is not None:
+            sizes = normalize_group_sizes(group_sizes, prompts["input_ids"].shape[0], completion_ids.shape[0])
+            check_routing(routing, routed.shape, prompts["attention_mask"], completion_mask, group_sizes=sizes)
     sharing = mode == "grouped" and families is not None and any(size > 1 for size in families)
     if sequence_parallel is not None and sequence_parallel.size > 1:
         if mode != "grouped" or return_logits or forward_kwargs:
@@ -273,141 +297,21 @@ def completion_logprobs(
         return sequence_parallel_scores(model, prompts, completion_ids, completion_mask, group_sizes,
                                         sequence_parallel, backend=backend, temperature=temperature,
                                         return_entropy=return_entropy, vision_calls=vision_calls,
-                                        chunk_size=chunk_size, families=families)
+                                        chunk_size=chunk_size, families=families, routed=routed)
     layout, vision = family_layout(model, prompts, completion_mask, group_sizes, families if sharing else None)
     with aligned_vision_calls(model, prompts if vision is None else vision, vision_calls):
         settings = dict(temperature=temperature, return_logits=return_logits, return_entropy=return_entropy,
                         extra_forward_kwargs=forward_kwargs, chunk_size=chunk_size)
         if mode == "grouped":
             logprobs, logits, entropy = _grouped(model, prompts, completion_ids, layout, backend=backend,
-                                                 vision=vision, **settings)
+                                                 vision=vision, routed=routed, **settings)
+            to_record = lambda ids: Routing.from_packed(layout, ids, routed.shape.layers)  # noqa: E731
         else:
-            logprobs, logits, entropy = _repeated(model, prompts, completion_ids, completion_mask, layout, **settings)
+            logprobs, logits, entropy = _repeated(model, prompts, completion_ids, completion_mask, layout,
+                                                  routed=routed, **settings)
+            to_record = lambda ids: Routing.from_repeated(  # noqa: E731
+                ids, prompts["input_ids"].shape[1], layout.group_sizes, routed.shape.layers,
+                prompts["attention_mask"], completion_mask)
+    router, recorded = routed.results(to_record)
     return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), logits=logits, layout=layout,
-                            entropy=entropy)
-
-
-@dataclass
-class SelfCheck:
-    """Outcome of ``verify_grouping``: what was compared and by how much."""
-
-    dtype: torch.dtype
-    max_diff: float  # max |grouped - repeated| log-prob
-    comparison: PrecisionComparison | None = None  # low precision: both layouts against float32
-
-    def describe(self) -> str:
-        text = f"{self.dtype}: max |grouped - repeated| log-prob {self.max_diff:.3g}"
-        return f"{text}; {self.comparison.describe()}" if self.comparison is not None else text
-
-
-SELF_CHECK_COMPLETION_TOKENS = 32
-
-
-def text_before_media(model, prompts, completion_ids, completion_mask,
-                      completion_tokens: int = SELF_CHECK_COMPLETION_TOKENS):
-    """A short batch cut from a micro-batch for a self-check that must fit on one rank (sequence parallelism: the
-    whole row needs S ranks): each prompt up to its first image or video (the chat preamble and any text before the
-    media), each completion's first ``completion_tokens`` tokens. Checks the grouped layout, positions, attention
-    backend and dtype on this model; not the vision tower. Returns (prompts, completion_ids, completion_mask)."""
-    config = unwrap(model).config
-    start = getattr(config, "vision_start_token_id", None)
-    rows = []
-    for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"]):
-        real = ids[mask.bool()]
-        cut = (real == start).nonzero() if start is not None else real.new_zeros(0, 1)
-        rows.append(real[: int(cut[0, 0])] if len(cut) else real)
-    width = max(len(r) for r in rows)
-    padded = prompts["input_ids"][prompts["attention_mask"] == 0]
-    pad = int(padded[0]) if padded.numel() else 0  # the batch's own pad id
-    input_ids = prompts["input_ids"].new_full((len(rows), width), pad)
-    attention = prompts["attention_mask"].new_zeros((len(rows), width))
-    for b, row in enumerate(rows):  # left-padded, as the processor pads
-        input_ids[b, width - len(row):] = row
-        attention[b, width - len(row):] = 1
-    cut_prompts = {"input_ids": input_ids, "attention_mask": attention}
-    if "mm_token_type_ids" in prompts:
-        cut_prompts["mm_token_type_ids"] = torch.zeros_like(input_ids)
-    keep = min(completion_tokens, completion_ids.shape[1])
-    return cut_prompts, completion_ids[:, :keep], completion_mask[:, :keep]
-
-
-def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes, *, backend: str | None = None,
-                    rtol: float = 1e-4, atol: float = 1e-5, families: Sequence[int] | None = None) -> SelfCheck:
-    """Run both layouts on one batch; raise GroupingMismatchError when grouped is wrong. Returns a ``SelfCheck``.
-
-    float32 parameters: grouped and repeated must agree per token within ``atol + rtol * |log-prob|``.
-    Lower precision (bf16, fp16): both are roundings of one function, so both are compared with a float32 forward
-    of the same weights (``precision.float32_forward``) and grouped must be no worse than repeated
-    (``precision.MEAN_RATIO`` / ``MAX_RATIO``). Costs one repeated forward (two in low precision), once.
-    ``families``: the grouped side packs them as ``completion_logprobs`` does (questions sharing a video).
-    """
-    previous = text_config(model)._attn_implementation
-    dtype = parameter_dtype(model)
-    chosen = backend or attention.default_backend(completion_ids.device)
-    try:
-        with torch.no_grad():
-            grouped = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped",
-                                          backend=backend, families=families).logprobs.float()
-            repeated = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes,
-                                           "repeated").logprobs.float()
-            comparison = None
-            if dtype != torch.float32:
-                with float32_forward(model):
-                    reference = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes,
-                                                    "repeated").logprobs
-                comparison = compare_to_reference(grouped, repeated, reference, completion_mask)
-    finally:
-        set_text_attention(model, previous)
-    diff = (grouped - repeated).abs()
-    result = SelfCheck(dtype, float(diff.max()), comparison)
-    where = f"backend={chosen}, model={type(unwrap(model)).__name__}, dtype={dtype}"
-    if comparison is not None:
-        if not comparison.passes():
-            raise GroupingMismatchError(
-                f"grouped log-probs are further from a float32 forward of the same weights than repeated ones: "
-                f"{comparison.describe()} ({where})." + _diagnosis(model, prompts, completion_ids, completion_mask,
-                                                                 group_sizes, backend=backend, families=families,
-                                                                 dtype=dtype))
-        return result
-    bound = atol + rtol * repeated.abs()
-    if bool((diff > bound).any()):
-        n, j = divmod(int((diff - bound).argmax()), diff.shape[1])
-        raise GroupingMismatchError(
-            f"grouped and repeated log-probs differ by {float(diff.max()):.3g} (completion {n}, token {j}; "
-            f"rtol={rtol}, atol={atol}; {where})." + _diagnosis(model, prompts, completion_ids, completion_mask,
-                                                              group_sizes, backend=backend, families=families,
-                                                              dtype=dtype))
-    return result
-
-
-def _diagnosis(model, prompts, completion_ids, completion_mask, group_sizes, *, backend, families, dtype) -> str:
-    """After a failed check: which layer kind differed (each decoder layer's token mixer compared at the completion
-    tokens, ``precision.differing_layers``) and the advice that fits it."""
-    from app.grouping.precision import describe_layers, differing_layers
-
-    previous = text_config(model)._attn_implementation
-    sharing = families is not None and any(size > 1 for size in families)
-    layout = family_layout(model, prompts, completion_mask, group_sizes, families if sharing else None)[0]
-    try:
-        with torch.no_grad():
-            found = differing_layers(
-                model,
-                lambda: completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped",
-                                            backend=backend, families=families),
-                lambda: completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "repeated"),
-                layout, prompts["input_ids"].shape[1])
-    except Exception as error:  # the diagnosis must never hide the mismatch itself
-        found, text = [], f" (the layer-by-layer diagnosis failed: {error})"
-    else:
-        text = ""
-    finally:
-        set_text_attention(model, previous)
-    sentence, kind = describe_layers(found, dtype)
-    if kind == "linear_attention":
-        advice = (" The attention backend cannot change a Gated DeltaNet layer: its segments' recurrent states or "
-                  "conv inputs were handed on wrongly (app.grouping.recurrent). Train with forward.grouping=repeated "
-                  "until it is fixed, or skip this check only if you accept training on log-probs that may be wrong.")
-    else:
-        advice = (" Try backend 'masked' (the plain reference backend) to tell a backend fault from a layout fault; "
-                  "skip this check only if you accept training on log-probs that may be wrong.")
-    return sentence + text + advice
+                            entropy=entropy, router=router, routing=recorded)

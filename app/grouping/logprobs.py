@@ -32,6 +32,8 @@ class CompletionScores:
     logits: torch.Tensor | None = None  # [N, Lc, V] when requested, 0 at padding
     layout: Any = None  # the GroupLayout
     entropy: torch.Tensor | None = None  # [N, Lc] entropy of each token's (tempered) distribution, no gradient
+    router: Any = None  # a MoE model's experts.statistics.RouterStatistics, when asked
+    routing: Any = None  # a MoE model's experts.routing.Routing (the experts each token went to), when asked
 
 
 def _scaled_logits(hidden, weight, bias, temperature: float) -> torch.Tensor:

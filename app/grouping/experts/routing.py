@@ -1,0 +1,288 @@
+"""Which experts each token went to: recorded in a forward, replayed in another, counted per logical token.
+
+- ``Routing``: the record, layout-independent: ``prompt`` [B, Lp, S, k] aligned with the (left-padded) prompt ids
+  and ``completion`` [N, Lc, S, k] aligned with the (right-padded) completion ids, int16 (an expert id, or -1 where
+  there is no token or nothing was recorded). A grouped row and the repeated rows read the same record through
+  ``for_packed`` / ``for_repeated``; ``from_packed`` / ``from_repeated`` turn a forward's own order back into it.
+- ``RoutePlan``: what one forward does at its sparse layers: replay given expert ids (the gate weights recomputed
+  from the current router's logits over those experts, so the router still learns: Rollout Routing Replay, arXiv
+  2510.11370), record the ids it used, sum router statistics per token weight (``statistics.layer_sums``).
+- ``install``: the instance patches that make a plan work. Each sparse decoder layer's ``forward`` takes the plan
+  from its keyword arguments (``ROUTING_KWARG``, popped there: attention never sees it) and hands it to its router
+  for the layer's call; activation checkpointing's recompute calls the layer with the same arguments, so a replay
+  holds in backward too, and the recompute runs the same operations (its record and sums are not kept twice).
+  Without a plan the class's forwards run.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from app.grouping.experts.blocks import ExpertShape, expert_shape, sparse_layers
+from app.grouping.experts.statistics import RouterStatistics, layer_sums
+from app.grouping.layout import LayoutError
+
+ROUTING_KWARG = "prefix_grouping_routing"
+ROUTER_STATISTICS = ("off", "metrics", "loss")  # a forward's router sums: none, detached, differentiable
+MARK = "_prefix_grouping_routing"
+_ACTIVE = "_prefix_grouping_route"  # on a router, for the duration of its layer's call: (plan, layer index)
+MISSING = -1
+
+
+class RoutingError(LayoutError):
+    """A routing record that does not cover a forward's tokens (missing, out of range, another shape): the message
+    names the prompt."""
+
+
+@dataclass
+class Routing:
+    """Routed expert ids per token and sparse layer, in the prompts' and completions' own coordinates."""
+
+    prompt: torch.Tensor  # [B, Lp, S, k] int16
+    completion: torch.Tensor  # [N, Lc, S, k] int16
+    layers: tuple[int, ...]  # decoder layer index of each of the S sparse layers
+
+    @property
+    def top_k(self) -> int:
+        return int(self.prompt.shape[-1])
+
+    def to(self, device) -> Routing:
+        return Routing(self.prompt.to(device), self.completion.to(device), self.layers)
+
+    def bytes(self) -> int:
+        return self.prompt.numel() * self.prompt.element_size() + self.completion.numel() * \
+            self.completion.element_size()
+
+    # ---- a layout's token order ----------------------------------------------------------------------------
+    def for_packed(self, layout) -> torch.Tensor:
+        """[T, S, k] in the packed row's order (``GroupLayout.pack``)."""
+        return layout.pack(self.prompt, self.completion)
+
+    def for_repeated(self, group_sizes: Sequence[int]) -> torch.Tensor:
+        """[N * (Lp + Lc), S, k]: the repeated rows [P_g(n); R_n], flattened as the model flattens its tokens."""
+        group = torch.repeat_interleave(torch.arange(len(group_sizes)), torch.tensor(list(group_sizes)))
+        rows = torch.cat([self.prompt[group.to(self.prompt.device)], self.completion], dim=1)
+        return rows.flatten(0, 1)
+
+    @staticmethod
+    def from_packed(layout, packed: torch.Tensor, layers: Sequence[int]) -> Routing:
+        """The record of a packed forward's [T, S, k] ids. A family's later questions hold its shared tokens V as
+        the first question does (the row holds V once)."""
+        b, lp, n, lc = layout.num_groups, layout.prompt_width, layout.num_completions, layout.completion_width
+        flat = packed.new_full((b * lp + n * lc, *packed.shape[1:]), MISSING)
+        flat[layout.pack_index.to(packed.device)] = packed
+        prompt, completion = flat[: b * lp].view(b, lp, *packed.shape[1:]), flat[b * lp:].view(n, lc, *packed.shape[1:])
+        g = 0
+        for size, shared in zip(layout.families, layout.shared_lens):
+            first = lp - layout.prefix_lens[g]
+            for m in range(g + 1, g + size):
+                start = lp - layout.prefix_lens[m]
+                prompt[m, start:start + shared] = prompt[g, first:first + shared]
+            g += size
+        return Routing(prompt, completion, tuple(layers))
+
+    @staticmethod
+    def from_repeated(rows: torch.Tensor, prompt_width: int, group_sizes: Sequence[int], layers: Sequence[int],
+                      prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> Routing:
+        """The record of a repeated forward's [N * (Lp + Lc), S, k] ids: each prompt as its group's first row routed
+        it (``disagreements`` tells whether the other rows did the same). Padding is -1."""
+        n = completion_mask.shape[0]
+        rows = rows.view(n, -1, *rows.shape[1:])
+        firsts = torch.tensor([0, *list(torch.tensor(list(group_sizes)).cumsum(0)[:-1].tolist())])
+        prompt = rows[firsts.to(rows.device), :prompt_width].clone()
+        prompt[~prompt_mask.bool().to(rows.device)] = MISSING
+        completion = rows[:, prompt_width:].clone()
+        completion[~completion_mask.bool().to(rows.device)] = MISSING
+        return Routing(prompt, completion, tuple(layers))
+
+
+def disagreements(a: Routing, b: Routing, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> dict:
+    """How many real tokens two records route to different expert SETS in at least one sparse layer (the order of
+    the top-k slots does not matter), and how many (token, layer) decisions differ: prompt and completion tokens."""
+    def differ(x, y, mask):
+        x, y = x.sort(-1).values, y.sort(-1).values
+        per_layer = (x != y).any(-1) & mask.bool().to(x.device)[..., None]
+        return int(per_layer.any(-1).sum()), int(per_layer.sum()), int(mask.sum())
+
+    p_tokens, p_decisions, p_real = differ(a.prompt, b.prompt, prompt_mask)
+    c_tokens, c_decisions, c_real = differ(a.completion, b.completion, completion_mask)
+    layers = len(a.layers)
+    return {"tokens": p_tokens + c_tokens, "decisions": p_decisions + c_decisions, "real_tokens": p_real + c_real,
+            "decisions_total": (p_real + c_real) * layers, "prompt_tokens": p_tokens, "completion_tokens": c_tokens}
+
+
+def check_routing(routing: Routing, shape: ExpertShape, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
+                  name: Callable[[int], str] = lambda g: f"prompt {g}", group_sizes: Sequence[int] | None = None) -> None:
+    """Refuse a record that cannot be replayed on these tokens, naming the prompt: another shape, another model's
+    layers or top-k, an expert id out of range, or a real token without a record (each completion's LAST token may
+    lack one: the rollout never fed it back, and no log-prob depends on its routing)."""
+    b, lp = prompt_mask.shape
+    n, lc = completion_mask.shape
+    s, k = len(shape.layers), shape.top_k
+    if tuple(routing.layers) != tuple(shape.layers) or routing.top_k != k:
+        raise RoutingError(f"the routing record is of sparse layers {list(routing.layers)} with top-{routing.top_k}; "
+                           f"this model routes layers {list(shape.layers)} with top-{k}")
+    if tuple(routing.prompt.shape) != (b, lp, s, k) or tuple(routing.completion.shape) != (n, lc, s, k):
+        raise RoutingError(f"the routing record's shapes {tuple(routing.prompt.shape)} / "
+                           f"{tuple(routing.completion.shape)} do not match the batch's prompts [{b}, {lp}] and "
+                           f"completions [{n}, {lc}] x {s} sparse layers x top-{k}")
+    sizes = list(group_sizes) if group_sizes is not None else [n // b] * b
+    group_of = torch.repeat_interleave(torch.arange(b), torch.tensor(sizes))
+    last = torch.zeros_like(completion_mask, dtype=torch.bool)
+    lengths = completion_mask.long().sum(1)
+    last[torch.arange(n), (lengths - 1).clamp_min(0)] = lengths > 0
+    for part, record, mask, owner in (("prompt", routing.prompt, prompt_mask.bool(), torch.arange(b)),
+                                      ("completion", routing.completion, completion_mask.bool() & ~last, group_of)):
+        record = record.to(mask.device)
+        bad = ((record < 0) | (record >= shape.experts)).any(-1).any(-1) & mask
+        if bool(bad.any()):
+            row, position = (int(v) for v in bad.nonzero()[0])
+            value = record[row, position]
+            what = "has no record" if bool((value < 0).any()) else f"names expert ids {value.unique().tolist()} " \
+                f"of {shape.experts}"
+            raise RoutingError(f"{name(int(owner[row]))}: the routing record of its {part} token {position}"
+                               f"{'' if part == 'prompt' else f' (completion {row})'} {what}; nothing is replayed "
+                               "from another prompt")
+
+
+class RoutePlan:
+    """One forward's routing work at its sparse layers (in ``layers`` order):
+    ``replay`` [T, S, k] expert ids in the forward's token order (-1: route afresh: padding, a completion's last
+    token); ``weights`` [T] each token's repeat count for ``statistics`` (None: no statistics); ``grad``: the
+    statistics' probabilities keep their gradient (a load-balancing loss); ``record``: keep the ids used."""
+
+    def __init__(self, layers: Sequence[int], *, replay: torch.Tensor | None = None,
+                 weights: torch.Tensor | None = None, grad: bool = False, record: bool = False):
+        self.layers = tuple(layers)
+        self.slot = {layer: s for s, layer in enumerate(self.layers)}
+        self.replay, self.weights, self.grad, self.record = replay, weights, grad, record
+        self.indices: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.sums: list[tuple | None] = [None] * len(self.layers)
+
+    def shard(self, start: int, end: int) -> RoutePlan:
+        """The plan of a shard [start, end) of this forward's tokens (sequence parallelism)."""
+        return RoutePlan(self.layers, replay=None if self.replay is None else self.replay[start:end],
+                         weights=None if self.weights is None else self.weights[start:end], grad=self.grad,
+                         record=self.record)
+
+    def route(self, router, hidden_states: torch.Tensor, layer: int, original):
+        s = self.slot[layer]
+        if self.replay is None:
+            logits, scores, indices = original(hidden_states)
+        else:
+            hidden = hidden_states.reshape(-1, router.hidden_dim)
+            logits = F.linear(hidden, router.weight)
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+            recorded = self.replay[:, s].to(logits.device).long()
+            if recorded.shape != (logits.shape[0], router.top_k):
+                raise RoutingError(f"the routing replayed at layer {layer} covers {tuple(recorded.shape)} tokens x "
+                                   f"slots, the forward routes {logits.shape[0]} tokens to {router.top_k} experts")
+            fresh = torch.topk(probs, router.top_k, dim=-1).indices
+            indices = torch.where(recorded >= 0, recorded, fresh)
+            top = probs.gather(-1, indices)
+            scores = (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
+        first = self.indices[s] is None and self.sums[s] is None  # a checkpoint's recompute: the same work, not kept
+        if self.weights is not None:
+            sums = layer_sums(logits, indices, self.weights, self.grad)
+            if first:
+                self.sums[s] = sums
+        if self.record and first:
+            self.indices[s] = indices.detach().to(torch.int16)
+        return logits, scores, indices
+
+    def recorded(self) -> torch.Tensor:
+        """[T, S, k] int16: the ids every sparse layer used."""
+        if any(i is None for i in self.indices):
+            missing = [layer for layer, i in zip(self.layers, self.indices) if i is None]
+            raise RoutingError(f"sparse layers {missing} were not reached by the forward")
+        return torch.stack(self.indices, dim=1)
+
+    def statistics(self, top_k: int) -> RouterStatistics | None:
+        if self.weights is None or any(s is None for s in self.sums):
+            return None
+        return RouterStatistics.stack(self.layers, self.sums, self.weights.sum().to(torch.float32), top_k)
+
+
+@dataclass
+class Routed:
+    """What a forward asks of a MoE model's sparse layers (``completion_logprobs``'s ``routing``,
+    ``router_statistics``, ``record_routing``), and what it got back."""
+
+    replay: Routing | None = None
+    statistics: str = "off"
+    record: bool = False
+    shape: object = None  # the model's experts.blocks.ExpertShape
+    plan: RoutePlan | None = None
+
+    @property
+    def wanted(self) -> bool:
+        return self.replay is not None or self.statistics != "off" or self.record
+
+    def plan_for(self, replay: torch.Tensor | None, weights: torch.Tensor) -> dict:
+        """The forward keyword argument of a plan over tokens whose replayed ids / repeat counts are given."""
+        if self.shape is None:
+            return {}
+        self.plan = RoutePlan(self.shape.layers, replay=replay if self.replay is not None else None,
+                              weights=weights if self.statistics != "off" else None,
+                              grad=self.statistics == "loss", record=self.record)
+        return {ROUTING_KWARG: self.plan}
+
+    def results(self, to_record) -> tuple:
+        """(RouterStatistics or None, Routing or None) of the forward just run; ``to_record`` turns its [T, S, k]
+        ids into a ``Routing``."""
+        if self.plan is None:
+            return None, None
+        stats = self.plan.statistics(self.shape.top_k) if self.statistics != "off" else None
+        return stats, to_record(self.plan.recorded()) if self.record else None
+
+
+def _decoder_layers(model) -> list:
+    """Every text decoder layer (a module with an ``mlp`` beside ``self_attn`` or ``linear_attn``)."""
+    model = getattr(model, "module", model)
+    return [m for m in model.modules() if hasattr(m, "mlp") and (hasattr(m, "self_attn") or hasattr(m, "linear_attn"))]
+
+
+def install(model) -> ExpertShape | None:
+    """Patch the decoder layers and routers of ``model`` (once; idempotent) so that a ``RoutePlan`` in a layer's
+    keyword arguments drives its sparse block's routing (a dense layer of a MoE model just drops it). Returns the
+    model's ``ExpertShape`` (None: a dense model, left unpatched)."""
+    found = {id(s.layer): s for s in sparse_layers(model)}
+    if not found:
+        return None
+    for layer in _decoder_layers(model):
+        if getattr(layer, MARK, False):
+            continue
+        sparse = found.get(id(layer))
+        layer_forward = type(layer).forward.__get__(layer)
+        gate = sparse.block.gate if sparse is not None else None
+
+        def forward(self, *args, _original=layer_forward, _gate=gate, _index=sparse and sparse.index, **kwargs):
+            plan = kwargs.pop(ROUTING_KWARG, None)
+            if plan is None or _gate is None:
+                return _original(*args, **kwargs)
+            object.__setattr__(_gate, _ACTIVE, (plan, _index))
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                _gate.__dict__.pop(_ACTIVE, None)
+
+        object.__setattr__(layer, "forward", types.MethodType(forward, layer))
+        object.__setattr__(layer, MARK, True)
+        if gate is None:
+            continue
+        gate_forward = type(gate).forward.__get__(gate)
+
+        def route(self, hidden_states, _original=gate_forward):
+            active = self.__dict__.get(_ACTIVE)
+            if active is None:
+                return _original(hidden_states)
+            plan, index = active
+            return plan.route(self, hidden_states, index, _original)
+
+        object.__setattr__(gate, "forward", types.MethodType(route, gate))
+    return expert_shape(model)

@@ -1,0 +1,201 @@
+"""Mixture-of-experts models in the grouped layout (app.grouping.experts): every token routed to the same experts as
+in the repeated layout, the router's statistics and load-balancing loss counted per logical token (equal in both
+layouts, exactly), replayed routing, the experts implementations, on the real Qwen3-VL-MoE and Qwen3.5-MoE classes.
+Grouped == repeated of the whole model (log-probs, every gradient) runs in tests/test_equivalence.py,
+test_families.py, test_tree.py and test_logprobs.py, which take both MoE families."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.grouping import completion_logprobs
+from app.grouping.experts.blocks import choose_experts_implementation, expert_shape, sparse_layers
+from app.grouping.experts.routing import Routing, RoutingError, disagreements
+from app.objectives.router import load_balancing_loss, router_metrics
+from app.runtime.models import MOE_FAMILIES, enable_activation_checkpointing
+from tests.helpers import max_rel_diff
+from tests.test_equivalence import make_case
+
+
+def scored(model, case, mode, **kwargs):
+    _, prompts, ids, mask, sizes = case
+    model.zero_grad(set_to_none=True)
+    scores = completion_logprobs(model, prompts, ids, mask, sizes, mode, router_statistics="loss",
+                                 record_routing=True, **kwargs)
+    aux = load_balancing_loss(scores.router)
+    (scores.logprobs.sum() + 10.0 * aux).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return scores, aux.detach(), grads
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_every_token_meets_the_same_experts_and_the_router_counts_logical_tokens(family, checkpointing,
+                                                                                 tiny_checkpoints, videos):
+    """Top-k ids per token and sparse layer equal in both layouts; the router's sums (each prompt token weighted
+    by the responses that share it) and the load-balancing loss equal, and so its gradient, the router's and every
+    expert's included; an expert no token chose has no gradient in either layout."""
+    case = make_case(family, tiny_checkpoints, videos, seed=13)
+    model, prompts, _, mask, sizes = case
+    if checkpointing:
+        enable_activation_checkpointing(model)
+        model.train()
+    shape = expert_shape(model)
+    assert shape is not None and len(shape.layers) >= 2
+    if family == "qwen3_vl_moe":  # mlp_only_layers: dense and sparse layers mixed
+        assert len(shape.layers) < model.config.text_config.num_hidden_layers
+    repeated, repeated_aux, repeated_grads = scored(model, case, "repeated")
+    grouped, grouped_aux, grouped_grads = scored(model, case, "grouped")
+    assert disagreements(grouped.routing, repeated.routing, prompts["attention_mask"], mask)["tokens"] == 0
+    real = int(prompts["attention_mask"].sum()) + int(mask.sum())
+    assert grouped.layout.packed_tokens < real + sum((g - 1) * int(m.sum()) for g, m in
+                                                      zip(sizes, prompts["attention_mask"]))
+    # the weight is the repeated layout's real-token count, exactly
+    expected = sum(g * int(m.sum()) for g, m in zip(sizes, prompts["attention_mask"])) + int(mask.sum())
+    assert float(grouped.router.tokens) == float(repeated.router.tokens) == expected
+    assert torch.equal(grouped.router.load, repeated.router.load)
+    assert max_rel_diff(grouped.router.probability, repeated.router.probability) <= 1e-6
+    assert abs(float(grouped_aux) - float(repeated_aux)) <= 1e-6 * float(repeated_aux)
+    assert set(grouped_grads) == set(repeated_grads)
+    worst = max(grouped_grads, key=lambda n: max_rel_diff(grouped_grads[n], repeated_grads[n]))
+    assert max_rel_diff(grouped_grads[worst], repeated_grads[worst]) <= 1e-4, worst
+    routers = [n for n in grouped_grads if n.endswith("mlp.gate.weight")]
+    assert len(routers) == len(shape.layers) and all(grouped_grads[n].abs().sum() > 0 for n in routers)
+    for sparse in sparse_layers(model):  # experts no token chose: zero rows in both layouts
+        name = next(n for n, p in model.named_parameters() if p is sparse.block.experts.gate_up_proj)
+        chosen = set(grouped.routing.prompt[..., shape.layers.index(sparse.index), :].flatten().tolist()) | \
+            set(grouped.routing.completion[..., shape.layers.index(sparse.index), :].flatten().tolist())
+        for expert in range(shape.experts):
+            used = expert in chosen
+            assert bool(grouped_grads[name][expert].abs().sum() > 0) == used
+            assert bool(repeated_grads[name][expert].abs().sum() > 0) == used
+    metrics = router_metrics(grouped.router)
+    assert metrics == router_metrics(repeated.router) or all(
+        abs(metrics[k] - v) <= 1e-5 * max(1.0, abs(v)) for k, v in router_metrics(repeated.router).items())
+    assert metrics["router/load_max_over_mean"] >= 1.0 and metrics["router/entropy"] > 0
+
+
+def test_the_load_balancing_loss_is_transformers_own(tiny_checkpoints, videos):
+    """On the repeated rows, transformers' ``load_balancing_loss_func`` over the model's own router logits (with
+    the attention mask) is our loss of the same forward."""
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
+
+    from app.grouping import repeated_inputs
+
+    model, prompts, ids, mask, sizes = make_case("qwen3_vl_moe", tiny_checkpoints, videos, seed=2)
+    with torch.no_grad():
+        ours = load_balancing_loss(completion_logprobs(model, prompts, ids, mask, sizes, "repeated",
+                                                       router_statistics="metrics").router)
+        batch = repeated_inputs(model, prompts, ids, mask, sizes)
+        from app.grouping.positions import prompt_positions
+
+        batch["position_ids"] = prompt_positions(model, batch["input_ids"], batch["attention_mask"], batch)
+        out = model(**batch, output_router_logits=True, use_cache=False)
+    text = model.config.text_config
+    theirs = load_balancing_loss_func(out.router_logits, text.num_experts, text.num_experts_per_tok,
+                                      batch["attention_mask"])
+    assert abs(float(ours) - float(theirs)) <= 1e-5 * float(theirs)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_statistics_do_not_depend_on_how_groups_are_packed(family, tiny_checkpoints, videos):
+    """The same completions scored as one packed row and as one row per group: the sums add up to the same."""
+    model, prompts, ids, mask, sizes = make_case(family, tiny_checkpoints, videos, seed=4)
+    with torch.no_grad():
+        whole = completion_logprobs(model, prompts, ids, mask, sizes, router_statistics="metrics").router
+        parts, start = [], 0
+        for g, size in enumerate(sizes):
+            one = {k: v[g:g + 1] for k, v in prompts.items() if k in ("input_ids", "attention_mask",
+                                                                       "mm_token_type_ids")}
+            from app.grouping.forward import split_vision_inputs
+
+            one.update(split_vision_inputs(model, prompts)[g])
+            parts.append(completion_logprobs(model, one, ids[start:start + size], mask[start:start + size], [size],
+                                             router_statistics="metrics").router)
+            start += size
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    assert float(total.tokens) == float(whole.tokens)
+    assert torch.equal(total.load, whole.load)
+    assert max_rel_diff(total.probability, whole.probability) <= 1e-6
+    assert abs(float(load_balancing_loss(total)) - float(load_balancing_loss(whole))) <= 1e-6
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_replayed_routing_is_followed_in_both_layouts_and_the_router_still_learns(family, tiny_checkpoints,
+                                                                                    videos):
+    """Routing recorded in one forward and replayed (R3): both layouts route every token as recorded, agree
+    (log-probs 1e-5, gradients 1e-4), and the router gets a gradient through the recomputed gate weights. A
+    record that routes otherwise changes the log-probs (the replay is real)."""
+    model, prompts, ids, mask, sizes = make_case(family, tiny_checkpoints, videos, seed=8)
+    with torch.no_grad():
+        recorded = completion_logprobs(model, prompts, ids, mask, sizes, record_routing=True).routing
+    shape = expert_shape(model)
+    other = Routing((recorded.prompt + 1) % shape.experts, (recorded.completion + 1) % shape.experts,
+                    recorded.layers)  # every token to other experts (still distinct within a token)
+    other.prompt[recorded.prompt < 0] = -1
+    other.completion[recorded.completion < 0] = -1
+    runs = {}
+    for mode in ("repeated", "grouped"):
+        model.zero_grad(set_to_none=True)
+        scores = completion_logprobs(model, prompts, ids, mask, sizes, mode, routing=other, record_routing=True)
+        scores.logprobs.sum().backward()
+        runs[mode] = scores, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        assert disagreements(scores.routing, other, prompts["attention_mask"], mask)["tokens"] == 0
+    (g, g_grads), (r, r_grads) = runs["grouped"], runs["repeated"]
+    assert max_rel_diff(g.logprobs, r.logprobs) <= 1e-5
+    worst = max(g_grads, key=lambda n: max_rel_diff(g_grads[n], r_grads[n]))
+    assert max_rel_diff(g_grads[worst], r_grads[worst]) <= 1e-4, worst
+    assert all(g_grads[n].abs().sum() > 0 for n in g_grads if n.endswith("mlp.gate.weight"))
+    with torch.no_grad():
+        fresh = completion_logprobs(model, prompts, ids, mask, sizes).logprobs
+    assert max_rel_diff(g.logprobs, fresh) > 1e-3
+
+
+def test_a_routing_record_that_does_not_cover_the_tokens_names_the_prompt(tiny_checkpoints, videos):
+    model, prompts, ids, mask, sizes = make_case("qwen3_vl_moe", tiny_checkpoints, videos, seed=9)
+    with torch.no_grad():
+        recorded = completion_logprobs(model, prompts, ids, mask, sizes, record_routing=True).routing
+        holed = Routing(recorded.prompt.clone(), recorded.completion.clone(), recorded.layers)
+        last = int(prompts["attention_mask"][2].nonzero()[-1])
+        holed.prompt[2, last, 0, 0] = -1
+        with pytest.raises(RoutingError, match="prompt 2: the routing record of its prompt token"):
+            completion_logprobs(model, prompts, ids, mask, sizes, routing=holed)
+        wrong = Routing(recorded.prompt.clone(), recorded.completion.clone(), recorded.layers)
+        wrong.completion[1, 0, 0, 1] = 99
+        with pytest.raises(RoutingError, match="prompt 1: .*completion 1.* names expert ids"):
+            completion_logprobs(model, prompts, ids, mask, sizes, routing=wrong)
+        with pytest.raises(RoutingError, match="sparse layers"):
+            completion_logprobs(model, prompts, ids, mask, sizes,
+                                routing=Routing(recorded.prompt, recorded.completion, (5, 7)))
+        # each completion's last token needs no record (the rollout never fed it back)
+        lengths = mask.sum(1)
+        tail = Routing(recorded.prompt, recorded.completion.clone(), recorded.layers)
+        tail.completion[torch.arange(len(lengths)), lengths - 1] = -1
+        again = completion_logprobs(model, prompts, ids, mask, sizes, routing=tail).logprobs
+        plain = completion_logprobs(model, prompts, ids, mask, sizes).logprobs
+        assert max_rel_diff(again, plain) <= 1e-6
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_grouped_mm_experts_equal_eager_ones(family, tiny_checkpoints, videos):
+    """``grouped_mm`` (what ``model.experts_implementation=auto`` picks where torch has it) against ``eager``:
+    the same log-probs and gradients, grouped and repeated."""
+    model, prompts, ids, mask, sizes = make_case(family, tiny_checkpoints, videos, seed=6)
+    assert choose_experts_implementation("auto") == "grouped_mm"
+    assert model.config.get_text_config()._experts_implementation == "grouped_mm"  # load_model's choice
+    runs = {}
+    for impl in ("grouped_mm", "eager"):
+        model.set_experts_implementation(impl)
+        assert model.config.get_text_config()._experts_implementation == impl
+        for mode in ("grouped", "repeated"):
+            model.zero_grad(set_to_none=True)
+            scores = completion_logprobs(model, prompts, ids, mask, sizes, mode)
+            scores.logprobs.sum().backward()
+            runs[impl, mode] = scores.logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    for mode in ("grouped", "repeated"):
+        (a, a_grads), (b, b_grads) = runs["grouped_mm", mode], runs["eager", mode]
+        assert max_rel_diff(a, b) <= 1e-6
+        assert all(max_rel_diff(a_grads[n], b_grads[n]) <= 1e-5 for n in a_grads if a_grads[n] is not None)
