@@ -346,17 +346,21 @@ def test_the_grouped_forward_runs_each_prompts_gdn_once(tiny_checkpoints, videos
     assert tokens[:2] == [int(prompts["attention_mask"].sum()), int(mask.sum())]
 
 
-def test_a_moe_variant_is_refused_at_start_up_by_name(tmp_path):
-    """qwen3_5_moe (and Qwen3-Next) checkpoints stop train, SFT, evaluation and the judge before anything loads."""
+def test_an_uncovered_moe_variant_is_refused_at_start_up_by_name(tmp_path):
+    """Qwen3-Next and the text-only Qwen3.5-MoE backbone stop train, SFT, evaluation and the judge before anything
+    loads; the released Qwen3.5-MoE (qwen3_5_moe, with its tower) and Qwen3-VL-MoE pass the check."""
     import json
 
     from app.runtime.models import CheckpointPathError, check_checkpoint
 
-    for model_type in ("qwen3_5_moe", "qwen3_next"):
+    for model_type in ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_vl_moe"):
         folder = tmp_path / model_type
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
         (folder / "model.safetensors").write_bytes(b"")
+        if model_type.endswith("_moe"):
+            assert check_checkpoint(folder) == folder
+            continue
         with pytest.raises(CheckpointPathError, match=f"is a {model_type} checkpoint, which this trainer refuses"):
             check_checkpoint(folder)
 

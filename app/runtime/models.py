@@ -17,6 +17,7 @@ import torch
 import app  # noqa: F401  (torchvision fix before transformers)
 from app.runtime.tiny import (  # noqa: F401  (the tiny-checkpoint factory, re-exported where it always was)
     CHAT_TEMPLATE,
+    EXPERT_LAYOUTS,
     FAMILIES,
     HYBRID_FAMILIES,
     MOE_FAMILIES,
@@ -33,6 +34,7 @@ from app.runtime.tiny import (  # noqa: F401  (the tiny-checkpoint factory, re-e
     chat_template,
     model_class,
     tiny_config,
+    write_expert_layout,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # model.dtype -> torch dtype

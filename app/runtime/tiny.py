@@ -362,6 +362,57 @@ def build_tiny_checkpoint(out_dir: str | Path, family: str = "qwen2_5_vl", seed:
     return out
 
 
+EXPERT_LAYOUTS = ("released", "fused")
+
+
+def write_expert_layout(checkpoint: str | Path, layout: str) -> Path:
+    """Rewrite a tiny MoE checkpoint's expert tensors in ``layout``: ``released``, as the published checkpoints
+    store them (what transformers converts on load, ``conversion_mapping.py``): Qwen3-VL-MoE's fused tensors
+    transposed (``gate_up_proj`` [E, H, 2I], ``down_proj`` [E, I, H]), Qwen3.5-MoE's one tensor per expert and
+    projection (``experts.{j}.gate_proj.weight`` [I, H], ``up_proj`` [I, H], ``down_proj`` [H, I]); ``fused``, as
+    the model holds them ([E, 2I, H] and [E, H, I]). ``save_pretrained`` writes ``fused`` for Qwen3-VL-MoE and
+    ``released`` for Qwen3.5-MoE. Everything else stays as written; the model loads to the same weights."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"unknown expert layout {layout!r}; expected one of {EXPERT_LAYOUTS}")
+    checkpoint = Path(checkpoint)
+    family = json.loads((checkpoint / "config.json").read_text())["model_type"]
+    if family not in MOE_FAMILIES:
+        raise ValueError(f"{checkpoint} is a {family} checkpoint; only {MOE_FAMILIES} store experts")
+    path = checkpoint / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    held = model_class_for(checkpoint).from_pretrained(checkpoint).state_dict()  # the fused tensors, converted
+    with safe_open(str(path), "pt") as f:
+        out = {k: f.get_tensor(k) for k in f.keys() if ".mlp.experts." not in k}
+    for name, tensor in held.items():
+        if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            continue
+        if layout == "fused":
+            out[name] = tensor.contiguous()
+        elif family == "qwen3_vl_moe":
+            out[name] = tensor.transpose(1, 2).contiguous()
+        elif name.endswith("gate_up_proj"):  # [E, 2I, H]: gate rows first, then up rows
+            base, half = name.removesuffix("gate_up_proj"), tensor.shape[1] // 2
+            for j in range(tensor.shape[0]):
+                out[f"{base}{j}.gate_proj.weight"] = tensor[j, :half].contiguous()
+                out[f"{base}{j}.up_proj.weight"] = tensor[j, half:].contiguous()
+        else:
+            base = name.removesuffix("down_proj")
+            for j in range(tensor.shape[0]):
+                out[f"{base}{j}.down_proj.weight"] = tensor[j].contiguous()
+    save_file(out, str(path), metadata=metadata)
+    return checkpoint
+
+
+def model_class_for(checkpoint: str | Path):
+    from transformers import AutoConfig
+
+    return model_class(AutoConfig.from_pretrained(checkpoint))
+
+
 def model_class(config):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 

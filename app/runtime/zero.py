@@ -95,8 +95,27 @@ def _deepspeed():
     return deepspeed
 
 
+def mark_leaf_modules(model) -> list[str]:
+    """Under ZeRO-3, a mixture-of-experts model's sparse blocks become DeepSpeed leaf modules
+    (``deepspeed.utils.set_z3_leaf_modules``): each block's parameters (router, experts, shared expert) are gathered
+    in one go when the block starts, and no hook runs inside it, so the order of what a rank gathers never depends
+    on which experts its tokens chose (DeepSpeed #4966/#5008: a rank waiting on a gather the others skip hangs).
+    DeepSpeed's own defaults cover Mixtral and Qwen2/Qwen3-MoE, not Qwen3-VL-MoE's or Qwen3.5-MoE's blocks. Returns
+    the classes marked (none for a dense model)."""
+    from app.grouping.experts.blocks import sparse_layers
+
+    classes = sorted({type(s.block) for s in sparse_layers(model)}, key=lambda c: c.__name__)
+    if classes:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(unwrap(model), classes)
+    return [c.__name__ for c in classes]
+
+
 def build_engine(model, ds_config: dict, optimizer, lr_scheduler):
     deepspeed = _deepspeed()
+    if zero_stage(ds_config) == 3:
+        mark_leaf_modules(model)
 
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                            config=ds_config, model_parameters=None)
@@ -110,7 +129,7 @@ def build_reference(model, ds_config: dict, device: torch.device):
     if zero_stage(ds_config) != 3:
         return model.to(device)
     deepspeed = _deepspeed()
-
+    mark_leaf_modules(model)
     config = copy.deepcopy(ds_config)
     config.pop("optimizer", None)
     config.pop("scheduler", None)
