@@ -47,6 +47,23 @@ def test_bad_overrides_name_the_key(override, message):
         load_config("configs/demo_cpu.yaml", [override])
 
 
+MOE_CONFIGS = ["configs/qwen3_vl_30b_a3b_video_lora.yaml", "configs/qwen3_5_35b_a3b_video_lora.yaml"]
+
+
+@pytest.mark.parametrize("path", MOE_CONFIGS)
+def test_the_moe_configs_load_and_their_keys_are_checked_by_name(path):
+    cfg = load_config(path)
+    assert cfg.lora.target_parameters and cfg.grpo.router_aux_loss_coef == 0 and not cfg.model.train_router
+    for overrides, message in [
+            (["lora.dropout=0.05"], "'lora.dropout' =0.05 cannot be used with lora.target_parameters"),
+            (["lora.rank=0"], "'lora.target_parameters' (['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']) asks"),
+            (["grpo.router_aux_loss_coef=-1"], "'grpo.router_aux_loss_coef' must be >= 0"),
+            (["train.collective_timeout_s=0"], "'train.collective_timeout_s' must be > 0"),
+            (["model.experts_implementation=fast"], "'model.experts_implementation' must be one of")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(path, overrides)
+
+
 def test_missing_file_and_help():
     with pytest.raises(ConfigError, match="config file not found"):
         load_config("configs/nope.yaml")

@@ -97,6 +97,13 @@ def validate(config: Config, training: bool = True) -> None:
     need(not (config.lora.rank and config.model.reference_path), "model.reference_path",
          "cannot be used with LoRA (lora.rank > 0): the reference is the policy with its adapters off")
     need(config.train.learning_rate >= 0, "train.learning_rate", "must be >= 0")
+    need(config.grpo.router_aux_loss_coef >= 0, "grpo.router_aux_loss_coef", "must be >= 0")
+    need(config.train.collective_timeout_s > 0, "train.collective_timeout_s", "must be > 0 (seconds)")
+    need(not (config.lora.target_parameters and not config.lora.rank), "lora.target_parameters",
+         f"({config.lora.target_parameters}) asks for adapters on expert weights, but lora.rank is 0 (no LoRA)")
+    need(not (config.lora.target_parameters and config.lora.dropout), "lora.dropout",
+         f"={config.lora.dropout} cannot be used with lora.target_parameters: peft's adapters on fused expert weights "
+         "(ParamWrapper) have no dropout; set lora.dropout=0")
     need(config.train.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0")
     need(config.eval.samples >= 1, "eval.samples", "must be >= 1")
     need(config.eval.temperature >= 0, "eval.temperature", "must be >= 0")
@@ -217,6 +224,9 @@ def warnings_for(config: Config, training: bool = True) -> list[str]:
     if training and c.rewards.length and c.rewards.length_max_tokens > c.rollout.max_completion_length:
         out.append(f"rewards.length_max_tokens={c.rewards.length_max_tokens} is above rollout.max_completion_length="
                    f"{c.rollout.max_completion_length}: the upper bound is never reached")
+    if c.model.train_router and c.lora.rank:
+        out.append("model.train_router=true has no effect with LoRA (lora.rank > 0): the routers are base weights "
+                   "and stay frozen")
     if training and c.grpo.beta == 0 and c.model.reference_path:
         out.append("model.reference_path is set but grpo.beta=0: no reference model is used")
     frozen_tower = c.model.freeze_vision_tower or (c.lora.rank and not c.lora.vision_tower)  # where the cache acts

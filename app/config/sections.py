@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 from app.config.evaluation import EvalConfig
 from app.config.fields import ConfigError, _f
+from app.config.model import LoRAConfig, ModelConfig
 
 # Every choice list comes from the module that defines the choice (one source of truth).
 from app.data.prompts import PROMPT_TEMPLATES
 from app.data.video import FRAME_FOLDER_SAMPLING
 from app.grouping import BACKENDS, DECODE_MODES, DEFAULT_CHUNK_SIZE, MODES
-from app.grouping.vision.attention import VISION_ATTENTIONS
 from app.grouping.vision.cache import VISION_CACHE_SETTINGS
 from app.objectives.grpo import (
     DYNAMIC_SAMPLING_METRICS,
@@ -32,40 +32,7 @@ from app.rollout.generate import SamplingConfig
 from app.rollout.registry import ENGINE_NAMES
 from app.runtime.zero import GATHER_MODES
 
-__all__ = ["SECTIONS", "Config", "ConfigError", "EvalConfig"]
-
-
-
-
-@dataclass
-class ModelConfig:
-    path: str = _f("", "Local checkpoint directory (Hugging Face format). Nothing is downloaded.")
-    reference_path: str = _f("", "Reference model directory; empty means the same as `path`.")
-    dtype: str = _f("float32", "Parameter dtype: float32 (CPU) or bfloat16 (GPU).", choices=("float32", "bfloat16"))
-    vision_attention: str = _f("auto", "Attention implementation for the vision tower. auto: on CUDA in bfloat16, "
-                               "torch's own varlen flash kernel, one call per block (flash_attention_2 when the "
-                               "flash-attn package is installed); elsewhere sdpa, one call per frame or window. "
-                               "torch_flash_varlen asks for torch's kernel (its per-frame SDPA where it cannot run).",
-                               choices=VISION_ATTENTIONS)
-    gradient_checkpointing: bool = _f(False, "Activation checkpointing in the policy forward.")
-    trust_remote_code: bool = _f(False, "Allow code from the checkpoint directory to run. Off by default.")
-    freeze_vision_tower: bool = _f(False, "Do not train the vision tower (its blocks; the projector is separate).")
-    freeze_projector: bool = _f(False, "Do not train the projector (the merger from vision into the language model).")
-
-
-@dataclass
-class LoRAConfig:
-    rank: int = _f(0, "LoRA rank; 0 trains all weights. With LoRA every base weight is frozen, only the adapters "
-                   "train, and the KL reference is the policy with its adapters off (no second model in memory).")
-    alpha: float = _f(32.0, "LoRA alpha: the adapter's update is scaled by alpha / rank.")
-    dropout: float = _f(0.0, "Dropout on the adapter input. Above 0 the policy forward is random, so pi/pi_old is no "
-                        "longer 1 at the first iteration and grouped vs repeated no longer match bit for bit.")
-    target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                              "Language-model Linear layers (by last name) that get adapters.")
-    vision_tower: bool = _f(False, "Adapters on every Linear layer of the vision tower too.")
-    projector: bool = _f(False, "Adapters on the projector (merger) too.")
-    save_adapter: bool = _f(True, "With train.export_hf, also write the adapter alone (peft format) to "
-                            "OUTPUT_DIR/final-adapter; final/ always holds the merged weights.")
+__all__ = ["SECTIONS", "Config", "ConfigError", "EvalConfig", "LoRAConfig", "ModelConfig"]
 
 
 @dataclass
@@ -288,6 +255,13 @@ class GRPOConfig:
     sapo_tau_pos: float = _f(1.0, "policy_loss=sapo: gate temperature for positive advantages (SAPO's: 1.0).")
     sapo_tau_neg: float = _f(1.05, "policy_loss=sapo: gate temperature for negative advantages (SAPO's default "
                              "1.05: a faster decay, so negative updates stay closer to the old policy).")
+    router_aux_loss_coef: float = _f(0.0, "Mixture-of-experts models: the weight of the routers' load-balancing loss "
+                                     "(Switch Transformer's, as transformers computes it) added to the GRPO loss, "
+                                     "over each micro-batch's logical tokens (a prompt token shared by G responses "
+                                     "counts G times, as in the repeated layout). 0 (default, as verl's Qwen3.5 "
+                                     "recipes and unsloth; TRL's GRPO uses 0.001, the checkpoints' pretraining "
+                                     "value): the routers' load, entropy and this loss are still logged as "
+                                     "router/*. docs/grpo.md has the sources.")
 
     def to_options(self, max_completion_length: int, engine: str = "grouped") -> LossOptions:
         """The loss's settings (validated there, once)."""
@@ -383,6 +357,11 @@ class TrainConfig:
                                   "difference) or continue (resume anyway, on purpose; each difference is logged).",
                                   choices=("stop", "continue"))
     export_hf: bool = _f(True, "Write the final model + processor in Hugging Face format to output_dir/final.")
+    collective_timeout_s: float = _f(1800.0, "Seconds a collective (a ZeRO-3 gather, an all-reduce) may wait for the "
+                                     "other ranks before the run stops with a message naming the operation and the "
+                                     "rank (the process group's timeout; DeepSpeed's own default is 600 s, too short "
+                                     "for a rank that waits while another rolls out an hour of video). A rank that "
+                                     "waits on a collective the others never join never hangs silently.")
 
 
 @dataclass
