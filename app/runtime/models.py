@@ -160,7 +160,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, attn_implem
     (``model.experts_implementation``; ``auto``: ``grouped_mm`` where torch has it, ``eager`` else)."""
     from transformers import AutoConfig
 
-    from app.grouping.experts.blocks import choose_experts_implementation
+    from app.grouping.experts.blocks import choose_experts_implementation, sparse_layers
     from app.grouping.vision.attention import TOWER_ATTENTION, use_vision_attention
     from app.runtime.zero3_load import partitioned_shapes_seen
 
@@ -178,6 +178,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, attn_implem
             trust_remote_code=trust_remote_code, **extra)
     if ours:
         use_vision_attention(model, attn_implementation)
+    if extra and not sparse_layers(model):  # routing, statistics and ZeRO-3 leaves would all be skipped silently
+        raise CheckpointPathError(f"{path}: {type(model).__name__} is a mixture-of-experts model, but none of its "
+                                  "decoder layers holds a sparse block this trainer knows (a router `mlp.gate` with "
+                                  "top_k beside fused `mlp.experts`)")
     return model
 
 

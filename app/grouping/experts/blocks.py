@@ -13,13 +13,23 @@ EXPERTS_IMPLEMENTATIONS = ("auto", "grouped_mm", "eager", "batched_mm")
 def is_router(module) -> bool:
     """A top-k router as transformers' Qwen MoE blocks have it (``Qwen3VLMoeTextTopKRouter``,
     ``Qwen3_5MoeTopKRouter``): a [E, H] weight, ``top_k`` and ``num_experts``."""
-    return hasattr(module, "top_k") and hasattr(module, "num_experts") and isinstance(
-        getattr(module, "weight", None), torch.nn.Parameter) and module.weight.ndim == 2
+    weight = getattr(module, "weight", None)
+    return hasattr(module, "top_k") and hasattr(module, "num_experts") and isinstance(weight, torch.nn.Parameter) \
+        and len(getattr(weight, "ds_shape", weight.shape)) == 2  # under ZeRO-3 the local shape is a partition
+
+
+def fused_experts(block):
+    """A sparse block's fused experts module (``gate_up_proj`` [E, 2I, H], ``down_proj``), under the peft wrappers
+    that LoRA on expert weights puts around it (``lora.target_parameters``), or None."""
+    experts = getattr(block, "experts", None)
+    while experts is not None and not hasattr(experts, "gate_up_proj"):
+        experts = getattr(experts, "base_layer", None)
+    return experts
 
 
 def is_sparse_block(module) -> bool:
     """A sparse block: a router ``gate`` and fused ``experts`` (``gate_up_proj`` [E, 2I, H], ``down_proj``)."""
-    return is_router(getattr(module, "gate", None)) and hasattr(getattr(module, "experts", None), "gate_up_proj")
+    return is_router(getattr(module, "gate", None)) and fused_experts(module) is not None
 
 
 @dataclass(frozen=True)
@@ -104,3 +114,18 @@ def set_experts_implementation(model, name: str) -> None:
     model = getattr(model, "module", model)
     if is_moe(model):
         model.set_experts_implementation(name)
+
+
+def describe_experts(model) -> str:
+    """One sentence on a mixture-of-experts model: its sparse layers, experts and top-k, the experts implementation
+    in use, and whether its routers and routed experts train."""
+    layers = sparse_layers(model)
+    shape, block = expert_shape(model), layers[0].block
+    config = getattr(model, "module", model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    routers = any(p.requires_grad for p in block.gate.parameters())
+    experts = any(p.requires_grad for p in block.experts.parameters())
+    return (f"mixture of experts: {len(layers)} of {text.num_hidden_layers} decoder layers sparse "
+            f"({type(block).__name__}), {shape.experts} experts, top-{shape.top_k}; experts implementation "
+            f"{experts_implementation(model)}; routers {'train' if routers else 'frozen'}, routed experts "
+            f"{'train' if experts else 'frozen'}; router statistics per logical token")
