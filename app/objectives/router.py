@@ -40,3 +40,65 @@ def router_metrics(stats) -> dict[str, float]:
     with torch.no_grad():
         out["router/aux_loss"] = float(load_balancing_loss(stats.detached() if hasattr(stats, "detached") else stats))
     return out
+
+
+STATISTICS_KEY = "router_sums"  # step metrics: the routers' sums, added over micro-batches and ranks, then turned
+# into router/* by ``step_router_metrics``
+
+
+class RouterTerm:
+    """The routers' part of a GRPO step on a mixture-of-experts policy (nothing on a dense one): what the update's
+    forward asks for (``forward_kwargs``: detached sums for the metrics, or differentiable ones when the
+    load-balancing loss is in the objective), and the loss with ``coef`` x that micro-batch's load-balancing loss
+    added (``add``; over its logical tokens, as transformers adds it per forward)."""
+
+    def __init__(self, coef: float, moe: bool):
+        self.coef, self.moe = float(coef), bool(moe)
+
+    @property
+    def forward_kwargs(self) -> dict:
+        if not self.moe:
+            return {}
+        return {"router_statistics": "loss" if self.coef > 0 else "metrics"}
+
+    def add(self, loss: torch.Tensor, stats) -> torch.Tensor:
+        if not self.moe or self.coef == 0:
+            return loss
+        if stats is None:
+            raise ValueError("grpo.router_aux_loss_coef > 0, but this forward (prefix trees: rollout.tools) returns "
+                             "no router statistics; set grpo.router_aux_loss_coef=0")
+        return loss + self.coef * load_balancing_loss(stats).to(loss.dtype)
+
+
+def declare_sums(metrics, stats) -> None:
+    """The step's router sums (``RouterStatistics``, already added over its micro-batches) as summed step metrics,
+    so ranks add them before anything nonlinear is taken (``step_router_metrics``)."""
+    if stats is None:
+        return
+    stats = stats.detached()
+    metrics.sum(f"{STATISTICS_KEY}/tokens", float(stats.tokens))
+    metrics.local(f"{STATISTICS_KEY}/top_k", float(stats.top_k))
+    for s, layer in enumerate(stats.layers):
+        metrics.sum(f"{STATISTICS_KEY}/{layer}/entropy", float(stats.entropy[s]))
+        for e in range(stats.load.shape[-1]):
+            metrics.sum(f"{STATISTICS_KEY}/{layer}/load/{e}", float(stats.load[s, e]))
+            metrics.sum(f"{STATISTICS_KEY}/{layer}/probability/{e}", float(stats.probability[s, e]))
+
+
+def step_router_metrics(values: dict) -> dict:
+    """Pops the reduced router sums out of ``values`` and returns ``router_metrics`` of them (empty for a dense
+    model)."""
+    from app.grouping.experts.statistics import RouterStatistics
+
+    keys = [k for k in values if k.startswith(STATISTICS_KEY + "/")]
+    if not keys:
+        return {}
+    raw = {k[len(STATISTICS_KEY) + 1:]: values.pop(k) for k in keys}
+    layers = sorted({int(k.split("/")[0]) for k in raw if k.split("/")[0].isdigit()})
+    experts = 1 + max(int(k.split("/")[2]) for k in raw if "/load/" in k)
+    table = lambda what: torch.tensor([[raw[f"{layer}/{what}/{e}"] for e in range(experts)]  # noqa: E731
+                                       for layer in layers], dtype=torch.float64)
+    stats = RouterStatistics(tuple(layers), table("load"), table("probability"),
+                             torch.tensor([raw[f"{layer}/entropy"] for layer in layers], dtype=torch.float64),
+                             torch.tensor(raw["tokens"], dtype=torch.float64), int(raw["top_k"]))
+    return router_metrics(stats)

@@ -114,10 +114,13 @@ def prepare_comm_op() -> bool:
     return True
 
 
-def init_distributed(use_deepspeed: bool = True) -> tuple[int, int]:
+def init_distributed(use_deepspeed: bool = True, timeout_s: float | None = None) -> tuple[int, int]:
     """Start (or join) the process group; a plain `python -m ...` run becomes a world of one. Workers started by
     torchrun die with it (``die_with_launcher``). ``use_deepspeed=False`` (evaluation) starts a plain torch
-    process group: no DeepSpeed communication op is loaded."""
+    process group: no DeepSpeed communication op is loaded. ``timeout_s`` (``train.collective_timeout_s``): how
+    long a collective waits for the other ranks before it raises (``collective_failures`` names it)."""
+    import datetime
+
     import torch.distributed as dist
 
     die_with_launcher()
@@ -126,6 +129,7 @@ def init_distributed(use_deepspeed: bool = True) -> tuple[int, int]:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(_free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        timeout = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
         if use_deepspeed:
             import deepspeed
 
@@ -133,10 +137,46 @@ def init_distributed(use_deepspeed: bool = True) -> tuple[int, int]:
             # first under our guard (never wait silently on a dead lock); DeepSpeed then reuses the loaded op. The
             # guard is not held across the rendezvous, which waits for the other ranks.
             prepare_comm_op()
-            deepspeed.init_distributed(dist_backend=backend)
+            deepspeed.init_distributed(dist_backend=backend, **timeout)
         else:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, **timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+COLLECTIVE_ERRORS = ("Timed out", "timed out", "Timeout", "timeout", "Connection closed by peer", "Connection reset")
+
+
+def collective_name(error: BaseException) -> str | None:
+    """The torch.distributed collective an error came from (the innermost frame in ``distributed_c10d``: all_reduce,
+    all_gather_into_tensor, broadcast, ...), or None when it did not come from one or was no wait."""
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    ops = [code.co_name for code in frames if code.co_filename.endswith("distributed_c10d.py")
+           and not code.co_name.startswith("_")]
+    if not ops or not any(word in str(error) for word in COLLECTIVE_ERRORS):
+        return None
+    return ops[-1]
+
+
+@contextlib.contextmanager
+def collective_failures(timeout_s: float | None, key: str = "train.collective_timeout_s"):
+    """A collective that waited past its timeout (or lost a peer) ends the run in one message naming the
+    operation, this rank and the setting, instead of a backend traceback, or a hang where no timeout was set."""
+    try:
+        yield
+    except (RuntimeError, OSError) as error:  # torch.distributed.DistError and the gloo/NCCL errors are these
+        op = collective_name(error)
+        if op is None:
+            raise
+        raise SystemExit(
+            f"collective error: rank {rank()} of {world_size()} waited in torch.distributed.{op} longer than {key}="
+            f"{timeout_s:g} s (or a peer left): another rank never joined it. Under ZeRO-3 that is a rank that "
+            f"gathered other parameters than the rest (a mixture-of-experts block that is no leaf module), a "
+            f"rank that died, or one still busy past the timeout; the other ranks' logs (logs/rank*.log) say "
+            f"which. ({str(error).splitlines()[0][:200]})") from None
 
 
 def local_device() -> torch.device:

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from app.objectives.grpo import zero_variance_groups
+from app.objectives.router import declare_sums
 from app.runtime.heap import ALLOCATOR_PEAK_ENV, heap_peak
 from app.runtime.tracking import StepMetrics
 from app.training.trajectory import Trajectory
@@ -62,6 +63,8 @@ def step_metrics(t: Trajectory, updates: list[dict], seconds: dict, grouped: boo
     m.fraction("rollout/prefix_cache_hit_rate", float(max(rollout.prompt_tokens - rollout.prefill_tokens, 0)),
                float(rollout.prompt_tokens))
     m.sum("groups/trained", float(len(t.prompts)))
+    router = [u["router"] for u in updates if u.get("router") is not None]  # the first pass's (MoE)
+    declare_sums(m, sum(router[1:], router[0]) if router else None)
     for key, value in t.counts.items():
         m.sum(key, value)
     for key, value in t.draws.items():

@@ -24,6 +24,7 @@ from app.data.shares import shares_decoded
 from app.data.stream import load_stream
 from app.data.video import SettingError
 from app.grouping import MODALITIES, present_vision_calls
+from app.grouping.experts.blocks import describe_experts, expert_shape
 from app.grouping.modules import attention_restored
 from app.grouping.sequence_parallel import check_heads
 from app.grouping.vision import cache as vision_cache
@@ -69,7 +70,7 @@ class Recipe:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.rank, self.world = distributed.init_distributed()
+        self.rank, self.world = distributed.init_distributed(timeout_s=cfg.train.collective_timeout_s)
         # train.sequence_parallel_size consecutive ranks share each packed row; data parallelism over world / S
         self.parallel = parallel.ParallelContext.start(cfg.train.sequence_parallel_size)
         self.device = distributed.local_device()
@@ -91,9 +92,15 @@ class Recipe:
         self.processor = load_processor(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         policy = load_model(cfg.model.path, dtype=self.dtype, attn_implementation=cfg.model.vision_attention,
-                            trust_remote_code=cfg.model.trust_remote_code)
+                            trust_remote_code=cfg.model.trust_remote_code,
+                            experts_implementation=cfg.model.experts_implementation)
         check_heads(policy.config, self.parallel.sp.size)
-        policy = lora.prepare(policy, cfg.lora, cfg.model)  # frozen towers, LoRA adapters (config permitting)
+        policy = lora.prepare(policy, cfg.lora, cfg.model)  # frozen towers, routers, LoRA adapters (config permitting)
+        self.moe = expert_shape(policy)  # None for a dense model
+        if self.moe is not None and self.rank == 0:
+            log.info("%s; load-balancing loss x %g (grpo.router_aux_loss_coef)%s", describe_experts(policy),
+                     cfg.grpo.router_aux_loss_coef, "; ZeRO-3: each sparse block a leaf module, gathered whole"
+                     if zero.zero_stage(self.ds_config) == 3 else "")
         if cfg.model.gradient_checkpointing:
             enable_activation_checkpointing(policy)
         optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.train.learning_rate,
@@ -393,8 +400,9 @@ def run(recipe: Callable[[Config], Recipe], doc: str, argv: list[str] | None = N
     configure_logging(Path(cfg.train.output_dir) / "logs" / f"rank{os.environ.get('RANK', '0')}.log",
                       rank=int(os.environ.get("RANK", "0")))
     try:
-        trainer = recipe(cfg)
-        trainer.train()
+        with distributed.collective_failures(cfg.train.collective_timeout_s):
+            trainer = recipe(cfg)
+            trainer.train()
     except ConfigError as error:  # what only the recipe can check
         raise SystemExit(f"config error: {error}") from None
     except OptionError as error:  # what only a stage can check, once it sees the model (the setting named)

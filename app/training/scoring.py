@@ -48,7 +48,8 @@ class TreeScorer:
         self.cfg = forward_cfg
 
     def __call__(self, model, inputs, completion_ids, completion_mask, group_sizes, *, temperature: float = 1.0,
-                 vision_calls=None, return_entropy: bool = False, families=None):  # a tree shares within itself
+                 vision_calls=None, return_entropy: bool = False, families=None,
+                 router_statistics: str = "off"):  # a tree shares within itself; no router sums (RouterTerm says so)
         mode = "tree" if self.cfg.grouping == "grouped" else "paths"
         backend = tree_backend(self.cfg.attention_backend)
         return forest_logprobs(model, inputs["trees"], mode, temperature=temperature,

@@ -33,6 +33,7 @@ from app.objectives.grpo import (
     groups_with_signal,
     mismatch_metrics,
 )
+from app.objectives.router import RouterTerm, step_router_metrics
 from app.rewards.judge import build_judge
 from app.rewards.rules import RewardSet
 from app.rollout.generate import Rollout, derive_seed, eos_token_ids
@@ -59,6 +60,7 @@ class GRPOTrainer(Recipe):
                                                                  self.ds_config))
         self.loss = GRPOLoss(cfg.grpo.to_options(cfg.rollout.max_completion_length, cfg.rollout.engine))
         log.info("objective %s, as resolved from grpo.policy_loss: %s", cfg.grpo.policy_loss, self.loss.options.settings())
+        self.router = RouterTerm(cfg.grpo.router_aux_loss_coef, moe=self.moe is not None)
         self.rollout_engine = training_rollout_engine(self)
         for warning in data_warnings(cfg, self.stream.records):
             log.warning("%s", warning)
@@ -158,26 +160,13 @@ class GRPOTrainer(Recipe):
                                         vision_calls=mb.vision_calls, temperature=self.cfg.rollout.temperature,
                                         families=mb.families)
 
-    def forward(self, model, mb: MicroBatch, vision_calls=None, return_entropy: bool = False):
+    def forward(self, model, mb: MicroBatch, vision_calls=None, return_entropy: bool = False, **routing):
         return self.scores(model, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes,
                            temperature=self.cfg.rollout.temperature, vision_calls=vision_calls,
-                           return_entropy=return_entropy, families=mb.families)
+                           return_entropy=return_entropy, families=mb.families, **routing)
 
-    @torch.no_grad()
     def self_check(self, mb: MicroBatch) -> None:
-        """Grouped vs repeated on the first micro-batch's first completions (``checked_grouping``). With sequence
-        parallelism the whole row is what needed S ranks, so the check runs on the text before each prompt's first
-        image/video and the first completion tokens (``text_before_media``): layout, positions, backend and dtype,
-        not the tower; the SP forward itself is tested against one rank in the suite."""
-        batch, sizes = first_completions(mb, SELF_CHECK_COMPLETIONS)
-        if self.parallel.sp.size > 1:
-            batch = text_before_media(self.engine, *batch)
-        with paused(self.vision_cache):
-            result = checked_grouping(self.engine, batch, sizes, self.cfg.forward.backend, mb.families)
-        what = " (sequence parallel: on the text before the media and the first completion tokens)" if self.parallel.sp.size > 1 else ""
-        if result is not None:
-            log.info("self-check passed%s: %s (%d completion(s): the first %d of each group)", what,
-                     result.describe(), sum(sizes), SELF_CHECK_COMPLETIONS)
+        run_self_check(self, mb)
 
     def update(self, micro_batches: list[MicroBatch], weights: torch.Tensor) -> list[dict]:
         """mu passes of the clipped loss over the micro-batches, one DeepSpeed step (accumulation) each."""
@@ -186,10 +175,12 @@ class GRPOTrainer(Recipe):
         out = []
         for iteration in range(self.cfg.grpo.num_iterations):
             for mb in micro_batches:
-                scores = self.forward(self.engine, mb, vision_calls=mb.vision_calls, return_entropy=iteration == 0)
+                scores = self.forward(self.engine, mb, vision_calls=mb.vision_calls, return_entropy=iteration == 0,
+                                      **self.router.forward_kwargs)
                 old = mb.old_logprobs if mb.old_logprobs is not None else scores.logprobs.detach()
                 loss, metrics = self.loss(scores.logprobs, old, mb.advantages, mb.loss_weights,
                                           mb.reference_logprobs, mb.sampled_logprobs)
+                loss = self.router.add(loss, getattr(scores, "router", None))  # MoE: + coef x load balancing
                 self.engine.backward(loss)
                 self.engine.step()
                 if iteration == 0:
@@ -197,7 +188,7 @@ class GRPOTrainer(Recipe):
                     mask = mb.completion_mask
                     metrics["entropy"] = float((scores.entropy * mask).sum() / mask.sum().clamp_min(1))
                 out.append({"loss": float(loss.detach()), "metrics": metrics, **token_counts(scores.layout,
-                                                                                             self.cfg.forward.grouping)})
+                            self.cfg.forward.grouping), "router": getattr(scores, "router", None) if iteration == 0 else None})
         return out
 
     def step_metrics(self, step: int, t: Trajectory, updates: list[dict], seconds: dict, learning_rate: float) -> dict:
@@ -210,6 +201,7 @@ class GRPOTrainer(Recipe):
         self.vision_metrics(m)
         rollout_parts(m, t.rollout.parts, seconds, nominal_bandwidth(self.device))
         values = m.reduce(parallel.all_gather_floats, copies=self.parallel.sp.size)
+        values.update(step_router_metrics(values))  # MoE: router/* of the step's sums over every rank
         values["tokens_per_second"] = values["tokens/policy_forward"] / max(seconds["policy"], 1e-9)
         every = self.cfg.logging.sample_table_every
         if every and (step + 1) % every == 0 and self.rank == 0:
@@ -280,6 +272,24 @@ def kl_reference(cfg: Config, engine, ds_config: dict, device, dtype, vision_cac
     if vision_cache is not None and vision_cache.plan != "count" and path == cfg.model.path:
         attach_vision_cache(reference, vision_cache)
     return reference
+
+
+@torch.no_grad()
+def run_self_check(t: GRPOTrainer, mb: MicroBatch) -> None:
+    """Grouped vs repeated on the first micro-batch's first completions (``checked_grouping``). With sequence
+    parallelism the whole row is what needed S ranks, so the check runs on the text before each prompt's first
+    image/video and the first completion tokens (``text_before_media``): layout, positions, backend and dtype,
+    not the tower; the SP forward itself is tested against one rank in the suite."""
+    batch, sizes = first_completions(mb, SELF_CHECK_COMPLETIONS)
+    if t.parallel.sp.size > 1:
+        batch = text_before_media(t.engine, *batch)
+    with paused(t.vision_cache):
+        result = checked_grouping(t.engine, batch, sizes, t.cfg.forward.backend, mb.families)
+    what = " (sequence parallel: on the text before the media and the first completion tokens)" if \
+        t.parallel.sp.size > 1 else ""
+    if result is not None:
+        log.info("self-check passed%s: %s (%d completion(s): the first %d of each group)", what,
+                 result.describe(), sum(sizes), SELF_CHECK_COMPLETIONS)
 
 
 SELF_CHECK_COMPLETIONS = 2  # per group: enough to see a layout fault (sample 0 and one after it), cheap to repeat

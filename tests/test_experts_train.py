@@ -1,0 +1,140 @@
+"""GRPO on the tiny mixture-of-experts models through the real recipe (app.training.trainer) on generated video
+data: grouped and repeated training reach the same weights with the load-balancing loss in the objective and the
+routers training, and log the same router metrics (per logical token); through scripts/train.sh, 2 processes
+under ZeRO-3 (each sparse block a leaf module) reach the ZeRO-2 run's weights with k = 2 questions on one video,
+and a run killed with -9 resumes to the uninterrupted run's weights (slow set); scripts/eval.sh on its output."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.data.synthetic import generate
+from app.runtime.models import MOE_FAMILIES, build_tiny_checkpoint
+from tests.helpers import killed_at_random, world_of_one
+from tests.test_trainer import overrides, run, weights
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def moe_assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_train")
+    files = generate(root / "data", train=16, heldout=4, seed=0)
+    shared = generate(root / "shared", train=8, heldout=0, seed=0, questions_per_video=2)  # 4 clips x 2 questions
+    plugin = root / "varied_reward.py"  # rewards that differ within every group: the weights really move
+    plugin.write_text("def varied(completions, records):\n    return [len(c) % 5 / 4 for c in completions]\n")
+    checkpoints = {f: build_tiny_checkpoint(root / f, f, seed=0) for f in MOE_FAMILIES}
+    return {"root": root, "checkpoints": checkpoints, "train": files["train"], "heldout": files["heldout"],
+            "shared_train": shared["train"], "plugin": f"{plugin}:varied"}
+
+
+def moe_overrides(assets, family, out, **extra):
+    base = {"grpo.router_aux_loss_coef": 0.05, "model.train_router": True, "train.warmup_steps": 0}
+    base.update(extra)
+    args = overrides({**assets, "checkpoint": assets["checkpoints"][family]}, out, **base)
+    return args
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_close_weights(got: dict, want: dict, initial: dict, rtol: float) -> None:
+    moved = 0
+    for name in want:
+        scale = max(float(want[name].norm()), 1e-12)
+        assert float((got[name] - want[name]).norm()) / scale <= rtol, name
+        moved += int(not torch.equal(want[name], initial[name]))
+    assert moved > len(want) // 2
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", pytest.param("qwen3_vl_moe", marks=pytest.mark.slow)])
+def test_grouped_and_repeated_moe_training_reach_the_same_weights_and_router_metrics(family, moe_assets, tmp_path,
+                                                                                     monkeypatch):
+    """Two steps, in this process: the routers and the experts train, the load-balancing loss is in the loss;
+    grouped == repeated (weights 1e-4, the routers' and experts' included), router/* logged by both and equal."""
+    from app.training.trainer import main
+
+    for mode in ("grouped", "repeated"):
+        with world_of_one(monkeypatch):
+            main(["configs/demo_cpu.yaml", *moe_overrides(moe_assets, family, tmp_path / mode,
+                                                         **{"forward.grouping": mode})])
+    initial = weights(moe_assets["checkpoints"][family])
+    grouped, repeated = weights(tmp_path / "grouped" / "final"), weights(tmp_path / "repeated" / "final")
+    assert_close_weights(grouped, repeated, initial, 1e-4)
+    routers = [n for n in initial if n.endswith("mlp.gate.weight")]
+    experts = [n for n in initial if ".mlp.experts." in n]  # either expert layout (as save_pretrained writes it)
+    assert routers and experts and all(not torch.equal(grouped[n], initial[n]) for n in routers)
+    assert sum(not torch.equal(grouped[n], initial[n]) for n in experts) > len(experts) // 2
+    got, want = metrics(tmp_path / "grouped")[-1], metrics(tmp_path / "repeated")[-1]
+    keys = [k for k in want if k.startswith("router/")]
+    assert {"router/aux_loss", "router/entropy", "router/load_max_over_mean"} <= set(keys)
+    assert any(k.startswith("router/load_max_over_mean/layer_") for k in keys)
+    for key in keys:
+        assert got[key] == pytest.approx(want[key], rel=1e-4), key
+    assert not any(k.startswith("router_sums") for k in got)
+
+
+@pytest.mark.slow  # four launches of 2 processes (about 2 minutes on 2 cores)
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_two_processes_under_zero3_equal_zero2_with_k2_resume_after_kill_and_evaluate(family, moe_assets, tmp_path):
+    """scripts/train.sh, 2 processes, each rank its own prompts (so the ranks route differently), k = 2 questions
+    on one video, 3 steps: ZeRO-3 reaches ZeRO-2's weights (1e-4); the ZeRO-3 run killed with -9 at a random time
+    and resumed ends at the uninterrupted run's weights; scripts/eval.sh scores its export."""
+    common = {"train.max_steps": 3, "data.questions_per_video": 2, "data.train_file": moe_assets["shared_train"], "train.prompts_per_rank": 2,
+              "train.groups_per_micro_batch": 2, "train.save_every": 1}
+    env = {"NPROC_PER_NODE": "2"}
+    runs = {}
+    for zero in ("zero2", "zero3"):
+        out = tmp_path / zero
+        start = time.time()
+        run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml",
+             *moe_overrides(moe_assets, family, out, **common,
+                            **{"train.deepspeed_config": f"deepspeed_configs/{zero}.json"})], env=env)
+        runs[zero] = (out, time.time() - start)
+    initial = weights(moe_assets["checkpoints"][family])
+    assert_close_weights(weights(runs["zero3"][0] / "final"), weights(runs["zero2"][0] / "final"), initial, 1e-4)
+    assert metrics(runs["zero3"][0])[-1]["tokens/shared_video"] > 0
+
+    killed = tmp_path / "killed"
+    command = ["bash", "scripts/train.sh", "configs/demo_cpu.yaml",
+               *moe_overrides(moe_assets, family, killed, **common,
+                              **{"train.deepspeed_config": "deepspeed_configs/zero3.json"})]
+    killed_at_random(command, killed, env, runs["zero3"][1], random.Random(family), (0.5, 0.9))
+    run([*command, "train.resume=true"], env=env)
+    want, got = weights(runs["zero3"][0] / "final"), weights(killed / "final")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+
+    run(["bash", "scripts/eval.sh", str(killed / "final"), str(moe_assets["heldout"]),
+         f"eval.output_dir={tmp_path / 'eval'}", "eval.max_new_tokens=4"], env={"NPROC_PER_NODE": "1"})
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary, "scripts/eval.sh wrote an empty summary"
+
+
+@pytest.mark.slow  # two processes, about 15 s
+def test_a_collective_nobody_joins_stops_the_run_naming_itself_and_the_rank(tmp_path):
+    """train.collective_timeout_s as the product applies it (``distributed.init_distributed`` and
+    ``collective_failures``): rank 0 waits in an all_reduce rank 1 never enters; it stops within a few timeouts,
+    its message names torch.distributed.all_reduce, rank 0 and the key; nothing hangs."""
+    import subprocess
+    import sys
+
+    from tests.test_trainer import ROOT, free_port
+
+    start = time.time()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--master_port", str(free_port()), "tests/workers/collective_timeout.py", "4"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    took = time.time() - start
+    assert result.returncode != 0 and "the all_reduce returned" not in result.stdout
+    assert "collective error: rank 0 of 2 waited in torch.distributed.all_reduce longer than " \
+           "train.collective_timeout_s=4 s" in result.stderr, result.stderr[-3000:]
+    assert took < 60
