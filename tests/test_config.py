@@ -64,6 +64,12 @@ def test_the_moe_configs_load_and_their_keys_are_checked_by_name(path):
             load_config(path, overrides)
 
 
+def test_the_full_weight_moe_config_trains_every_weight_but_the_routers():
+    cfg = load_config("configs/qwen3_vl_30b_a3b_video.yaml")
+    assert cfg.lora.rank == 0 and not cfg.lora.target_parameters and not cfg.model.train_router
+    assert cfg.rollout.zero3_gather == "layerwise" and cfg.train.deepspeed_config.endswith("zero3.json")
+
+
 def test_missing_file_and_help():
     with pytest.raises(ConfigError, match="config file not found"):
         load_config("configs/nope.yaml")

@@ -30,8 +30,24 @@ NOMINAL_BILLIONS = {"qwen3_5_0_8b": (0.75, 0.95), "qwen3_5_2b": (1.9, 2.4), "qwe
                     "qwen3_5_9b": (9.0, 10.0), "qwen3_5_27b": (26.5, 28.0)}
 
 
+# Mixture-of-experts sizes: "30B-A3B" is 30B parameters in all, 3B met by each token. Each preset's total and active
+# counts (vision tower included) must fall where its name puts them.
+MOE_NOMINAL = {"qwen3_vl_30b_a3b": ((30, 31.5), (3, 4)), "qwen3_vl_235b_a22b": ((234, 237), (22, 23.5)),
+               "qwen3_5_35b_a3b": ((34.5, 36), (3, 4)), "qwen3_5_122b_a10b": ((121, 124), (10, 11)),
+               "qwen3_5_397b_a17b": ((395, 400), (17, 18))}
+
+
 def test_every_size_has_a_preset_with_its_source_and_the_published_parameter_count():
-    assert set(shapes.preset_names()) == set(PUBLISHED_BILLIONS) | set(NOMINAL_BILLIONS)
+    assert set(shapes.preset_names()) == set(PUBLISHED_BILLIONS) | set(NOMINAL_BILLIONS) | set(MOE_NOMINAL)
+    for name, ((low, high), (active_low, active_high)) in MOE_NOMINAL.items():
+        preset = shapes.load_preset(name)
+        assert preset["source"] == f"https://huggingface.co/{preset['hub_id']}/blob/main/config.json"
+        assert preset["checked_against"]
+        counts = shapes.count_parameters(shapes.hf_config(name))
+        assert low <= counts.total / 1e9 <= high, (name, counts.total)
+        assert active_low <= counts.active / 1e9 <= active_high, (name, counts.active)
+    dense = shapes.count_parameters(shapes.hf_config("qwen3_vl_8b"))
+    assert dense.active == dense.total
     for name, (low, high) in NOMINAL_BILLIONS.items():
         preset = shapes.load_preset(name)
         assert preset["source"] == f"https://huggingface.co/{preset['hub_id']}/blob/main/config.json"

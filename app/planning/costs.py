@@ -56,6 +56,12 @@ class Shape:
     linear_head_dim: int = 128
     conv_kernel: int = 4
     attention_gate: bool = False  # Qwen3.5's attention: q_proj also writes the output gate (twice as wide)
+    # mixture of experts: sparse layers, their experts (k per token) and shared expert (``layers.moe_shape``)
+    sparse_layers: int = 0
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0
 
     @property
     def attention_layers(self) -> int:
@@ -69,7 +75,7 @@ class Shape:
         from app.planning.layers import kinds
 
         return sum(kind.count * kind.matmul_params for kind in kinds(self)) / self.layers + 3 * self.hidden * \
-            self.intermediate
+            self.intermediate  # a sparse layer's router is a kind of its own (``layers.kinds``)
 
     @property
     def pixels_per_token(self) -> int:
@@ -84,13 +90,16 @@ class Shape:
 
 def shape_of(config) -> Shape:
     """The ``Shape`` of a transformers config (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, or a text-only Qwen)."""
+    from app.planning.layers import moe_shape
+
     text = config.get_text_config()
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     tied = bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
     base = dict(family=config.model_type, hidden=text.hidden_size, layers=text.num_hidden_layers, heads=heads,
-                kv_heads=text.num_key_value_heads, head_dim=head_dim, intermediate=text.intermediate_size,
+                kv_heads=text.num_key_value_heads, head_dim=head_dim, intermediate=getattr(text, "intermediate_size", 0),
                 vocab=text.vocab_size, tied=tied)
+    base.update(moe_shape(text))  # a mixture of experts: intermediate becomes what a token meets
     vision = getattr(config, "vision_config", None)
     if vision is None:
         return Shape(**base)
@@ -236,13 +245,13 @@ def layer_saved(shape: Shape, work: Workload, backend: str, dtype_bytes: int) ->
     """Bytes one decoder layer saves for the backward: two RMSNorms, the mixer's output projection's input, the
     MLP's gate, act, up and product (4 x intermediate), and the mixer: attention, or on average over a hybrid's
     layers its GDN layers' share (``layers.linear_saved``)."""
-    from app.planning.layers import linear_saved
+    from app.planning.layers import experts_saved, linear_saved
 
     tokens = work.repeated_tokens if backend == "repeated" else work.grouped_tokens
     per_token = 2 * norm_bytes(shape.hidden, dtype_bytes) + dtype_bytes * (shape.hidden + 4 * shape.intermediate)
     mixer = (shape.attention_layers * attention_saved(shape, work, backend, dtype_bytes)
              + shape.linear_layers * linear_saved(shape, tokens, dtype_bytes)) / shape.layers
-    return tokens * per_token + mixer
+    return tokens * per_token + mixer + experts_saved(shape, tokens, dtype_bytes)
 
 
 def model_saved(shape: Shape, work: Workload, backend: str, dtype_bytes: int) -> float:

@@ -11,6 +11,13 @@ attention-only model, whose one kind is attention.
   update); no K/V: a state per sequence, [value heads, dk, dv] float32 and the conv's last W - 1 inputs, read and
   written by every decode step.
 
+- **experts** (mixture of experts: Qwen3-VL-MoE, Qwen3.5-MoE): the MLP's weights a token meets are its k routed
+  experts' and the shared expert's (``Shape.intermediate`` is that average, so FLOPs and saved activations are k
+  experts' per token); the **router** is a kind of its own, [E, hidden] per sparse layer, met by every token. The
+  parameters (weights, gradients, optimizer state) are all E experts' (``shapes.count_parameters``), and so is what
+  ZeRO-3 gathers per layer. What the experts save beyond a dense MLP (the top-k ids and weights, grouped_mm's
+  tokens sorted by expert: ``EXPERTS_SAVED``) is a GUESS until a GPU measures it.
+
 What a GDN layer saves for the backward is a GUESS until a GPU measures it (``GDN_SAVED``: fla's chunked kernel
 keeps q, k, v, g, beta and its per-chunk WY factors; the conv its input; the gated norm its input and gate), as
 are ``RULE_BACKWARD`` (the delta rule's backward against its forward) and the decode step's efficiency on the
@@ -27,6 +34,12 @@ RULE_BACKWARD = 2.5  # the delta rule's backward against its forward, as fused a
 # input (read by four projections), the conv's input and output, the rule's q, k, v (post-conv, L2-normalised in
 # float32 inside the kernel), its output, z and the norm's input. A guess from the kernels' code, not measured.
 GDN_SAVED = {"hidden": 1, "conv": 3, "value": 3, "float32_heads": 3}
+
+
+# per token and sparse layer, saved beyond a dense MLP of the same active width, in units of hidden (in the model's
+# dtype): the tokens permuted into expert order for grouped_mm (k copies of the input) and the routing weights
+# applied to the k outputs (k more). A guess from transformers' grouped_mm path, not measured.
+EXPERTS_SAVED = {"hidden_per_slot": 2}
 
 
 @dataclass(frozen=True)
@@ -57,7 +70,35 @@ def kinds(shape) -> list[Kind]:
     out = [Kind("attention", shape.attention_layers, attention_params(shape))]
     if shape.linear_layers:
         out.append(Kind("gdn", shape.linear_layers, gdn_params(shape)))
+    if shape.sparse_layers:
+        out.append(Kind("router", shape.sparse_layers, shape.hidden * shape.experts))
     return out
+
+
+def moe_shape(text) -> dict:
+    """A mixture-of-experts text config's sparse layers (``decoder_sparse_step`` / ``mlp_only_layers`` as
+    transformers reads them; Qwen3.5-MoE: every layer), and the intermediate one token meets on average."""
+    experts = int(getattr(text, "num_experts", 0) or 0)
+    if not experts:
+        return {}
+    layers, step = text.num_hidden_layers, int(getattr(text, "decoder_sparse_step", 1) or 1)
+    dense_only = set(getattr(text, "mlp_only_layers", None) or ())
+    sparse = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+    k, moe = int(text.num_experts_per_tok), int(text.moe_intermediate_size)
+    shared = int(getattr(text, "shared_expert_intermediate_size", 0) or 0)
+    dense = int(getattr(text, "intermediate_size", 0) or 0)
+    active = (sparse * (k * moe + shared) + (layers - sparse) * dense) / layers
+    return dict(sparse_layers=sparse, experts=experts, experts_per_token=k, moe_intermediate=moe,
+                shared_intermediate=shared, intermediate=int(round(active)))
+
+
+def experts_saved(shape, tokens: float, dtype_bytes: int) -> float:
+    """Bytes one decoder layer saves beyond its dense-equivalent MLP over ``tokens`` tokens, on average over the
+    layers (``EXPERTS_SAVED``, a guess): 0 for a dense model."""
+    if not shape.sparse_layers:
+        return 0.0
+    per_token = EXPERTS_SAVED["hidden_per_slot"] * shape.experts_per_token * shape.hidden * dtype_bytes
+    return tokens * per_token * shape.sparse_layers / shape.layers
 
 
 def rule_flops(shape, tokens: float) -> float:
@@ -103,3 +144,20 @@ def state_bytes(shape, dtype_bytes: int) -> float:
         return 0.0
     state = 4 * shape.linear_value_heads * shape.linear_head_dim * shape.linear_head_dim
     return shape.linear_layers * (state + dtype_bytes * conv_channels(shape) * (shape.conv_kernel - 1))
+
+
+def experts_read(shape, tokens: float) -> float:
+    """Of a sparse layer's E routed experts, the fraction one step over ``tokens`` tokens meets (and so reads from
+    memory) when routing spreads them evenly: 1 - (1 - k / E) ^ tokens. A decode step of G samples meets far fewer
+    than E at 128 experts; a prefill meets all of them. 1.0 for a dense model."""
+    if not shape.sparse_layers:
+        return 1.0
+    return 1.0 - (1.0 - shape.experts_per_token / shape.experts) ** max(tokens, 0.0)
+
+
+def unread_expert_params(shape, tokens: float) -> float:
+    """Routed-expert parameters (all sparse layers) a step over ``tokens`` tokens does not read (``experts_read``)."""
+    if not shape.sparse_layers:
+        return 0.0
+    per_layer = shape.experts * 3 * shape.hidden * shape.moe_intermediate
+    return shape.sparse_layers * per_layer * (1.0 - experts_read(shape, tokens))

@@ -95,12 +95,16 @@ def model_source(cfg, override: str = "") -> str:
 
 
 def lora_parameters(cfg, meta) -> int:
-    """Adapter parameters: rank x (in + out) for every Linear ``lora.target_names`` picks on the meta model."""
-    from app.runtime.lora import target_names
+    """Adapter parameters, rank x (in + out): per Linear ``lora.target_names`` picks, per expert of every fused
+    expert weight ``lora.target_parameters`` names (peft's ParamWrapper)."""
+    from app.runtime.lora import target_names, target_parameter_names
 
-    modules = dict(meta.named_modules())
-    return sum(cfg.lora.rank * (modules[name].in_features + modules[name].out_features)
-               for name in target_names(meta, cfg.lora))
+    modules, params = dict(meta.named_modules()), dict(meta.named_parameters())
+    linear = sum(cfg.lora.rank * (modules[name].in_features + modules[name].out_features)
+                 for name in target_names(meta, cfg.lora))
+    experts = sum(cfg.lora.rank * params[name].shape[0] * (params[name].shape[1] + params[name].shape[2])
+                  for name in target_parameter_names(meta, cfg.lora) if params[name].ndim == 3)
+    return linear + experts
 
 
 def deepspeed_settings(cfg) -> dict:

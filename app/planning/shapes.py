@@ -107,6 +107,7 @@ class Counts:
     head: int  # 0 when tied to the embedding
     decoder_layer: int  # one decoder layer
     layers: int
+    active: int = 0  # met by one token: the total less each sparse layer's unchosen routed experts (= total if dense)
 
 
 def meta_model(config):
@@ -153,6 +154,9 @@ def count_parameters(config) -> Counts:
     model = meta_model(config)
     seen: set[int] = set()
     parts = {"vision": 0, "projector": 0, "embedding": 0, "head": 0, "layers": 0, "other": 0}
+    text = config.get_text_config()
+    chosen = getattr(text, "num_experts_per_tok", 0) / max(getattr(text, "num_experts", 0) or 1, 1)
+    unchosen = 0
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:
             continue
@@ -165,12 +169,15 @@ def count_parameters(config) -> Counts:
             parts["head"] += p.numel()
         elif ".layers." in name:
             parts["layers"] += p.numel()
+            if ".mlp.experts." in name:  # the fused routed experts (E, ...): a token meets k of the E
+                unchosen += round(p.numel() * (1 - chosen))
         else:
             parts["other"] += p.numel()
-    text = config.get_text_config()
-    return Counts(total=sum(parts.values()), vision=parts["vision"], projector=parts["projector"],
+    total = sum(parts.values())
+    return Counts(total=total, vision=parts["vision"], projector=parts["projector"],
                   embedding=parts["embedding"], head=parts["head"],
-                  decoder_layer=parts["layers"] // text.num_hidden_layers, layers=text.num_hidden_layers)
+                  decoder_layer=parts["layers"] // text.num_hidden_layers, layers=text.num_hidden_layers,
+                  active=total - unchosen)
 
 
 def build_real_width_checkpoint(out_dir: str | Path, preset: str, *, layers: int = 1, vision_layers: int = 1,

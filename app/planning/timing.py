@@ -258,7 +258,7 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
     prefill = flops.forward_flops(shape, family, "flash")["total"] * rank.families_here * rank.share
     prompts_here = min(rank.prompts, rank.families_here * k)
     samples, steps = prompts_here * work.group_size, work.completion
-    from app.planning.layers import kv_bytes_per_token, state_bytes
+    from app.planning.layers import kv_bytes_per_token, state_bytes, unread_expert_params
 
     kv_token = kv_bytes_per_token(shape, b)  # the attention layers' (a hybrid's GDN layers keep a state instead)
     shared = work.prefix - work.question if k > 1 else 0
@@ -266,6 +266,7 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
     kind = memory_kind(cfg.rollout.engine)
     copies = work.group_size if kind == "per_sample" else 1  # HF generate: every sample its own prompt copy
     weights = b * (shape.layers * counts.decoder_layer + shape.vocab * shape.hidden)
+    read = weights - b * unread_expert_params(shape, samples)  # a decode step reads the experts its samples meet
     kv = kv_token * (prefixes * copies + samples * steps / 2) * kv_share(shape, rank)  # the completions': half
     # each step reads and writes every sample's GDN states (this rank's heads under a spread rollout)
     kv += 2 * samples * state_bytes(shape, b) * kv_share(shape, rank)
@@ -301,7 +302,7 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
         "prefill": {"prefill_efficiency": prefill * copies / peak,
                     **({"link_efficiency": spread["prefill_bytes"] / link,
                         "collective_ms": spread["prefill_collectives"] / 1e3} if spread else {})},
-        "decode": {"weight_efficiency": steps * weights / bandwidth,
+        "decode": {"weight_efficiency": steps * read / bandwidth,
                    ("varlen_kv_efficiency" if varlen_runs(cfg, world) else "kv_efficiency"): steps * kv / bandwidth,
                    ("graph_launch_ms" if graph else "eager_launch_ms"): steps * shape.layers / 1e3,
                    "link_efficiency": (steps * per_step_gather + spread.get("decode_bytes", 0.0)) / link,
