@@ -68,7 +68,10 @@ SETUP_CASES = [{"plan": [0, 0, 0, -1], "chunk": 24, "setup": "lora", "temperatur
 FORWARD_CASES = [("qwen2_5_vl", 2, None, False), ("qwen2_5_vl", 4, ["split"], False), ("qwen3_vl", 2, ["packed"], False),
                  ("qwen3_vl", 4, None, True),  # 4 ranks are covered on Qwen2.5-VL in make test
                  ("qwen3_5", 2, ["split"], False),  # the GDN layers Ulysses over their key and value heads too
-                 ("qwen3_5", 4, ["split", "masked"], True)]
+                 ("qwen3_5", 4, ["split", "masked"], True),
+                 # mixture of experts: each rank's shard routes its own tokens; the router's and experts' gradients
+                 # summed over the ranks equal one rank's
+                 ("qwen3_vl_moe", 2, ["split"], False), ("qwen3_5_moe", 2, ["split"], True)]
 for _family, _size, _backends, _slow in FORWARD_CASES:
     job(f"forward-{_family}-{_size}", _size, "sequence_parallel", _slow, family=_family,
         kinds=["video", "text", "image+video"], group_sizes=[3, 1, 2], backends=_backends)

@@ -312,6 +312,6 @@ def completion_logprobs(
             to_record = lambda ids: Routing.from_repeated(  # noqa: E731
                 ids, prompts["input_ids"].shape[1], layout.group_sizes, routed.shape.layers,
                 prompts["attention_mask"], completion_mask)
-    router, recorded = routed.results(to_record)
+    router, recorded, gap = routed.results(to_record)
     return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), logits=logits, layout=layout,
-                            entropy=entropy, router=router, routing=recorded)
+                            entropy=entropy, router=router, routing=recorded, tie_gap=gap)

@@ -34,6 +34,7 @@ class CompletionScores:
     entropy: torch.Tensor | None = None  # [N, Lc] entropy of each token's (tempered) distribution, no gradient
     router: Any = None  # a MoE model's experts.statistics.RouterStatistics, when asked
     routing: Any = None  # a MoE model's experts.routing.Routing (the experts each token went to), when asked
+    tie_gap: float | None = None  # a replayed routing: experts.routing.tie_gap over the forward's sparse layers
 
 
 def _scaled_logits(hidden, weight, bias, temperature: float) -> torch.Tensor:

@@ -140,29 +140,36 @@ def compare_to_reference(grouped: torch.Tensor, repeated: torch.Tensor, referenc
 
 
 # ---- which layer kind differs (the self-check's diagnosis) ----------------------------------------------------------
-LAYER_KINDS = {"full_attention": "attention", "linear_attention": "Gated DeltaNet linear attention"}
+LAYER_KINDS = {"full_attention": "attention", "linear_attention": "Gated DeltaNet linear attention",
+               "router": "mixture-of-experts router", "experts": "routed experts"}
 
 
 def decoder_layers(model) -> list[tuple[int, str, torch.nn.Module]]:
-    """(index, kind, token mixer) of each decoder layer: ``full_attention`` (``self_attn``) or, in a hybrid model,
-    ``linear_attention`` (``linear_attn``), as the text config's ``layer_types`` says."""
+    """(index, kind, module) of each decoder layer's parts in the order they run: its token mixer,
+    ``full_attention`` (``self_attn``) or, in a hybrid model, ``linear_attention`` (``linear_attn``), as the text
+    config's ``layer_types`` says; then in a sparse layer its ``router`` (logits) and its routed ``experts``."""
+    from app.grouping.experts.blocks import fused_experts, sparse_layers
+
     inner = unwrap(model)
     body = getattr(inner, "model", inner)
     body = getattr(body, "language_model", body)
     config = getattr(inner.config, "text_config", None) or inner.config
     kinds = getattr(config, "layer_types", None)
+    sparse = {layer.index: layer.block for layer in sparse_layers(inner)}
     out = []
     for i, layer in enumerate(body.layers):
         kind = kinds[i] if kinds else "full_attention"
-        mixer = layer.linear_attn if kind == "linear_attention" else layer.self_attn
-        out.append((i, kind, mixer))
+        out.append((i, kind, layer.linear_attn if kind == "linear_attention" else layer.self_attn))
+        if i in sparse:
+            out += [(i, "router", sparse[i].gate), (i, "experts", fused_experts(sparse[i]))]
     return out
 
 
 def differing_layers(model, run_grouped, run_repeated, layout, prompt_width: int) -> list[tuple[int, str, float]]:
-    """Run both layouts once more with each decoder layer's token mixer recorded; per layer (index, kind, largest
-    |grouped - repeated| over the completion tokens relative to the largest |repeated|). ``layout``: the grouped
-    row's ``GroupLayout``; the repeated rows hold completion n's token j at ``prompt_width + j``."""
+    """Run both layouts once more with each decoder layer's parts recorded (``decoder_layers``); per part (index,
+    kind, largest |grouped - repeated| over the completion tokens relative to the largest |repeated|). ``layout``:
+    the grouped row's ``GroupLayout``; the repeated rows hold completion n's token j at ``prompt_width + j``. A
+    router's or experts' output comes flattened over the batch ([tokens, ...]) and is read as the rows it was."""
     outputs: dict[str, list] = {"grouped": [], "repeated": []}
     layers = decoder_layers(model)
     current: list = []
@@ -188,6 +195,8 @@ def differing_layers(model, run_grouped, run_repeated, layout, prompt_width: int
     grouped_at = torch.cat([torch.arange(s, s + n) for s, n in zip(layout.response_starts, layout.completion_lens)])
     out = []
     for (i, kind, _), g, r in zip(layers, outputs["grouped"], outputs["repeated"]):
+        g = g[None] if g.ndim == 2 else g
+        r = r.view(len(layout.completion_lens), -1, r.shape[-1]) if r.ndim == 2 else r
         mine = g[0].index_select(0, grouped_at.to(g.device))
         theirs = r[torch.tensor(rows, device=r.device), prompt_width + torch.tensor(cols, device=r.device)]
         out.append((i, kind, float((mine - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30))))
@@ -209,5 +218,6 @@ def describe_layers(differences: list[tuple[int, str, float]], dtype: torch.dtyp
     if first is None:
         return f" Layer by layer (token-mixer outputs at the completion tokens): {per_kind}.", None
     i, kind, d = first
-    return (f" The first layer whose output differs is layer {i}, a {LAYER_KINDS.get(kind, kind)} layer "
+    name = LAYER_KINDS.get(kind, kind)
+    return (f" The first layer whose output differs is layer {i}, {'an' if name[0] in 'aeiou' else 'a'} {name} layer "
             f"({kind}): relative difference {d:.3g} at the completion tokens; {per_kind}.", kind)

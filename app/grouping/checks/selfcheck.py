@@ -30,10 +30,20 @@ class SelfCheck:
     dtype: torch.dtype
     max_diff: float  # max |grouped - repeated| log-prob
     comparison: PrecisionComparison | None = None  # low precision: both layouts against float32
+    flips: dict | None = None  # mixture of experts: ``routing.disagreements`` of the two layouts' free routing
+    replayed: bool = False  # compared again with the repeated layout routed as the grouped one was
 
     def describe(self) -> str:
         text = f"{self.dtype}: max |grouped - repeated| log-prob {self.max_diff:.3g}"
-        return f"{text}; {self.comparison.describe()}" if self.comparison is not None else text
+        text = f"{text}; {self.comparison.describe()}" if self.comparison is not None else text
+        if self.flips is None:
+            return text
+        return f"{text}; {self.routing()}" + (" (rounding near router ties)" if self.replayed else "")
+
+    def routing(self) -> str:
+        return (f"routing: {self.flips['tokens']} of {self.flips['real_tokens']} tokens met other experts in the two "
+                "layouts" + (", compared again with the repeated layout routed as the grouped one was"
+                             if self.replayed else ""))
 
 
 SELF_CHECK_COMPLETION_TOKENS = 32
@@ -75,45 +85,73 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
     Lower precision (bf16, fp16): both are roundings of one function, so both are compared with a float32 forward
     of the same weights (``precision.float32_forward``) and grouped must be no worse than repeated
     (``precision.MEAN_RATIO`` / ``MAX_RATIO``). Costs one repeated forward (two in low precision), once.
+    Mixture of experts: both layouts record their routing. Where the comparison fails and tokens met other experts
+    in the two (a router near a tie, rounded differently), it runs again with the repeated layout (and the float32
+    reference) routed as the grouped one was; it passes then only if every overruled choice was a near-tie
+    (``routing.tie_gap`` within ``routing.TIE_GAP``). ``SelfCheck.flips`` says how many tokens flipped.
     ``families``: the grouped side packs them as ``completion_logprobs`` does (questions sharing a video).
     """
+    from app.grouping.experts.blocks import expert_shape
+    from app.grouping.experts.routing import TIE_GAP, disagreements
+
     previous = text_config(model)._attn_implementation
     dtype = parameter_dtype(model)
     chosen = backend or attention.default_backend(completion_ids.device)
+    moe = expert_shape(model) is not None
+    record = {"record_routing": True} if moe else {}
     try:
         with torch.no_grad():
             grouped = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped",
-                                          backend=backend, families=families).logprobs.float()
-            repeated = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes,
-                                           "repeated").logprobs.float()
-            comparison = None
-            if dtype != torch.float32:
-                with float32_forward(model):
-                    reference = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes,
-                                                    "repeated").logprobs
-                comparison = compare_to_reference(grouped, repeated, reference, completion_mask)
+                                          backend=backend, families=families, **record)
+            outcome = _against_repeated(model, prompts, completion_ids, completion_mask, group_sizes, grouped, dtype,
+                                        rtol, atol, record)
+            flips = disagreements(grouped.routing, outcome[3].routing, prompts["attention_mask"],
+                                  completion_mask) if moe else None
+            replayed = bool(flips and flips["tokens"]) and outcome[2] is not None
+            if replayed:  # a router near a tie in one layout only: route repeated (and float32) as grouped did
+                outcome = _against_repeated(model, prompts, completion_ids, completion_mask, group_sizes, grouped,
+                                            dtype, rtol, atol, {"routing": grouped.routing})
     finally:
         set_text_attention(model, previous)
-    diff = (grouped - repeated).abs()
-    result = SelfCheck(dtype, float(diff.max()), comparison)
-    where = f"backend={chosen}, model={type(unwrap(model)).__name__}, dtype={dtype}"
-    if comparison is not None:
-        if not comparison.passes():
-            raise GroupingMismatchError(
-                f"grouped log-probs are further from a float32 forward of the same weights than repeated ones: "
-                f"{comparison.describe()} ({where})." + _diagnosis(model, prompts, completion_ids, completion_mask,
-                                                                 group_sizes, backend=backend, families=families,
-                                                                 dtype=dtype))
+    diff, comparison, failure, repeated = outcome
+    if failure is None and replayed and repeated.tie_gap > TIE_GAP:  # not near-ties: the grouped routing is wrong
+        failure = (f"the grouped layout routed tokens to experts the repeated layout's routers rank well below their "
+                   f"own top-k (a gap of {repeated.tie_gap:.3g} logit standard deviations; rounding near a tie stays "
+                   f"within {TIE_GAP})")
+    result = SelfCheck(dtype, float(diff.max()), comparison, flips, replayed)
+    if failure is None:
         return result
-    bound = atol + rtol * repeated.abs()
-    if bool((diff > bound).any()):
-        n, j = divmod(int((diff - bound).argmax()), diff.shape[1])
-        raise GroupingMismatchError(
-            f"grouped and repeated log-probs differ by {float(diff.max()):.3g} (completion {n}, token {j}; "
-            f"rtol={rtol}, atol={atol}; {where})." + _diagnosis(model, prompts, completion_ids, completion_mask,
-                                                              group_sizes, backend=backend, families=families,
-                                                              dtype=dtype))
-    return result
+    where = f"backend={chosen}, model={type(unwrap(model)).__name__}, dtype={dtype}"
+    routed = f" The {result.routing()}." if flips is not None else ""
+    raise GroupingMismatchError(f"{failure} ({where}).{routed}" + _diagnosis(
+        model, prompts, completion_ids, completion_mask, group_sizes, backend=backend, families=families, dtype=dtype))
+
+
+def _against_repeated(model, prompts, completion_ids, completion_mask, group_sizes, grouped, dtype, rtol, atol,
+                      routing: dict):
+    """The repeated layout (and, below float32, a float32 forward) against the grouped log-probs: (|difference|,
+    the precision comparison or None, what failed or None, the repeated scores). ``routing``: record or replay."""
+    mine = grouped.logprobs.float()
+    repeated = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "repeated",
+                                   **routing)
+    theirs = repeated.logprobs.float()
+    diff = (mine - theirs).abs()
+    if dtype != torch.float32:
+        replay = {"routing": routing["routing"]} if "routing" in routing else {}
+        with float32_forward(model):
+            reference = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes,
+                                            "repeated", **replay).logprobs
+        comparison = compare_to_reference(mine, theirs, reference, completion_mask)
+        failure = None if comparison.passes() else (
+            "grouped log-probs are further from a float32 forward of the same weights than repeated ones: "
+            f"{comparison.describe()}")
+        return diff, comparison, failure, repeated
+    bound = atol + rtol * theirs.abs()
+    if not bool((diff > bound).any()):
+        return diff, None, None, repeated
+    n, j = divmod(int((diff - bound).argmax()), diff.shape[1])
+    return diff, None, (f"grouped and repeated log-probs differ by {float(diff.max()):.3g} (completion {n}, token "
+                        f"{j}; rtol={rtol}, atol={atol}"), repeated
 
 
 def _diagnosis(model, prompts, completion_ids, completion_mask, group_sizes, *, backend, families, dtype) -> str:
@@ -143,6 +181,11 @@ def _diagnosis(model, prompts, completion_ids, completion_mask, group_sizes, *, 
         advice = (" The attention backend cannot change a Gated DeltaNet layer: its segments' recurrent states or "
                   "conv inputs were handed on wrongly (app.grouping.recurrent). Train with forward.grouping=repeated "
                   "until it is fixed, or skip this check only if you accept training on log-probs that may be wrong.")
+    elif kind in ("router", "experts"):
+        advice = (" The attention backend cannot change a router or its experts, which see one token at a time: that "
+                  "part computed differently in the grouped row (app.grouping.experts). Train with "
+                  "forward.grouping=repeated until it is fixed, or skip this check only if you accept training on "
+                  "log-probs that may be wrong.")
     else:
         advice = (" Try backend 'masked' (the plain reference backend) to tell a backend fault from a layout fault; "
                   "skip this check only if you accept training on log-probs that may be wrong.")

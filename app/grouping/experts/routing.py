@@ -150,6 +150,27 @@ def check_routing(routing: Routing, shape: ExpertShape, prompt_mask: torch.Tenso
                                "from another prompt")
 
 
+# The largest tie gap (``tie_gap``) a replayed routing may have and still count as rounding. On the tiny models in
+# bf16, the tokens that flipped between the layouts had gaps up to 0.03; a record with 5% of its tokens sent to a
+# neighbouring expert, 0.69 and more (tests/test_experts.py). Unmeasured on the released checkpoints.
+TIE_GAP = 0.25
+
+
+def tie_gap(logits: torch.Tensor, fresh: torch.Tensor, recorded: torch.Tensor) -> float:
+    """Over the tokens whose replayed expert set differs from the one this forward's router picks: the largest
+    (logit of the router's own k-th choice - the lowest logit among the replayed experts), in units of that token's
+    logit spread (std over the E experts). Rounding makes near-ties flip, with gaps of a few hundredths; a replayed
+    set that is not a near-tie (another token's routing, a wrong expert) is a gap of order 1. 0 if none differs."""
+    whole = (recorded >= 0).all(-1)
+    differs = whole & (recorded.sort(-1).values != fresh.sort(-1).values).any(-1)
+    if not bool(differs.any()):
+        return 0.0
+    x = logits[differs].float()
+    kth = x.gather(-1, fresh[differs]).min(-1).values
+    worst = x.gather(-1, recorded[differs].clamp_min(0)).min(-1).values
+    return float(((kth - worst).clamp_min(0) / x.std(-1).clamp_min(1e-12)).max())
+
+
 class RoutePlan:
     """One forward's routing work at its sparse layers (in ``layers`` order):
     ``replay`` [T, S, k] expert ids in the forward's token order (-1: route afresh: padding, a completion's last
@@ -163,6 +184,7 @@ class RoutePlan:
         self.replay, self.weights, self.grad, self.record = replay, weights, grad, record
         self.indices: list[torch.Tensor | None] = [None] * len(self.layers)
         self.sums: list[tuple | None] = [None] * len(self.layers)
+        self.overruled = 0.0  # replay: the largest tie gap of a replayed expert set this forward would not choose
 
     def shard(self, start: int, end: int) -> RoutePlan:
         """The plan of a shard [start, end) of this forward's tokens (sequence parallelism)."""
@@ -184,6 +206,7 @@ class RoutePlan:
                                    f"slots, the forward routes {logits.shape[0]} tokens to {router.top_k} experts")
             fresh = torch.topk(probs, router.top_k, dim=-1).indices
             indices = torch.where(recorded >= 0, recorded, fresh)
+            self.overruled = max(self.overruled, tie_gap(logits, fresh, recorded))
             top = probs.gather(-1, indices)
             scores = (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
         first = self.indices[s] is None and self.sums[s] is None  # a checkpoint's recompute: the same work, not kept
@@ -233,12 +256,13 @@ class Routed:
         return {ROUTING_KWARG: self.plan}
 
     def results(self, to_record) -> tuple:
-        """(RouterStatistics or None, Routing or None) of the forward just run; ``to_record`` turns its [T, S, k]
-        ids into a ``Routing``."""
+        """(RouterStatistics or None, Routing or None, tie gap or None) of the forward just run; ``to_record`` turns
+        its [T, S, k] ids into a ``Routing``; the tie gap (``tie_gap``, a replay only) over every sparse layer."""
         if self.plan is None:
-            return None, None
+            return None, None, None
         stats = self.plan.statistics(self.shape.top_k) if self.statistics != "off" else None
-        return stats, to_record(self.plan.recorded()) if self.record else None
+        return (stats, to_record(self.plan.recorded()) if self.record else None,
+                self.plan.overruled if self.replay is not None else None)
 
 
 def _decoder_layers(model) -> list:
