@@ -88,7 +88,7 @@ def declare_sums(metrics, stats) -> None:
 def step_router_metrics(values: dict) -> dict:
     """Pops the reduced router sums out of ``values`` and returns ``router_metrics`` of them (empty for a dense
     model)."""
-    from app.grouping.experts.statistics import RouterStatistics
+    from types import SimpleNamespace
 
     keys = [k for k in values if k.startswith(STATISTICS_KEY + "/")]
     if not keys:
@@ -98,7 +98,7 @@ def step_router_metrics(values: dict) -> dict:
     experts = 1 + max(int(k.split("/")[2]) for k in raw if "/load/" in k)
     table = lambda what: torch.tensor([[raw[f"{layer}/{what}/{e}"] for e in range(experts)]  # noqa: E731
                                        for layer in layers], dtype=torch.float64)
-    stats = RouterStatistics(tuple(layers), table("load"), table("probability"),
-                             torch.tensor([raw[f"{layer}/entropy"] for layer in layers], dtype=torch.float64),
-                             torch.tensor(raw["tokens"], dtype=torch.float64), int(raw["top_k"]))
+    stats = SimpleNamespace(layers=tuple(layers), load=table("load"), probability=table("probability"),
+                            entropy=torch.tensor([raw[f"{layer}/entropy"] for layer in layers], dtype=torch.float64),
+                            tokens=torch.tensor(raw["tokens"], dtype=torch.float64), top_k=int(raw["top_k"]))
     return router_metrics(stats)

@@ -103,14 +103,14 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
         with torch.no_grad():
             grouped = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped",
                                           backend=backend, families=families, **record)
-            outcome = _against_repeated(model, prompts, completion_ids, completion_mask, group_sizes, grouped, dtype,
-                                        rtol, atol, record)
+            batch = (prompts, completion_ids, completion_mask, group_sizes)
+            outcome = _against_repeated(model, batch, grouped, dtype=dtype, rtol=rtol, atol=atol, routing=record)
             flips = disagreements(grouped.routing, outcome[3].routing, prompts["attention_mask"],
                                   completion_mask) if moe else None
             replayed = bool(flips and flips["tokens"]) and outcome[2] is not None
             if replayed:  # a router near a tie in one layout only: route repeated (and float32) as grouped did
-                outcome = _against_repeated(model, prompts, completion_ids, completion_mask, group_sizes, grouped,
-                                            dtype, rtol, atol, {"routing": grouped.routing})
+                outcome = _against_repeated(model, batch, grouped, dtype=dtype, rtol=rtol, atol=atol,
+                                            routing={"routing": grouped.routing})
     finally:
         set_text_attention(model, previous)
     diff, comparison, failure, repeated = outcome
@@ -127,10 +127,11 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
         model, prompts, completion_ids, completion_mask, group_sizes, backend=backend, families=families, dtype=dtype))
 
 
-def _against_repeated(model, prompts, completion_ids, completion_mask, group_sizes, grouped, dtype, rtol, atol,
-                      routing: dict):
+def _against_repeated(model, batch, grouped, *, dtype, rtol, atol, routing: dict):
     """The repeated layout (and, below float32, a float32 forward) against the grouped log-probs: (|difference|,
-    the precision comparison or None, what failed or None, the repeated scores). ``routing``: record or replay."""
+    the precision comparison or None, what failed or None, the repeated scores). ``batch``: (prompts, completion
+    ids, completion mask, group sizes); ``routing``: record or replay."""
+    prompts, completion_ids, completion_mask, group_sizes = batch
     mine = grouped.logprobs.float()
     repeated = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "repeated",
                                    **routing)
