@@ -58,7 +58,8 @@ def assert_close_weights(got: dict, want: dict, initial: dict, rtol: float) -> N
 def test_grouped_and_repeated_moe_training_reach_the_same_weights_and_router_metrics(family, moe_assets, tmp_path,
                                                                                      monkeypatch):
     """Two steps, in this process: the routers and the experts train, the load-balancing loss is in the loss;
-    grouped == repeated (weights 1e-4, the routers' and experts' included), router/* logged by both and equal."""
+    grouped == repeated (weights 1e-4, the routers' and experts' included), router/* logged by both and equal, and
+    drawn beside the training curves."""
     from app.training.trainer import main
 
     for mode in ("grouped", "repeated"):
@@ -79,6 +80,10 @@ def test_grouped_and_repeated_moe_training_reach_the_same_weights_and_router_met
     for key in keys:
         assert got[key] == pytest.approx(want[key], rel=1e-4), key
     assert not any(k.startswith("router_sums") for k in got)
+    from app.runtime.plots import main as plot  # scripts/plot_metrics.sh: the routers' figure beside the curves
+
+    plot([str(tmp_path / "grouped" / "metrics.jsonl"), str(tmp_path / "curves.png")])
+    assert (tmp_path / "curves.png").stat().st_size > 0 and (tmp_path / "curves_router.png").stat().st_size > 10000
 
 
 @pytest.mark.slow  # four launches of 2 processes (about 2 minutes on 2 cores)

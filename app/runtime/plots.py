@@ -1,6 +1,8 @@
 """PNG plots from the metrics JSONL (training curves) and from evaluation summaries.
 
     python -m app.runtime.plots outputs/demo/run/metrics.jsonl outputs/demo/training_curves.png
+
+A mixture-of-experts run's router/* metrics go beside it (``training_curves_router.png``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,42 @@ def plot_training(metrics_path: str | Path, out_png: str | Path, title: str = "G
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(loc="lower right")
+    fig.suptitle(title)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return Path(out_png)
+
+
+def router_png(out_png: str | Path) -> Path:
+    """Where ``plot_training`` puts a mixture-of-experts run's router curves: beside its curves, ``*_router.png``."""
+    out = Path(out_png)
+    return out.with_name(f"{out.stem}_router{out.suffix or '.png'}")
+
+
+def plot_router(metrics_path: str | Path, out_png: str | Path, title: str = "Routers") -> Path | None:
+    """A mixture-of-experts run's router/* metrics: each sparse layer's expert load (max over mean tokens per
+    expert; 1 is balanced), its mean entropy per token, and the load-balancing loss. None for a dense run."""
+    rows = [r for r in read_metrics(metrics_path) if "router/aux_loss" in r]
+    if not rows:
+        return None
+    steps = [r["step"] for r in rows]
+    layers = sorted({k.rsplit("_", 1)[1] for r in rows for k in r if k.startswith("router/entropy/layer_")})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), constrained_layout=True)
+    for ax, (key, label) in zip(axes[:2], (("load_max_over_mean", "expert load, max / mean"),
+                                           ("entropy", "router entropy (nats)"))):
+        for layer in layers:
+            ax.plot(steps, [r.get(f"router/{key}/layer_{layer}", float("nan")) for r in rows], linewidth=0.8,
+                    alpha=0.6)
+        ax.plot(steps, [r[f"router/{key}"] for r in rows], color="black", linewidth=2,
+                label="worst layer" if key == "load_max_over_mean" else "mean over layers")
+        ax.set_title(f"{label}: {len(layers)} layers")
+        ax.legend(loc="best", fontsize=8)
+    axes[2].plot(steps, [r["router/aux_loss"] for r in rows], color="#08519c", linewidth=2)
+    axes[2].set_title("load-balancing loss (top_k when balanced)")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.ticklabel_format(axis="y", useOffset=False)
     fig.suptitle(title)
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
@@ -144,6 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) != 2:
         raise SystemExit("usage: python -m app.runtime.plots METRICS.jsonl OUT.png")
     print(plot_training(argv[0], argv[1]))
+    router = plot_router(argv[0], router_png(argv[1]))  # a mixture-of-experts run: its routers beside
+    if router is not None:
+        print(router)
 
 
 if __name__ == "__main__":
