@@ -16,6 +16,7 @@ import torch
 
 from app.grouping.layout import LayoutError
 from app.grouping.sequence_parallel import shard_bounds
+from app.runtime.models import MOE_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,6 +139,8 @@ def test_sequence_parallel_equals_one_rank(family, size, launched):
         assert r["logprob"] <= 1e-5 and r["entropy"] <= 1e-5, (backend, r)
         assert r["grad"] <= 1e-4, (backend, r)
         assert r["masked_zero"] and not r["no_grad"], (backend, r)
+        if family in MOE_FAMILIES:  # the load-balancing loss in the objective, its sums over the group's shards
+            assert r["router"] <= 1e-5 and r["aux"] <= 1e-6 and r["flipped"] == 0, (backend, r)
 
 
 @pytest.mark.distributed

@@ -183,9 +183,9 @@ def _shard_routing(routed, layout: GroupLayout, sp: SequenceParallel):
         mine = routed.plan.recorded()
         pieces = [mine.new_full((end - start, *mine.shape[1:]), 0) for start, end in bounds]
         pieces[sp.rank] = mine
-        row = torch.cat(pieces)
+        row = torch.cat(pieces).to(torch.int32)  # neither gloo nor NCCL reduces int16
         dist.all_reduce(row, group=sp.group)  # each rank's shard, zero elsewhere
-        recorded = Routing.from_packed(layout, row, routed.shape.layers)
+        recorded = Routing.from_packed(layout, row.to(mine.dtype), routed.shape.layers)
     return router, recorded
 
 

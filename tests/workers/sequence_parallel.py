@@ -78,12 +78,22 @@ def _compare(spec: dict, model, prompts, families, sizes) -> None:
     weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(3))
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     sp = SequenceParallel(rank=rank, size=size)
+    from app.grouping.experts.blocks import expert_shape
+    from app.grouping.experts.routing import disagreements
+    from app.objectives.router import load_balancing_loss
+
+    moe = expert_shape(model) is not None
+
+    def objective(scores):
+        aux = load_balancing_loss(scores.router) if moe else 0.0
+        return (scores.logprobs * weights).sum() + 10.0 * aux
 
     def one_rank(backend, families):
         model.zero_grad(set_to_none=True)
+        router = {"router_statistics": "loss", "record_routing": True} if moe else {}
         scores = completion_logprobs(model, prompts, ids, mask, sizes, backend=backend, return_entropy=True,
-                                     families=families)
-        (scores.logprobs * weights).sum().backward()
+                                     families=families, **router)
+        objective(scores).backward()
         return scores, {n: p.grad.clone() for n, p in params.items()}
 
     report = {}
@@ -91,10 +101,16 @@ def _compare(spec: dict, model, prompts, families, sizes) -> None:
         scores, ref_grads = one_rank(backend, families)
         ref = scores.logprobs
         model.zero_grad(set_to_none=True)
-        mine = sequence_parallel_scores(model, prompts, ids, mask, sizes, sp, backend=backend, return_entropy=True,
-                                        chunk_size=spec.get("chunk_size", 1024), families=families)
+        if moe:  # through completion_logprobs, as the trainer asks for the routers' sums
+            mine = completion_logprobs(model, prompts, ids, mask, sizes, backend=backend, return_entropy=True,
+                                       chunk_size=spec.get("chunk_size", 1024), families=families,
+                                       sequence_parallel=sp, router_statistics="loss", record_routing=True)
+        else:
+            mine = sequence_parallel_scores(model, prompts, ids, mask, sizes, sp, backend=backend,
+                                            return_entropy=True, chunk_size=spec.get("chunk_size", 1024),
+                                            families=families)
         got = mine.logprobs
-        (got * weights).sum().backward()
+        objective(mine).backward()
         grads = {}
         for n, p in params.items():
             g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
@@ -109,6 +125,13 @@ def _compare(spec: dict, model, prompts, families, sizes) -> None:
                            "masked_zero": bool((got.detach()[~mask.bool()] == 0).all()),
                            "shared_tokens": int(getattr(mine.layout, "shared_tokens", 0)),
                            "adapters": sum(".lora_" in n for n in params), "params": len(params)}
+        if moe:
+            ours, theirs = mine.router, scores.router
+            report[backend].update(
+                router=max(max_rel_diff(getattr(ours, k).detach(), getattr(theirs, k).detach())
+                           for k in ("load", "probability", "entropy", "tokens")),
+                aux=abs(float(load_balancing_loss(ours)) - float(load_balancing_loss(theirs))),
+                flipped=disagreements(mine.routing, scores.routing, prompts["attention_mask"], mask)["tokens"])
         if families:  # against the one-rank forward of each question on its own (k = 1)
             k1, k1_grads = one_rank(backend if backend in ("split", "masked", "flash") else "split", None)
             worst = max(params, key=lambda n: max_rel_diff(grads[n], k1_grads[n]))
