@@ -27,7 +27,7 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
 # tests/test_planner_accuracy.py's and tests/test_plan.py's checks; their reports, the failed-point test below)
 @pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale", "lora",
                                   "vision_cache", "long_video", "long_prefill", "judge", "tree", "shared_video",
-                                  "long_rehearsal", "hybrid", "mismatch", "rollout --family qwen3_5 --no-hf",
+                                  "long_rehearsal", "hybrid", "moe", "mismatch", "rollout --family qwen3_5 --no-hf",
                                   "host_decode"])
 def test_benchmark_runs_quick(name, tmp_path):
     name, *extra = name.split()
@@ -93,6 +93,12 @@ def test_benchmark_runs_quick(name, tmp_path):
         assert [(r["family"], r["prefix"]) for r in report["rows"]] == [("qwen3_5", 256), ("qwen2_5_vl", 256)]
         assert all(r["flop_ratio"] < 1 and r["seconds_grouped"] > 0 for r in report["rows"])
         assert (out / "hybrid.png").is_file()
+    if name == "moe":  # each MoE family beside its dense model of the same active width, FLOPs through eager experts
+        rows = {r["family"]: r for r in report["rows"]}
+        assert list(rows) == ["qwen3_vl_moe", "qwen3_vl", "qwen3_5_moe", "qwen3_5"] and (out / "moe.png").is_file()
+        for moe, dense in (("qwen3_vl_moe", "qwen3_vl"), ("qwen3_5_moe", "qwen3_5")):
+            assert rows[moe]["flops_repeated"] == pytest.approx(rows[dense]["flops_repeated"], rel=0.02)
+            assert rows[moe]["flop_ratio"] < 1 and rows[moe]["seconds_grouped"] > 0
     if name == "mismatch":  # the rollout's log-probs against the trainer's, both families, both dtypes
         rows = report["rows"]
         assert {(r["family"], r["dtype"]) for r in rows} == {(f, d) for f in ("qwen3_5", "qwen2_5_vl")

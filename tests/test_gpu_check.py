@@ -92,3 +92,22 @@ def test_the_whole_acceptance_runs_quick_here(tmp_path):
     assert compiled["grouped_s"] > 0 and ("hf_static_s" in compiled or compiled["error"])  # a time, or why not
     # one line when each part starts, one when it ends
     assert result.stdout.count("[gpu_check") == 2 * len(payload["parts"])
+
+
+@pytest.mark.slow  # one part at toy sizes in its own process (about 20 s)
+def test_the_moe_part_runs_quick_here(tmp_path):
+    """scripts/gpu_check.sh --quick --parts moe: grouped_mm against eager experts (equal log-probs), the self-check on
+    the MoE model (passed, the tokens routed elsewhere counted), grouped vs repeated; its report in report.md."""
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", "--quick", "--parts", "moe", "--raw", str(tmp_path / "raw"),
+                             "--report", str(tmp_path / "report")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    payload = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert [(r["part"], r["status"]) for r in payload["parts"]] == [("moe", "ok")]
+    moe = payload["results"]["moe"]
+    assert [r["implementation"] for r in moe["experts"]] == ["grouped_mm", "eager"]
+    assert moe["experts"][1]["max_logprob_diff_vs_first"] < 1e-4
+    check = moe["self_check"][0]
+    assert check["passed"] and check["real_tokens"] > 0 and check["flipped_tokens"] is not None
+    assert moe["train"][0]["max_logprob_diff"] < 1e-4 and moe["train"][0]["time_ratio"] > 0
+    assert "Qwen3-VL-MoE at tiny width" in (tmp_path / "report" / "report.md").read_text()

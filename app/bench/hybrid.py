@@ -25,12 +25,20 @@ PREFIXES = (2048, 8192)
 GROUP, COMPLETION = 8, 128
 
 
+# Mixture-of-experts families at the same active width as the dense ones' MLP of 1,024: 16 experts, 4 per token, of
+# 256 (Qwen3-VL-MoE, every layer sparse), or of 192 plus a shared expert of 256 (Qwen3.5-MoE).
+MOE_SIZES = {"qwen3_vl_moe": dict(experts=16, experts_per_token=4, moe_intermediate=256, moe_layers=4,
+                                  mlp_only_layers=()),
+             "qwen3_5_moe": dict(experts=16, experts_per_token=4, moe_intermediate=192, shared_expert_intermediate=256)}
+
+
 def tiny_model(family: str, vocab: int = 32768):
     """The reduced-width model of ``family`` (random weights, the real transformers class)."""
-    from app.runtime.models import TinySizes, build_tokenizer, model_class, tiny_config
+    from app.runtime.models import HYBRID_FAMILIES, TinySizes, build_tokenizer, model_class, tiny_config
 
-    sizes = TinySizes(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64 if family != "qwen3_5" else 32,
-                      intermediate=1024, hybrid_layers=4, linear_heads=(4, 8, 64), max_positions=65536)
+    sizes = TinySizes(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64 if family not in HYBRID_FAMILIES else 32,
+                      intermediate=1024, hybrid_layers=4, linear_heads=(4, 8, 64), max_positions=65536,
+                      **MOE_SIZES.get(family, {}))
     config = tiny_config(family, build_tokenizer(), sizes, vocab_size=vocab)
     torch.manual_seed(0)
     return model_class(config).from_config(config, dtype=torch.float32)
@@ -56,12 +64,16 @@ def measure(family: str, prefix: int, group: int, completion: int, mode: str) ->
     return {"seconds": timed["seconds"], "peak_mb": timed["peak"] / 2**20, "flops": timed["flops"]}
 
 
-def run(out: Path, quick: bool = False) -> dict:
+TITLE = ("Qwen3.5 (3 GDN + 1 attention layer) against Qwen2.5-VL (4 attention layers), grouped vs repeated (hidden "
+         "256, float32, CPU; one measured forward+backward per point)")
+
+
+def run(out: Path, quick: bool = False, families=FAMILIES, name: str = "hybrid", title: str = TITLE) -> dict:
     prefixes = (256,) if quick else PREFIXES
     group, completion = (4, 16) if quick else (GROUP, COMPLETION)
     rows: list[dict] = []
     payload = {"prefixes": list(prefixes), "group": group, "completion": completion, "rows": rows}
-    for family in FAMILIES:
+    for family in families:
         for prefix in prefixes:
             row = {"family": family, "prefix": prefix, "G": group, "completion": completion}
             for mode in ("grouped", "repeated"):
@@ -79,15 +91,15 @@ def run(out: Path, quick: bool = False) -> dict:
                            memory_ratio=row["peak_mb_grouped"] / row["peak_mb_repeated"],
                            flop_ratio=row["flops_grouped"] / row["flops_repeated"])
             rows.append(row)
-            write_report(out, "hybrid", payload, table(rows), quiet=True)
-    write_report(out, "hybrid", payload, table(rows))
+            write_report(out, name, payload, table(rows, title), quiet=True)
+    write_report(out, name, payload, table(rows, title))
     if any("time_ratio" in r for r in rows):
-        plot([r for r in rows if "time_ratio" in r], out / "hybrid.png")
+        plot([r for r in rows if "time_ratio" in r], out / f"{name}.png")
     exit_if_failed(sum(any(k.startswith("error_") for k in r) for r in rows), len(rows), out)
     return payload
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], title: str = TITLE) -> str:
     columns = ["family", "prefix", "G", "completion", "seconds_grouped", "seconds_repeated", "time_ratio",
                "peak_mb_grouped", "peak_mb_repeated", "memory_ratio", "flops_grouped", "flops_repeated", "flop_ratio"]
     formats = {c: ".2f" for c in ("seconds_grouped", "seconds_repeated")}
@@ -96,11 +108,10 @@ def table(rows: list[dict]) -> str:
     formats |= {c: ".3e" for c in ("flops_grouped", "flops_repeated")}
     errors = [f"- {r['family']} P={r['prefix']} {k.removeprefix('error_')}: {v}"
               for r in rows for k, v in r.items() if k.startswith("error_")]
-    return ("## Qwen3.5 (3 GDN + 1 attention layer) against Qwen2.5-VL (4 attention layers), grouped vs repeated "
-            "(hidden 256, float32, CPU; one measured forward+backward per point)\n\n" + markdown_table(rows, columns,
-                                                                                                     formats)
+    return (f"## {title}\n\n" + markdown_table(rows, columns, formats)
             + "\n\npeak_mb: the allocator's peak above weights and gradient buffers; flops: torch's flop counter "
-            "(transformers' torch GDN fallback counted as its matmuls). Grouped runs each prompt once through "
+            "(transformers' torch GDN fallback counted as its matmuls; a mixture of experts' routed experts through eager, "
+            "as the counter does not count grouped_mm). Grouped runs each prompt once through "
             "every layer; repeated runs it G times." + failed_points(errors))
 
 

@@ -1,0 +1,138 @@
+"""Qwen3-VL-30B-A3B on one GPU at its full width, 4 decoder layers (every one sparse: 128 experts, 8 per token):
+
+    python -m app.bench.gpu.moe --out outputs/gpu/gpu_moe [--quick]      (scripts/gpu_check.sh part moe)
+
+- **experts**: one grouped forward+backward (a 2k text prompt, G = 8 completions of 128, bfloat16) with
+  ``grouped_mm`` (what ``model.experts_implementation=auto`` picks) and with ``eager``: time and the largest
+  log-prob difference between the two;
+- **train**: the grouped forward+backward against the repeated one at G = 8 on text prompts of 8k and 16k tokens
+  (``app.bench.gpu.hybrid.train_rows``): time, the allocator's peak, the largest log-prob difference;
+- **self_check**: the bf16 self-check on a 2k prompt with G = 8 completions of 64 (``verify_grouping``): whether it
+  passed, how many tokens met other experts in the two layouts, and whether it had to replay the routing; the
+  planner's constants for MoE (docs/scaling.md) wait for these figures.
+
+``--quick`` runs the same code on this CPU at the tiny reduced width of ``scripts/bench.sh moe`` (float32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from app.bench.common import device, markdown_table, write_report
+from app.bench.gpu.hybrid import timed, train_rows
+
+PRESET, LAYERS, PREFIXES, GROUP, COMPLETION = "qwen3_vl_30b_a3b", 4, (8192, 16384), 8, 256
+
+
+def model_at(quick: bool, dev, dtype):
+    from app.planning import shapes
+
+    if quick:
+        from app.bench.hybrid import tiny_model
+
+        return tiny_model("qwen3_vl_moe").to(dev, dtype)
+    config = shapes.hf_config(PRESET, layers=LAYERS, vision_layers=1)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        return shapes.random_model(config, dtype)
+
+
+def text_batch(dev, prefix: int, group: int, completion: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, 30000, (1, prefix), generator=generator).to(dev)
+    prompts = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": torch.zeros_like(ids)}
+    completions = torch.randint(10, 30000, (group, completion), generator=generator).to(dev)
+    return prompts, completions, torch.ones_like(completions)
+
+
+def experts_rows(model, dev, prefix: int, group: int, completion: int) -> list[dict]:
+    from app.grouping import attention_restored, completion_logprobs
+    from app.grouping.experts.blocks import choose_experts_implementation, set_experts_implementation
+
+    batch = text_batch(dev, prefix, group, completion, seed=2)
+    rows, kept = [], {}
+    for name in (choose_experts_implementation("auto"), "eager"):
+        set_experts_implementation(model, name)
+
+        def one(name=name):
+            with attention_restored(model):
+                scores = completion_logprobs(model, *batch, group)
+                scores.logprobs.sum().backward()
+            kept[name] = scores.logprobs.detach().float()
+        try:
+            timed(one, dev)  # warm-up
+            model.zero_grad(set_to_none=True)
+            rows.append({"implementation": name, "prefix": prefix, "G": group, "seconds": timed(one, dev)})
+        except Exception as error:  # noqa: BLE001 - a row that says why
+            rows.append({"implementation": name, "error": f"{type(error).__name__}: {str(error)[:200]}"})
+        model.zero_grad(set_to_none=True)
+    set_experts_implementation(model, choose_experts_implementation("auto"))
+    if len(kept) == 2:
+        first, second = kept.values()
+        rows[-1]["max_logprob_diff_vs_first"] = float((first - second).abs().max())
+    return rows
+
+
+def self_check_row(model, dev, prefix: int, group: int, completion: int) -> dict:
+    from app.grouping import GroupingMismatchError, verify_grouping
+
+    prompts, ids, _ = text_batch(dev, prefix, group, completion, seed=3)
+    lengths = torch.randint(completion // 2, completion + 1, (group,), generator=torch.Generator().manual_seed(4))
+    mask = (torch.arange(completion)[None] < lengths[:, None]).long().to(dev)
+    row = {"prefix": prefix, "G": group, "completion": completion, "dtype": str(next(model.parameters()).dtype)}
+    try:
+        with torch.no_grad():
+            result = verify_grouping(model, prompts, ids * mask, mask, group)
+        row.update(passed=True, describe=result.describe(), replayed=result.replayed,
+                   flipped_tokens=result.flips["tokens"] if result.flips else None,
+                   real_tokens=result.flips["real_tokens"] if result.flips else None)
+    except GroupingMismatchError as error:
+        row.update(passed=False, describe=str(error)[:600])
+    return row
+
+
+def run(out: Path, quick: bool = False) -> dict:
+    dev = device()
+    dtype = torch.float32 if quick else torch.bfloat16
+    payload: dict = {"preset": "tiny" if quick else PRESET, "layers": LAYERS}
+    model = model_at(quick, dev, dtype)
+    payload["experts"] = experts_rows(model, dev, 256 if quick else 2048, 4 if quick else GROUP,
+                                      16 if quick else 128)
+    write_report(out, "gpu_moe", payload, table(payload), quiet=True)
+    payload["self_check"] = [self_check_row(model, dev, 256 if quick else 2048, 4 if quick else GROUP,
+                                            16 if quick else 64)]
+    write_report(out, "gpu_moe", payload, table(payload), quiet=True)
+    payload["train"] = train_rows(model, dev, (256,) if quick else PREFIXES, 4 if quick else GROUP,
+                                  16 if quick else COMPLETION)
+    write_report(out, "gpu_moe", payload, table(payload))
+    return payload
+
+
+def table(payload: dict) -> str:
+    parts = [f"## Qwen3-VL-MoE at {payload['preset']} width, {payload['layers']} sparse layers\n"]
+    if payload.get("experts"):
+        parts.append("### experts implementation, one grouped forward+backward\n\n" + markdown_table(
+            payload["experts"], ["implementation", "prefix", "G", "seconds", "max_logprob_diff_vs_first", "error"],
+            {"seconds": ".3f", "max_logprob_diff_vs_first": ".3e"}))
+    if payload.get("self_check"):
+        parts.append("\n### bf16 self-check\n\n" + markdown_table(
+            payload["self_check"], ["prefix", "G", "completion", "dtype", "passed", "replayed", "flipped_tokens",
+                                    "real_tokens"], {}) + "\n\n(each check's full sentence: gpu_moe.json)")
+    if payload.get("train"):
+        columns = ["prefix", "G", "completion", "seconds_grouped", "seconds_repeated", "time_ratio",
+                   "peak_gib_grouped", "peak_gib_repeated", "max_logprob_diff"]
+        parts.append("\n### grouped vs repeated forward+backward\n\n" + markdown_table(
+            payload["train"], columns, {c: ".3f" for c in columns[3:]}))
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from app.bench.common import cli
+
+    cli(run, __doc__, "outputs/gpu/gpu_moe", argv)
+
+
+if __name__ == "__main__":
+    main()
