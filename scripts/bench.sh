@@ -15,12 +15,13 @@ module_of() {  # benchmark name -> its module (app/bench/; decoding/, video/, gp
     planner_accuracy) echo "app.bench.planning.accuracy" ;;
     planner_calibration) echo "app.bench.planning.calibrate" ;;
     vision_cache|shared_video|long_rehearsal|host_decode) echo "app.bench.video.$1" ;;
-    grid|attention|e2e|flex_shapes|scale|lora|long_video|judge|tree|real_width|hybrid|moe) echo "app.bench.$1" ;;
+    grid|attention|e2e|flex_shapes|scale|lora|long_video|judge|tree|real_width|hybrid) echo "app.bench.$1" ;;
     *) return 1 ;;
   esac
 }
 usage="usage: $0 grid|attention|rollout|decode_step|e2e|flex_shapes|scale|lora|vision_cache|long_video|long_prefill|judge|tree|real_width|hybrid|moe|mismatch|shared_video|long_rehearsal|host_decode|planner_accuracy|planner_calibration|gpu_real_shape|all [--out DIR] [--quick]"
 case "$name" in
+  moe) exec "$PY" -m app.bench.hybrid --moe "$@" ;;  # the mixture-of-experts families (app/bench/hybrid.py)
   all) for n in attention rollout decode_step grid e2e flex_shapes scale lora vision_cache long_video long_prefill judge tree; do "$PY" -m "$(module_of "$n")" "$@"; done ;;
   *) module=$(module_of "$name") || { echo "$usage" >&2; exit 2; }; exec "$PY" -m "$module" "$@" ;;
 esac

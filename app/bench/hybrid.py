@@ -1,6 +1,8 @@
-"""Qwen3.5 (Gated DeltaNet + attention) grouped against repeated, beside Qwen2.5-VL at the same width.
+"""Qwen3.5 (Gated DeltaNet + attention) grouped against repeated, beside Qwen2.5-VL at the same width; with
+``--moe``, the mixture-of-experts families beside the dense ones of the same active width.
 
     python -m app.bench.hybrid --out docs/bench/hybrid [--quick]      (scripts/bench.sh hybrid)
+    python -m app.bench.hybrid --moe --out docs/bench/moe [--quick]   (scripts/bench.sh moe)
 
 A reduced width on this CPU: hidden 256, 4 decoder layers (Qwen3.5: 3 GDN layers, 1 gated attention layer; its GDN
 with 4 key / 8 value heads of 64; Qwen2.5-VL: 4 attention layers), 4 query / 2 KV heads of 64, MLP 1,024, a 32k
@@ -10,6 +12,11 @@ them; ``--quick``: every point in this one): wall time, the allocator's peak abo
 torch's flop counter. The GDN layers
 run transformers' torch fallback here (flash-linear-attention is CUDA-only); the 9B-width case is
 ``scripts/gpu_check.sh``'s ``qwen3_5`` part.
+
+``--moe``: the same points on Qwen3-VL-MoE with every layer sparse (16 experts, 4 per token, of 256) against Qwen3-VL
+with an MLP of 1,024, and Qwen3.5-MoE (16 experts, 4 per token, of 192, plus a shared expert of 256) against Qwen3.5
+with an MLP of 1,024: the same FLOPs per token in the MLPs, the routers and grouped_mm on top. The 30B-A3B-width case
+is ``scripts/gpu_check.sh``'s ``moe`` part.
 """
 
 from __future__ import annotations
@@ -136,8 +143,24 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+MOE_FAMILIES = ("qwen3_vl_moe", "qwen3_vl", "qwen3_5_moe", "qwen3_5")
+MOE_TITLE = ("Mixture of experts against the dense model of the same active width, grouped vs repeated (hidden 256, "
+             "4 layers, 16 experts of which 4 per token, float32, CPU; one measured forward+backward per point)")
+
+
+def run_moe(out: Path, quick: bool = False) -> dict:
+    return run(out, quick, families=MOE_FAMILIES, name="moe", title=MOE_TITLE)
+
+
 def main(argv: list[str] | None = None) -> None:
-    cli(run, __doc__, "outputs/bench/hybrid", argv)
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--moe" in argv:
+        argv.remove("--moe")
+        cli(run_moe, __doc__, "outputs/bench/moe", argv)
+    else:
+        cli(run, __doc__, "outputs/bench/hybrid", argv)
 
 
 if __name__ == "__main__":

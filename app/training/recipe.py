@@ -97,6 +97,9 @@ class Recipe:
         check_heads(policy.config, self.parallel.sp.size)
         policy = lora.prepare(policy, cfg.lora, cfg.model)  # frozen towers, routers, LoRA adapters (config permitting)
         self.moe = expert_shape(policy)  # None for a dense model
+        if self.moe is not None and cfg.grpo.router_aux_loss_coef and cfg.rollout.tools:
+            raise ConfigError("grpo.router_aux_loss_coef > 0 needs router sums, which prefix trees (rollout.tools) "
+                              "do not return yet; set grpo.router_aux_loss_coef=0")
         if self.moe is not None and self.rank == 0:
             log.info("%s; load-balancing loss x %g (grpo.router_aux_loss_coef)%s", describe_experts(policy),
                      cfg.grpo.router_aux_loss_coef, "; ZeRO-3: each sparse block a leaf module, gathered whole"

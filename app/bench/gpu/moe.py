@@ -11,7 +11,7 @@
   passed, how many tokens met other experts in the two layouts, and whether it had to replay the routing; the
   planner's constants for MoE (docs/scaling.md) wait for these figures.
 
-``--quick`` runs the same code on this CPU at the tiny reduced width of ``scripts/bench.sh moe`` (float32).
+``--quick`` runs the same code on this CPU at the reduced width of ``scripts/bench.sh moe`` (float32).
 """
 
 from __future__ import annotations
