@@ -294,3 +294,25 @@ def test_the_bf16_self_check_tells_a_router_tie_from_a_routing_defect_and_names_
                                                         r"experts layer \(experts\)") as failure:
             verify_grouping(model32, prompts, ids, mask, sizes)
     assert "cannot change a router or its experts" in str(failure.value)
+
+
+def test_a_deep_copy_of_a_patched_model_runs_its_own_layers(tiny_checkpoints, videos):
+    """The grouping core patches GDN layers, decoder layers and routers per instance; a deep copy made after those
+    patches (a float64 reference, a frozen copy) must run ITS weights, not the original's, in every layout: the copy
+    with its GDN projections and routers zeroed scores otherwise than the original, and a plain copy the same."""
+    import copy
+
+    model, prompts, ids, mask, sizes = make_case("qwen3_5_moe", tiny_checkpoints, videos, seed=4)
+    with torch.no_grad():
+        completion_logprobs(model, prompts, ids, mask, sizes, record_routing=True)  # every patch installed
+        same, changed = copy.deepcopy(model), copy.deepcopy(model)
+        for name, p in changed.named_parameters():
+            if "linear_attn.in_proj" in name or ".mlp.gate." in name:
+                p.zero_()
+        for mode in ("grouped", "repeated"):
+            before = completion_logprobs(model, prompts, ids, mask, sizes, mode, record_routing=True).logprobs
+            # a copy's tensors are laid out afresh: its kernels round the same numbers by up to 5e-7 here
+            copied = completion_logprobs(same, prompts, ids, mask, sizes, mode, record_routing=True).logprobs
+            assert max_rel_diff(copied, before) <= 1e-6, mode
+            other = completion_logprobs(changed, prompts, ids, mask, sizes, mode, record_routing=True).logprobs
+            assert max_rel_diff(other, before) > 1e-2, mode

@@ -282,31 +282,34 @@ def install(model) -> ExpertShape | None:
         if getattr(layer, MARK, False):
             continue
         sparse = found.get(id(layer))
-        layer_forward = type(layer).forward.__get__(layer)
         gate = sparse.block.gate if sparse is not None else None
 
-        def forward(self, *args, _original=layer_forward, _gate=gate, _index=sparse and sparse.index, **kwargs):
+        layer_forward = type(layer).forward  # unbound, and the router found from ``self``: a deep copy routes its own
+
+        def forward(self, *args, _original=layer_forward, _sparse=gate is not None,
+                    _index=sparse and sparse.index, **kwargs):
             plan = kwargs.pop(ROUTING_KWARG, None)
-            if plan is None or _gate is None:
-                return _original(*args, **kwargs)
-            object.__setattr__(_gate, _ACTIVE, (plan, _index))
+            if plan is None or not _sparse:
+                return _original(self, *args, **kwargs)
+            gate = self.mlp.gate
+            object.__setattr__(gate, _ACTIVE, (plan, _index))
             try:
-                return _original(*args, **kwargs)
+                return _original(self, *args, **kwargs)
             finally:
-                _gate.__dict__.pop(_ACTIVE, None)
+                gate.__dict__.pop(_ACTIVE, None)
 
         object.__setattr__(layer, "forward", types.MethodType(forward, layer))
         object.__setattr__(layer, MARK, True)
         if gate is None:
             continue
-        gate_forward = type(gate).forward.__get__(gate)
+        gate_forward = type(gate).forward
 
         def route(self, hidden_states, _original=gate_forward):
             active = self.__dict__.get(_ACTIVE)
             if active is None:
-                return _original(hidden_states)
+                return _original(self, hidden_states)
             plan, index = active
-            return plan.route(self, hidden_states, index, _original)
+            return plan.route(self, hidden_states, index, _original.__get__(self))
 
         object.__setattr__(gate, "forward", types.MethodType(route, gate))
     return expert_shape(model)

@@ -49,15 +49,16 @@ def install(model, plan_kwarg: str) -> int:
     for layer in layers:
         if getattr(layer, MARK, False):
             continue
-        original = type(layer).forward.__get__(layer)
+        original = type(layer).forward  # unbound: a deep copy of the model calls its own layer's class forward
 
         def forward(self, hidden_states, cache_params=None, attention_mask=None, _original=original, **kwargs):
             plan = kwargs.get(plan_kwarg)
             if plan is None:
-                return _original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+                return _original(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask,
+                                 **kwargs)
             own = getattr(plan, "linear_attention", None)
             if own is not None:  # a plan that keeps its own state (a decode step, a prefill chunk, a question)
-                return own(self, hidden_states, cache_params=cache_params, original=_original)
+                return own(self, hidden_states, cache_params=cache_params, original=_original.__get__(self))
             return grouped_linear_attention(self, hidden_states, plan)
 
         object.__setattr__(layer, "forward", types.MethodType(forward, layer))
