@@ -316,3 +316,63 @@ def test_a_deep_copy_of_a_patched_model_runs_its_own_layers(tiny_checkpoints, vi
             assert max_rel_diff(copied, before) <= 1e-6, mode
             other = completion_logprobs(changed, prompts, ids, mask, sizes, mode, record_routing=True).logprobs
             assert max_rel_diff(other, before) > 1e-2, mode
+
+
+def _modules_called(model, run) -> list[str]:
+    """The modules holding parameters of their own, in the order a forward calls them: the order ZeRO-3's hooks
+    gather parameters in (a rank whose order differs from another's waits on a gather the other never makes)."""
+    order: list[str] = []
+    handles = [module.register_forward_pre_hook(lambda m, args, name=name: order.append(name))
+               for name, module in model.named_modules() if next(module.parameters(recurse=False), None) is not None]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return order
+
+
+class _PerExpertBlock(torch.nn.Module):
+    """A sparse block as older MoE code held it (DeepSpeed #4966/#5008's case): one module per expert, called only
+    for the experts its tokens chose."""
+
+    def __init__(self, hidden=8, experts=4):
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(experts))
+
+    def forward(self, x):
+        chosen = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e in chosen.unique().tolist():
+            out[chosen == e] = self.experts[e](x[chosen == e])
+        return out
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_which_modules_a_forward_calls_does_not_depend_on_the_routing(family, implementation, tiny_checkpoints,
+                                                                      videos):
+    """Why these classes cannot hang ZeRO-3 the way per-expert blocks did: two batches routed to different experts
+    call the same parameter-holding modules in the same order (transformers 5's fused experts are one module whatever
+    the tokens chose, under grouped_mm and eager alike); a per-expert block fed two such batches calls different
+    modules. The leaf-module setting (``zero.mark_leaf_modules``) gathers each block whole on top of this."""
+    first = make_case(family, tiny_checkpoints, videos, seed=1)
+    second = make_case(family, tiny_checkpoints, videos, seed=2)
+    model = first[0]
+    model.set_experts_implementation(implementation)
+    routed, orders = [], []
+    for _, *batch in (first, second):
+        orders.append(_modules_called(model, lambda batch=batch: routed.append(
+            completion_logprobs(model, *batch, record_routing=True))))
+    experts = expert_shape(model).experts
+    load = [torch.bincount(r.routing.completion[r.routing.completion >= 0].long(), minlength=experts) for r in routed]
+    assert not torch.equal(load[0], load[1])  # the two batches are routed differently
+    assert orders[0] == orders[1] and any(".mlp.experts" in name for name in orders[0])
+    stand_in = _PerExpertBlock()
+    with torch.no_grad():
+        stand_in.gate.weight.copy_(torch.eye(4, 8))  # token t goes to the expert of its largest first 4 features
+    batch_a, batch_b = torch.zeros(2, 8), torch.zeros(2, 8)
+    batch_a[:, 0], batch_b[:, 3] = 1.0, 1.0  # all to expert 0, all to expert 3
+    assert _modules_called(stand_in, lambda: stand_in(batch_a)) != _modules_called(stand_in, lambda: stand_in(batch_b))
