@@ -123,6 +123,41 @@ def test_two_processes_under_zero3_equal_zero2_with_k2_resume_after_kill_and_eva
     assert summary, "scripts/eval.sh wrote an empty summary"
 
 
+@pytest.mark.slow  # two launches of 2 processes (about 30 s)
+def test_lora_on_the_routed_experts_under_zero3_equals_zero2_and_exports(moe_assets, tmp_path):
+    """scripts/train.sh, 2 processes, Qwen3.5-MoE with LoRA on the demo config's modules, the shared expert and
+    every routed expert (lora.target_parameters), 2 steps: ZeRO-3's merged export equals ZeRO-2's (1e-4: the
+    adapters drawn from train.seed alike, the first layer's expert adapters getting their gradients under ZeRO-3's
+    leaf modules: ``zero.inputs_require_grad``), the routed experts' merged weights moved and the routers did not;
+    the adapter alone loads with peft onto the base."""
+    from peft import PeftModel
+
+    from app.runtime.models import load_model
+
+    family = "qwen3_5_moe"
+    settings = {"train.max_steps": 2, "lora.rank": 2, "lora.alpha": 4, "train.learning_rate": 2e-3,
+                "lora.target_parameters": "[mlp.experts.gate_up_proj,mlp.experts.down_proj]",
+                "model.train_router": False, "grpo.router_aux_loss_coef": 0.0}
+    for zero in ("zero2", "zero3"):
+        run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml",
+             *moe_overrides(moe_assets, family, tmp_path / zero, **settings,
+                            **{"train.deepspeed_config": f"deepspeed_configs/{zero}.json"})], env={"NPROC_PER_NODE": "2"})
+    initial = weights(moe_assets["checkpoints"][family])
+    zero3, zero2 = weights(tmp_path / "zero3" / "final"), weights(tmp_path / "zero2" / "final")
+    assert zero3.keys() == initial.keys()  # merged: the base model's own keys
+    for name in zero2:
+        scale = max(float(zero2[name].norm()), 1e-12)
+        assert float((zero3[name] - zero2[name]).norm()) / scale <= 1e-4, name
+    experts = [n for n in initial if ".mlp.experts." in n]
+    assert experts and all(not torch.equal(zero3[n], initial[n]) for n in experts)
+    assert all(torch.equal(zero3[n], initial[n]) for n in initial if n.endswith("mlp.gate.weight"))
+    adapted = PeftModel.from_pretrained(load_model(moe_assets["checkpoints"][family]),
+                                        tmp_path / "zero3" / "final-adapter").merge_and_unload().state_dict()
+    final = load_model(tmp_path / "zero3" / "final").state_dict()
+    for name in final:
+        torch.testing.assert_close(adapted[name], final[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.slow  # two processes, about 15 s
 def test_a_collective_nobody_joins_stops_the_run_naming_itself_and_the_rank(tmp_path):
     """train.collective_timeout_s as the product applies it (``distributed.init_distributed`` and

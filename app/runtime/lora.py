@@ -120,9 +120,10 @@ def freeze_routers(model) -> int:
     return frozen
 
 
-def prepare(model, lora_cfg, model_cfg):
+def prepare(model, lora_cfg, model_cfg, seed: int | None = None):
     """The policy as configured: towers frozen (``model.freeze_*``), the routers frozen (``model.train_router``
-    off), LoRA adapters injected (``lora.rank`` > 0)."""
+    off), LoRA adapters injected (``lora.rank`` > 0), drawn from ``seed`` when given: their initialisation then
+    depends on the seed alone, not on what the load drew before (a ZeRO-3 load draws otherwise than a plain one)."""
     freeze(model, model_cfg.freeze_vision_tower, model_cfg.freeze_projector)
     if not getattr(model_cfg, "train_router", False):
         freeze_routers(model)
@@ -130,6 +131,8 @@ def prepare(model, lora_cfg, model_cfg):
         note = expert_coverage(model, lora_cfg)
         if note:
             log.warning("%s", note)
+        if seed is not None:
+            torch.manual_seed(seed)
         apply(model, lora_cfg)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("nothing left to train: every parameter is frozen")

@@ -112,10 +112,24 @@ def mark_leaf_modules(model) -> list[str]:
     return [c.__name__ for c in classes]
 
 
+def inputs_require_grad(model) -> None:
+    """Under ZeRO-3 a leaf module's backward hook reduces its parameters' gradients as soon as the gradients of the
+    module's inputs are ready, and zero-fills any not computed yet (DeepSpeed's ``reduce_leaf_module_grads``, meant
+    for experts no token chose). When a sparse block's inputs need no gradient (a frozen layer before it under LoRA)
+    that hook runs first, before the adapters on its experts (peft's ``ParamWrapper``, whose factors feed the
+    experts' weights, not the block's input) have their gradients: they arrive at a reduced, partitioned gradient
+    and the backward fails ("The size of tensor a (0) must match ..."). transformers' ``enable_input_require_grads``
+    (the input embeddings' output requires grad) makes every block's input carry a gradient, so the hook fires after
+    the block's whole backward. Tested through the launcher (tests/test_experts_train.py)."""
+    inner = unwrap(model)
+    if hasattr(inner, "enable_input_require_grads"):
+        inner.enable_input_require_grads()
+
+
 def build_engine(model, ds_config: dict, optimizer, lr_scheduler):
     deepspeed = _deepspeed()
-    if zero_stage(ds_config) == 3:
-        mark_leaf_modules(model)
+    if zero_stage(ds_config) == 3 and mark_leaf_modules(model):
+        inputs_require_grad(model)
 
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                            config=ds_config, model_parameters=None)

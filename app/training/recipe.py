@@ -95,7 +95,7 @@ class Recipe:
                             trust_remote_code=cfg.model.trust_remote_code,
                             experts_implementation=cfg.model.experts_implementation)
         check_heads(policy.config, self.parallel.sp.size)
-        policy = lora.prepare(policy, cfg.lora, cfg.model)  # frozen towers, routers, LoRA adapters (config permitting)
+        policy = lora.prepare(policy, cfg.lora, cfg.model, seed=cfg.train.seed)  # frozen parts, adapters (if any)
         self.moe = expert_shape(policy)  # None for a dense model
         if self.moe is not None and cfg.grpo.router_aux_loss_coef and cfg.rollout.tools:
             raise ConfigError("grpo.router_aux_loss_coef > 0 needs router sums, which prefix trees (rollout.tools) "
