@@ -12,6 +12,8 @@ NPROC=${NPROC_PER_NODE:-1}
 RECIPE=${PREFIX_GRPO_RECIPE:-app.training.train}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$NPROC" -gt 1 ]; then
+  # the checks that need no weights, once, in one line (a bad setting is not repeated by every rank under torchrun)
+  [ "$RECIPE" != app.training.train ] || "$PY" -m app.training.preflight "$@"
   exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m "$RECIPE" "$@"
 fi
 exec "$PY" -m "$RECIPE" "$@"

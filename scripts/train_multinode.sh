@@ -10,5 +10,6 @@ PY=${PYTHON:-$ROOT/.venv/bin/python}
 MASTER_PORT=${MASTER_PORT:-29500}
 NPROC=${NPROC_PER_NODE:-1}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -m app.training.preflight "$@"  # the checks that need no weights, once per node, in one line
 exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" \
   --master_port "$MASTER_PORT" --nproc_per_node "$NPROC" -m app.training.train "$@"

@@ -129,7 +129,7 @@ def test_plan_of_the_7b_config_on_8_gpus_is_standard_zero_arithmetic(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--model", "qwen9_vl"], "--model 'qwen9_vl' is neither a checkpoint folder nor a preset"),
     (["--gpus-per-node", "6", "train.sequence_parallel_size=4"], "a world of 6 ranks cannot be split"),
-    (["train.sequence_parallel_size=8"], "sequence_parallel_size=8 does not divide this model's 28 query heads"),
+    (["train.sequence_parallel_size=8"], "sequence parallelism over 8 ranks needs the 28 query heads divisible by 8"),
     (["--gpu-memory-gib", "0"], "--gpu-memory-gib must be > 0, got 0.0"),
     (["rollout.group_sizes=8"], "rollout.group_sizes"),
     (["model.path=/models/my-finetune"], "names no preset; pass --model"),

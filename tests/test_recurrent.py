@@ -7,6 +7,7 @@ the layer kind that differed; sequence parallelism's head split; the refused var
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -488,3 +489,34 @@ def test_qwen3_5_through_the_launchers_killed_and_resumed_then_evaluated(tmp_pat
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert summary["overall"]["count"] == 3 and summary["skipped_total"] == 0
+
+
+def test_a_sequence_parallel_size_the_gdn_heads_refuse_stops_before_the_load_in_one_line(tiny_checkpoints, tmp_path):
+    """A Qwen3.5 whose GDN layers have 3 key / 6 value heads and S = 2 (its 4 query / 2 KV heads allow 2):
+    ``NPROC_PER_NODE=2 scripts/train.sh`` stops before torchrun starts, exit 1, one line naming the key, the GDN heads
+    and the checkpoint; its weights file is garbage, so a load would have failed otherwise. The planner gives the
+    same reason (one check for both)."""
+    import json
+    import shutil
+    import subprocess
+
+    from app.planning.planner import PlanError, check_sequence_parallel
+    from app.training.preflight import text_config
+    from tests.test_trainer import ROOT
+
+    checkpoint = tmp_path / "qwen3_5_odd_heads"
+    shutil.copytree(tiny_checkpoints["qwen3_5"], checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["text_config"].update(linear_num_key_heads=3, linear_num_value_heads=6)
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    (checkpoint / "model.safetensors").write_bytes(b"not a safetensors file")
+    result = subprocess.run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", f"model.path={checkpoint}",
+                             f"train.output_dir={tmp_path / 'out'}", "train.sequence_parallel_size=2"], cwd=ROOT,
+                            env={**os.environ, "NPROC_PER_NODE": "2"}, capture_output=True, text=True, timeout=120)
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("config error: 'train.sequence_parallel_size'=2 does not fit")
+    assert "their 3 key heads and 6 value heads must each divide by 2" in lines[0] and str(checkpoint) in lines[0]
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(PlanError, match="their 3 key heads and 6 value heads must each divide by 2"):
+        check_sequence_parallel(text_config(checkpoint), 2, 2)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from app.common.options import OptionError
-from app.config.loading import Config, ConfigError, load_config
+from app.config.loading import Config, ConfigError
 from app.data.records import DataError, decode_threads
 from app.data.shares import shares_decoded
 from app.data.stream import load_stream
@@ -26,19 +26,16 @@ from app.data.video import SettingError
 from app.grouping import MODALITIES, present_vision_calls
 from app.grouping.experts.blocks import describe_experts, expert_shape
 from app.grouping.modules import attention_restored
-from app.grouping.sequence_parallel import check_heads
 from app.grouping.vision import cache as vision_cache
 from app.rollout.registry import needs_engine_views
 from app.runtime import checkpoint, distributed, lora, parallel, zero
 from app.runtime.models import (
-    CheckpointPathError,
-    check_checkpoint,
     enable_activation_checkpointing,
     load_model,
     load_processor,
 )
 from app.runtime.tracking import StepMetrics, Tracker, configure_logging
-from app.training import fingerprint
+from app.training import fingerprint, preflight
 from app.training.scoring import GroupScorer, without_grad
 
 log = logging.getLogger("app.training.recipe")
@@ -94,7 +91,6 @@ class Recipe:
         policy = load_model(cfg.model.path, dtype=self.dtype, attn_implementation=cfg.model.vision_attention,
                             trust_remote_code=cfg.model.trust_remote_code,
                             experts_implementation=cfg.model.experts_implementation)
-        check_heads(policy.config, self.parallel.sp.size)
         policy = lora.prepare(policy, cfg.lora, cfg.model, seed=cfg.train.seed)  # frozen parts, adapters (if any)
         self.moe = expert_shape(policy)  # None for a dense model
         if self.moe is not None and cfg.grpo.router_aux_loss_coef and cfg.rollout.tools:
@@ -391,15 +387,7 @@ def run(recipe: Callable[[Config], Recipe], doc: str, argv: list[str] | None = N
         print("Configuration keys (python -m app.config lists them with help):")
         raise SystemExit(0 if argv else 2)
     configure_logging()
-    try:
-        cfg = load_config(argv[0], argv[1:])
-        check_checkpoint(cfg.model.path)
-        if cfg.model.reference_path:
-            check_checkpoint(cfg.model.reference_path, "model.reference_path")
-    except ConfigError as error:
-        raise SystemExit(f"config error: {error}") from None
-    except CheckpointPathError as error:
-        raise SystemExit(f"model error: {error}") from None
+    cfg = preflight.check(argv)  # the config, the checkpoints, what config.json decides: before any weight is read
     configure_logging(Path(cfg.train.output_dir) / "logs" / f"rank{os.environ.get('RANK', '0')}.log",
                       rank=int(os.environ.get("RANK", "0")))
     try:

@@ -1,0 +1,64 @@
+"""What a run checks before it loads a single weight, once: the config (``app.config``), each checkpoint's folder
+(``models.check_checkpoint``) and what the checkpoint's config.json alone decides: sequence parallelism against the
+attention heads and a hybrid model's Gated DeltaNet heads (``sequence_parallel.check_heads``, the same check the
+planner reports). A failure is one line, ``config error: ...`` or ``model error: ...``, and exit status 1.
+
+    python -m app.training.preflight CONFIG.yaml [section.key=value ...]
+
+``scripts/train.sh`` runs it before it starts several processes, so a bad setting is said once, not by every rank
+under torchrun's failure report; a single process runs the same checks at the start of ``recipe.run``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from app.config.loading import Config, ConfigError, load_config
+from app.runtime.models import CheckpointPathError, check_checkpoint
+
+
+def text_config(path: str | Path) -> SimpleNamespace:
+    """The checkpoint's text config as attributes, read from config.json alone (no weights, no transformers)."""
+    parsed = json.loads((Path(path) / "config.json").read_text())
+    return SimpleNamespace(**parsed.get("text_config", parsed))
+
+
+def check_model_settings(cfg: Config) -> None:
+    """Settings that the checkpoint's shape must allow, from its config.json: ``ConfigError`` naming the key."""
+    from app.grouping.sequence_parallel import check_heads
+
+    size = cfg.train.sequence_parallel_size
+    if size > 1:
+        try:
+            check_heads(text_config(cfg.model.path), size)
+        except ValueError as error:
+            raise ConfigError(f"'train.sequence_parallel_size'={size} does not fit {cfg.model.path}: {error}") from None
+
+
+def check(argv: list[str]) -> Config:
+    """CONFIG [section.key=value ...] -> the config, every check before the load passed; else SystemExit(one line)."""
+    try:
+        cfg = load_config(argv[0], argv[1:])
+        check_checkpoint(cfg.model.path)
+        if cfg.model.reference_path:
+            check_checkpoint(cfg.model.reference_path, "model.reference_path")
+        check_model_settings(cfg)
+    except ConfigError as error:
+        raise SystemExit(f"config error: {error}") from None
+    except CheckpointPathError as error:
+        raise SystemExit(f"model error: {error}") from None
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        raise SystemExit(0 if argv else 2)  # the recipe prints its own help
+    check(argv)
+
+
+if __name__ == "__main__":
+    main()
