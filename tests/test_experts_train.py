@@ -58,17 +58,21 @@ def assert_close_weights(got: dict, want: dict, initial: dict, rtol: float) -> N
 def test_grouped_and_repeated_moe_training_reach_the_same_weights_and_router_metrics(family, moe_assets, tmp_path,
                                                                                      monkeypatch):
     """Two steps, in this process: the routers and the experts train, the load-balancing loss is in the loss;
-    grouped == repeated (weights 1e-4, the routers' and experts' included), router/* logged by both and equal, and
-    drawn beside the training curves."""
+    grouped == repeated (weights 1e-4, the routers' and experts' included), and == the same step cut into one
+    micro-batch instead of two (the loss is the step's); router/* logged by both and equal, and drawn beside the
+    training curves."""
     from app.training.trainer import main
 
-    for mode in ("grouped", "repeated"):
+    runs = {"grouped": {"forward.grouping": "grouped"}, "repeated": {"forward.grouping": "repeated"},
+            "one_micro_batch": {"forward.grouping": "grouped", "train.groups_per_micro_batch": 2}}
+    for name, extra in runs.items():
         with world_of_one(monkeypatch):
-            main(["configs/demo_cpu.yaml", *moe_overrides(moe_assets, family, tmp_path / mode,
-                                                         **{"forward.grouping": mode})])
+            main(["configs/demo_cpu.yaml", *moe_overrides(moe_assets, family, tmp_path / name, **extra)])
     initial = weights(moe_assets["checkpoints"][family])
     grouped, repeated = weights(tmp_path / "grouped" / "final"), weights(tmp_path / "repeated" / "final")
     assert_close_weights(grouped, repeated, initial, 1e-4)
+    # the load-balancing loss is the step's, not each micro-batch's: 2 micro-batches of a group each or 1 of both
+    assert_close_weights(weights(tmp_path / "one_micro_batch" / "final"), grouped, initial, 1e-4)
     routers = [n for n in initial if n.endswith("mlp.gate.weight")]
     experts = [n for n in initial if ".mlp.experts." in n]  # either expert layout (as save_pretrained writes it)
     assert routers and experts and all(not torch.equal(grouped[n], initial[n]) for n in routers)

@@ -257,8 +257,10 @@ class GRPOConfig:
                              "1.05: a faster decay, so negative updates stay closer to the old policy).")
     router_aux_loss_coef: float = _f(0.0, "Mixture-of-experts models: the weight of the routers' load-balancing loss "
                                      "(Switch Transformer's, as transformers computes it) added to the GRPO loss, "
-                                     "over each micro-batch's logical tokens (a prompt token shared by G responses "
-                                     "counts G times, as in the repeated layout). 0 (default, as verl's Qwen3.5 "
+                                     "over the step's logical tokens (a prompt token shared by G responses counts G "
+                                     "times, as in the repeated layout), however the step is packed or cut into "
+                                     "micro-batches; above 0 it costs one no-gradient forward per micro-batch. "
+                                     "0 (default, as verl's Qwen3.5 "
                                      "recipes and unsloth; TRL's GRPO uses 0.001, the checkpoints' pretraining "
                                      "value): the routers' load, entropy and this loss are still logged as "
                                      "router/*. docs/grpo.md has the sources.")

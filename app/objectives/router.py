@@ -49,11 +49,19 @@ STATISTICS_KEY = "router_sums"  # step metrics: the routers' sums, added over mi
 class RouterTerm:
     """The routers' part of a GRPO step on a mixture-of-experts policy (nothing on a dense one): what the update's
     forward asks for (``forward_kwargs``: detached sums for the metrics, or differentiable ones when the
-    load-balancing loss is in the objective), and the loss with ``coef`` x that micro-batch's load-balancing loss
-    added (``add``; over its logical tokens, as transformers adds it per forward)."""
+    load-balancing loss is in the objective), and the loss with ``coef`` x the step's load-balancing loss added.
+
+    The loss is the step's, over every logical token of every micro-batch and rank, whatever the packing or the
+    micro-batching: E x sum_e f_e P_e is linear in P (the mean router probability, the part with a gradient) once f
+    (the fraction of assignments, a count) is known. ``start_step`` takes f and the token count from a no-gradient
+    pass over the step's micro-batches (``needs_counts``: only when ``coef`` > 0), summed over ranks; ``add`` then
+    gives each micro-batch its share E x sum_e f_e x (its probability sums) / (the step's rows), times the number
+    of micro-batch losses DeepSpeed averages. The shares add up to the step's loss; their gradients to its gradient.
+    """
 
     def __init__(self, coef: float, moe: bool):
         self.coef, self.moe = float(coef), bool(moe)
+        self.fraction, self.rows, self.losses = None, 0.0, 1
 
     @property
     def forward_kwargs(self) -> dict:
@@ -61,13 +69,32 @@ class RouterTerm:
             return {}
         return {"router_statistics": "loss" if self.coef > 0 else "metrics"}
 
+    @property
+    def needs_counts(self) -> bool:
+        return self.moe and self.coef > 0
+
+    def start_step(self, counted: list, micro_batches: int, world_size: int = 1, reduce_sum=None) -> None:
+        """``counted``: each micro-batch's router sums (no gradient needed) at the weights its update will see."""
+        if any(stats is None for stats in counted):
+            raise ValueError("grpo.router_aux_loss_coef > 0, but this forward returns no router statistics; set "
+                             "grpo.router_aux_loss_coef=0")
+        load = sum(stats.load.detach().double().sum(0) for stats in counted)
+        rows = sum(float(stats.tokens) * stats.load.shape[0] for stats in counted)
+        local = [*load.tolist(), rows]
+        total = reduce_sum(local) if reduce_sum is not None else local
+        self.rows = float(total[-1])
+        self.fraction = torch.tensor(total[:-1], dtype=torch.float64) / max(self.rows, 1e-30)
+        self.losses = micro_batches * world_size
+
     def add(self, loss: torch.Tensor, stats) -> torch.Tensor:
-        if not self.moe or self.coef == 0:
+        if not self.needs_counts:
             return loss
-        if stats is None:
-            raise ValueError("grpo.router_aux_loss_coef > 0, but this forward (prefix trees: rollout.tools) returns "
-                             "no router statistics; set grpo.router_aux_loss_coef=0")
-        return loss + self.coef * load_balancing_loss(stats).to(loss.dtype)
+        if stats is None or self.fraction is None:
+            raise ValueError("grpo.router_aux_loss_coef > 0, but this forward returns no router statistics (or the "
+                             "step's counts were not taken); set grpo.router_aux_loss_coef=0")
+        probability = stats.probability.sum(0)
+        share = (self.fraction.to(probability) * probability).sum() * probability.shape[-1] / self.rows
+        return loss + (self.coef * self.losses * share).to(loss.dtype)
 
 
 def declare_sums(metrics, stats) -> None:

@@ -174,6 +174,9 @@ class GRPOTrainer(Recipe):
         self.engine.train()
         out = []
         for iteration in range(self.cfg.grpo.num_iterations):
+            if self.router.needs_counts:  # the step's expert loads first: its load-balancing loss is the step's
+                self.router.start_step(router_counts(self, micro_batches), len(micro_batches),
+                                       self.parallel.dp_size, self.parallel.dp_sum)
             for mb in micro_batches:
                 scores = self.forward(self.engine, mb, vision_calls=mb.vision_calls, return_entropy=iteration == 0,
                                       **self.router.forward_kwargs)
@@ -275,6 +278,13 @@ def kl_reference(cfg: Config, engine, ds_config: dict, device, dtype, vision_cac
 
 
 @torch.no_grad()
+def router_counts(trainer, micro_batches: list[MicroBatch]) -> list:
+    """Each micro-batch's router sums at the current weights, without gradient (``RouterTerm.start_step``)."""
+    with torch.no_grad():
+        return [trainer.forward(trainer.engine, mb, vision_calls=mb.vision_calls, router_statistics="metrics").router
+                for mb in micro_batches]
+
+
 def run_self_check(t: GRPOTrainer, mb: MicroBatch) -> None:
     """Grouped vs repeated on the first micro-batch's first completions (``checked_grouping``). With sequence
     parallelism the whole row is what needed S ranks, so the check runs on the text before each prompt's first
