@@ -136,13 +136,14 @@ def test_bf16_self_check_passes_correct_code_and_stops_bugs(family, tiny_checkpo
             with pytest.raises(GroupingMismatchError, match="further from a float32 forward.*Gated DeltaNet"):
                 verify_grouping(model16, prompts, ids, mask, sizes)
         model16 = bf16_rounded(family, tiny_checkpoints)[1]
-    else:  # a position off by one (a quarter of Qwen3.5's head dims rotate, slowly: within bf16 noise there)
-        real_positions = forward_module.packed_positions
-        monkeypatch.setattr(forward_module, "packed_positions",
-                            lambda layout, pos: real_positions(layout, pos) + (layout.segment_ids > 0))
-        with pytest.raises(GroupingMismatchError, match="further from a float32 forward"):
-            verify_grouping(model16, prompts, ids, mask, sizes)
-        monkeypatch.setattr(forward_module, "packed_positions", real_positions)
+    # a position off by one, on every family: caught exactly by the positions check (a quarter of Qwen3.5's head
+    # dims rotate, slowly: within bf16's noise for the numeric check there), naming the completion and token
+    real_positions = forward_module.packed_positions
+    monkeypatch.setattr(forward_module, "packed_positions",
+                        lambda layout, pos: real_positions(layout, pos) + (layout.segment_ids > 0))
+    with pytest.raises(GroupingMismatchError, match=r"positions differ: completion 0, token 0 has position ids"):
+        verify_grouping(model16, prompts, ids, mask, sizes)
+    monkeypatch.setattr(forward_module, "packed_positions", real_positions)
 
     monkeypatch.setitem(attention_module._BACKEND_FNS, "masked",
                         lambda plan, q, k, v, scale, dropout: attention_module._sdpa(q, k, v, is_causal=True,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from app.grouping import attention
+from app.grouping.checks.positions import position_mismatch, recorded_positions
 from app.grouping.families import family_layout
 from app.grouping.forward import completion_logprobs
 from app.grouping.modules import set_text_attention, text_config, unwrap
@@ -100,11 +101,19 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
     moe = expert_shape(model) is not None
     record = {"record_routing": True} if moe else {}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), recorded_positions(model) as positions:
             grouped = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped",
                                           backend=backend, families=families, **record)
             batch = (prompts, completion_ids, completion_mask, group_sizes)
             outcome = _against_repeated(model, batch, grouped, dtype=dtype, rtol=rtol, atol=atol, routing=record)
+        shifted = position_mismatch(positions[0], positions[1], grouped.layout, prompts["input_ids"].shape[1]) \
+            if len(positions) >= 2 else None
+        if shifted is not None:  # integers: exact at every dtype, before any numeric comparison
+            raise GroupingMismatchError(f"grouped and repeated positions differ: {shifted} (model="
+                                        f"{type(unwrap(model)).__name__}); the grouped row's positions are wrong "
+                                        "(app.grouping.positions). Train with forward.grouping=repeated until it is "
+                                        "fixed.")
+        with torch.no_grad():
             flips = disagreements(grouped.routing, outcome[3].routing, prompts["attention_mask"],
                                   completion_mask) if moe else None
             replayed = bool(flips and flips["tokens"]) and outcome[2] is not None
