@@ -27,14 +27,16 @@ from app.bench.common import device, markdown_table, write_report
 PRESET, LAYERS, PREFIXES, GROUP, COMPLETION = "qwen3_5_9b", 4, (8192, 16384), 8, 256
 
 
-def model_at(quick: bool, dev, dtype):
+def model_at(quick: bool, dev, dtype, preset: str = PRESET, tiny: str = "qwen3_5"):
+    """``preset`` at full width and ``LAYERS`` layers on ``dev`` (random weights); ``quick``: the reduced-width
+    ``tiny`` family of ``scripts/bench.sh hybrid``."""
     from app.planning import shapes
 
     if quick:
         from app.bench.hybrid import tiny_model
 
-        return tiny_model("qwen3_5").to(dev, dtype)
-    config = shapes.hf_config(PRESET, layers=LAYERS, vision_layers=1)
+        return tiny_model(tiny).to(dev, dtype)
+    config = shapes.hf_config(preset, layers=LAYERS, vision_layers=1)
     torch.manual_seed(0)
     with torch.device(dev):
         return shapes.random_model(config, dtype)

@@ -21,22 +21,14 @@ from pathlib import Path
 import torch
 
 from app.bench.common import device, markdown_table, write_report
+from app.bench.gpu import hybrid
 from app.bench.gpu.hybrid import timed, train_rows
 
 PRESET, LAYERS, PREFIXES, GROUP, COMPLETION = "qwen3_vl_30b_a3b", 4, (8192, 16384), 8, 256
 
 
 def model_at(quick: bool, dev, dtype):
-    from app.planning import shapes
-
-    if quick:
-        from app.bench.hybrid import tiny_model
-
-        return tiny_model("qwen3_vl_moe").to(dev, dtype)
-    config = shapes.hf_config(PRESET, layers=LAYERS, vision_layers=1)
-    torch.manual_seed(0)
-    with torch.device(dev):
-        return shapes.random_model(config, dtype)
+    return hybrid.model_at(quick, dev, dtype, preset=PRESET, tiny="qwen3_vl_moe")
 
 
 def text_batch(dev, prefix: int, group: int, completion: int, seed: int):
