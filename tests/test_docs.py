@@ -48,7 +48,7 @@ def gpu_check_flags() -> set[str]:
 def benchmarks() -> set[str]:
     text = (ROOT / "scripts" / "bench.sh").read_text()
     names = {"all"}
-    for group in re.findall(r"^\s+([\w|]+)\) echo", text, re.M):
+    for group in re.findall(r"^\s+([\w|]+)\) (?:echo|exec)", text, re.M):
         names.update(group.split("|"))
     return names
 
