@@ -42,6 +42,8 @@ def router_metrics(stats) -> dict[str, float]:
     return out
 
 
+NO_STATISTICS = ("grpo.router_aux_loss_coef > 0, but this forward returns no router statistics; set "
+                 "grpo.router_aux_loss_coef=0")
 STATISTICS_KEY = "router_sums"  # step metrics: the routers' sums, added over micro-batches and ranks, then turned
 # into router/* by ``step_router_metrics``
 
@@ -76,8 +78,7 @@ class RouterTerm:
     def start_step(self, counted: list, micro_batches: int, world_size: int = 1, reduce_sum=None) -> None:
         """``counted``: each micro-batch's router sums (no gradient needed) at the weights its update will see."""
         if any(stats is None for stats in counted):
-            raise ValueError("grpo.router_aux_loss_coef > 0, but this forward returns no router statistics; set "
-                             "grpo.router_aux_loss_coef=0")
+            raise ValueError(NO_STATISTICS)
         load = sum(stats.load.detach().double().sum(0) for stats in counted)
         rows = sum(float(stats.tokens) * stats.load.shape[0] for stats in counted)
         local = [*load.tolist(), rows]
@@ -89,9 +90,8 @@ class RouterTerm:
     def add(self, loss: torch.Tensor, stats) -> torch.Tensor:
         if not self.needs_counts:
             return loss
-        if stats is None or self.fraction is None:
-            raise ValueError("grpo.router_aux_loss_coef > 0, but this forward returns no router statistics (or the "
-                             "step's counts were not taken); set grpo.router_aux_loss_coef=0")
+        if stats is None or self.fraction is None:  # no counts: start_step was not called for this step
+            raise ValueError(NO_STATISTICS)
         probability = stats.probability.sum(0)
         share = (self.fraction.to(probability) * probability).sum() * probability.shape[-1] / self.rows
         return loss + (self.coef * self.losses * share).to(loss.dtype)

@@ -242,8 +242,9 @@ def merged_state_dict(state: dict, scaling: float) -> dict:
         delta = _expert_delta(base, state[f"{wrapper}.lora_A.{ADAPTER}.weight"],
                               state[f"{wrapper}.lora_B.{ADAPTER}.weight"], scaling)
         out[merged] = (base.float() + delta).to(base.dtype)
+    adapted = {k for k, _ in wrapped.values()}
     for key, value in state.items():  # other parameters of a wrapped module (none in Qwen's experts)
-        if ".base_layer." in key and key not in {k for k, _ in wrapped.values()} and not key.endswith(
+        if ".base_layer." in key and key not in adapted and not key.endswith(
                 (".base_layer.weight", ".base_layer.bias")) and ".lora_" not in key:
             out.setdefault(key.replace(".base_layer", ""), value)
     return out

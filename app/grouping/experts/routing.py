@@ -156,19 +156,20 @@ def check_routing(routing: Routing, shape: ExpertShape, prompt_mask: torch.Tenso
 TIE_GAP = 0.25
 
 
-def tie_gap(logits: torch.Tensor, fresh: torch.Tensor, recorded: torch.Tensor) -> float:
+def tie_gap(logits: torch.Tensor, fresh: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
     """Over the tokens whose replayed expert set differs from the one this forward's router picks: the largest
     (logit of the router's own k-th choice - the lowest logit among the replayed experts), in units of that token's
     logit spread (std over the E experts). Rounding makes near-ties flip, with gaps of a few hundredths; a replayed
-    set that is not a near-tie (another token's routing, a wrong expert) is a gap of order 1. 0 if none differs."""
-    whole = (recorded >= 0).all(-1)
-    differs = whole & (recorded.sort(-1).values != fresh.sort(-1).values).any(-1)
-    if not bool(differs.any()):
-        return 0.0
-    x = logits[differs].float()
-    kth = x.gather(-1, fresh[differs]).min(-1).values
-    worst = x.gather(-1, recorded[differs].clamp_min(0)).min(-1).values
-    return float(((kth - worst).clamp_min(0) / x.std(-1).clamp_min(1e-12)).max())
+    set that is not a near-tie (another token's routing, a wrong expert) is a gap of order 1. 0 if none differs.
+    A 0-dim tensor on the logits' device: taken in every replayed forward, it never waits for the device."""
+    if logits.shape[0] == 0:
+        return logits.new_zeros((), dtype=torch.float32)
+    differs = (recorded >= 0).all(-1) & (recorded.sort(-1).values != fresh.sort(-1).values).any(-1)
+    x = logits.float()
+    kth = x.gather(-1, fresh).min(-1).values
+    worst = x.gather(-1, recorded.clamp_min(0)).min(-1).values
+    gap = (kth - worst).clamp_min(0) / x.std(-1).clamp_min(1e-12)
+    return torch.where(differs, gap, torch.zeros_like(gap)).max()
 
 
 class RoutePlan:
@@ -184,7 +185,7 @@ class RoutePlan:
         self.replay, self.weights, self.grad, self.record = replay, weights, grad, record
         self.indices: list[torch.Tensor | None] = [None] * len(self.layers)
         self.sums: list[tuple | None] = [None] * len(self.layers)
-        self.overruled = 0.0  # replay: the largest tie gap of a replayed expert set this forward would not choose
+        self.overruled = None  # replay: the largest tie gap of a replayed expert set this forward would not choose
 
     def shard(self, start: int, end: int) -> RoutePlan:
         """The plan of a shard [start, end) of this forward's tokens (sequence parallelism)."""
@@ -206,7 +207,8 @@ class RoutePlan:
                                    f"slots, the forward routes {logits.shape[0]} tokens to {router.top_k} experts")
             fresh = torch.topk(probs, router.top_k, dim=-1).indices
             indices = torch.where(recorded >= 0, recorded, fresh)
-            self.overruled = max(self.overruled, tie_gap(logits, fresh, recorded))
+            gap = tie_gap(logits, fresh, recorded)
+            self.overruled = gap if self.overruled is None else torch.maximum(self.overruled, gap.to(self.overruled))
             top = probs.gather(-1, indices)
             scores = (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
         first = self.indices[s] is None and self.sums[s] is None  # a checkpoint's recompute: the same work, not kept
@@ -262,7 +264,8 @@ class Routed:
             return None, None, None
         stats = self.plan.statistics(self.shape.top_k) if self.statistics != "off" else None
         return (stats, to_record(self.plan.recorded()) if self.record else None,
-                self.plan.overruled if self.replay is not None else None)
+                float(self.plan.overruled if self.plan.overruled is not None else 0.0) if self.replay is not None
+                else None)
 
 
 def _decoder_layers(model) -> list:
