@@ -127,15 +127,6 @@ def test_bf16_self_check_passes_correct_code_and_stops_bugs(family, tiny_checkpo
     assert result.dtype == torch.bfloat16 and result.comparison is not None
     assert result.max_diff > 1e-3  # the old per-token bound (1e-4 relative) would have stopped this run
 
-    if family in HYBRID_FAMILIES:  # its GDN layers left to transformers: one recurrence across the packed row
-        import app.grouping.recurrent.layer as recurrent_layer
-
-        model16, _ = bf16_rounded(family, tiny_checkpoints)[1:]
-        with monkeypatch.context() as patch:
-            patch.setattr(recurrent_layer, "install", lambda model, kwarg: 0)
-            with pytest.raises(GroupingMismatchError, match="further from a float32 forward.*Gated DeltaNet"):
-                verify_grouping(model16, prompts, ids, mask, sizes)
-        model16 = bf16_rounded(family, tiny_checkpoints)[1]
     # a position off by one, on every family: caught exactly by the positions check (a quarter of Qwen3.5's head
     # dims rotate, slowly: within bf16's noise for the numeric check there), naming the completion and token
     real_positions = forward_module.packed_positions
@@ -145,11 +136,65 @@ def test_bf16_self_check_passes_correct_code_and_stops_bugs(family, tiny_checkpo
         verify_grouping(model16, prompts, ids, mask, sizes)
     monkeypatch.setattr(forward_module, "packed_positions", real_positions)
 
-    monkeypatch.setitem(attention_module._BACKEND_FNS, "masked",
-                        lambda plan, q, k, v, scale, dropout: attention_module._sdpa(q, k, v, is_causal=True,
-                                                                                     scale=scale))
-    with pytest.raises(GroupingMismatchError, match="ratios mean"):
+    # what only numbers show (every token sees the right tokens at the right positions; the values are 1.5x
+    # at the responses): the numeric bf16 criterion
+    def scaled(plan, q, k, v, scale, dropout):
+        out = attention_module._masked(plan, q, k, v, scale, dropout)
+        return torch.where(plan.layout.segment_ids.to(out.device)[None, :, None] > 0, out * 1.5, out)
+
+    monkeypatch.setitem(attention_module._BACKEND_FNS, "masked", scaled)
+    with pytest.raises(GroupingMismatchError, match=r"ratios mean(.|\n)*The first layer whose output differs is layer "
+                       r"\d+, an? (full )?attention layer \(full_attention\)"):
         verify_grouping(model16, prompts, ids, mask, sizes, backend="masked")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_self_check_stops_wrong_visibility_and_wrong_states_exactly(family, tiny_checkpoints, videos,
+                                                                          monkeypatch):
+    """Who sees whom is a set: a response that sees a sibling, a GDN segment that starts from a sibling's state or
+    from zero conv inputs, and GDN layers left to transformers are each stopped in bf16 by the exact probe,
+    naming the completion, the token and the layer kind, on every family."""
+    import app.grouping.attention as attention_module
+    import app.grouping.recurrent.layer as recurrent_layer
+    import app.grouping.recurrent.segments as segments_module
+
+    _, model16, processor = bf16_rounded(family, tiny_checkpoints)
+    prompts, ids, mask, sizes = case(family, processor, videos, seed=2)
+    with monkeypatch.context() as patch:  # every response query sees the whole row causally: its siblings too
+        patch.setitem(attention_module._BACKEND_FNS, "masked", lambda plan, q, k, v, scale, dropout:
+                      attention_module._sdpa(q, k, v, is_causal=True, scale=scale))
+        with pytest.raises(GroupingMismatchError, match=r"who sees whom: attention layer \d+ \(a full_attention "
+                           r"layer\): completion 1, token 0 is reached by \d+ tokens where its repeated row "
+                           r"\[P;R1\] gives \d+; it is reached by completion\(s\) \[0\]"):
+            verify_grouping(model16, prompts, ids, mask, sizes, backend="masked")
+    if family not in HYBRID_FAMILIES:
+        return
+    real = segments_module.layout_segments
+
+    def chained(layout):  # each response continues its elder sibling's state instead of the prompt's
+        rows = real(layout)
+        parents = list(rows.parents)
+        for s in range(1, len(parents)):
+            if parents[s] >= 0 and parents[s - 1] == parents[s]:
+                parents[s] = s - 1
+        return segments_module.Segments(rows.starts, rows.lengths, tuple(parents), rows.total)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(segments_module, "layout_segments", chained)
+        with pytest.raises(GroupingMismatchError, match=r"Gated DeltaNet layer \d+'s recurrent state \(a "
+                           r"linear_attention layer\): completion 2, token 0 .*completion\(s\) \[1\]"):
+            verify_grouping(model16, prompts, ids, mask, sizes)
+    with monkeypatch.context() as patch:  # the conv of every segment starts from zeros, not its parent's inputs
+        patch.setattr(segments_module.LevelIndex, "before", property(
+            lambda self: torch.full((len(self.level), self.kernel - 1), self.segments.total, dtype=torch.long)))
+        with pytest.raises(GroupingMismatchError, match=r"Gated DeltaNet layer \d+'s conv inputs \(3 tokens "
+                           r"back\) \(a linear_attention layer\): completion 0, token 0"):
+            verify_grouping(model16, prompts, ids, mask, sizes)
+    model16 = bf16_rounded(family, tiny_checkpoints)[1]
+    with monkeypatch.context() as patch:  # its GDN layers left to transformers: one recurrence across the row
+        patch.setattr(recurrent_layer, "install", lambda model, kwarg: 0)
+        with pytest.raises(GroupingMismatchError, match="runs transformers' own recurrence across the packed row"):
+            verify_grouping(model16, prompts, ids, mask, sizes)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3"])

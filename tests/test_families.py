@@ -360,3 +360,51 @@ def test_a_familys_pixels_are_held_once_in_the_batch_and_everything_reads_them_a
         a = generate_groups(model, once, 2, sampling, eos_ids=[], families=fams)
         b = generate_groups(model, copies, 2, sampling, eos_ids=[], families=fams)
         assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_the_self_check_probes_a_familys_visibility_and_states_exactly(family, tiny_checkpoints, videos,
+                                                                       monkeypatch):
+    """Questions sharing a video: the self-check's exact probe passes the family row [V; Q1; R1*; Q2; R2*] and
+    stops a response that sees the question before its own, and (Qwen3.5) a question whose GDN state continues
+    the question before it instead of the video, naming the completion and the layer kind."""
+    from app.grouping import GroupingMismatchError, verify_grouping
+    from app.grouping import families as families_module
+    from app.grouping.recurrent import segments as segments_module
+
+    model, prompts, ids, mask, sizes = family_case(family, tiny_checkpoints, videos, [0, 0, 1], seed=5)
+    verify_grouping(model, prompts, ids, mask, sizes, families=[2, 1], backend="masked")
+    first_of_second = sizes[0]  # the first completion of the family's second question
+    def leaky(plan, q, k, v, scale, dropout):  # a response also sees every earlier question of its family
+        from app.grouping.kernels import _sdpa
+
+        layout = plan.layout
+        mask = families_module.dense_family_mask(layout, q.device)
+        fam, seg = layout.family_ids.to(q.device), layout.segment_ids.to(q.device)
+        idx = torch.arange(layout.total_len, device=q.device)
+        mask = mask | ((idx[None, :] <= idx[:, None]) & (fam[:, None] == fam[None, :]) & (seg[None, :] == 0))
+        return _sdpa(q, k, v, mask=mask, scale=scale, dropout=dropout)
+
+    with monkeypatch.context() as patch:
+        patch.setitem(families_module.FAMILY_BACKEND_FNS, "masked", leaky)
+        with pytest.raises(GroupingMismatchError, match=rf"who sees whom: attention layer \d+ \(a full_attention "
+                           rf"layer\): completion {first_of_second}, token 0 is reached by \d+ tokens where its "
+                           rf"repeated row \[P;R{first_of_second}\] gives \d+; its source \d+ is the packed row's"):
+            verify_grouping(model, prompts, ids, mask, sizes, families=[2, 1], backend="masked")
+    if family != "qwen3_5":
+        return
+    real = segments_module.layout_segments
+
+    def chained(layout):  # the second question continues the first question's state, not the video's
+        rows = real(layout)
+        parents = list(rows.parents)
+        questions = [s for s, p in enumerate(parents) if p == 0]
+        parents[questions[1]] = questions[0]
+        return segments_module.Segments(rows.starts, rows.lengths, tuple(parents), rows.total)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(segments_module, "layout_segments", chained)
+        with pytest.raises(GroupingMismatchError, match=rf"Gated DeltaNet layer \d+'s recurrent state \(a "
+                           rf"linear_attention layer\): completion {first_of_second}, token 0 is reached by \d+ "
+                           rf"tokens where its repeated row \[P;R{first_of_second}\] gives \d+"):
+            verify_grouping(model, prompts, ids, mask, sizes, families=[2, 1], backend="masked")

@@ -307,8 +307,8 @@ def test_the_model_as_users_run_it_on_cpu_is_within_transformers_own_rounding(ti
 
 def test_the_self_check_passes_on_qwen3_5_and_names_the_gdn_layer_when_broken(tiny_checkpoints, videos, monkeypatch):
     """float32 and bfloat16 self-checks pass; with the GDN layers left to transformers (one recurrence across the
-    packed row: the bug this package fixes) the check stops the run and names layer 0, a Gated DeltaNet layer, and
-    says the attention backend cannot help."""
+    packed row: the bug this package fixes) the check stops the run, exactly, before any numeric comparison, and
+    names layer 0, a Gated DeltaNet layer, and says the attention backend cannot help."""
     from app.grouping import GroupingMismatchError
     from app.grouping.recurrent import layer as layer_module
 
@@ -324,7 +324,7 @@ def test_the_self_check_passes_on_qwen3_5_and_names_the_gdn_layer_when_broken(ti
     with pytest.raises(GroupingMismatchError) as failure:
         verify_grouping(model, prompts, ids, mask, sizes)
     text = str(failure.value)
-    assert "layer 0, a Gated DeltaNet linear attention layer (linear_attention)" in text
+    assert "who sees whom: Gated DeltaNet layer 0 runs transformers' own recurrence across the packed row" in text
     assert "cannot change a Gated DeltaNet layer" in text and "Try backend 'masked'" not in text
 
 

@@ -14,6 +14,7 @@ import torch
 
 from app.grouping import attention
 from app.grouping.checks.positions import position_mismatch, recorded_positions
+from app.grouping.checks.visibility import recorded_mixers, sources_mismatch
 from app.grouping.families import family_layout
 from app.grouping.forward import completion_logprobs
 from app.grouping.modules import set_text_attention, text_config, unwrap
@@ -101,7 +102,7 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
     moe = expert_shape(model) is not None
     record = {"record_routing": True} if moe else {}
     try:
-        with torch.no_grad(), recorded_positions(model) as positions:
+        with torch.no_grad(), recorded_positions(model) as positions, recorded_mixers(model) as mixers:
             grouped = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped",
                                           backend=backend, families=families, **record)
             batch = (prompts, completion_ids, completion_mask, group_sizes)
@@ -113,6 +114,14 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
                                         f"{type(unwrap(model)).__name__}); the grouped row's positions are wrong "
                                         "(app.grouping.positions). Train with forward.grouping=repeated until it is "
                                         "fixed.")
+        with torch.no_grad():
+            reached = sources_mismatch(mixers, positions, prompts, completion_ids, completion_mask, group_sizes,
+                                       grouped.layout)
+        if reached is not None:  # sets of tokens: exact at every dtype, before any numeric comparison
+            text, kind = reached
+            raise GroupingMismatchError(f"grouped and repeated layouts differ in who sees whom: {text} (model="
+                                        f"{type(unwrap(model)).__name__}, backend={chosen}, dtype={dtype})."
+                                        + _advice(kind))
         with torch.no_grad():
             flips = disagreements(grouped.routing, outcome[3].routing, prompts["attention_mask"],
                                   completion_mask) if moe else None
@@ -187,16 +196,19 @@ def _diagnosis(model, prompts, completion_ids, completion_mask, group_sizes, *, 
     finally:
         set_text_attention(model, previous)
     sentence, kind = describe_layers(found, dtype)
+    return sentence + text + _advice(kind)
+
+
+def _advice(kind: str) -> str:
+    """What to do after a failure that a layer of ``kind`` caused."""
     if kind == "linear_attention":
-        advice = (" The attention backend cannot change a Gated DeltaNet layer: its segments' recurrent states or "
-                  "conv inputs were handed on wrongly (app.grouping.recurrent). Train with forward.grouping=repeated "
-                  "until it is fixed, or skip this check only if you accept training on log-probs that may be wrong.")
-    elif kind in ("router", "experts"):
-        advice = (" The attention backend cannot change a router or its experts, which see one token at a time: that "
-                  "part computed differently in the grouped row (app.grouping.experts). Train with "
-                  "forward.grouping=repeated until it is fixed, or skip this check only if you accept training on "
-                  "log-probs that may be wrong.")
-    else:
-        advice = (" Try backend 'masked' (the plain reference backend) to tell a backend fault from a layout fault; "
-                  "skip this check only if you accept training on log-probs that may be wrong.")
-    return sentence + text + advice
+        return (" The attention backend cannot change a Gated DeltaNet layer: its segments' recurrent states or "
+                "conv inputs were handed on wrongly (app.grouping.recurrent). Train with forward.grouping=repeated "
+                "until it is fixed, or skip this check only if you accept training on log-probs that may be wrong.")
+    if kind in ("router", "experts"):
+        return (" The attention backend cannot change a router or its experts, which see one token at a time: that "
+                "part computed differently in the grouped row (app.grouping.experts). Train with "
+                "forward.grouping=repeated until it is fixed, or skip this check only if you accept training on "
+                "log-probs that may be wrong.")
+    return (" Try backend 'masked' (the plain reference backend) to tell a backend fault from a layout fault; "
+            "skip this check only if you accept training on log-probs that may be wrong.")
