@@ -94,7 +94,7 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
     ``families``: the grouped side packs them as ``completion_logprobs`` does (questions sharing a video).
     """
     from app.grouping.experts.blocks import expert_shape
-    from app.grouping.experts.routing import TIE_GAP, disagreements
+    from app.grouping.experts.routing import TIE_GAP, disagreements, first_difference
 
     previous = text_config(model)._attn_implementation
     dtype = parameter_dtype(model)
@@ -126,6 +126,7 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
             flips = disagreements(grouped.routing, outcome[3].routing, prompts["attention_mask"],
                                   completion_mask) if moe else None
             replayed = bool(flips and flips["tokens"]) and outcome[2] is not None
+            outcome_free = outcome[3]  # the repeated layout's own routing, before any replay
             if replayed:  # a router near a tie in one layout only: route repeated (and float32) as grouped did
                 outcome = _against_repeated(model, batch, grouped, dtype=dtype, rtol=rtol, atol=atol,
                                             routing={"routing": grouped.routing})
@@ -133,9 +134,11 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
         set_text_attention(model, previous)
     diff, comparison, failure, repeated = outcome
     if failure is None and replayed and repeated.tie_gap > TIE_GAP:  # not near-ties: the grouped routing is wrong
+        where = first_difference(grouped.routing, outcome_free.routing, prompts["attention_mask"], completion_mask)
         failure = (f"the grouped layout routed tokens to experts the repeated layout's routers rank well below their "
                    f"own top-k (a gap of {repeated.tie_gap:.3g} logit standard deviations; rounding near a tie stays "
-                   f"within {TIE_GAP})")
+                   f"within {TIE_GAP}; the first token routed apart: {where}, grouped and repeated; a mixture-of-"
+                   "experts router layer)")
     result = SelfCheck(dtype, float(diff.max()), comparison, flips, replayed)
     if failure is None:
         return result

@@ -116,6 +116,20 @@ def disagreements(a: Routing, b: Routing, prompt_mask: torch.Tensor, completion_
             "decisions_total": (p_real + c_real) * layers, "prompt_tokens": p_tokens, "completion_tokens": c_tokens}
 
 
+def first_difference(a: Routing, b: Routing, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> str:
+    """Where two records first route a real token to different expert sets: 'prompt 1's token 12 at sparse
+    layer 3 (decoder layer 7): experts [..] and [..]' (prompts first, then completions), or ''."""
+    for part, x, y, mask in (("prompt", a.prompt, b.prompt, prompt_mask), ("completion", a.completion,
+                                                                          b.completion, completion_mask)):
+        xs, ys = x.sort(-1).values, y.to(x.device).sort(-1).values
+        differ = ((xs != ys).any(-1) & mask.bool().to(x.device)[..., None]).nonzero()
+        if len(differ):
+            row, token, layer = (int(v) for v in differ[0])
+            return (f"{part} {row}'s token {token} at sparse layer {layer} (decoder layer {a.layers[layer]}): experts "
+                    f"{xs[row, token, layer].tolist()} and {ys[row, token, layer].tolist()}")
+    return ""
+
+
 def check_routing(routing: Routing, shape: ExpertShape, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
                   name: Callable[[int], str] = lambda g: f"prompt {g}", group_sizes: Sequence[int] | None = None) -> None:
     """Refuse a record that cannot be replayed on these tokens, naming the prompt: another shape, another model's
