@@ -314,4 +314,5 @@ def completion_logprobs(
                 prompts["attention_mask"], completion_mask)
     router, recorded, gap = routed.results(to_record)
     return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), logits=logits, layout=layout,
-                            entropy=entropy, router=router, routing=recorded, tie_gap=gap)
+                            entropy=entropy, router=router, routing=recorded, tie_gap=gap,
+                            replay_differs=routed.replay_differs())

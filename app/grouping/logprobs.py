@@ -35,6 +35,7 @@ class CompletionScores:
     router: Any = None  # a MoE model's experts.statistics.RouterStatistics, when asked
     routing: Any = None  # a MoE model's experts.routing.Routing (the experts each token went to), when asked
     tie_gap: float | None = None  # a replayed routing: experts.routing.tie_gap over the forward's sparse layers
+    replay_differs: torch.Tensor | None = None  # a replay: [tokens routed otherwise by this forward, tokens replayed]
 
 
 def _scaled_logits(hidden, weight, bias, temperature: float) -> torch.Tensor:

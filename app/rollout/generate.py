@@ -27,6 +27,7 @@ from app.grouping import (
 )
 from app.grouping.decoding.clock import PartClock
 from app.grouping.decoding.static import dynamo_frames
+from app.grouping.experts.routing import Routing
 from app.rollout.sampling import (
     SamplingConfig,
     derive_seed,
@@ -55,6 +56,7 @@ class Rollout:
     # where the time went (``app.grouping.decoding.clock.PARTS``: seconds), the decode steps, the bytes one step
     # reads, and what the kept static step did (captures, compiles, replays, recaptures): summed over draws
     parts: dict = field(default_factory=dict)
+    routing: object = None  # rollout.routing_replay=r3: each token's experts (app.grouping.experts.routing.Routing)
 
 
 STOP_REASONS = ("eos", "length", "stop_string")
@@ -114,6 +116,7 @@ def generate_groups(
     static_steps=None,
     clock=None,
     spread=None,
+    record_routing: bool = False,
 ) -> Rollout:
     """Sample ``group_sizes[b]`` completions for each prompt b of a processor batch (left-padded).
 
@@ -135,6 +138,8 @@ def generate_groups(
     """
     if engine not in DECODERS:
         raise ValueError(f"unknown generation engine {engine!r}; expected one of {ENGINES}")
+    if record_routing and engine != "grouped":  # routing replay: the experts each token used, as it was sampled
+        raise ValueError(f"rollout.routing_replay=r3 records routing in rollout.engine=grouped only, not {engine!r}")
     if spread is not None and engine != "grouped":
         raise ValueError(f"a rollout spread over a sequence-parallel group runs on the grouped engine, not {engine!r}")
     num_prompts = prompts["input_ids"].shape[0]
@@ -152,6 +157,7 @@ def generate_groups(
     generators = sample_generators(prompt_seeds, sizes, prompts["input_ids"].device)
     with aligned_vision_calls(model, prompts, vision_calls):  # acts on the first forward only: the prefill
         extra = {"spread": spread} if spread is not None else {}
+        extra.update({"record_routing": True} if record_routing else {})
         return DECODERS[engine](model, prompts, sizes, sampling, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id,
                                 synced=synced, generators=generators, prefill_chunk_size=prefill_chunk_size,
                                 decode=decode, families=families, static_steps=static_steps, clock=clock, **extra)
@@ -198,7 +204,7 @@ class _Finish:
 
 def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id, synced, generators,
                       prefill_chunk_size=0, decode="auto", families=None, static_steps=None, clock=None,
-                      spread=None) -> Rollout:
+                      spread=None, record_routing=False) -> Rollout:
     """Decode all samples together, each prompt prefilled once. The host looks at which samples finished only
     every ``CHECK_EVERY`` steps: finished samples then leave the batch (``GroupedDecoder.keep``) and, under ZeRO-3,
     the ranks agree whether all are done (every rank steps, idly once done, until all are).
@@ -218,7 +224,7 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
     frames = dynamo_frames()
     decoder = GroupedDecoder(model, prompts, sizes, limit, prefill_chunk_size=prefill_chunk_size, synced=synced,
                              decode=decode, families=families, keep=static_steps, clock=clock,
-                             spread=spread)  # each prompt once
+                             spread=spread, record_routing=record_routing)  # each prompt once
     logits, step, tick, done_here = decoder.logits, 0, 0, False
     seen = None  # the tokens of each sample's prompt and completion so far, for the repetition penalty
     if sampling.repetition_penalty != 1.0:
@@ -285,6 +291,7 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
         prefill_tokens=decoder.prefill_tokens,
         prompt_tokens=int(prompts["attention_mask"].sum()),
         parts=parts,
+        routing=decoder.routing.record(mask) if decoder.routing is not None else None,
     )
 
 
@@ -396,7 +403,7 @@ def select_groups(rollouts: Sequence[Rollout], picks: Sequence[tuple[int, int]],
         stop_reasons=[reason for k, a, b in rows for reason in rollouts[k].stop_reasons[a:b]],
         prefill_tokens=sum(r.prefill_tokens for r in rollouts),
         prompt_tokens=sum(r.prompt_tokens for r in rollouts),
-        parts=summed_parts(rollouts),
+        parts=summed_parts(rollouts), routing=Routing.picked([r.routing for r in rollouts], picks, rows, width),
     )
 
 

@@ -53,7 +53,7 @@ class GroupedDecoder:
     def __init__(self, model, prompts: dict, group_sizes: Sequence[int], max_new_tokens: int, *,
                  prefill_chunk_size: int = 0, synced: bool = False, decode: str = "eager",
                  families: Sequence[int] | None = None, keep: StaticSteps | None = None,
-                 clock: PartClock | None = None, spread=None):
+                 clock: PartClock | None = None, spread=None, record_routing: bool = False):
         from app.grouping import attention
         from app.grouping.modules import set_text_attention, text_config
         from app.grouping.positions import prompt_positions
@@ -63,6 +63,9 @@ class GroupedDecoder:
         self._set_attention = set_text_attention
         device = prompts["input_ids"].device
         self.mode = decode_mode(decode, device, synced)
+        self.routing = None  # ``routing.DecodeRouting``: the experts every token went to (rollout.routing_replay)
+        if record_routing:
+            self.routing, self.mode = self._recording(model, group_sizes, max_new_tokens, families, spread, device)
         self.graph, self.graph_error = None, None
         self.clock = clock if clock is not None else PartClock(device)
         self.kept_steps, self.kept, self.replayed, self.compiled_now, self.made = keep, None, False, False, False
@@ -114,6 +117,20 @@ class GroupedDecoder:
         self.state_bytes = self.cache.recurrent.nbytes()  # a hybrid model's GDN states, one copy per sample
         set_text_attention(model, attention.ATTENTION_NAME)
 
+    def _recording(self, model, group_sizes, limit: int, families, spread, device):
+        """The routing recorder, and the decode mode it runs in: eager steps (a captured or compiled step does not
+        run the Python that records). Refused where the prefill is not the plain (or chunked) one."""
+        from app.grouping.decoding.routing import DecodeRouting
+
+        if spread is not None or (families and any(size > 1 for size in families)):
+            raise ValueError("rollout.routing_replay=r3 records the plain (or chunked) prefill; not yet a rollout "
+                             "spread over a sequence-parallel group or questions sharing a video "
+                             "(train.sequence_parallel_size, data.questions_per_video)")
+        if self.mode != "eager":
+            log.info("rollout.routing_replay=r3: decode steps run eagerly (rollout.decode=%s would not record)",
+                     self.mode)
+        return DecodeRouting(model, sum(group_sizes), limit, device), "eager"
+
     def _prefill(self, model, prompts, families, positions, chunk_size: int, synced: bool):
         """The prompts' K/V (or the shared roots' and the questions'), their mask, and each group's first logits."""
         from app.grouping.positions import VISION_KEYS
@@ -136,10 +153,13 @@ class GroupedDecoder:
 
         whole = expanded(prompts)  # the model's own forward: a pixel copy per occurrence
         vision = {k: whole[k] for k in VISION_KEYS if whole.get(k) is not None}
+        routed = self.routing.kwargs() if self.routing is not None else {}
         with self.head.installed(), chunked_prefill(model, chunk_size, synced):
             out = model(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
                         position_ids=positions if positions.shape[0] > 1 else positions[0], use_cache=True,
-                        logits_to_keep=1, **vision)
+                        logits_to_keep=1, **vision, **routed)
+        if self.routing is not None:
+            self.routing.prefilled(prompts["attention_mask"])
         return out.past_key_values, prompts["attention_mask"], None, out.logits[:, -1]
 
     @property
@@ -151,10 +171,14 @@ class GroupedDecoder:
         """Feed one token per sample [N]; return the next logits [N, V]."""
         if self.mode == "eager":
             positions = (self._last_position + 1 + self.steps)[:, :, None]  # [axes, N, 1]
+            routed = self.routing.kwargs() if self.routing is not None else {}
             with self.head.installed():
                 out = self.model(input_ids=tokens[:, None], attention_mask=None,
                                  position_ids=positions if positions.shape[0] > 1 else positions[0],
-                                 past_key_values=self.cache, use_cache=True, **{self._plan_kwarg: self.cache})
+                                 past_key_values=self.cache, use_cache=True, **{self._plan_kwarg: self.cache},
+                                 **routed)
+            if self.routing is not None:
+                self.routing.stepped(self.steps)
             logits = out.logits[:, -1]
         else:
             self._tokens.copy_(tokens)
@@ -256,6 +280,8 @@ class GroupedDecoder:
         and a group with none left drops its prefix from the step."""
         self.cache.keep(rows)
         self._last_position = self._last_position[:, rows]
+        if self.routing is not None:
+            self.routing.keep(rows)
 
     def idle_step(self) -> None:
         idle_forward(self.model)

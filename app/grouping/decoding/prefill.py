@@ -312,7 +312,7 @@ def chunked_prefill(model, chunk_size: int, synced: bool = False):
 
     def run_chunks(count, width, inputs_embeds, *, attention_mask, position_ids, past_key_values, visual_rows,
                    deepstack_visual_embeds, plans, kwargs):
-        hidden = None
+        hidden, kind = None, BaseModelOutputWithPast
         for k in range(count):
             start, end = k * chunk_size, min((k + 1) * chunk_size, width)
             if start >= width:  # idle: the layers' calls (and gathers) of a chunk, on one throwaway position
@@ -334,8 +334,8 @@ def chunked_prefill(model, chunk_size: int, synced: bool = False):
                        attention_mask=None if attention_mask is None else attention_mask[:, :end],
                        position_ids=None if position_ids is None else position_ids[..., start:end],
                        past_key_values=past_key_values, use_cache=True, **extra)
-            hidden = out.last_hidden_state
-        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+            hidden, kind = out.last_hidden_state, type(out)  # a MoE model's output type (its router_logits: None)
+        return kind(last_hidden_state=hidden, past_key_values=past_key_values)
 
     from app.grouping.modules import patched
 

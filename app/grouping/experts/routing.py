@@ -58,6 +58,25 @@ class Routing:
         return self.prompt.numel() * self.prompt.element_size() + self.completion.numel() * \
             self.completion.element_size()
 
+    @staticmethod
+    def picked(records: Sequence[Routing | None], groups: Sequence[tuple[int, int]],
+               rows: Sequence[tuple[int, int, int]], width: int) -> Routing | None:
+        """Whole groups of several rollouts' records as one (``select_groups``): prompt ``groups[i]`` = (record,
+        prompt) with completion rows ``rows[i]`` = (record, first, end); prompts right-aligned at the widest
+        (left-padded, -1), completions cut or padded (-1) to ``width``. None unless every record is there."""
+        if not records or any(r is None for r in records):
+            return None
+        first = records[0]
+        prompt_width = max([1] + [records[k].prompt.shape[1] for k, _ in groups])
+        prompts, completions = [], []
+        for (k, g), (_, a, b) in zip(groups, rows):
+            p, c = records[k].prompt[g], records[k].completion[a:b, :width]
+            prompts.append(F.pad(p, (0, 0, 0, 0, prompt_width - p.shape[0], 0), value=MISSING))
+            completions.append(F.pad(c, (0, 0, 0, 0, 0, width - c.shape[1]), value=MISSING))
+        empty = first.prompt[:0, :prompt_width], first.completion[:0, :width]
+        return Routing(torch.stack(prompts) if prompts else empty[0], torch.cat(completions) if completions
+                       else empty[1], first.layers)
+
     # ---- a layout's token order ----------------------------------------------------------------------------
     def for_packed(self, layout) -> torch.Tensor:
         """[T, S, k] in the packed row's order (``GroupLayout.pack``)."""
@@ -179,7 +198,7 @@ def tie_gap(logits: torch.Tensor, fresh: torch.Tensor, recorded: torch.Tensor) -
     if logits.shape[0] == 0:
         return logits.new_zeros((), dtype=torch.float32)
     differs = (recorded >= 0).all(-1) & (recorded.sort(-1).values != fresh.sort(-1).values).any(-1)
-    x = logits.float()
+    x = logits.detach().float()
     kth = x.gather(-1, fresh).min(-1).values
     worst = x.gather(-1, recorded.clamp_min(0)).min(-1).values
     gap = (kth - worst).clamp_min(0) / x.std(-1).clamp_min(1e-12)
@@ -190,7 +209,10 @@ class RoutePlan:
     """One forward's routing work at its sparse layers (in ``layers`` order):
     ``replay`` [T, S, k] expert ids in the forward's token order (-1: route afresh: padding, a completion's last
     token); ``weights`` [T] each token's repeat count for ``statistics`` (None: no statistics); ``grad``: the
-    statistics' probabilities keep their gradient (a load-balancing loss); ``record``: keep the ids used."""
+    statistics' probabilities keep their gradient (a load-balancing loss); ``record``: keep the ids used (True:
+    once per layer; ``"append"``: every call's, in order: a rollout's prefill chunks and decode steps, ``calls``).
+    A replay counts, per token, whether this forward's router would have chosen another set in any layer
+    (``differs``: [T] bool; the rollout-against-update routing agreement)."""
 
     def __init__(self, layers: Sequence[int], *, replay: torch.Tensor | None = None,
                  weights: torch.Tensor | None = None, grad: bool = False, record: bool = False):
@@ -200,6 +222,8 @@ class RoutePlan:
         self.indices: list[torch.Tensor | None] = [None] * len(self.layers)
         self.sums: list[tuple | None] = [None] * len(self.layers)
         self.overruled = None  # replay: the largest tie gap of a replayed expert set this forward would not choose
+        self.calls: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        self.differs: torch.Tensor | None = None
 
     def shard(self, start: int, end: int) -> RoutePlan:
         """The plan of a shard [start, end) of this forward's tokens (sequence parallelism)."""
@@ -222,6 +246,11 @@ class RoutePlan:
             fresh = torch.topk(probs, router.top_k, dim=-1).indices
             indices = torch.where(recorded >= 0, recorded, fresh)
             gap = tie_gap(logits, fresh, recorded)
+            other = (recorded >= 0).all(-1) & (recorded.sort(-1).values != fresh.sort(-1).values).any(-1)
+            if self.differs is None or self.differs.shape != other.shape:
+                self.differs = other
+            else:
+                self.differs = self.differs | other
             self.overruled = gap if self.overruled is None else torch.maximum(self.overruled, gap.to(self.overruled))
             top = probs.gather(-1, indices)
             scores = (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
@@ -230,7 +259,9 @@ class RoutePlan:
             sums = layer_sums(logits, indices, self.weights, self.grad)
             if first:
                 self.sums[s] = sums
-        if self.record and first:
+        if self.record == "append":
+            self.calls[s].append(indices.detach().to(torch.int16))
+        elif self.record and first:
             self.indices[s] = indices.detach().to(torch.int16)
         return logits, scores, indices
 
@@ -270,6 +301,15 @@ class Routed:
                               weights=weights if self.statistics != "off" else None,
                               grad=self.statistics == "loss", record=self.record)
         return {ROUTING_KWARG: self.plan}
+
+    def replay_differs(self) -> torch.Tensor | None:
+        """A replayed forward: [2] (tokens whose router would have chosen another expert set in some sparse layer,
+        tokens replayed), on the device (no sync); None otherwise."""
+        plan = self.plan
+        if self.replay is None or plan is None or plan.differs is None:
+            return None
+        replayed = (plan.replay >= 0).all(-1).any(-1).to(plan.differs.device)
+        return torch.stack([(plan.differs & replayed).sum(), replayed.sum()]).float()
 
     def results(self, to_record) -> tuple:
         """(RouterStatistics or None, Routing or None, tie gap or None) of the forward just run; ``to_record`` turns

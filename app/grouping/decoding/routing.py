@@ -1,0 +1,69 @@
+"""The experts every token of a rollout went to, recorded as the grouped engine samples (routing replay, R3: arXiv
+2510.11370): the prompts' once (each prompt is prefilled once: its record serves its G samples), each completion
+token's at the decode step that fed it (a completion's last token is never fed back: no record, and no log-prob
+depends on its routing). The record is ``experts.routing.Routing`` (int16), layout-independent: the training
+forwards replay it in either layout.
+
+``DecodeRouting`` hands a recording ``RoutePlan`` to the prefill (every chunk of a chunked prefill appends) and to
+each decode step, and follows the decoder's batch as finished samples leave it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app.grouping.modules import unwrap
+
+
+class DecodeRouting:
+    """The routing record of one grouped rollout of ``count`` samples of at most ``limit`` tokens."""
+
+    def __init__(self, model, count: int, limit: int, device):
+        from app.grouping.experts.routing import install
+
+        shape = install(unwrap(model))
+        if shape is None:
+            raise ValueError(f"rollout.routing_replay: {type(unwrap(model)).__name__} has no routed experts to record")
+        self.shape, self.plan, self.prompt = shape, None, None
+        self.completion = torch.full((count, limit, len(shape.layers), shape.top_k), -1, dtype=torch.int16,
+                                     device=device)
+        self.rows = torch.arange(count, device=device)  # the decoder's batch -> sample index
+
+    def kwargs(self) -> dict:
+        """The forward keyword argument of one recording forward (a prefill, or one decode step)."""
+        from app.grouping.experts.routing import ROUTING_KWARG, RoutePlan
+
+        self.plan = RoutePlan(self.shape.layers, record="append")
+        return {ROUTING_KWARG: self.plan}
+
+    def _stacked(self, rows: int) -> torch.Tensor:
+        """[rows, positions, S, k] of the forward just run: each call's [rows x positions] tokens, in order."""
+        per_layer = []
+        for layer, calls in zip(self.shape.layers, self.plan.calls):
+            if not calls:
+                raise RuntimeError(f"sparse layer {layer} routed nothing in the rollout's forward")
+            per_layer.append(torch.cat([c.reshape(rows, -1, self.shape.top_k) for c in calls], dim=1))
+        return torch.stack(per_layer, dim=2)
+
+    def prefilled(self, attention_mask: torch.Tensor) -> None:
+        """After the prefill of the left-padded prompts: their record, -1 at the pads (a synced prefill's idle
+        calls come after the real chunks and are dropped)."""
+        batch, width = attention_mask.shape
+        ids = self._stacked(batch)[:, :width]
+        self.prompt = ids.masked_fill(~attention_mask.bool().to(ids.device)[..., None, None], -1)
+
+    def stepped(self, step: int) -> None:
+        """After decode step ``step`` (it fed completion token ``step`` of every sample in the batch)."""
+        self.completion[self.rows, step] = self._stacked(len(self.rows))[:, 0].to(self.completion.device)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.rows = self.rows[rows.to(self.rows.device)]
+
+    def record(self, completion_mask: torch.Tensor):
+        """The rollout's ``Routing``: completions cut to the rollout's width, -1 past each one's tokens."""
+        from app.grouping.experts.routing import Routing
+
+        width = completion_mask.shape[1]
+        ids = self.completion[:, :width]
+        ids = ids.masked_fill(~completion_mask.bool().to(ids.device)[..., None, None], -1)
+        return Routing(self.prompt, ids, tuple(self.shape.layers))
