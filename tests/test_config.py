@@ -247,3 +247,31 @@ def test_the_config_reference_page_is_generated_from_the_declarations():
 
     page = Path(__file__).resolve().parents[1] / CONFIG_PAGE
     assert page.read_text() == reference_markdown(), "stale: python -m app.config --markdown > docs/config.md"
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["rollout.engine=hf"], "'rollout.routing_replay' =r3 records routing in rollout.engine=grouped only, not hf"),
+    (["rollout.engine=vllm"], "=r3 records routing in rollout.engine=grouped only, not vllm (vLLM's routed experts"),
+    (["train.sequence_parallel_size=2"], "'rollout.routing_replay' =r3 needs train.sequence_parallel_size=1"),
+    (["data.questions_per_video=2", "train.prompts_per_rank=2", "train.groups_per_micro_batch=2"],
+     "'rollout.routing_replay' =r3 needs data.questions_per_video=1"),
+    (["rollout.tools=[get_frames]"], "'rollout.routing_replay' =r3 is not available with rollout.tools"),
+    (["rollout.routing_replay=r2"], "'rollout.routing_replay' must be one of"),
+])
+def test_routing_replay_is_refused_by_name_where_its_record_is_not_made(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("configs/qwen3_vl_30b_a3b_video_lora.yaml", ["rollout.routing_replay=r3", *overrides])
+    for path in [*MOE_CONFIGS, "configs/qwen3_vl_30b_a3b_video.yaml"]:
+        assert load_config(path).rollout.routing_replay == "r3"  # the MoE configs replay
+    assert load_config("configs/demo_cpu.yaml").rollout.routing_replay == "off"
+
+
+def test_routing_replay_on_a_dense_checkpoint_stops_before_the_load_in_one_line(tiny_checkpoints, tmp_path):
+    from app.training.preflight import check
+
+    with pytest.raises(SystemExit, match=r"^config error: 'rollout.routing_replay'=r3 needs a mixture-of-experts "
+                       r"model; .*qwen2_5_vl has no routed experts"):
+        check(["configs/demo_cpu.yaml", f"model.path={tiny_checkpoints['qwen2_5_vl']}", "rollout.routing_replay=r3",
+               f"train.output_dir={tmp_path}"])
+    check(["configs/demo_cpu.yaml", f"model.path={tiny_checkpoints['qwen3_vl_moe']}", "rollout.routing_replay=r3",
+           f"train.output_dir={tmp_path}"])

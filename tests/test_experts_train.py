@@ -182,3 +182,31 @@ def test_a_collective_nobody_joins_stops_the_run_naming_itself_and_the_rank(tmp_
     assert "collective error: rank 0 of 2 waited in torch.distributed.all_reduce longer than " \
            "train.collective_timeout_s=4 s" in result.stderr, result.stderr[-3000:]
     assert took < 60
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])
+def test_routing_replay_trains_through_the_rollouts_experts_in_both_layouts(family, moe_assets, tmp_path,
+                                                                            monkeypatch):
+    """rollout.routing_replay=r3, two steps in this process with a KL reference and mu = 2: grouped == repeated
+    (weights 1e-4, routers and experts included), the weights moved, and not to replay off's (mu's second pass and
+    the reference route as the rollout did); the step metrics say how many replayed tokens the update would have
+    routed otherwise, beside the mismatch."""
+    from app.training.trainer import main
+
+    common = {"rollout.routing_replay": "r3", "grpo.num_iterations": 2}
+    runs = {"grouped": {**common, "forward.grouping": "grouped"},
+            "repeated": {**common, "forward.grouping": "repeated"},
+            "off": {"grpo.num_iterations": 2, "forward.grouping": "grouped"}}
+    for name, extra in runs.items():
+        with world_of_one(monkeypatch):
+            main(["configs/demo_cpu.yaml", *moe_overrides(moe_assets, family, tmp_path / name, **extra)])
+    initial = weights(moe_assets["checkpoints"][family])
+    grouped = weights(tmp_path / "grouped" / "final")
+    assert_close_weights(grouped, weights(tmp_path / "repeated" / "final"), initial, 1e-4)
+    off = weights(tmp_path / "off" / "final")  # the replay is used: mu's second pass and the reference (the
+    # initial weights) route as the rollout did, not afresh
+    assert max(float((grouped[n] - off[n]).norm() / off[n].norm().clamp_min(1e-12)) for n in off) > 1e-3
+    for name in ("grouped", "repeated"):
+        last = metrics(tmp_path / name)[-1]
+        assert 0 <= last["routing/replay_differs"] <= 1 and "mismatch/mean_abs_logprob_diff" in last
+    assert "routing/replay_differs" not in metrics(tmp_path / "off")[-1]

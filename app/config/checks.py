@@ -154,6 +154,7 @@ def validate(config: Config, training: bool = True) -> None:
          f"sequence_parallel_size={sp}): under ZeRO-3 it gathers parameters collectively in every forward, while "
          "the group's ranks run different pieces of a family between their own exchanges; use full")
     _validate_shared_video(config, need)
+    _validate_routing_replay(config, need)
     need(config.train.prompts_per_rank % config.train.groups_per_micro_batch == 0, "train.groups_per_micro_batch",
          f"must divide train.prompts_per_rank ({config.train.prompts_per_rank})")
     need(0 <= config.data.max_skip_fraction <= 1, "data.max_skip_fraction", "must be in [0, 1]")
@@ -172,6 +173,20 @@ def validate(config: Config, training: bool = True) -> None:
          "is required when rewards.functions lists judge (a local checkpoint of the judge model)")
     need(not config.rewards.judge_template or "{reference}" in config.rewards.judge_template, "rewards.judge_template",
          "must contain {reference} (where the record's answer goes)")
+
+
+def _validate_routing_replay(config: Config, need) -> None:
+    """rollout.routing_replay=r3: where the record is made and carried so far, refused by name elsewhere."""
+    if config.rollout.routing_replay == "off":
+        return
+    r = config.rollout
+    need(r.engine == "grouped", "rollout.routing_replay", f"=r3 records routing in rollout.engine=grouped only, not "
+         f"{r.engine} (vLLM's routed experts are not read yet; hf generate and replayed rollouts keep none)")
+    need(not r.tools, "rollout.routing_replay", "=r3 is not available with rollout.tools (prefix trees)")
+    need(config.train.sequence_parallel_size == 1, "rollout.routing_replay", "=r3 needs "
+         "train.sequence_parallel_size=1 (a sequence-parallel rollout's record is not gathered yet)")
+    need(config.data.questions_per_video == 1, "rollout.routing_replay", "=r3 needs data.questions_per_video=1 (a "
+         "video's shared prefill is not recorded yet)")
 
 
 def validate_vllm_ranges(r: RolloutConfig) -> None:

@@ -149,6 +149,13 @@ class RolloutConfig:
                      "so not the default); static: the static step uncompiled and uncaptured; eager: steps whose "
                      "batch shrinks as samples finish. Same samples in every mode, log-probs to float rounding.",
                      choices=DECODE_MODES)
+    routing_replay: str = _f("off", "Mixture-of-experts models: r3 records the experts every token went to as the "
+                             "grouped engine samples it (each prompt once, each completion token at its step) and "
+                             "routes the old-policy, reference and policy forwards through them, the gate weights "
+                             "recomputed from the current router (Rollout Routing Replay, arXiv 2510.11370; Megatron "
+                             "#4168 saw GRPO on MoE collapse without it). off: every forward routes afresh. Off by "
+                             "default as it is new here; the MoE configs turn it on. rollout.engine=grouped only.",
+                             choices=("off", "r3"))
     zero3_gather: str = _f("full", "ZeRO-3 only: full gathers the policy's (and reference's) parameters once per "
                            "rollout and decodes with no collectives (fastest, needs the whole model in memory); "
                            "layerwise gathers all but the decoder layers once and each layer (one collective) when it "

@@ -129,3 +129,13 @@ def step_router_metrics(values: dict) -> dict:
                             entropy=torch.tensor([raw[f"{layer}/entropy"] for layer in layers], dtype=torch.float64),
                             tokens=torch.tensor(raw["tokens"], dtype=torch.float64), top_k=int(raw["top_k"]))
     return router_metrics(stats)
+
+
+def replay_metrics(differs) -> dict[str, float]:
+    """Routing replay (rollout.routing_replay=r3): the replayed tokens whose router, in the update's first forward,
+    would have sent them to another expert set in some sparse layer, and the tokens replayed (``CompletionScores.
+    replay_differs``); the step's ``routing/replay_differs`` is their ratio. Nothing without a replay."""
+    if differs is None:
+        return {}
+    otherwise, replayed = (float(v) for v in differs)
+    return {"routing/replayed_otherwise": otherwise, "routing/replayed": replayed}

@@ -55,7 +55,8 @@ class LocalEngine(RolloutEngine):
                                       vision_calls=vision_calls, prompt_seeds=list(seeds),
                                       prefill_chunk_size=getattr(s.rollout, "prefill_chunk_size", 0), decode=decode,
                                       families=family_sizes([getattr(p, "share", None) for p in prompts]),
-                                      static_steps=self.kept, clock=clock, spread=spread)
+                                      static_steps=self.kept, clock=clock, spread=spread,
+                                      record_routing=getattr(s.rollout, "routing_replay", "off") == "r3")
             release = PartClock(s.device)
         release.lap("gather")  # the parameters released (ZeRO-3: partitioned again)
         rollout.parts["gather"] = rollout.parts.get("gather", 0.0) + release.seconds().get("gather", 0.0)

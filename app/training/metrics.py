@@ -41,6 +41,9 @@ def step_metrics(t: Trajectory, updates: list[dict], seconds: dict, grouped: boo
     m.mean("entropy", mean_of(first, "entropy"))
     m.mean("mismatch/mean_abs_logprob_diff", mean_of(first, "mismatch/mean_abs_logprob_diff"))
     m.max("mismatch/max_ratio", max((u.get("mismatch/max_ratio", 1.0) for u in first), default=1.0))
+    if any("routing/replayed" in u for u in first):  # rollout.routing_replay=r3, on every rank alike
+        m.fraction("routing/replay_differs", sum(u.get("routing/replayed_otherwise", 0.0) for u in first),
+                   sum(u.get("routing/replayed", 0.0) for u in first))
     for key in ("rollout", "data_wait", "reference", "policy", "weight_sync"):
         if key in seconds:
             m.mean(f"time/{key}", seconds[key])

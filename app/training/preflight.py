@@ -30,6 +30,12 @@ def check_model_settings(cfg: Config) -> None:
     """Settings that the checkpoint's shape must allow, from its config.json: ``ConfigError`` naming the key."""
     from app.grouping.sequence_parallel import check_heads
 
+    if cfg.rollout.routing_replay != "off":
+        text = text_config(cfg.model.path)
+        if not (getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0)):
+            raise ConfigError(f"'rollout.routing_replay'={cfg.rollout.routing_replay} needs a mixture-of-experts "
+                              f"model; {cfg.model.path} has no routed experts (its config.json has no num_experts "
+                              "or num_local_experts)")
     size = cfg.train.sequence_parallel_size
     if size > 1:
         try:

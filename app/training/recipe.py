@@ -271,12 +271,12 @@ class Recipe:
                 for ids, m in zip(completion_ids, completion_mask)]
 
     def scores_without_grad(self, model, inputs: dict, completion_ids, completion_mask, group_sizes, *,
-                            vision_calls=None, temperature: float = 1.0, families=None) -> torch.Tensor:
+                            vision_calls=None, temperature: float = 1.0, families=None, **routing) -> torch.Tensor:
         """Log-probs under ``model`` without gradient (``app.training.scoring.without_grad``: gathered for inference as
         ``rollout.zero3_gather`` says; ``model`` may be the policy with its adapters off)."""
         return without_grad(self.scorer, model, inputs, completion_ids, completion_mask, group_sizes,
                             gather=self.cfg.rollout.zero3_gather, vision_calls=vision_calls, temperature=temperature,
-                            families=families)
+                            families=families, **routing)
 
     def scores(self, model, inputs: dict, completion_ids, completion_mask, group_sizes, **kwargs):
         """Completion log-probs from the recipe's scorer (``app.training.scoring``: the configured forward)."""

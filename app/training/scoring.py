@@ -59,11 +59,11 @@ class TreeScorer:
 
 @torch.no_grad()
 def without_grad(scorer, model, inputs, completion_ids, completion_mask, group_sizes, *, gather: str = "full",
-                 vision_calls=None, temperature: float = 1.0, families=None) -> torch.Tensor:
+                 vision_calls=None, temperature: float = 1.0, families=None, **routing) -> torch.Tensor:
     """``scorer``'s log-probs under ``model`` without gradient, in eval mode, its parameters gathered for inference
     as ``gather`` (``rollout.zero3_gather``) says; ``model`` may be ``lora.AdaptersOff`` (the policy with its
     adapters off: the reference under LoRA). ``vision_calls`` are passed only where DeepSpeed's hooks stay on
-    (per_step), where every rank's tower calls must agree."""
+    (per_step), where every rank's tower calls must agree; ``routing``: a rollout's record to replay."""
     model, adapters_off = lora.resolve(model)
     hooked = gather == "per_step" and zero.forwards_are_collective(model)
     with (zero.gathered_for_inference(model, gather) as (module, _),
@@ -71,6 +71,6 @@ def without_grad(scorer, model, inputs, completion_ids, completion_mask, group_s
         was_training = module.training
         module.eval()
         scores = scorer(module, inputs, completion_ids, completion_mask, group_sizes, temperature=temperature,
-                        vision_calls=vision_calls if hooked else None, families=families)
+                        vision_calls=vision_calls if hooked else None, families=families, **routing)
         module.train(was_training)
     return scores.logprobs

@@ -33,7 +33,7 @@ from app.objectives.grpo import (
     groups_with_signal,
     mismatch_metrics,
 )
-from app.objectives.router import RouterTerm, step_router_metrics
+from app.objectives.router import RouterTerm, replay_metrics, step_router_metrics
 from app.rewards.judge import build_judge
 from app.rewards.rules import RewardSet
 from app.rollout.generate import Rollout, derive_seed, eos_token_ids
@@ -158,12 +158,12 @@ class GRPOTrainer(Recipe):
         the rollout temperature like the policy forward: ratios and KL compare the same distributions."""
         return self.scores_without_grad(model, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes,
                                         vision_calls=mb.vision_calls, temperature=self.cfg.rollout.temperature,
-                                        families=mb.families)
+                                        families=mb.families, **mb.replay)
 
     def forward(self, model, mb: MicroBatch, vision_calls=None, return_entropy: bool = False, **routing):
         return self.scores(model, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes,
                            temperature=self.cfg.rollout.temperature, vision_calls=vision_calls,
-                           return_entropy=return_entropy, families=mb.families, **routing)
+                           return_entropy=return_entropy, families=mb.families, **mb.replay, **routing)
 
     def self_check(self, mb: MicroBatch) -> None:
         run_self_check(self, mb)
@@ -187,7 +187,8 @@ class GRPOTrainer(Recipe):
                 self.engine.backward(loss)
                 self.engine.step()
                 if iteration == 0:
-                    metrics.update(mismatch_metrics(old, mb.sampled_logprobs, mb.completion_mask))
+                    metrics.update(mismatch_metrics(old, mb.sampled_logprobs, mb.completion_mask),
+                                   **replay_metrics(scores.replay_differs))
                     mask = mb.completion_mask
                     metrics["entropy"] = float((scores.entropy * mask).sum() / mask.sum().clamp_min(1))
                 out.append({"loss": float(loss.detach()), "metrics": metrics, **token_counts(scores.layout,

@@ -96,6 +96,9 @@ class Trajectory:
                 loss_weights=loss_weights[rows, :width].to(device),
                 families=family_sizes([self.prompts[g].share for g in groups]) if self.trees is None else None,
             ))
+            if self.rollout.routing is not None:  # rollout.routing_replay=r3: the record of these groups' tokens
+                out[-1].routing = self.rollout.routing.of_groups(groups, rows, out[-1].inputs["input_ids"].shape[1],
+                                                                 width).to(device)
         return out
 
 
@@ -129,3 +132,9 @@ class MicroBatch:
     reference_logprobs: torch.Tensor | None = None  # [n, L], when a KL reference is used
     old_logprobs: torch.Tensor | None = None  # [n, L], when mu > 1
     families: list[int] | None = None  # runs of groups whose prompts share a video (data.questions_per_video)
+    routing: object = None  # rollout.routing_replay=r3: the rollout's experts of these tokens (experts.routing.Routing)
+
+    @property
+    def replay(self) -> dict:
+        """The forward keyword argument that replays the rollout's routing (none without a record)."""
+        return {"routing": self.routing} if self.routing is not None else {}

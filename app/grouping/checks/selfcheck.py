@@ -116,7 +116,7 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
                                         "fixed.")
         with torch.no_grad():
             reached = sources_mismatch(mixers, positions, prompts, completion_ids, completion_mask, group_sizes,
-                                       grouped.layout)
+                                       layout=grouped.layout)
         if reached is not None:  # sets of tokens: exact at every dtype, before any numeric comparison
             text, kind = reached
             raise GroupingMismatchError(f"grouped and repeated layouts differ in who sees whom: {text} (model="

@@ -151,12 +151,12 @@ def _compare(seen, rows, completions, tokens, *, lag, grouped_ids, grouped_pos, 
         if good:
             continue
         return (f"completion {n}, token {j} is reached by {int(counts[r])} tokens where its repeated row [P;R{n}] "
-                f"gives {want}" + _difference(where, ids, pos, expected_ids[n][:want], expected_pos[n][:, :want], n,
-                                              layout))
+                f"gives {want}" + _difference(where, ids, pos, expected_ids[n][:want], expected_pos[n][:, :want],
+                                              n=n, layout=layout))
     return None
 
 
-def _difference(where, ids, pos, want_ids, want_pos, n: int, layout) -> str:
+def _difference(where, ids, pos, want_ids, want_pos, *, n: int, layout) -> str:
     """Where the grouped sources first part from the repeated row's."""
     siblings = sorted({_completion_at(int(i), layout) for i in where} - {None, n})
     if siblings:
@@ -179,9 +179,10 @@ def _completion_at(index: int, layout):
     return None
 
 
-def sources_mismatch(recorded: Recorded, positions, prompts, completion_ids, completion_mask, group_sizes,
-                     layout) -> str | None:
-    """The first layer kind and completion token whose sources differ from the repeated row's, or None.
+def sources_mismatch(recorded: Recorded, positions, prompts, completion_ids, completion_mask, group_sizes, *,
+                     layout) -> tuple[str, str] | None:
+    """(sentence, layer kind) for the first layer kind and completion token whose sources differ from the repeated
+    row's, or None.
     ``positions``: ``recorded_positions`` of the same block (grouped first, repeated second)."""
     from app.grouping.recurrent.layer import MARK
 

@@ -77,6 +77,15 @@ class Routing:
         return Routing(torch.stack(prompts) if prompts else empty[0], torch.cat(completions) if completions
                        else empty[1], first.layers)
 
+    def of_groups(self, groups: Sequence[int], rows, prompt_width: int, width: int) -> Routing:
+        """The record of some groups (a micro-batch): their prompts at ``prompt_width`` (left-padded: the last
+        columns), their completion ``rows`` cut or padded (-1) to ``width``."""
+        prompt = self.prompt[list(groups)]
+        prompt = F.pad(prompt, (0, 0, 0, 0, max(prompt_width - prompt.shape[1], 0), 0), value=MISSING)
+        completion = self.completion[torch.as_tensor(rows, dtype=torch.long), :width]
+        completion = F.pad(completion, (0, 0, 0, 0, 0, width - completion.shape[1]), value=MISSING)
+        return Routing(prompt[:, prompt.shape[1] - prompt_width:], completion, self.layers)
+
     # ---- a layout's token order ----------------------------------------------------------------------------
     def for_packed(self, layout) -> torch.Tensor:
         """[T, S, k] in the packed row's order (``GroupLayout.pack``)."""
