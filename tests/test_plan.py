@@ -578,3 +578,25 @@ def test_planner_matches_a_measured_pass_at_the_3b_width_under_checkpointing(rea
 @pytest.mark.slow  # about 35 s: a pass's time is its matmuls (the head's 545M weights among them), about 45 GFLOP/s
 def test_planner_matches_a_measured_pass_at_the_7b_width(real_width_models):
     _check(real_width_models("qwen2_5_vl_7b", 1), 256, 2, 32, "grouped")
+
+
+def test_the_routing_record_is_priced_per_token_and_only_when_replayed():
+    """rollout.routing_replay=r3: an int16 id per sparse layer and top-k slot (768 bytes a token at 30B-A3B: 48
+    layers x 8; 640 at 35B-A3B: 40 x 8), each prompt's tokens once and each sample's completion tokens; 0 when off
+    and on a dense model."""
+    from app.config.loading import load_config
+    from app.planning.layers import routing_bytes_per_token
+    from app.planning.planner import World, plan
+
+    per_token = {name: routing_bytes_per_token(costs.shape_of(shapes.hf_config(name)))
+                 for name in ("qwen3_vl_30b_a3b", "qwen3_5_35b_a3b", "qwen3_vl_8b")}
+    assert per_token == {"qwen3_vl_30b_a3b": 768, "qwen3_5_35b_a3b": 640, "qwen3_vl_8b": 0}
+    cfg = load_config("configs/qwen3_vl_30b_a3b_video_lora.yaml")
+    world = World(gpus_per_node=8, gpu_memory_gib=80)
+    on = plan(cfg, world, "qwen3_vl_30b_a3b", frames=16)
+    off = plan(load_config("configs/qwen3_vl_30b_a3b_video_lora.yaml", ["rollout.routing_replay=off"]), world,
+               "qwen3_vl_30b_a3b", frames=16)
+    work = on["workload"]
+    prompts = cfg.train.prompts_per_rank
+    want = 768 * (prompts * work["prefix"] + prompts * cfg.rollout.group_size * work["completion"])
+    assert on["rollout"]["routing_record"] == pytest.approx(want) and off["rollout"]["routing_record"] == 0

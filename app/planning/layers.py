@@ -161,3 +161,14 @@ def unread_expert_params(shape, tokens: float) -> float:
         return 0.0
     per_layer = shape.experts * 3 * shape.hidden * shape.moe_intermediate
     return shape.sparse_layers * per_layer * (1.0 - experts_read(shape, tokens))
+
+
+def routing_bytes_per_token(shape) -> int:
+    """rollout.routing_replay=r3: the record of one token, an int16 expert id per sparse layer and top-k slot (0 for
+    a dense model): 768 bytes at Qwen3-VL-30B-A3B (48 sparse layers, top-8)."""
+    return 2 * shape.sparse_layers * shape.experts_per_token if shape.experts else 0
+
+
+def routing_record(shape, prompts: float, prefix: float, samples: float, completion: float) -> float:
+    """A rollout's routing record on one rank: each prompt's tokens once, each sample's completion tokens."""
+    return routing_bytes_per_token(shape) * (prompts * prefix + samples * completion)

@@ -15,7 +15,7 @@ from app.planning import costs, flops, shapes, timing
 from app.planning.costs import GiB, Shape, Workload
 from app.planning.host import data_phase
 from app.planning.inputs import cached_outputs, disk, distinct_videos, host_memory, pixel_bytes
-from app.planning.layers import kv_bytes_per_token, state_bytes
+from app.planning.layers import kv_bytes_per_token, routing_record, state_bytes
 from app.rollout.registry import BASELINE_ENGINE, memory_kind
 
 TEXT_TOKENS = 200  # system prompt, question and template around the video (Video-R1's prompt is about 150)
@@ -319,7 +319,9 @@ def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: in
              "vision_tower": tower,
              "vision_cache": cached_outputs(shape, work, distinct_videos(prompts, k if shared else 1), b) * share
              if cfg.forward.vision_cache in ("step", "run") and not tower_trains(cfg) else 0.0,
-             "sampling_logits": logits,
+             "sampling_logits": logits, "routing_record": routing_record(  # rollout.routing_replay=r3
+                 shape, prompts, work.prefix, prompts * work.group_size, work.completion)
+             if getattr(cfg.rollout, "routing_replay", "off") == "r3" else 0.0,
              # a spread rank collates only its share of each video's pixels (media.keep_share)
              "inputs": pixel_bytes(shape, work.patches, b) * distinct_videos(prompts, k if shared else 1) * share}
     parts["total"] = sum(parts.values())
