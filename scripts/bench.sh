@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Benchmarks: each prints a table and writes JSON (+ PNG where it plots) under OUT (default outputs/bench/NAME).
-#   scripts/bench.sh grid|attention|rollout|decode_step|e2e|flex_shapes|scale|lora|vision_cache|long_video|long_prefill|judge|tree|real_width|hybrid|moe|mismatch|shared_video|long_rehearsal|host_decode|planner_accuracy|planner_calibration|gpu_real_shape|all [--out DIR] [--quick]
+#   scripts/bench.sh grid|attention|rollout|decode_step|e2e|flex_shapes|scale|lora|vision_cache|long_video|long_prefill|judge|tree|real_width|hybrid|moe|mismatch|replay|shared_video|long_rehearsal|host_decode|planner_accuracy|planner_calibration|gpu_real_shape|all [--out DIR] [--quick]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
@@ -19,9 +19,10 @@ module_of() {  # benchmark name -> its module (app/bench/; decoding/, video/, gp
     *) return 1 ;;
   esac
 }
-usage="usage: $0 grid|attention|rollout|decode_step|e2e|flex_shapes|scale|lora|vision_cache|long_video|long_prefill|judge|tree|real_width|hybrid|moe|mismatch|shared_video|long_rehearsal|host_decode|planner_accuracy|planner_calibration|gpu_real_shape|all [--out DIR] [--quick]"
+usage="usage: $0 grid|attention|rollout|decode_step|e2e|flex_shapes|scale|lora|vision_cache|long_video|long_prefill|judge|tree|real_width|hybrid|moe|mismatch|replay|shared_video|long_rehearsal|host_decode|planner_accuracy|planner_calibration|gpu_real_shape|all [--out DIR] [--quick]"
 case "$name" in
   moe) exec "$PY" -m app.bench.hybrid --moe "$@" ;;  # the mixture-of-experts families (app/bench/hybrid.py)
+  replay) exec "$PY" -m app.bench.decoding.mismatch --replay "$@" ;;  # routing replay off / r3 (MoE)
   all) for n in attention rollout decode_step grid e2e flex_shapes scale lora vision_cache long_video long_prefill judge tree; do "$PY" -m "$(module_of "$n")" "$@"; done ;;
   *) module=$(module_of "$name") || { echo "$usage" >&2; exit 2; }; exec "$PY" -m "$module" "$@" ;;
 esac

@@ -27,7 +27,8 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
 # tests/test_planner_accuracy.py's and tests/test_plan.py's checks; their reports, the failed-point test below)
 @pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale", "lora",
                                   "vision_cache", "long_video", "long_prefill", "judge", "tree", "shared_video",
-                                  "long_rehearsal", "hybrid", "moe", "mismatch", "rollout --family qwen3_5 --no-hf",
+                                  "long_rehearsal", "hybrid", "moe", "mismatch", "replay",
+                                  "rollout --family qwen3_5 --no-hf",
                                   "host_decode"])
 def test_benchmark_runs_quick(name, tmp_path):
     name, *extra = name.split()
@@ -106,6 +107,13 @@ def test_benchmark_runs_quick(name, tmp_path):
         for r in rows:
             bound = 1e-4 if r["dtype"] == "float32" else 0.05  # fp32: the same numbers two ways; bf16: its rounding
             assert r["tokens"] == 4 * 16 and 0 <= r["mean_abs"] < bound and 1 <= r["max_ratio"], r
+    if name == "replay":  # routing replay off / r3 on both MoE families and dtypes: every recorded token replayed
+        rows = report["rows"]
+        assert {(r["family"], r["dtype"]) for r in rows} == {(f, d) for f in ("qwen3_vl_moe", "qwen3_5_moe")
+                                                            for d in ("float32", "bfloat16")}
+        for r in rows:
+            assert r["routed_apart_r3"] == 0 and 0 <= r["routed_apart_off"] <= 1 and r["record_bytes"] > 0, r
+            assert r["tokens"] == 4 * 16 and (r["dtype"] == "bfloat16" or r["mean_off"] < 1e-4), r
     if name == "lora":
         full, adapters = report["rows"]
         assert full["separate_reference"] and not adapters["separate_reference"]

@@ -210,3 +210,41 @@ def test_routing_replay_trains_through_the_rollouts_experts_in_both_layouts(fami
         last = metrics(tmp_path / name)[-1]
         assert 0 <= last["routing/replay_differs"] <= 1 and "mismatch/mean_abs_logprob_diff" in last
     assert "routing/replay_differs" not in metrics(tmp_path / "off")[-1]
+
+
+@pytest.mark.slow  # three launches of 2 processes (about a minute on 2 cores)
+def test_routing_replay_through_the_launcher_under_zero3_resumes_after_kill_and_is_drawn(moe_assets, tmp_path):
+    """scripts/train.sh, 2 processes under ZeRO-3, Qwen3-VL-MoE, rollout.routing_replay=r3, 3 steps: every step logs
+    the routing agreement and the mismatch, scripts/plot_metrics.sh draws them; killed with -9 at a random time
+    and resumed, the run ends at the uninterrupted run's weights, bit for bit."""
+    import subprocess
+
+    from tests.test_trainer import ROOT
+
+    common = {"train.max_steps": 3, "train.save_every": 1, "rollout.routing_replay": "r3",
+              "train.deepspeed_config": "deepspeed_configs/zero3.json"}
+    env = {"NPROC_PER_NODE": "2"}
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+
+    def command(out):
+        return ["bash", "scripts/train.sh", "configs/demo_cpu.yaml",
+                *moe_overrides(moe_assets, "qwen3_vl_moe", out, **common)]
+
+    start = time.time()
+    run(command(whole), env=env)
+    took = time.time() - start
+    rows = metrics(whole)
+    assert len(rows) == 3 and all(0 <= r["routing/replay_differs"] <= 1 and r["mismatch/max_ratio"] >= 1
+                                  for r in rows)
+    initial = weights(moe_assets["checkpoints"]["qwen3_vl_moe"])
+    want = weights(whole / "final")
+    assert sum(not torch.equal(want[n], initial[n]) for n in want) > len(want) // 2
+    killed_at_random(command(killed), killed, env, took, random.Random("replay"), (0.5, 0.9))
+    run([*command(killed), "train.resume=true"], env=env)
+    got = weights(killed / "final")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    drawn = subprocess.run(["bash", "scripts/plot_metrics.sh", str(whole / "metrics.jsonl"),
+                            str(tmp_path / "curves.png")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert drawn.returncode == 0, drawn.stderr
+    assert (tmp_path / "curves_replay.png").stat().st_size > 10000

@@ -94,6 +94,8 @@ job("spread-qwen3_5-2", 2, "spread_rollout", family="qwen3_5", sp=2, cases=SPREA
 job("spread-qwen3_5-4", 4, "spread_rollout", True, family="qwen3_5", sp=4, cases=SPREAD_CASES)
 job("spread-qwen2_vl-4-4", 4, "spread_rollout", True, family="qwen2_vl", sp=4, cases=SETUP_CASES)
 job("spread-qwen3_vl-4-2", 4, "spread_rollout", True, family="qwen3_vl", sp=2, cases=SETUP_CASES)
+for _family in ("qwen3_vl_moe", "qwen3_5_moe"):  # mixture of experts: each rank's 1/S of the prefill routes its own
+    job(f"spread-{_family}-2", 2, "spread_rollout", True, family=_family, sp=2, cases=SPREAD_CASES)
 
 
 @pytest.fixture(scope="module")
@@ -286,6 +288,15 @@ def test_a_hybrid_models_rollout_spread_holds_each_ranks_gdn_heads(size, launche
     check_spread(reports, size, kv_divides=size <= 2)
     for i in range(len(SPREAD_CASES)):
         assert all(r["cases"][i]["mine"]["states"] * size == r["cases"][i]["whole"]["states"] > 0 for r in reports)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_a_moe_models_rollout_spread_over_two_ranks_draws_one_rank_tokens(family, launched):
+    """The mixture-of-experts families at S = 2 (the grouped engine's spread as on the dense ones): a family of three
+    questions with a chunked prefill, a long prompt alone, seeded static steps with stop tokens."""
+    check_spread(run_spread(launched, f"spread-{family}-2"), 2, kv_divides=True)
 
 
 @pytest.mark.slow

@@ -21,7 +21,8 @@ from app.rollout.generate import SamplingConfig, generate_groups
 from tests.helpers import load, prompt_batch, tokenizer_of
 
 KINDS = {"qwen2_vl": ["video", "text"], "qwen2_5_vl": ["text", "video"], "qwen3_vl": ["video", "text"],
-         "qwen2": ["text", "text"], "qwen3_5": ["text", "video"]}
+         "qwen2": ["text", "text"], "qwen3_5": ["text", "video"],
+         "qwen3_vl_moe": ["video", "text"], "qwen3_5_moe": ["text", "video"]}  # the MoE families: grouped_mm experts
 
 
 @pytest.mark.parametrize("family", list(KINDS))
@@ -221,7 +222,7 @@ class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"])
 def test_a_static_step_never_waits_for_the_device(family, tiny_checkpoints, videos):
     """What CUDA graph capture needs from the step it records: no operator that reads a value back to the host or
     sizes its output by the data (checked on CPU, operator by operator), with prompts of unequal lengths."""

@@ -2,7 +2,8 @@
 
     python -m app.runtime.plots outputs/demo/run/metrics.jsonl outputs/demo/training_curves.png
 
-A mixture-of-experts run's router/* metrics go beside it (``training_curves_router.png``).
+A mixture-of-experts run's router/* metrics go beside it (``training_curves_router.png``), and a routing-replay
+run's agreement and mismatch (``training_curves_replay.png``).
 """
 
 from __future__ import annotations
@@ -85,6 +86,35 @@ def plot_router(metrics_path: str | Path, out_png: str | Path, title: str = "Rou
     axes[2].plot(steps, [r["router/aux_loss"] for r in rows], color="#08519c", linewidth=2)
     axes[2].set_title("load-balancing loss (top_k when balanced)")
     for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.ticklabel_format(axis="y", useOffset=False)
+    fig.suptitle(title)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return Path(out_png)
+
+
+def replay_png(out_png: str | Path) -> Path:
+    """Where a routing-replay run's curves go: beside the training curves, ``*_replay.png``."""
+    out = Path(out_png)
+    return out.with_name(f"{out.stem}_replay{out.suffix or '.png'}")
+
+
+def plot_replay(metrics_path: str | Path, out_png: str | Path, title: str = "Routing replay") -> Path | None:
+    """A run with rollout.routing_replay=r3: the fraction of replayed tokens the update's routers would have sent
+    elsewhere (routing/replay_differs) beside the rollout-against-update mismatch (mismatch/*). None without it."""
+    rows = [r for r in read_metrics(metrics_path) if "routing/replay_differs" in r]
+    if not rows:
+        return None
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), constrained_layout=True)
+    for ax, (key, label) in zip(axes, (("routing/replay_differs", "replayed tokens the update would route elsewhere"),
+                                       ("mismatch/mean_abs_logprob_diff", "mean |rollout - update| log-prob"),
+                                       ("mismatch/max_ratio", "largest exp|rollout - update| log-prob"))):
+        ax.plot(steps, [r.get(key, float("nan")) for r in rows], color="#08519c", linewidth=2, marker="o",
+                markersize=3)
+        ax.set_title(label, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.ticklabel_format(axis="y", useOffset=False)
@@ -185,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     router = plot_router(argv[0], router_png(argv[1]))  # a mixture-of-experts run: its routers beside
     if router is not None:
         print(router)
+    replay = plot_replay(argv[0], replay_png(argv[1]))  # rollout.routing_replay=r3: routing agreement, mismatch
+    if replay is not None:
+        print(replay)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 metrics every step logs), on Qwen3.5 beside Qwen2.5-VL, in float32 and bfloat16:
 
     python -m app.bench.decoding.mismatch --out docs/bench/mismatch [--quick]      (scripts/bench.sh mismatch)
+    python -m app.bench.decoding.mismatch --replay --out docs/bench/replay [--quick] (scripts/bench.sh replay)
 
 The grouped engine samples G = 8 completions of 512 tokens (temperature 1, no stop) for a text prompt of 2k or 8k
 tokens; the grouped forward the trainer runs (``completion_logprobs``, the same dtype) recomputes their log-probs.
@@ -10,6 +11,11 @@ Per point: the mean and largest |difference| per token (``mismatch/mean_abs_logp
 DeltaNet state with the recurrent form of the delta rule (the state in float32), the trainer recomputes with the
 chunked form, so their difference compounds through the state; Qwen2.5-VL has no such state. The goal (issue 74):
 Qwen3.5 in bf16 no worse than Qwen2.5-VL at the same lengths.
+
+``--replay``: the mixture-of-experts families with routing replay off and on (rollout.routing_replay=r3): the
+mismatch both ways, the fraction of tokens the trainer routes apart from the rollout, the record's bytes and the
+rollout's time with and without recording (issue 89's goal: in bf16, every token routed as sampled with replay on,
+and the mean mismatch at most half of replay off's).
 
 At reduced width on this CPU (``app.bench.hybrid.tiny_model``: hidden 256, 4 decoder layers, random weights);
 each point in its own process (``--quick``: all in this one).
@@ -96,7 +102,99 @@ def table(rows: list[dict]) -> str:
             "prompt length and dtype." + failed_points(errors))
 
 
+REPLAY_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe")
+
+
+def measure_replay(family: str, prefix: int, group: int, completion: int, dtype: str) -> dict:
+    """One mixture-of-experts point (``--replay``), in a child process: one rollout timed plain and one recording
+    (the same tokens), then the trainer's grouped forward routing afresh and replaying the record."""
+    from app.bench.hybrid import tiny_model
+    from app.grouping import completion_logprobs
+    from app.grouping.experts.routing import disagreements
+    from app.objectives.grpo import mismatch_metrics
+    from app.rollout.generate import SamplingConfig, generate_groups
+
+    model = tiny_model(family).to(getattr(torch, dtype)).eval()
+    ids = torch.randint(10, 30000, (1, prefix), generator=torch.Generator().manual_seed(0))
+    prompts = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": torch.zeros_like(ids)}
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=completion, suppress_token_ids=())
+    seconds = {}
+    warm = SamplingConfig(temperature=1.0, max_new_tokens=2, suppress_token_ids=())  # first-call costs apart
+    generate_groups(model, prompts, group, warm, eos_ids=[], pad_id=0, prompt_seeds=[0], record_routing=True)
+    for name, record in (("plain", False), ("recording", True)):
+        start = time.perf_counter()
+        rollout = generate_groups(model, prompts, group, sampling, eos_ids=[], pad_id=0, prompt_seeds=[0],
+                                  record_routing=record)
+        seconds[name] = time.perf_counter() - start
+    ids, mask, record = rollout.completion_ids, rollout.completion_mask, rollout.routing
+    out = {"tokens": int(mask.sum()), "record_bytes": record.bytes(), "rollout_s": seconds["plain"],
+           "recording_s": seconds["recording"]}
+    with torch.no_grad():
+        free = completion_logprobs(model, prompts, ids, mask, group, record_routing=True)
+        replayed = completion_logprobs(model, prompts, ids, mask, group, routing=record, record_routing=True)
+    recorded = mask.bool() & (record.completion >= 0).all(-1).all(-1)  # a completion's last token may have none
+    flips = disagreements(record, free.routing, prompts["attention_mask"], recorded)
+    otherwise, count = (float(v) for v in replayed.replay_differs)
+    for name, scores in (("off", free), ("r3", replayed)):
+        metrics = mismatch_metrics(scores.logprobs.float(), rollout.logprobs.float(), mask)
+        out[f"mean_{name}"], out[f"max_ratio_{name}"] = (metrics["mismatch/mean_abs_logprob_diff"],
+                                                         metrics["mismatch/max_ratio"])
+    out["routed_apart_off"] = flips["tokens"] / max(flips["real_tokens"], 1)  # >= 1 layer other than the rollout's
+    apart = disagreements(record, replayed.routing, prompts["attention_mask"], recorded)  # the experts it used
+    out["routed_apart_r3"] = apart["tokens"] / max(apart["real_tokens"], 1)
+    out["would_differ_r3"] = otherwise / max(count, 1.0)
+    out["mean_r3_over_off"] = out["mean_r3"] / out["mean_off"] if out["mean_off"] else None
+    return out
+
+
+def run_replay(out: Path, quick: bool = False) -> dict:
+    """Routing replay (``--replay``): replay off against r3, both MoE families, float32 and bfloat16."""
+    prefixes = (128,) if quick else (2048,)
+    group, completion = (4, 16) if quick else (GROUP, COMPLETION)
+    rows: list[dict] = []
+    payload = {"prefixes": list(prefixes), "group": group, "completion": completion, "rows": rows}
+    failed = 0
+    for prefix in prefixes:
+        for dtype in DTYPES:
+            for family in REPLAY_FAMILIES:
+                row = {"family": family, "prefix": prefix, "dtype": dtype, "G": group, "completion": completion}
+                row.update(point("app.bench.decoding.mismatch:measure_replay", quick, family=family, prefix=prefix,
+                                 group=group, completion=completion, dtype=dtype))
+                failed += "error" in row
+                print(f"{family} P={prefix} {dtype}: " + (row["error"] if "error" in row else
+                      f"mean off {row['mean_off']:.2e} r3 {row['mean_r3']:.2e}, routed apart off "
+                      f"{row['routed_apart_off']:.3f}"), flush=True)
+                rows.append(row)
+                write_report(out, "replay", payload, replay_table(rows), quiet=True)
+    write_report(out, "replay", payload, replay_table(rows))
+    exit_if_failed(failed, len(rows), out)
+    return payload
+
+
+def replay_table(rows: list[dict]) -> str:
+    columns = ["family", "prefix", "dtype", "tokens", "mean_off", "mean_r3", "mean_r3_over_off", "max_ratio_off",
+               "max_ratio_r3", "routed_apart_off", "routed_apart_r3", "would_differ_r3", "record_bytes", "rollout_s",
+               "recording_s"]
+    formats = {"mean_off": ".2e", "mean_r3": ".2e", "mean_r3_over_off": ".2f", "max_ratio_off": ".4f",
+               "max_ratio_r3": ".4f", "routed_apart_off": ".3f", "routed_apart_r3": ".3f", "would_differ_r3": ".3f",
+               "rollout_s": ".1f", "recording_s": ".1f"}
+    errors = [f"- {r['family']} P={r['prefix']} {r['dtype']}: {r['error']}" for r in rows if "error" in r]
+    return ("## Routing replay: the rollout's log-probs against the trainer's, routing afresh (off) and replayed "
+            "(r3), grouped engine, hidden 256, 4 sparse layers, 16 experts top-4, CPU\n\n"
+            + markdown_table(rows, columns, formats)
+            + "\n\nmean_*/max_ratio_*: mismatch/* with replay off and r3; routed_apart_*: the fraction of tokens "
+            "(prompt and completion) the trainer's forward sends through other experts than the rollout did in at "
+            "least one layer; would_differ_r3: of the replayed tokens, those whose router would have chosen "
+            "otherwise (routing/replay_differs); record_bytes: the rollout's record (int16); rollout_s / "
+            "recording_s: the rollout without and with recording." + failed_points(errors))
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = list(argv if argv is not None else __import__("sys").argv[1:])
+    if "--replay" in argv:
+        argv.remove("--replay")
+        cli(run_replay, __doc__, "outputs/bench/replay", argv)
+        return
     cli(run, __doc__, "outputs/bench/mismatch", argv)
 
 
