@@ -112,6 +112,11 @@ def test_self_check_raises_on_a_broken_backend(tiny_checkpoints, videos, monkeyp
     ids, mask = random_completions([5, 3, 6, 2], len(tok), tok.pad_token_id)
     monkeypatch.setitem(attention_module._BACKEND_FNS, "packed",
                         lambda plan, q, k, v, scale, dropout: attention_module._sdpa(q, k, v, is_causal=True))
+    with pytest.raises(GroupingMismatchError, match=r"who sees whom: .*completion 1, token 0 .*completion\(s\) \[0\]"):
+        verify_grouping(model, prompts, ids, mask, 2, backend="packed")  # every response sees its elder siblings
+    real = attention_module._packed
+    monkeypatch.setitem(attention_module._BACKEND_FNS, "packed",  # the right tokens seen, values off by 1%
+                        lambda plan, q, k, v, scale, dropout: real(plan, q, k, v, scale, dropout) * 1.01)
     with pytest.raises(GroupingMismatchError, match="grouped and repeated log-probs differ"):
         verify_grouping(model, prompts, ids, mask, 2, backend="packed")
 

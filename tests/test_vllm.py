@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -649,3 +650,37 @@ def test_grpo_on_qwen3_5_with_vllm_in_bf16_under_zero3_and_its_mismatch(tmp_path
     for m in metrics:
         assert 0 < m["mismatch/mean_abs_logprob_diff"] < 0.02 and 1 < m["mismatch/max_ratio"] < 1.1, m
         assert m["weight_sync/tensors"] > 0, m
+
+
+@pytest.mark.slow  # one vLLM start (make test keeps no vLLM engine)
+def test_grpo_on_a_moe_model_with_vllm_pushes_the_experts_in_the_released_layout(tmp_path):
+    """Qwen3-VL-MoE (4 experts, top-2) as released (fused experts transposed, no norm_topk_prob in its config),
+    rollout.engine=vllm, the routers and experts training, 3 steps: at every step after the first the log-probs
+    vLLM reports for its tokens equal the trainer's forward of them (1e-4), so the pushed experts (converted to
+    the released layout: a push of transformers' own fused tensors fails on their shapes) and routers are the
+    policy's; LoRA on the experts and routing replay with vLLM stop at start-up, naming the setting."""
+    require_vllm()
+    from app.config.loading import ConfigError, load_config
+    from app.data.synthetic import generate
+    from app.runtime.tiny import write_expert_layout
+
+    checkpoint = write_expert_layout(vllm_checkpoint(tmp_path / "tiny", "qwen3_vl_moe"), "released")
+    assert "norm_topk_prob" not in json.loads((checkpoint / "config.json").read_text())["text_config"]
+    files = generate(tmp_path / "data", train=8, heldout=2, seed=0)
+    out = tmp_path / "run"
+    args = grpo_args(tmp_path, out, checkpoint, files["train"], **{"train.max_steps": 3, "model.train_router": True,
+                                                                 "data.max_frames": 8})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    done = subprocess.run(args, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert m["mismatch/mean_abs_logprob_diff"] < 1e-4 and math.log(m["mismatch/max_ratio"]) < 1e-4, m
+    assert all(m["weight_sync/tensors"] > 0 for m in metrics)
+    for overrides, message in ((["lora.rank=4", "lora.target_parameters=[mlp.experts.gate_up_proj]"],
+                                "'lora.target_parameters' (['mlp.experts.gate_up_proj']) with rollout.engine=vllm"),
+                               (["rollout.routing_replay=r3"], "=r3 records routing in rollout.engine=grouped only")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config("configs/demo_cpu.yaml", [f"model.path={checkpoint}", "rollout.engine=vllm", *overrides])

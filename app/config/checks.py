@@ -214,6 +214,10 @@ def validate_vllm(config: Config) -> None:
     r = config.rollout
     if r.engine != "vllm":
         return
+    if config.lora.target_parameters:
+        raise ConfigError(f"'lora.target_parameters' ({config.lora.target_parameters}) with rollout.engine=vllm: "
+                          "the routed experts' merged adapters are not pushed into vLLM yet (its fused-MoE layers "
+                          "would keep the base experts); use rollout.engine=grouped")
     filtered = (r.top_p < 1 or r.top_k > 0) and r.temperature != 1.0  # at T=1 vLLM's raw log-probs are unfiltered
     cap = config.grpo.to_options(r.max_completion_length, r.engine).importance_sampling_cap
     if filtered and cap > 0:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from app.rollout import vllm_moe
 from app.rollout.base import RolloutEngine
 
 
@@ -316,6 +317,8 @@ class VLLMEngine(RolloutEngine):
             kwargs.update(enforce_eager=True, skip_mm_profiling=True,
                           kv_cache_memory_bytes=int(rollout_cfg.vllm_cpu_kv_cache_gib * (1 << 30)))
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's legacy variable would override the config
+        kwargs.update(vllm_moe.engine_settings(config))  # a mixture of experts: what vLLM's MoE classes read
+        self.model_type = config.model_type
         if not same_normalization(processor):
             kwargs["mm_device_do_normalize"] = False  # video pixels normalized by the video processor's own values
         if world > 1:
@@ -398,7 +401,8 @@ class VLLMEngine(RolloutEngine):
         """The policy's current weights into vLLM: everything at the first push of this process (after a start or
         a resume) and after a level-2 sleep, otherwise only the tensors that can have changed
         (``policy_weights(frozen=False)``)."""
-        return self.push_weights(policy_weights(policy, frozen=self.pushes == 0 or self.sleep_level == 2))
+        return self.push_weights(vllm_moe.released(policy_weights(  # MoE experts in the released layout
+            policy, frozen=self.pushes == 0 or self.sleep_level == 2), self.model_type))
 
 
 def choose_sleep_level(wanted: bool, device_type: str, everything_trains: bool) -> int:

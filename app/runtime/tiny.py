@@ -375,6 +375,8 @@ def write_expert_layout(checkpoint: str | Path, layout: str) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from app.grouping.experts.blocks import released_expert_tensors
+
     if layout not in EXPERT_LAYOUTS:
         raise ValueError(f"unknown expert layout {layout!r}; expected one of {EXPERT_LAYOUTS}")
     checkpoint = Path(checkpoint)
@@ -390,19 +392,7 @@ def write_expert_layout(checkpoint: str | Path, layout: str) -> Path:
     for name, tensor in held.items():
         if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
             continue
-        if layout == "fused":
-            out[name] = tensor.contiguous()
-        elif family == "qwen3_vl_moe":
-            out[name] = tensor.transpose(1, 2).contiguous()
-        elif name.endswith("gate_up_proj"):  # [E, 2I, H]: gate rows first, then up rows
-            base, half = name.removesuffix("gate_up_proj"), tensor.shape[1] // 2
-            for j in range(tensor.shape[0]):
-                out[f"{base}{j}.gate_proj.weight"] = tensor[j, :half].contiguous()
-                out[f"{base}{j}.up_proj.weight"] = tensor[j, half:].contiguous()
-        else:
-            base = name.removesuffix("down_proj")
-            for j in range(tensor.shape[0]):
-                out[f"{base}{j}.down_proj.weight"] = tensor[j].contiguous()
+        out.update([(name, tensor.contiguous())] if layout == "fused" else released_expert_tensors(name, tensor, family))
     save_file(out, str(path), metadata=metadata)
     return checkpoint
 

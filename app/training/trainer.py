@@ -188,7 +188,7 @@ class GRPOTrainer(Recipe):
                 self.engine.step()
                 if iteration == 0:
                     metrics.update(mismatch_metrics(old, mb.sampled_logprobs, mb.completion_mask),
-                                   **replay_metrics(scores.replay_differs))
+                                   **replay_metrics(getattr(scores, "replay_differs", None)))
                     mask = mb.completion_mask
                     metrics["entropy"] = float((scores.entropy * mask).sum() / mask.sum().clamp_min(1))
                 out.append({"loss": float(loss.detach()), "metrics": metrics, **token_counts(scores.layout,

@@ -192,7 +192,8 @@ def sources_mismatch(recorded: Recorded, positions, prompts, completion_ids, com
     axes = min(positions[0].shape[0], positions[1].shape[0])
     grouped_pos, repeated_pos = positions[0][-axes:, 0], positions[1][-axes:]
     device = grouped_ids.device
-    group = torch.repeat_interleave(torch.arange(len(group_sizes)), torch.tensor(list(group_sizes))).tolist()
+    sizes = list(layout.group_sizes)  # normalised (an int given for every prompt)
+    group = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).tolist()
     width = prompts["input_ids"].shape[1]
     expected_ids, expected_pos = [], []
     for n, g in enumerate(group):

@@ -129,3 +129,22 @@ def describe_experts(model) -> str:
             f"({type(block).__name__}), {shape.experts} experts, top-{shape.top_k}; experts implementation "
             f"{experts_implementation(model)}; routers {'train' if routers else 'frozen'}, routed experts "
             f"{'train' if experts else 'frozen'}; router statistics per logical token")
+
+
+def released_expert_tensors(name: str, tensor, family: str) -> list:
+    """One of the model's fused expert tensors (``mlp.experts.gate_up_proj`` [E, 2I, H] or ``down_proj`` [E, H, I])
+    as the released checkpoints store it (what transformers converts on load): Qwen3-VL-MoE's fused tensors
+    transposed ([E, H, 2I], [E, I, H]); Qwen3.5-MoE's one tensor per expert and projection
+    (``experts.{j}.gate_proj.weight`` [I, H], ``up_proj`` [I, H], ``down_proj`` [H, I]). Any other tensor as is.
+    [(name, tensor)]."""
+    if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        return [(name, tensor)]
+    if family == "qwen3_vl_moe":
+        return [(name, tensor.transpose(1, 2).contiguous())]
+    if name.endswith("gate_up_proj"):  # [E, 2I, H]: gate rows first, then up rows
+        base, half = name.removesuffix("gate_up_proj"), tensor.shape[1] // 2
+        return [pair for j in range(tensor.shape[0]) for pair in (
+            (f"{base}{j}.gate_proj.weight", tensor[j, :half].contiguous()),
+            (f"{base}{j}.up_proj.weight", tensor[j, half:].contiguous()))]
+    base = name.removesuffix("down_proj")
+    return [(f"{base}{j}.down_proj.weight", tensor[j].contiguous()) for j in range(tensor.shape[0])]
