@@ -251,7 +251,8 @@ def test_the_config_reference_page_is_generated_from_the_declarations():
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["rollout.engine=hf"], "'rollout.routing_replay' =r3 records routing in rollout.engine=grouped only, not hf"),
-    (["rollout.engine=vllm"], "=r3 records routing in rollout.engine=grouped only, not vllm (vLLM's routed experts"),
+    (["rollout.engine=vllm", "lora.target_parameters=[]"],
+     "=r3 records routing in rollout.engine=grouped only, not vllm (vLLM's routed experts"),
     (["train.sequence_parallel_size=2"], "'rollout.routing_replay' =r3 needs train.sequence_parallel_size=1"),
     (["data.questions_per_video=2", "train.prompts_per_rank=2", "train.groups_per_micro_batch=2"],
      "'rollout.routing_replay' =r3 needs data.questions_per_video=1"),

@@ -85,6 +85,11 @@ def plot_router(metrics_path: str | Path, out_png: str | Path, title: str = "Rou
         ax.legend(loc="best", fontsize=8)
     axes[2].plot(steps, [r["router/aux_loss"] for r in rows], color="#08519c", linewidth=2)
     axes[2].set_title("load-balancing loss (top_k when balanced)")
+    return _finished(fig, axes, title, out_png)
+
+
+def _finished(fig, axes, title: str, out_png) -> Path:
+    """A row of per-step panels labelled, titled, written and closed."""
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -115,13 +120,7 @@ def plot_replay(metrics_path: str | Path, out_png: str | Path, title: str = "Rou
         ax.plot(steps, [r.get(key, float("nan")) for r in rows], color="#08519c", linewidth=2, marker="o",
                 markersize=3)
         ax.set_title(label, fontsize=10)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.ticklabel_format(axis="y", useOffset=False)
-    fig.suptitle(title)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return Path(out_png)
+    return _finished(fig, axes, title, out_png)
 
 
 def plot_accuracy_bars(values: dict[str, float], out_png: str | Path, chance: float | None = None,

@@ -58,28 +58,33 @@ def measure(family: str, prefix: int, group: int, completion: int, dtype: str) -
             "tokens": int(rollout.completion_mask.sum()), "rollout_s": seconds}
 
 
-def run(out: Path, quick: bool = False) -> dict:
-    prefixes = (128,) if quick else PREFIXES
+def sweep(out: Path, quick: bool, *, name: str, target: str, families, prefixes, said, table_of) -> tuple:
+    """Every (prefix, dtype, family) point of ``target``, each row written to ``name``.md/json as it comes;
+    ``said(row)``: its line. Returns (payload, rows, failed)."""
     group, completion = (4, 16) if quick else (GROUP, COMPLETION)
     rows: list[dict] = []
     payload = {"prefixes": list(prefixes), "group": group, "completion": completion, "rows": rows}
     failed = 0
     for prefix in prefixes:
         for dtype in DTYPES:
-            for family in FAMILIES:
+            for family in families:
                 row = {"family": family, "prefix": prefix, "dtype": dtype, "G": group, "completion": completion}
-                result = point("app.bench.decoding.mismatch:measure", quick, family=family, prefix=prefix,
-                               group=group, completion=completion, dtype=dtype)
-                if "error" in result:
-                    failed += 1
-                    print(f"{family} P={prefix} {dtype}: FAILED: {result['error']}", flush=True)
-                row.update(result)
-                if "mean_abs" in result:
-                    print(f"{family} P={prefix} {dtype}: mean {result['mean_abs']:.2e}, largest ratio "
-                          f"{result['max_ratio']:.4f} over {result['tokens']} tokens ({result['rollout_s']:.1f} s)",
-                          flush=True)
+                row.update(point(target, quick, family=family, prefix=prefix, group=group, completion=completion,
+                                 dtype=dtype))
+                failed += "error" in row
+                print(f"{family} P={prefix} {dtype}: " + (f"FAILED: {row['error']}" if "error" in row else said(row)),
+                      flush=True)
                 rows.append(row)
-                write_report(out, "mismatch", payload, table(rows), quiet=True)
+                write_report(out, name, payload, table_of(rows), quiet=True)
+    return payload, rows, failed
+
+
+def run(out: Path, quick: bool = False) -> dict:
+    payload, rows, failed = sweep(
+        out, quick, name="mismatch", target="app.bench.decoding.mismatch:measure", families=FAMILIES,
+        prefixes=(128,) if quick else PREFIXES, table_of=table,
+        said=lambda r: (f"mean {r['mean_abs']:.2e}, largest ratio {r['max_ratio']:.4f} over {r['tokens']} tokens "
+                        f"({r['rollout_s']:.1f} s)"))
     for row in rows:  # Qwen3.5 against Qwen2.5-VL at the same length and dtype
         other = next((r for r in rows if r["family"] == "qwen2_5_vl" and r["prefix"] == row["prefix"]
                       and r["dtype"] == row["dtype"]), None)
@@ -149,23 +154,11 @@ def measure_replay(family: str, prefix: int, group: int, completion: int, dtype:
 
 def run_replay(out: Path, quick: bool = False) -> dict:
     """Routing replay (``--replay``): replay off against r3, both MoE families, float32 and bfloat16."""
-    prefixes = (128,) if quick else (2048,)
-    group, completion = (4, 16) if quick else (GROUP, COMPLETION)
-    rows: list[dict] = []
-    payload = {"prefixes": list(prefixes), "group": group, "completion": completion, "rows": rows}
-    failed = 0
-    for prefix in prefixes:
-        for dtype in DTYPES:
-            for family in REPLAY_FAMILIES:
-                row = {"family": family, "prefix": prefix, "dtype": dtype, "G": group, "completion": completion}
-                row.update(point("app.bench.decoding.mismatch:measure_replay", quick, family=family, prefix=prefix,
-                                 group=group, completion=completion, dtype=dtype))
-                failed += "error" in row
-                print(f"{family} P={prefix} {dtype}: " + (row["error"] if "error" in row else
-                      f"mean off {row['mean_off']:.2e} r3 {row['mean_r3']:.2e}, routed apart off "
-                      f"{row['routed_apart_off']:.3f}"), flush=True)
-                rows.append(row)
-                write_report(out, "replay", payload, replay_table(rows), quiet=True)
+    payload, rows, failed = sweep(
+        out, quick, name="replay", target="app.bench.decoding.mismatch:measure_replay", families=REPLAY_FAMILIES,
+        prefixes=(128,) if quick else (2048,), table_of=replay_table,
+        said=lambda r: (f"mean off {r['mean_off']:.2e} r3 {r['mean_r3']:.2e}, routed apart off "
+                        f"{r['routed_apart_off']:.3f}"))
     write_report(out, "replay", payload, replay_table(rows))
     exit_if_failed(failed, len(rows), out)
     return payload
