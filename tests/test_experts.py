@@ -241,11 +241,14 @@ def test_the_bf16_self_check_tells_a_router_tie_from_a_routing_defect_and_names_
         """The grouped layout's routers choose through ``choose(logits, indices, layer) -> (scores, indices)``."""
         @contextlib.contextmanager
         def change():
-            def route(self, router, hidden_states, layer, original):
+            def route(self, router, hidden_states, layer):
+                fresh = router.fresh  # the router as this call routes it (a new one per call: changed for it alone)
+
                 def chosen(hidden):
-                    logits, _, indices = original(hidden)
+                    logits, _, indices = fresh(hidden)
                     return (logits, *choose(logits, indices, layer))
-                return real_route(self, router, hidden_states, layer, chosen)
+                router.fresh = chosen
+                return real_route(self, router, hidden_states, layer)
             with monkeypatch.context() as patch:
                 patch.setattr(routing_module.RoutePlan, "route", route)
                 yield

@@ -155,6 +155,7 @@ def validate(config: Config, training: bool = True) -> None:
          "the group's ranks run different pieces of a family between their own exchanges; use full")
     _validate_shared_video(config, need)
     _validate_routing_replay(config, need)
+    _validate_expert_parallel(config, need)
     need(config.train.prompts_per_rank % config.train.groups_per_micro_batch == 0, "train.groups_per_micro_batch",
          f"must divide train.prompts_per_rank ({config.train.prompts_per_rank})")
     need(0 <= config.data.max_skip_fraction <= 1, "data.max_skip_fraction", "must be in [0, 1]")
@@ -187,6 +188,32 @@ def _validate_routing_replay(config: Config, need) -> None:
          "train.sequence_parallel_size=1 (a sequence-parallel rollout's record is not gathered yet)")
     need(config.data.questions_per_video == 1, "rollout.routing_replay", "=r3 needs data.questions_per_video=1 (a "
          "video's shared prefill is not recorded yet)")
+
+
+def _validate_expert_parallel(config: Config, need) -> None:
+    """train.expert_parallel_size > 1 (DeepSpeed AutoEP): what it runs with so far, refused by name elsewhere (what
+    the checkpoint, the world and the DeepSpeed config decide: ``app.runtime.expert_parallel.problems``)."""
+    ep = config.train.expert_parallel_size
+    need(ep >= 1, "train.expert_parallel_size", f"must be >= 1, got {ep}")
+    if ep == 1:
+        return
+    need(config.train.sequence_parallel_size == 1, "train.expert_parallel_size",
+         f"={ep} cannot be combined with train.sequence_parallel_size={config.train.sequence_parallel_size} yet "
+         "(the expert-parallel groups are not laid out against the sequence-parallel ones)")
+    need(not config.lora.target_parameters, "train.expert_parallel_size",
+         f"={ep} cannot be combined with LoRA on the routed experts (lora.target_parameters="
+         f"{config.lora.target_parameters}): AutoEP replaces the fused expert tensors by its own, so the adapters "
+         "would be dropped")
+    need(not config.lora.rank, "train.expert_parallel_size",
+         f"={ep} trains full weights only, not LoRA (lora.rank={config.lora.rank}): LoRA leaves the routed experts "
+         "frozen, and DeepSpeed 0.19.8's AutoEP cannot checkpoint frozen expert weights under ZeRO-3 (\"does not "
+         "support frozen expert parameters yet\"); set lora.rank=0 or train.expert_parallel_size=1")
+    need(config.rollout.engine in ("grouped", "hf", "replay"), "train.expert_parallel_size",
+         f"={ep} samples with rollout.engine grouped or hf (through the expert-parallel layers), not "
+         f"{config.rollout.engine} (vLLM's own expert parallelism, enable_expert_parallel, is vLLM's: the push of "
+         "an expert-parallel policy into it is not built)")
+    need(not config.rollout.tools, "train.expert_parallel_size", f"={ep} is not available with rollout.tools "
+         "(prefix trees through expert-parallel layers are not tested)")
 
 
 def validate_vllm_ranges(r: RolloutConfig) -> None:

@@ -350,6 +350,14 @@ class TrainConfig:
                                      "heads, or S a multiple of them) must divide by S. GRPO with "
                                      "rollout.engine=grouped/hf and forward.grouping=grouped only; the vision cache "
                                      "is off under it. 1: off.")
+    expert_parallel_size: int = _f(1, "EP: mixture-of-experts models (Qwen3-VL-MoE, Qwen3.5-MoE) only: each sparse "
+                                   "layer's routed experts split over EP ranks (DeepSpeed AutoEP), each token sent to "
+                                   "its experts' ranks by an all-to-all, so a ZeRO-3 forward gathers E / EP experts "
+                                   "of a layer instead of all E (the rest of the model stays ZeRO-3). EP must divide "
+                                   "the world and the experts per layer; ZeRO-3 and full weights only (AutoEP cannot "
+                                   "checkpoint LoRA's frozen experts); not with sequence parallelism, "
+                                   "rollout.engine=vllm or rollout.tools. Rollouts step in lock step across ranks. "
+                                   "1: off.")
     learning_rate: float = _f(1e-6, "Peak learning rate (AdamW).")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     warmup_steps: int = _f(0, "Linear warmup steps before the cosine decay.")

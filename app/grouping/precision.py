@@ -148,7 +148,7 @@ def decoder_layers(model) -> list[tuple[int, str, torch.nn.Module]]:
     """(index, kind, module) of each decoder layer's parts in the order they run: its token mixer,
     ``full_attention`` (``self_attn``) or, in a hybrid model, ``linear_attention`` (``linear_attn``), as the text
     config's ``layer_types`` says; then in a sparse layer its ``router`` (logits) and its routed ``experts``."""
-    from app.grouping.experts.blocks import fused_experts, sparse_layers
+    from app.grouping.experts.blocks import experts_output_module, router_logits_module, sparse_layers
 
     inner = unwrap(model)
     body = getattr(inner, "model", inner)
@@ -161,7 +161,7 @@ def decoder_layers(model) -> list[tuple[int, str, torch.nn.Module]]:
         kind = kinds[i] if kinds else "full_attention"
         out.append((i, kind, layer.linear_attn if kind == "linear_attention" else layer.self_attn))
         if i in sparse:
-            out += [(i, "router", sparse[i].gate), (i, "experts", fused_experts(sparse[i]))]
+            out += [(i, "router", router_logits_module(sparse[i])), (i, "experts", experts_output_module(sparse[i]))]
     return out
 
 

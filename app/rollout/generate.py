@@ -320,9 +320,9 @@ class _PenaliseRepeats:
 
 
 def _hf_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id, generators, clock=None,
-                 **_) -> Rollout:
+                 synced=False, **_) -> Rollout:
     """Plain HF generate on the repeated batch (prompt and video copied per sample): the A/B baseline. The grouped
-    decoder's own settings (lock step, chunked prefill, decode step) do not apply to it."""
+    decoder's settings (chunked prefill, decode step) do not apply; ``synced``: generate's ``synced_gpus``."""
     device = prompts["input_ids"].device
     previous = text_config(model)._attn_implementation
     set_text_attention(model, "sdpa")
@@ -348,6 +348,7 @@ def _hf_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id,
         kwargs["logits_processor"] = processors
     if sampling.stop_strings:
         kwargs.update(stop_strings=list(sampling.stop_strings), tokenizer=tokenizer)
+    kwargs["synced_gpus"] = bool(synced)  # forwards that are collectives: every rank steps until all are done
     clock = clock if clock is not None else PartClock(device)
     try:
         out = model.generate(**batch, **kwargs)  # prefill and decode in one call: timed as the decode

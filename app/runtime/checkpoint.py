@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -117,6 +118,15 @@ def space_report(what: str, path: Path, need: int, error: BaseException | None) 
             f"{free_bytes(path)} bytes ({free_bytes(path) / 2**30:.2f} GiB) are free there{capped}")
 
 
+def space_like(error: BaseException | None) -> bool:
+    """Whether a failed write looks like the disk's doing (no space, a file-size limit, a short write), or no error
+    of this rank's own (another rank failed); else the save itself refused, and space is not the advice to give."""
+    if error is None or isinstance(error, OSError):
+        return True
+    return re.search(r"unexpected pos|no space|too ?large|quota|short write|ioerror|errno (27|28)", str(error),
+                     re.IGNORECASE) is not None
+
+
 def _agree_failed(failed: bool) -> bool:
     """Whether any rank failed (every rank learns it, so none waits for another at a barrier)."""
     from app.runtime.parallel import all_reduce_max
@@ -148,11 +158,15 @@ def save_checkpoint(engine, output_dir: str | Path, step: int, trainer_state: di
     except Exception as error:  # noqa: BLE001 - torch reports a short write as RuntimeError ("unexpected pos")
         failure = error
     if _agree_failed(failure is not None):
-        report = space_report(f"rank {rank}: saving checkpoint", root / tag, need_bytes, failure)
         if rank == 0:
             shutil.rmtree(incoming / tag, ignore_errors=True)  # its partial files: the space back
         latest = root / "latest"
         kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no earlier checkpoint"
+        if not space_like(failure):  # the save itself refused (DeepSpeed's own checks), not the disk
+            raise SaveError(f"rank {rank}: saving checkpoint {root / tag} failed ({type(failure).__name__}: "
+                            f"{str(failure).strip()[:800]}). Nothing older was touched ({kept}); this is not a lack "
+                            "of space")
+        report = space_report(f"rank {rank}: saving checkpoint", root / tag, need_bytes, failure)
         raise SaveError(f"{report}. Nothing older was touched ({kept}): free space (or point train.output_dir "
                         "elsewhere, copying checkpoints/), then resume with train.resume=true")
     distributed.barrier()
@@ -268,6 +282,23 @@ def trainer_state_of(path: Path, rank: int | None = None) -> dict:
         return json.loads(state_file.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{state_file} cannot be read ({error})") from error
+
+
+def check_layout(path: Path, state: dict, world: int, sequence_parallel: int, expert_parallel: int) -> None:
+    """A checkpoint's ranks and their layout (its trainer state) against this run's, before any model is loaded:
+    ``CheckpointError`` naming the setting that differs."""
+    if state["world_size"] != world:
+        raise CheckpointError(f"{path} was written by {state['world_size']} ranks, this run has {world}")
+    if state.get("sequence_parallel_size", 1) != sequence_parallel:
+        raise CheckpointError(f"{path} was written with train.sequence_parallel_size="
+                              f"{state.get('sequence_parallel_size', 1)}, this run has {sequence_parallel} (the data "
+                              "order per replica would differ)")
+    if state.get("expert_parallel_size", 1) != expert_parallel:
+        raise CheckpointError(
+            f"{path} was written with train.expert_parallel_size={state.get('expert_parallel_size', 1)}, this run has "
+            f"{expert_parallel}: its weights and optimizer states hold each rank's share of the experts as that run "
+            "split them, and a resume does not reshard them; resume with the size it was written with (or start a new "
+            "run from its export, output_dir/final, as model.path)")
 
 
 def load_checkpoint(engine, path: Path) -> dict:

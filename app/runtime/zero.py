@@ -22,8 +22,11 @@ from app.runtime.distributed import rank, world_size
 
 
 def forwards_are_collective(engine) -> bool:
-    """True when a forward through ``engine`` (hooks on) all-gathers parameters: ZeRO-3 with several ranks."""
-    return _partitioned(engine) and world_size() > 1
+    """True when a forward through ``engine`` (hooks on) is a collective every rank must make: ZeRO-3 with several
+    ranks (it all-gathers parameters), or expert parallelism (each sparse layer's all-to-all)."""
+    from app.runtime.expert_parallel import size_of
+
+    return (_partitioned(engine) and world_size() > 1) or size_of(engine) > 1
 
 
 def parameters_stay_put(engine, mode: str = "full") -> bool:
@@ -251,12 +254,17 @@ def gathered_for_inference(engine, mode: str = "full"):
       gather does not fit); forwards are collective;
     - ``per_step``: DeepSpeed's own hooks, every module re-gathered at every forward (least memory, slowest).
     Partitioning and the hooks come back on exit. ``collective`` tells whether forwards inside still issue
-    collectives, in which case ranks must step together. Elsewhere the plain module, and nothing changes."""
+    collectives, in which case ranks must step together: under expert parallelism always (each sparse layer's
+    all-to-all), whatever the gather; ``full`` then gathers each rank's own experts only. Elsewhere the plain module,
+    and nothing changes."""
+    from app.runtime.expert_parallel import size_of
+
     if mode not in GATHER_MODES:
         raise ValueError(f"unknown ZeRO-3 gather mode {mode!r}; expected one of {GATHER_MODES}")
     module = unwrap(engine)
+    experts = size_of(module) > 1
     if not _partitioned(engine):
-        yield module, False
+        yield module, experts
         return
     if mode == "per_step":
         yield module, world_size() > 1
@@ -266,7 +274,7 @@ def gathered_for_inference(engine, mode: str = "full"):
     _check_gather_fits(module, mode)
     if mode == "full":
         with deepspeed.zero.GatheredParameters(list(module.parameters())), _hooks_off(engine, module):
-            yield module, False
+            yield module, experts
         return
     layers = decoder_layers(module)
     in_layers = {id(p) for p in layers.parameters()}
@@ -276,12 +284,17 @@ def gathered_for_inference(engine, mode: str = "full"):
 
 
 def gathered_state_dict(engine) -> dict | None:
-    """Full state dict on rank 0 (None elsewhere), gathering ZeRO-3 partitions."""
+    """Full state dict on rank 0 (None elsewhere), gathering ZeRO-3 partitions, and under expert parallelism each
+    sparse block's experts from its expert-parallel group, in the checkpoint's own names and layout
+    (``expert_parallel.hf_state_dict``; every rank calls this)."""
+    from app.runtime.expert_parallel import hf_state_dict
+
     module = unwrap(engine)
     if hasattr(engine, "zero_optimization_partition_weights") and engine.zero_optimization_partition_weights():
         import deepspeed
 
         # Gathered in the module's own naming, so save_pretrained maps keys exactly as for an unsharded model.
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if rank() == 0 else None
-    return {k: v.detach().cpu() for k, v in module.state_dict().items()} if rank() == 0 else None
+            state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if rank() == 0 else None
+            return hf_state_dict(module, state)
+    return hf_state_dict(module, {k: v.detach().cpu() for k, v in module.state_dict().items()} if rank() == 0 else None)

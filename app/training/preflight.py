@@ -1,7 +1,8 @@
 """What a run checks before it loads a single weight, once: the config (``app.config``), each checkpoint's folder
 (``models.check_checkpoint``) and what the checkpoint's config.json alone decides: sequence parallelism against the
 attention heads and a hybrid model's Gated DeltaNet heads (``sequence_parallel.check_heads``, the same check the
-planner reports). A failure is one line, ``config error: ...`` or ``model error: ...``, and exit status 1.
+planner reports), expert parallelism against the routed experts, the world being launched and the ZeRO stage
+(``expert_parallel.problems``). A failure is one line, ``config error: ...`` or ``model error: ...``, and exit status 1.
 
     python -m app.training.preflight CONFIG.yaml [section.key=value ...]
 
@@ -42,6 +43,43 @@ def check_model_settings(cfg: Config) -> None:
             check_heads(text_config(cfg.model.path), size)
         except ValueError as error:
             raise ConfigError(f"'train.sequence_parallel_size'={size} does not fit {cfg.model.path}: {error}") from None
+    check_expert_parallel(cfg)
+
+
+def launch_world() -> int:
+    """The ranks of the run being launched: torchrun's WORLD_SIZE inside it, else what the launchers start
+    (NNODES x NPROC_PER_NODE, each 1 when unset)."""
+    import os
+
+    if os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"])
+    return int(os.environ.get("NNODES", "1") or 1) * int(os.environ.get("NPROC_PER_NODE", "1") or 1)
+
+
+def zero_stage_of(path: str | Path) -> int:
+    """The ZeRO stage a DeepSpeed JSON asks for (0 when it names none); a missing or broken file is named."""
+    try:
+        return int(json.loads(Path(path).read_text()).get("zero_optimization", {}).get("stage", 0))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError(f"'train.deepspeed_config' {path} cannot be read as JSON ({error})") from None
+
+
+def check_expert_parallel(cfg: Config) -> None:
+    """train.expert_parallel_size against the checkpoint (a mixture of experts whose experts it divides), the world
+    being launched and the DeepSpeed config's stage (``expert_parallel.problems``)."""
+    size = cfg.train.expert_parallel_size
+    if size == 1:
+        return
+    from app.runtime.expert_parallel import problems
+
+    parsed = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    text = text_config(cfg.model.path)
+    experts = int(getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0) or 0)  # Qwen3-VL-MoE: local
+    found = problems(size=size, model_type=parsed.get("model_type", "?"), experts=experts,
+                     world=launch_world(), sequence_parallel=cfg.train.sequence_parallel_size,
+                     zero_stage=zero_stage_of(cfg.train.deepspeed_config))
+    if found:
+        raise ConfigError(f"'train.expert_parallel_size'={size} {'; it also '.join(found)} ({cfg.model.path})")
 
 
 def check(argv: list[str]) -> Config:

@@ -28,7 +28,7 @@ from app.grouping.experts.blocks import describe_experts, expert_shape
 from app.grouping.modules import attention_restored
 from app.grouping.vision import cache as vision_cache
 from app.rollout.registry import needs_engine_views
-from app.runtime import checkpoint, distributed, lora, parallel, zero
+from app.runtime import checkpoint, distributed, expert_parallel, lora, parallel, zero
 from app.runtime.models import (
     enable_activation_checkpointing,
     load_model,
@@ -77,6 +77,12 @@ class Recipe:
         self.ds_config = zero.load_deepspeed_config(
             cfg.train.deepspeed_config, gradient_accumulation_steps=self.gas,
             max_grad_norm=cfg.train.max_grad_norm, dtype=cfg.model.dtype)
+        if cfg.train.expert_parallel_size > 1:  # AutoEP replaces the sparse blocks when the engines are built
+            from transformers import AutoConfig
+
+            self.ds_config["expert_parallel"] = expert_parallel.section(
+                AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code),
+                cfg.train.expert_parallel_size)
         self._hf_ds = zero.hf_deepspeed_config(self.ds_config)  # must outlive from_pretrained (weakref)
         self.output_dir = Path(cfg.train.output_dir)
         self.fingerprint = fingerprint.run_fingerprint(cfg)  # written into every checkpoint, checked on resume
@@ -107,6 +113,8 @@ class Recipe:
         total_updates = cfg.train.max_steps * self.updates_per_step(cfg)
         scheduler = cosine_with_warmup(optimizer, cfg.train.warmup_steps, total_updates, cfg.train.min_lr_ratio)
         self.engine = zero.build_engine(policy, self.ds_config, optimizer, scheduler)
+        if cfg.train.expert_parallel_size > 1 and self.rank == 0:
+            log.info("%s", expert_parallel.describe(self.engine.module))
         self.save_sizes = disk_check(self.engine, cfg, zero.zero_stage(self.ds_config), self.output_dir)
         # under sequence parallelism each rank keeps the tower's output of its share of the frames
         sp = self.parallel.sp
@@ -285,7 +293,8 @@ class Recipe:
     def trainer_state(self, step: int) -> dict:
         return {"step": step, "stream_position": self.stream.position, "skipped": dict(self.stream.skipped),
                 "world_size": self.world, "zero_stage": zero.zero_stage(self.ds_config),
-                "sequence_parallel_size": self.cfg.train.sequence_parallel_size, "fingerprint": self.fingerprint}
+                "sequence_parallel_size": self.cfg.train.sequence_parallel_size,
+                "expert_parallel_size": self.cfg.train.expert_parallel_size, "fingerprint": self.fingerprint}
 
     def save(self, step: int) -> None:
         checkpoint.save_checkpoint(self.engine, self.output_dir, step, self.trainer_state(step),
@@ -302,13 +311,8 @@ class Recipe:
             log.warning("train.resume=true but %s has no checkpoint yet; starting from step 0", self.output_dir)
             return None
         state = checkpoint.trainer_state_of(path)  # its layout before any model is loaded
-        if state["world_size"] != self.world:
-            raise checkpoint.CheckpointError(f"{path} was written by {state['world_size']} ranks, this run has "
-                                             f"{self.world}")
-        if state.get("sequence_parallel_size", 1) != self.cfg.train.sequence_parallel_size:
-            raise checkpoint.CheckpointError(
-                f"{path} was written with train.sequence_parallel_size={state.get('sequence_parallel_size', 1)}, this "
-                f"run has {self.cfg.train.sequence_parallel_size} (the data order per replica would differ)")
+        checkpoint.check_layout(path, state, self.world, self.cfg.train.sequence_parallel_size,
+                                self.cfg.train.expert_parallel_size)
         old = state.get("fingerprint")
         if old is None:
             log.warning("resume: %s was written before checkpoints recorded their data, settings and model: "
@@ -358,9 +362,10 @@ def disk_check(engine, cfg: Config, stage: int, output_dir: Path) -> dict:
     parameters), warned at start when ``output_dir``'s filesystem cannot hold one more checkpoint (a save writes the
     new one before it removes the oldest) plus the export."""
     total = trainable = adapter = 0
-    size = 2
+    size, ep = 2, expert_parallel.size_of(engine)
     for name, p in engine.module.named_parameters():
-        count = int(getattr(p, "ds_numel", p.numel()))
+        # an expert-parallel rank holds E / EP of each sparse layer's experts: the checkpoint and export hold all E
+        count = int(getattr(p, "ds_numel", p.numel())) * (ep if expert_parallel.is_expert_weight(p) else 1)
         total += count
         trainable += count if p.requires_grad else 0
         adapter += count if ".lora_" in name else 0

@@ -1,5 +1,11 @@
 """A model's sparse (mixture-of-experts) layers: where they are, how many experts and how many per token, and the
-experts implementation transformers dispatches to (``eager``, ``batched_mm``, ``grouped_mm``)."""
+experts implementation transformers dispatches to (``eager``, ``batched_mm``, ``grouped_mm``).
+
+A sparse block is either transformers' own (a top-k router ``gate`` beside fused ``experts``) or, under expert
+parallelism (``train.expert_parallel_size`` > 1), DeepSpeed AutoEP's replacement of it (``AutoEPMoELayer``: a
+``router`` whose ``gate`` is a plain linear layer, the rank's share of the experts as ``experts.w1/w2/w3``, and an
+all-to-all between the ranks of its expert-parallel group). Both are recognised by their shape, not their class:
+this package imports neither DeepSpeed nor the runtime that builds them."""
 
 from __future__ import annotations
 
@@ -18,6 +24,38 @@ def is_router(module) -> bool:
         and len(getattr(weight, "ds_shape", weight.shape)) == 2  # under ZeRO-3 the local shape is a partition
 
 
+def is_ep_router(module) -> bool:
+    """AutoEP's token-choice router (``deepspeed.moe.ep_router.TokenChoiceTopKRouter``): a linear ``gate`` [E, H],
+    ``top_k``, ``num_experts`` and its scoring (``score_func``, ``route_norm``, ``route_scale``)."""
+    return isinstance(getattr(module, "gate", None), torch.nn.Linear) and hasattr(module, "top_k") \
+        and hasattr(module, "num_experts") and hasattr(module, "score_func") and hasattr(module, "route_norm")
+
+
+def is_ep_block(module) -> bool:
+    """AutoEP's replacement of a sparse block (``AutoEPMoELayer``): an expert-parallel ``router`` and the rank's
+    share of the experts as ``experts.w1`` / ``w2`` / ``w3`` ([E / EP, I, H], [E / EP, H, I], [E / EP, I, H])."""
+    experts = getattr(module, "experts", None)
+    return is_ep_router(getattr(module, "router", None)) and all(
+        isinstance(getattr(experts, name, None), torch.nn.Parameter) for name in ("w1", "w2", "w3"))
+
+
+def router_of(block):
+    """The module that routes a sparse block's tokens: transformers' ``gate``, or AutoEP's ``router``."""
+    return block.router if is_ep_block(block) else block.gate
+
+
+def router_logits_module(block):
+    """The module whose output is the block's router logits [tokens, E]: transformers' router (its first output),
+    AutoEP's router's linear ``gate``."""
+    return block.router.gate if is_ep_block(block) else block.gate
+
+
+def experts_output_module(block):
+    """The module whose output is the routed experts' contribution per token: transformers' fused experts
+    ([tokens, H]), or AutoEP's whole block ([B, L, H]; its experts see the tokens in expert order)."""
+    return block if is_ep_block(block) else fused_experts(block)
+
+
 def fused_experts(block):
     """A sparse block's fused experts module (``gate_up_proj`` [E, 2I, H], ``down_proj``), under the peft wrappers
     that LoRA on expert weights puts around it (``lora.target_parameters``), or None."""
@@ -28,8 +66,16 @@ def fused_experts(block):
 
 
 def is_sparse_block(module) -> bool:
-    """A sparse block: a router ``gate`` and fused ``experts`` (``gate_up_proj`` [E, 2I, H], ``down_proj``)."""
-    return is_router(getattr(module, "gate", None)) and fused_experts(module) is not None
+    """A sparse block: a router ``gate`` and fused ``experts`` (``gate_up_proj`` [E, 2I, H], ``down_proj``), or
+    AutoEP's expert-parallel replacement of one (``is_ep_block``)."""
+    return (is_router(getattr(module, "gate", None)) and fused_experts(module) is not None) or is_ep_block(module)
+
+
+def expert_parallel_size(model) -> int:
+    """The expert-parallel group size of a model's sparse blocks (1: transformers' own blocks, or a dense model)."""
+    for s in sparse_layers(model):
+        return int(getattr(s.block, "ep_size", 1)) if is_ep_block(s.block) else 1
+    return 1
 
 
 @dataclass(frozen=True)
@@ -80,14 +126,17 @@ def expert_shape(model) -> ExpertShape | None:
     found = sparse_layers(model)
     if not found:
         return None
-    gate = found[0].block.gate
-    return ExpertShape(tuple(s.index for s in found), int(gate.num_experts), int(gate.top_k))
+    router = router_of(found[0].block)
+    return ExpertShape(tuple(s.index for s in found), int(router.num_experts), int(router.top_k))
 
 
 def experts_implementation(model) -> str | None:
-    """The experts implementation the model's text config dispatches to, or None for a dense model."""
+    """The experts implementation the model's text config dispatches to, or None for a dense model; under expert
+    parallelism AutoEP's own (``autoep``: its grouped experts over the rank's share)."""
     if not is_moe(model):
         return None
+    if expert_parallel_size(model) > 1 or is_ep_block(sparse_layers(model)[0].block):
+        return "autoep"
     config = getattr(model, "module", model).config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "_experts_implementation", None) or "eager"
@@ -123,10 +172,12 @@ def describe_experts(model) -> str:
     shape, block = expert_shape(model), layers[0].block
     config = getattr(model, "module", model).config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    routers = any(p.requires_grad for p in block.gate.parameters())
+    routers = any(p.requires_grad for p in router_of(block).parameters())
     experts = any(p.requires_grad for p in block.experts.parameters())
+    ep = expert_parallel_size(model)
+    where = f", {shape.experts // ep} of them on each of {ep} expert-parallel ranks" if ep > 1 else ""
     return (f"mixture of experts: {len(layers)} of {text.num_hidden_layers} decoder layers sparse "
-            f"({type(block).__name__}), {shape.experts} experts, top-{shape.top_k}; experts implementation "
+            f"({type(block).__name__}), {shape.experts} experts{where}, top-{shape.top_k}; experts implementation "
             f"{experts_implementation(model)}; routers {'train' if routers else 'frozen'}, routed experts "
             f"{'train' if experts else 'frozen'}; router statistics per logical token")
 

@@ -7,7 +7,8 @@
 - ``RoutePlan``: what one forward does at its sparse layers: replay given expert ids (the gate weights recomputed
   from the current router's logits over those experts, so the router still learns: Rollout Routing Replay, arXiv
   2510.11370), record the ids it used, sum router statistics per token weight (``statistics.layer_sums``).
-- ``install``: the instance patches that make a plan work. Each sparse decoder layer's ``forward`` takes the plan
+- ``install``: the instance patches that make a plan work, on transformers' routers and on AutoEP's expert-parallel
+  ones alike (``HFRouter``, ``EPRouter``: each routes by its own rule). Each sparse decoder layer's ``forward`` takes the plan
   from its keyword arguments (``ROUTING_KWARG``, popped there: attention never sees it) and hands it to its router
   for the layer's call; activation checkpointing's recompute calls the layer with the same arguments, so a replay
   holds in backward too, and the recompute runs the same operations (its record and sums are not kept twice).
@@ -23,20 +24,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from app.grouping.experts.blocks import ExpertShape, expert_shape, sparse_layers
+from app.grouping.experts.blocks import (
+    ExpertShape,
+    expert_shape,
+    is_ep_router,
+    is_sparse_block,
+    router_of,
+    sparse_layers,
+)
+from app.grouping.experts.routers import EPRouter, HFRouter, RoutingError
 from app.grouping.experts.statistics import RouterStatistics, layer_sums
-from app.grouping.layout import LayoutError
 
 ROUTING_KWARG = "prefix_grouping_routing"
 ROUTER_STATISTICS = ("off", "metrics", "loss")  # a forward's router sums: none, detached, differentiable
 MARK = "_prefix_grouping_routing"
 _ACTIVE = "_prefix_grouping_route"  # on a router, for the duration of its layer's call: (plan, layer index)
 MISSING = -1
-
-
-class RoutingError(LayoutError):
-    """A routing record that does not cover a forward's tokens (missing, out of range, another shape): the message
-    names the prompt."""
 
 
 @dataclass
@@ -240,13 +243,14 @@ class RoutePlan:
                          weights=None if self.weights is None else self.weights[start:end], grad=self.grad,
                          record=self.record)
 
-    def route(self, router, hidden_states: torch.Tensor, layer: int, original):
+    def route(self, router, hidden_states: torch.Tensor, layer: int):
+        """Route one sparse layer's tokens through ``router`` (``HFRouter`` or ``EPRouter``): (logits [T, E], gate
+        weights [T, k], expert ids [T, k]), replayed, recorded and counted as the plan says."""
         s = self.slot[layer]
         if self.replay is None:
-            logits, scores, indices = original(hidden_states)
+            logits, scores, indices = router.fresh(hidden_states)
         else:
-            hidden = hidden_states.reshape(-1, router.hidden_dim)
-            logits = F.linear(hidden, router.weight)
+            logits = router.logits(hidden_states)
             probs = torch.softmax(logits, dtype=torch.float, dim=-1)
             recorded = self.replay[:, s].to(logits.device).long()
             if recorded.shape != (logits.shape[0], router.top_k):
@@ -261,8 +265,7 @@ class RoutePlan:
             else:
                 self.differs = self.differs | other
             self.overruled = gap if self.overruled is None else torch.maximum(self.overruled, gap.to(self.overruled))
-            top = probs.gather(-1, indices)
-            scores = (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
+            scores = router.weights(logits, probs, indices)
         first = self.indices[s] is None and self.sums[s] is None  # a checkpoint's recompute: the same work, not kept
         if self.weights is not None:
             sums = layer_sums(logits, indices, self.weights, self.grad)
@@ -345,37 +348,47 @@ def install(model) -> ExpertShape | None:
     if not found:
         return None
     for layer in _decoder_layers(model):
-        if getattr(layer, MARK, False):
-            continue
         sparse = found.get(id(layer))
-        gate = sparse.block.gate if sparse is not None else None
+        router = router_of(sparse.block) if sparse is not None else None
+        # a layer whose block was replaced since it was patched (AutoEP, at the engine's start) patches its new router
+        if getattr(layer, MARK, False) and (router is None or getattr(router, MARK, False)):
+            continue
 
         layer_forward = type(layer).forward  # unbound, and the router found from ``self``: a deep copy routes its own
 
-        def forward(self, *args, _original=layer_forward, _sparse=gate is not None,
-                    _index=sparse and sparse.index, **kwargs):
+        def forward(self, *args, _original=layer_forward, _index=sparse and sparse.index, **kwargs):
             plan = kwargs.pop(ROUTING_KWARG, None)
-            if plan is None or not _sparse:
+            router = router_of(self.mlp) if plan is not None and is_sparse_block(self.mlp) else None
+            if router is None:
                 return _original(self, *args, **kwargs)
-            gate = self.mlp.gate
-            object.__setattr__(gate, _ACTIVE, (plan, _index))
+            object.__setattr__(router, _ACTIVE, (plan, _index))
             try:
                 return _original(self, *args, **kwargs)
             finally:
-                gate.__dict__.pop(_ACTIVE, None)
+                router.__dict__.pop(_ACTIVE, None)
 
         object.__setattr__(layer, "forward", types.MethodType(forward, layer))
         object.__setattr__(layer, MARK, True)
-        if gate is None:
+        if router is None:
             continue
-        gate_forward = type(gate).forward
+        router_forward = type(router).forward
+        if is_ep_router(router):
+            def route(self, hidden_states, expert_bias=None, _original=router_forward):
+                active = self.__dict__.get(_ACTIVE)
+                if active is None:
+                    return _original(self, hidden_states, expert_bias)
+                plan, index = active
+                adapter = EPRouter(self, expert_bias)
+                _, scores, indices = plan.route(adapter, hidden_states, index)
+                return scores, indices, adapter.tokens_per_expert(indices)  # AutoEP's (weights, ids, counts)
+        else:
+            def route(self, hidden_states, _original=router_forward):
+                active = self.__dict__.get(_ACTIVE)
+                if active is None:
+                    return _original(self, hidden_states)
+                plan, index = active
+                return plan.route(HFRouter(self, _original.__get__(self)), hidden_states, index)
 
-        def route(self, hidden_states, _original=gate_forward):
-            active = self.__dict__.get(_ACTIVE)
-            if active is None:
-                return _original(self, hidden_states)
-            plan, index = active
-            return plan.route(self, hidden_states, index, _original.__get__(self))
-
-        object.__setattr__(gate, "forward", types.MethodType(route, gate))
+        object.__setattr__(router, "forward", types.MethodType(route, router))
+        object.__setattr__(router, MARK, True)
     return expert_shape(model)

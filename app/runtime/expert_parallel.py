@@ -1,0 +1,154 @@
+"""Expert parallelism (``train.expert_parallel_size`` = EP > 1) through DeepSpeed's AutoEP under ZeRO-3.
+
+AutoEP (DeepSpeed 0.19.8, ``deepspeed/module_inject/auto_ep*``) replaces each sparse block at ``deepspeed.initialize``
+by an ``AutoEPMoELayer``: the same router (its ``gate`` a linear layer), the rank's E / EP experts as grouped tensors
+(``experts.w1`` gate, ``w3`` up [E / EP, I, H], ``w2`` down [E / EP, H, I]) and an all-to-all that sends each token's
+k routed copies to the ranks holding their experts and brings the outputs back. ZeRO-3 then partitions a rank's
+experts over its expert-data-parallel group (world / EP ranks) and everything else over the world, as before: what a
+forward gathers of a sparse layer is E / EP experts, not E.
+
+This module is the one place that knows AutoEP:
+- ``section``: the DeepSpeed config's ``expert_parallel`` section for a Qwen mixture-of-experts family. AutoEP has no
+  Qwen3-VL-MoE preset, and its Qwen3.5 preset accepts only the text backbone (``qwen3_5_moe_text``), so both VL
+  families run on its ``qwen3_moe`` preset, whose block is theirs: a router ``gate`` [E, H], fused ``gate_up_proj``
+  [E, 2I, H] (gate rows first) and ``down_proj`` [E, H, I], softmax top-k with the k weights renormalised and applied
+  after the experts, and Qwen3.5-MoE's shared expert behind its sigmoid gate. The project supplies what the preset
+  cannot read from a VL model: the layer pattern under ``model.language_model`` (``LAYER_PATTERN``), top-k (from the
+  text config: AutoEP asks the VL model's top-level config, which lacks it) and ``route_norm`` (both families'
+  routers always renormalise; Qwen3-VL-MoE's config has no ``norm_topk_prob``). AutoEP's own load-balancing bias
+  stays off (``load_balance_coeff``): the routers' loss is the project's (``grpo.router_aux_loss_coef``).
+- ``problems``: what a run with EP > 1 cannot do, as sentences naming the setting, before any weight is read.
+- ``hf_state_dict``: a gathered state dict in the checkpoint's own names and layout (the exported model loads with
+  transformers as the source did): each block's experts gathered over its expert-parallel group, the router, the
+  shared expert and its gate under their transformers names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app.grouping.experts.blocks import expert_parallel_size, is_ep_block
+
+PRESET = "qwen3_moe"  # AutoEP's preset whose block is the Qwen VL families' (see the module's doc)
+LAYER_PATTERN = r"(?:.+\.)?language_model\.layers\.\d+\.mlp"  # a VL model's sparse blocks (AutoEP's: model.layers.N.mlp)
+FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe")
+# AutoEP's names inside a replaced block -> transformers' (the router is ``router.gate``; ``gate`` is AutoEP's alias
+# of the same router for transformers' output recorders, dropped on the way out)
+RENAMED = {"router.gate.weight": "gate.weight", "shared_experts.": "shared_expert.",
+           "shared_experts_gate.": "shared_expert_gate."}
+
+
+def section(config, size: int) -> dict:
+    """The DeepSpeed config's ``expert_parallel`` section for a model of ``config`` (a transformers config of a
+    Qwen mixture-of-experts VL family) on ``size`` expert-parallel ranks."""
+    from app.grouping.experts.blocks import grouped_mm_available
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {"enabled": True, "autoep_size": int(size), "preset_model": PRESET, "moe_layer_pattern": LAYER_PATTERN,
+            "top_k": int(text.num_experts_per_tok), "route_norm": True, "use_grouped_mm": grouped_mm_available()}
+
+
+def problems(*, size: int, model_type: str, experts: int, world: int, sequence_parallel: int = 1,
+             zero_stage: int = 3) -> list[str]:
+    """Why ``size`` expert-parallel ranks cannot run this model in this world, one phrase each, to follow
+    "train.expert_parallel_size=N" (empty: they can).
+    ``experts``: the routed experts of each sparse layer (0: a dense model); ``world``: the ranks of the run."""
+    if size == 1:
+        return []
+    out = []
+    if size < 1:
+        return ["must be >= 1"]
+    if not experts:
+        out.append(f"needs a mixture-of-experts model; this {model_type} checkpoint has no routed experts")
+    elif model_type not in FAMILIES:
+        out.append(f"runs the Qwen mixture-of-experts VL families {list(FAMILIES)}, not {model_type}")
+    elif experts % size:
+        sizes = [d for d in range(1, experts + 1) if experts % d == 0 and d <= world]
+        out.append(f"does not divide the {experts} routed experts of each sparse layer (each rank holds "
+                   f"E / EP of them); sizes that do and fit {world} rank(s): {sizes}")
+    replicas = world // max(sequence_parallel, 1)
+    if world % size or replicas % size:
+        out.append(f"does not divide the data-parallel world ({world} rank(s)"
+                   f"{f' / S={sequence_parallel}' if sequence_parallel > 1 else ''}): every expert-parallel group is "
+                   f"{size} ranks of it")
+    if zero_stage != 3:
+        out.append(f"runs under ZeRO-3 (train.deepspeed_config with stage 3, e.g. deepspeed_configs/zero3.json"
+                   f"), not stage {zero_stage}: under ZeRO-1/2 DeepSpeed needs the optimizer's parameter groups split "
+                   "by expert group, which this trainer does not build")
+    return out
+
+
+def size_of(engine) -> int:
+    """The expert-parallel size of a built engine (or module): 1 without AutoEP."""
+    return expert_parallel_size(getattr(engine, "module", engine))
+
+
+def is_expert_weight(param) -> bool:
+    """An AutoEP block's expert tensor (a rank's share of the experts; AutoEP tags them for the expert groups)."""
+    return getattr(param, "ds_zero_placement_family", None) == "autoep_expert"
+
+
+def ep_blocks(module) -> dict[str, torch.nn.Module]:
+    """{module name: AutoEP block} of a model (empty without expert parallelism)."""
+    return {name: m for name, m in module.named_modules() if is_ep_block(m)}
+
+
+def full_experts(block) -> dict[str, torch.Tensor]:
+    """One AutoEP block's experts gathered over its expert-parallel group, in transformers' fused layout:
+    ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows) and ``down_proj`` [E, H, I], on the CPU. Collective over
+    the block's group (every rank of it calls it); under ZeRO-3 inside a ``GatheredParameters`` of its weights."""
+    import torch.distributed as dist
+
+    def whole(param):
+        local = param.detach().contiguous()
+        if block.ep_size == 1:
+            return local.cpu()
+        parts = [torch.empty_like(local) for _ in range(block.ep_size)]
+        dist.all_gather(parts, local, group=block.ep_group)  # rank r holds experts [r E/EP, (r + 1) E/EP)
+        return torch.cat(parts).cpu()
+
+    gate, up, down = (whole(block.experts.w1), whole(block.experts.w3), whole(block.experts.w2))
+    return {"gate_up_proj": torch.cat([gate, up], dim=1), "down_proj": down}
+
+
+def hf_state_dict(module, state: dict | None) -> dict | None:
+    """``state`` (``module``'s state dict gathered on rank 0, None elsewhere) in transformers' names and layout: each
+    AutoEP block's experts whole (``full_experts``, collective: every rank calls this inside the gather of the
+    module's parameters), its router and shared expert renamed (``RENAMED``), AutoEP's alias and buffers dropped.
+    A module without AutoEP blocks: ``state`` unchanged."""
+    blocks = ep_blocks(module)
+    if not blocks:
+        return state
+    experts = {name: full_experts(block) for name, block in blocks.items()}
+    if state is None:
+        return None
+    out = {}
+    for key, value in state.items():
+        prefix = next((name for name in blocks if key.startswith(name + ".")), None)
+        if prefix is None:
+            out[key] = value
+            continue
+        rest = key[len(prefix) + 1:]
+        if rest.startswith(("experts.", "gate.", "tokens_per_expert", "expert_bias")):  # the experts go whole below
+            continue
+        for old, new in RENAMED.items():
+            if rest.startswith(old):
+                rest = new + rest[len(old):]
+                break
+        out[f"{prefix}.{rest}"] = value
+    for prefix, tensors in experts.items():
+        for name, tensor in tensors.items():
+            out[f"{prefix}.experts.{name}"] = tensor
+    return out
+
+
+def describe(module) -> str:
+    """One line for the log: the expert-parallel groups and what each rank holds."""
+    blocks = ep_blocks(module)
+    if not blocks:
+        return "expert parallelism off"
+    block = next(iter(blocks.values()))
+    return (f"expert parallelism: {len(blocks)} sparse layers on {block.ep_size} expert-parallel ranks (DeepSpeed "
+            f"AutoEP, preset {PRESET}), {block.num_local_experts} of {block.num_experts} experts per rank, tokens "
+            "sent to their experts' ranks by an all-to-all; under ZeRO-3 a forward gathers a sparse layer's "
+            f"{block.num_local_experts} local experts, not {block.num_experts}")
