@@ -331,3 +331,74 @@ def test_the_launcher_at_ep2_trains_as_ep1_resumes_after_kill_and_evaluates(tmp_
     drawn = subprocess.run(["bash", "scripts/plot_metrics.sh", str(replay / "metrics.jsonl"),
                             str(tmp_path / "curves.png")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert drawn.returncode == 0 and (tmp_path / "curves_replay.png").stat().st_size > 10000, drawn.stderr
+
+
+# ---- the planner ------------------------------------------------------------------------------------------------
+def full_weight_30b(*overrides):
+    from app.planning.planner import World
+
+    return load_config("configs/qwen3_vl_30b_a3b_video.yaml", list(overrides)), World(gpus_per_node=8,
+                                                                                      gpu_memory_gib=80)
+
+
+def test_the_planner_prices_what_expert_parallelism_changes_by_its_formulas():
+    """Qwen3-VL-30B-A3B, full weights, 8 ranks, bf16: a ZeRO-3 forward gathers what the other 7 ranks hold of a
+    sparse layer's 128 experts, 1,008 MiB, at EP = 1; at EP = 2 the rank's 64 over its 4 expert-data-parallel
+    ranks; at EP = 8 nothing. The all-to-all sends each token's 8 routed copies (2,048 wide) there and back, 7/8 of
+    them to other ranks; the rollout's full gather holds 1/EP of the experts; a sparse layer gathered whole holds
+    E / EP experts; decode steps run eagerly (no graph) under EP."""
+    from app.planning.planner import plan
+
+    layer = 128 * 3 * 2048 * 768 * 2  # bytes of one sparse layer's routed experts in bf16
+    results = {}
+    for ep in (1, 2, 8):
+        cfg, world = full_weight_30b(f"train.expert_parallel_size={ep}", "rollout.zero3_gather=full")
+        results[ep] = plan(cfg, world, "qwen3_vl_30b_a3b", frames=16)
+    from app.planning.costs import Workload
+
+    tokens = Workload(**results[1]["workload"]).grouped_tokens
+    for ep, gather in ((1, layer * 7 / 8), (2, layer / 2 * (1 - 2 / 8)), (8, 0.0)):
+        experts = results[ep]["experts"]
+        assert experts["ep"] == ep and experts["layer_gather_bytes"] == pytest.approx(gather)
+        assert experts["layer_gather_bytes_without_ep"] == pytest.approx(layer * 7 / 8)
+        assert experts["layer_exchange_bytes"] == pytest.approx(2 * tokens * 8 * 2048 * 2 * (ep - 1) / ep)
+        assert results[ep]["training"]["experts_gathered"] == pytest.approx(layer / ep)
+        decode = results[ep]["phase_terms"]["grouped"]["decode"]
+        assert ("graph_launch_ms" in decode) == (ep == 1) and ("eager_launch_ms" in decode) == (ep > 1)
+    total = results[1]["parameters"]["total"] * 2
+    held = {ep: results[ep]["rollout"]["gathered_weights"] + total / 8 for ep in (1, 8)}
+    assert held[1] == pytest.approx(total) and held[8] == pytest.approx(total - 48 * layer * 7 / 8)
+    assert results[8]["fits"] and not results[1]["fits"]  # the full gather of all 128 experts a layer does not fit
+    assert results[1]["experts"]["exchange_bytes"] == 0 and results[8]["experts"]["gather_bytes"] == 0
+
+
+def test_the_plan_prices_each_expert_parallel_size_and_suggests_the_one_that_fits_best(tmp_path, capsys):
+    """scripts/plan.sh on the full-weight 30B-A3B config (layerwise gather, 8 x 80 GB): EP = 1, 2, 4, 8 each
+    planned; EP = 8 fits with the shortest step and is suggested; a LoRA config's sizes above 1 are refused in the
+    config checks' words; a dense model at EP = 2 is refused by name; a full gather that does not fit gets expert
+    parallelism among its remedies, each a config the trainer accepts."""
+    from app.planning.plan import main
+    from app.planning.planner import PlanError, plan
+    from app.planning.remedies import expert_parallel_options, remedies, suggested_expert_parallel
+
+    cfg, world = full_weight_30b()
+    options = expert_parallel_options(cfg, world, "qwen3_vl_30b_a3b")
+    assert [o["ep"] for o in options] == [1, 2, 4, 8] and all("refused" not in o for o in options)
+    assert options[-1]["fits"] and options[-1]["step_s"] < min(o["step_s"] for o in options[:-1])
+    assert suggested_expert_parallel(options, 1)["ep"] == 8 and suggested_expert_parallel(options, 8) is None
+    main(["configs/qwen3_vl_30b_a3b_video.yaml", "--model", "qwen3_vl_30b_a3b", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "mixture of experts at EP=1" in printed and "suggested: train.expert_parallel_size=8" in printed
+    assert json.loads((tmp_path / "plan.json").read_text())["expert_parallel"][-1]["ep"] == 8
+
+    lora = load_config("configs/qwen3_vl_30b_a3b_video_lora.yaml")
+    refused = expert_parallel_options(lora, world, "qwen3_vl_30b_a3b")
+    assert "refused" not in refused[0] and all("cannot be combined with LoRA" in o["refused"] for o in refused[1:])
+    with pytest.raises(PlanError, match="train.expert_parallel_size=2: needs a mixture-of-experts model"):
+        plan(load_config("configs/qwen2_5_vl_7b_video.yaml", ["train.expert_parallel_size=2"]), world,
+             "qwen2_5_vl_7b", frames=16)
+
+    whole, _ = full_weight_30b("rollout.zero3_gather=full")
+    fixes = remedies(whole, world, "qwen3_vl_30b_a3b")
+    ep_fixes = [f for f in fixes if "expert parallelism" in f["change"]]
+    assert ep_fixes and "refused" not in ep_fixes[-1] and ep_fixes[-1]["fits"]

@@ -16,7 +16,10 @@ attention-only model, whose one kind is attention.
   experts' per token); the **router** is a kind of its own, [E, hidden] per sparse layer, met by every token. The
   parameters (weights, gradients, optimizer state) are all E experts' (``shapes.count_parameters``), and so is what
   ZeRO-3 gathers per layer. What the experts save beyond a dense MLP (the top-k ids and weights, grouped_mm's
-  tokens sorted by expert: ``EXPERTS_SAVED``) is a GUESS until a GPU measures it.
+  tokens sorted by expert: ``EXPERTS_SAVED``) is a GUESS until a GPU measures it. Under expert parallelism
+  (``train.expert_parallel_size`` = EP, DeepSpeed's AutoEP) a rank holds E / EP experts of each sparse layer: what
+  ZeRO-3 gathers of a layer's experts is E / EP of them over world / EP ranks (``expert_gather_bytes``), and each
+  token's k routed copies cross to their experts' ranks and back in an all-to-all (``exchange_bytes``).
 
 What a GDN layer saves for the backward is a GUESS until a GPU measures it (``GDN_SAVED``: fla's chunked kernel
 keeps q, k, v, g, beta and its per-chunk WY factors; the conv its input; the gated norm its input and gate), as
@@ -172,3 +175,42 @@ def routing_bytes_per_token(shape) -> int:
 def routing_record(shape, prompts: float, prefix: float, samples: float, completion: float) -> float:
     """A rollout's routing record on one rank: each prompt's tokens once, each sample's completion tokens."""
     return routing_bytes_per_token(shape) * (prompts * prefix + samples * completion)
+
+
+def layer_expert_params(shape) -> int:
+    """One sparse layer's routed-expert parameters: E x (gate, up, down) of hidden x moe_intermediate (0 if dense)."""
+    return shape.experts * 3 * shape.hidden * shape.moe_intermediate if shape.sparse_layers else 0
+
+
+def expert_params(shape) -> int:
+    """The routed experts' parameters over all sparse layers."""
+    return shape.sparse_layers * layer_expert_params(shape)
+
+
+def expert_gather_bytes(shape, dtype_bytes: int, ranks: int, ep: int = 1) -> float:
+    """Bytes one ZeRO-3 gather of every sparse layer's routed experts brings to a rank (a forward's, a backward's; a
+    gradient reduce-scatter moves as many): all E experts partitioned over the world, what the other ranks hold
+    (1 - 1 / world); under expert parallelism the rank's E / EP partitioned over its world / EP expert-data-parallel
+    ranks (1 - EP / world of them). 0 for a dense model or one rank of the group."""
+    return dtype_bytes * expert_params(shape) / ep * max(0.0, 1 - ep / ranks)
+
+
+def exchange_bytes(shape, tokens: float, dtype_bytes: int, ep: int) -> float:
+    """Bytes one rank sends in one pass (a forward; a backward sends as many) of expert parallelism's all-to-all
+    over ``tokens`` of its tokens, all sparse layers: each token's k routed copies (its hidden state) to the ranks
+    holding their experts and the k outputs back (dispatch and combine), the (EP - 1) / EP of them whose expert is
+    on another rank when routing spreads evenly. 0 at EP = 1."""
+    if ep <= 1 or not shape.sparse_layers:
+        return 0.0
+    return 2.0 * shape.sparse_layers * tokens * shape.experts_per_token * shape.hidden * dtype_bytes * (ep - 1) / ep
+
+
+EXCHANGE_COLLECTIVES = 3  # per sparse layer and pass under EP: the counts' all-to-all, dispatch, combine (AutoEP)
+
+
+def exchange_buffer(shape, tokens: float, dtype_bytes: int, ep: int) -> float:
+    """Bytes expert parallelism's dispatch holds beside a sparse layer's computation: the k routed copies of the
+    layer's tokens sent and as many received (a GUESS from AutoEP's code: not measured)."""
+    return 2.0 * tokens * shape.experts_per_token * shape.hidden * dtype_bytes if ep > 1 and shape.sparse_layers \
+        else 0.0
+

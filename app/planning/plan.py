@@ -25,7 +25,7 @@ from app.config.loading import ConfigError, load_config
 from app.planning import shapes
 from app.planning.costs import GiB
 from app.planning.planner import PlanError, World, model_of, model_source, plan, sequence_parallel_sizes
-from app.planning.remedies import SEARCH_LIMIT, largest_frames, remedies
+from app.planning.remedies import SEARCH_LIMIT, expert_parallel_options, largest_frames, remedies
 
 
 def calibration_of(pairs: list[str]):
@@ -87,7 +87,40 @@ def _gib(value: float) -> str:
     return f"{value / GiB:8.2f}"
 
 
-def report(result: dict, frames_by_size: dict, fixes: list[dict]) -> str:
+def expert_lines(result: dict, options: list[dict]) -> list[str]:
+    """A mixture-of-experts plan: what ZeRO-3 gathers of a sparse layer's experts against what EP's all-to-all sends,
+    the experts' traffic per step, the plan at each expert-parallel size the world allows, and a suggestion."""
+    from app.planning.remedies import suggested_expert_parallel
+
+    e = result["experts"]
+    if not e:
+        return []
+    mib = 2**20
+    lines = ["", f"mixture of experts at EP={e['ep']} (train.expert_parallel_size), per rank: one micro-batch's forward "
+             f"gathers {e['layer_gather_bytes'] / mib:.1f} MiB of a sparse layer's experts (ZeRO-3; "
+             f"{e['layer_gather_bytes_without_ep'] / mib:.1f} MiB without EP) and its all-to-all sends "
+             f"{e['layer_exchange_bytes'] / mib:.1f} MiB; a step moves {e['gather_bytes'] / GiB:.2f} GiB of expert "
+             f"gathers and {e['exchange_bytes'] / GiB:.2f} GiB of all-to-all in {int(e['collectives'])} collective calls"]
+    if options:
+        lines.append(f"    {'EP':<6}{'peak GiB':>10}{'step s':>10}{'rollout s':>11}{'gathers GiB':>13}{'all-to-all GiB':>16}")
+        refused = [o for o in options if "refused" in o]
+        for o in options:
+            mark = " (this config)" if o["ep"] == e["ep"] else ""
+            if "refused" in o:  # the config checks' own words, said once for the sizes they refuse alike
+                if o is refused[0]:
+                    sizes = ", ".join(str(r["ep"]) for r in refused)
+                    lines.append(f"    EP={sizes}: not available here: {o['refused']}")
+                continue
+            lines.append(f"    {o['ep']:<6}{o['peak_gib']:>10.1f}{o['step_s']:>10.1f}{o['rollout_s']:>11.1f}"
+                         f"{o['gather_gib']:>13.2f}{o['exchange_gib']:>16.2f}{'' if o['fits'] else '  does not fit'}{mark}")
+        best = suggested_expert_parallel(options, e["ep"])
+        if best is not None:
+            lines.append(f"  suggested: train.expert_parallel_size={best['ep']} (step {best['step_s']:.1f} s, peak "
+                         f"{best['peak_gib']:.1f} GiB)")
+    return lines
+
+
+def report(result: dict, frames_by_size: dict, fixes: list[dict], experts: list[dict] | None = None) -> str:
     """The plan as text: memory per rank by part, FLOPs and time per step grouped vs repeated, the verdict."""
     w, s, r, t = result["workload"], result["states"], result["rollout"], result["training"]
     zero = result["zero"]
@@ -152,6 +185,7 @@ def report(result: dict, frames_by_size: dict, fixes: list[dict]) -> str:
                            for k in ("repeated", "repeated_flash")))
     lines += [f"WARNING: {w}" for w in result.get("warnings", [])]
     lines += ["", *time_table(result)]
+    lines += expert_lines(result, experts or [])
     if result.get("data"):
         from app.planning.host import lines as host_lines
 
@@ -164,6 +198,7 @@ def report(result: dict, frames_by_size: dict, fixes: list[dict]) -> str:
         lines += ["", "to fit, change (each on top of the ones above it):"]
         lines += [f"    {fix['change']:<58} not available here: {fix['refused']}" if "refused" in fix else
                   f"    {fix['change']:<58} peak {fix['peak_gib']:.1f} GiB{'  <- fits' if fix['fits'] else ''}"
+                  f"{'' if fix.get('kept', True) else '  (not enough: not kept below)'}"
                   for fix in fixes] or ["    nothing in the list fits; use more GPUs or fewer frames"]
         if not any(fix.get("fits") for fix in fixes):
             lines.append("    nothing in the list fits; use more GPUs or fewer frames")
@@ -271,16 +306,20 @@ def main(argv: list[str] | None = None) -> None:
         result = plan(cfg, world, source, frames=args.frames or None, videos=args.videos or None,
                       video_size=video_size_of(args.video_size), data_host=host_of(args, cfg))
         sizes = sequence_parallel_sizes(model_of(source)[0], world.ranks)
+        if cfg.train.expert_parallel_size > 1:  # expert parallelism runs without sequence parallelism
+            sizes = [1]
         frames_by_size = {s: largest_frames(cfg, world, source, s) for s in sizes}
         fixes = [] if result["fits"] else remedies(cfg, world, source)
+        experts = expert_parallel_options(cfg, world, source)
     except (ConfigError, PlanError, shapes.PresetError) as error:
         print(f"plan error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    text = report(result, frames_by_size, fixes)
+    text = report(result, frames_by_size, fixes, experts)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    payload = {**result, "largest_frames": frames_by_size, "remedies": fixes, "config": args.config,
+    payload = {**result, "largest_frames": frames_by_size, "remedies": fixes, "expert_parallel": experts,
+               "config": args.config,
                "overrides": args.overrides, "planned_in_seconds": round(time.perf_counter() - start, 3)}
     (out / "plan.json").write_text(json.dumps(payload, indent=1, default=str))
     (out / "plan.txt").write_text(text + "\n")

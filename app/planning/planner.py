@@ -11,21 +11,30 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from app.planning import costs, flops, shapes, timing
+from app.planning import costs, flops, shapes, timing, traffic
 from app.planning.costs import GiB, Shape, Workload
 from app.planning.host import data_phase
 from app.planning.inputs import cached_outputs, disk, distinct_videos, host_memory, pixel_bytes
-from app.planning.layers import kv_bytes_per_token, routing_record, state_bytes
+from app.planning.layers import (
+    exchange_buffer,
+    expert_params,
+    kv_bytes_per_token,
+    layer_expert_params,
+    routing_record,
+    state_bytes,
+)
+from app.planning.parallelism import (  # noqa: F401  (re-exported: the planner's face)
+    SP_SIZES,
+    PlanError,
+    check_expert_parallel,
+    check_sequence_parallel,
+    sequence_parallel_sizes,
+)
 from app.rollout.registry import BASELINE_ENGINE, memory_kind
 
 TEXT_TOKENS = 200  # system prompt, question and template around the video (Video-R1's prompt is about 150)
 QUESTION_TOKENS = 180  # of those, what follows the video (question, options, instruction): a question's own part
-SP_SIZES = (1, 2, 4, 8)
 LAYOUTS = ("grouped", *flops.REPEATED_KERNELS)  # this config, and the TRL-style run under each kernel it may use
-
-
-class PlanError(ValueError):
-    """Bad planner input (the message names the argument or key)."""
 
 
 @dataclass(frozen=True)
@@ -160,31 +169,6 @@ def tower_chunk(cfg, work: Workload) -> int:
     return cfg.forward.vision_chunk_frames * (work.patches // max(1, work.temporal))
 
 
-def check_sequence_parallel(config, ranks: int, size: int) -> None:
-    """The world and the model's heads allow S = ``size`` (the heads by the trainer's own check)."""
-    from app.grouping.sequence_parallel import check_heads
-
-    if ranks % size:
-        raise PlanError(f"a world of {ranks} ranks cannot be split into sequence-parallel groups of {size} "
-                        f"(train.sequence_parallel_size)")
-    try:
-        check_heads(config, size)
-    except ValueError as error:  # the trainer's own sentence (attention or Gated DeltaNet heads), so both agree
-        raise PlanError(str(error)) from None
-
-
-def sequence_parallel_sizes(config, ranks: int) -> list[int]:
-    """The S of ``SP_SIZES`` the world and the model's heads allow."""
-    allowed = []
-    for size in SP_SIZES:
-        try:
-            check_sequence_parallel(config, ranks, size)
-        except PlanError:
-            continue
-        allowed.append(size)
-    return allowed
-
-
 def plan(cfg, world: World, source: str, frames: int | None = None, videos: int | None = None,
          video_size: tuple[int, int] | None = None, *, data_host=None) -> dict:
     """The whole prediction for one config, as a dict of bytes (per rank), FLOPs (per rank and step), seconds per
@@ -197,6 +181,7 @@ def plan(cfg, world: World, source: str, frames: int | None = None, videos: int 
     size = cfg.train.sequence_parallel_size
     check_sequence_parallel(config, world.ranks, size)
     ds = deepspeed_settings(cfg)
+    check_expert_parallel(cfg, shape, world.ranks, ds["stage"])
     b = 2 if cfg.model.dtype == "bfloat16" else 4
     frames = frames or cfg.data.max_frames
     work = workload(cfg, shape, frames, video_size=video_size)
@@ -223,6 +208,8 @@ def plan(cfg, world: World, source: str, frames: int | None = None, videos: int 
                                         tower_trains=tower_trains(cfg), backend=layout_backend(cfg, layout),
                                         videos=videos) for layout in LAYOUTS}
     seconds = {layout: timing.seconds(t, world.calibration) for layout, t in terms.items()}
+    moved = traffic.expert_traffic(cfg, shape, work, timing.rank_work(cfg, work, videos), ranks=world.ranks,
+                                   stage=ds["stage"], lora=lora, b=b)
     return {"model": source, "parameters": asdict(counts), "trainable": trainable, "shape": asdict(shape),
             "world": asdict(world), "ranks": world.ranks, "sequence_parallel": size, "zero": ds,
             "dtype_bytes": b, "frames": frames, "workload": asdict(work), "attention": attention_backend(cfg),
@@ -230,7 +217,8 @@ def plan(cfg, world: World, source: str, frames: int | None = None, videos: int 
             "fits": peak <= usable, "host": host, "flops_per_group": flops, "phase_seconds": seconds, "phase_terms": terms,
             "activations_by_layout": layout_activations(cfg, shape, work, b, trains_head=not lora),
             "prompts_per_rank": cfg.train.prompts_per_rank, "questions": timing.rank_work(cfg, work).questions,
-            "rollout_split": split,
+            "rollout_split": split, "experts": traffic.experts_summary(
+                shape, work, moved, b=b, ranks=world.ranks, ep=timing.expert_parallel(cfg, shape), stage=ds["stage"]),
             "disk": disk(cfg, counts, trainable, b, ds["stage"], lora), "warnings": plan_warnings(cfg, work),
             "data": data_phase(cfg, shape, work, seconds["grouped"], world.gpus_per_node, host=data_host,
                                videos=videos)}
@@ -274,12 +262,14 @@ def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: in
         share = cfg.rollout.vllm_gpu_memory_utilization * gpu if kind == "reserved" else 0.0
         return {"engine_reserved": share, "total": share}
     gathered = 0.0
+    ep = timing.expert_parallel(cfg, shape)
     if ds["stage"] == 3:  # what the gather adds to the rank's own partition (which the states count already)
-        layer = b * counts.decoder_layer
-        whole = b * counts.total
+        away = b * expert_params(shape) * (1 - 1 / ep)  # under EP the other ranks' experts: never gathered here
+        layer = b * counts.decoder_layer - away / shape.layers
+        whole = b * counts.total - away
         held = {"full": whole, "layerwise": whole - layer * (shape.layers - 1),
                 "per_step": max(layer, b * shape.vocab * shape.hidden)}[cfg.rollout.zero3_gather]
-        gathered = max(0.0, held - whole / ranks)
+        gathered = max(0.0, held - b * counts.total / ranks)
     shared = kind == "shared_prefix"
     k = min(getattr(cfg.data, "questions_per_video", 1), prompts) if shared else 1  # questions sharing a video
     video = work.prefix - (work.question or QUESTION_TOKENS) if k > 1 else 0  # held once for k questions
@@ -289,7 +279,8 @@ def rollout_memory(cfg, shape: Shape, counts, work: Workload, *, ds: dict, b: in
     batch = prompts / k * (1 if shared else work.group_size)  # the rows prefilled together (a family's video once)
     if rank.spread:
         batch = 1  # a spread rollout prefills one root at a time
-    prefill = chunk_work = batch * min(rows, work.prefix) * b * (4 * shape.hidden + 3 * shape.intermediate)
+    prefill = chunk_work = batch * min(rows, work.prefix) * b * (4 * shape.hidden + 3 * shape.intermediate) + \
+        exchange_buffer(shape, batch * min(rows, work.prefix), b, ep)  # EP: a chunk's dispatch buffers
     chunk = cfg.rollout.prefill_chunk_size
     if chunk and chunk < work.prefix and not varlen:  # each chunk's causal attention to itself (decoding.prefill)
         if device == "cuda":  # two batched products: float32 scores per query head
@@ -353,9 +344,14 @@ def training_memory(cfg, shape: Shape, work: Workload, ds: dict, b: int, gpu: fl
         tower = costs.vision_activations(shape, patches, training=False, chunk_patches=tower_chunk(cfg, work),
                                          dtype_bytes=b) / size
         whole = max(act["peak"], tower + work.visual * work.families * shape.hidden * b)
-    # ZeRO-3's prefetch bucket (at most the model itself) and the head gathered for the output's chunks
+    # ZeRO-3's prefetch bucket (at most the model itself) and the head gathered for the output's chunks; a sparse
+    # layer's routed experts gathered whole at once (a leaf module; under EP the rank's E / EP: AutoEP's grouped
+    # experts), and EP's dispatch buffers for the micro-batch's tokens
     bucket = min(ds["prefetch"], parameters) if parameters else ds["prefetch"]
     zero3 = b * (bucket + shape.vocab * shape.hidden) if ds["stage"] == 3 else 0.0
+    ep = timing.expert_parallel(cfg, shape)
+    experts = b * layer_expert_params(shape) / ep if ds["stage"] == 3 else 0.0
+    exchange = exchange_buffer(shape, work.grouped_tokens / size, b, ep)
     awake = memory_kind(cfg.rollout.engine) == "reserved" and not cfg.rollout.vllm_sleep
     reserved = cfg.rollout.vllm_gpu_memory_utilization * gpu if awake else 0.0
     # every micro-batch's prompts are collated on the device once for the step: their pixels (in the tower's dtype;
@@ -363,8 +359,9 @@ def training_memory(cfg, shape: Shape, work: Workload, ds: dict, b: int, gpu: fl
     batches = max(1, cfg.train.prompts_per_rank // cfg.train.groups_per_micro_batch)
     inputs = pixel_bytes(shape, work.patches, b) * distinct_videos(work.groups, work.questions) * batches
     parts = {"activations": act["peak"], "saved": act["saved"], "vision_tower": tower, "whole_pass": whole,
-             "zero3_buffers": zero3, "engine_awake": reserved, "inputs": inputs}
-    parts["total"] = whole + zero3 + reserved + inputs
+             "zero3_buffers": zero3, "experts_gathered": experts, "expert_exchange": exchange,
+             "engine_awake": reserved, "inputs": inputs}
+    parts["total"] = whole + zero3 + experts + exchange + reserved + inputs
     return parts
 
 

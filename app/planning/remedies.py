@@ -24,6 +24,11 @@ def largest_frames(cfg, world: World, source: str, size: int, limit: int = SEARC
 REMEDIES = (  # (what to change, overrides), cheapest first
     ("activation checkpointing", {"model.gradient_checkpointing": True}),
     ("chunked prefill of 4096 positions", {"rollout.prefill_chunk_size": 4096}),
+    # mixture of experts, full weights: a rank gathers E / EP of a layer's experts, in the rollout's gather too (a
+    # size that is not enough is not kept for the changes below: sequence parallelism does not run beside it)
+    ("expert parallelism EP=2", {"train.expert_parallel_size": 2}),
+    ("expert parallelism EP=4", {"train.expert_parallel_size": 4}),
+    ("expert parallelism EP=8", {"train.expert_parallel_size": 8}),
     ("layer-by-layer ZeRO-3 gather in the rollout", {"rollout.zero3_gather": "layerwise"}),
     ("sequence parallelism S=2", {"train.sequence_parallel_size": 2}),
     ("sequence parallelism S=4", {"train.sequence_parallel_size": 4}),
@@ -42,7 +47,7 @@ def already_done(cfg, overrides: dict) -> bool:
     for key, value in overrides.items():
         section, name = key.split(".")
         current = getattr(getattr(cfg, section), name)
-        if key == "train.sequence_parallel_size":
+        if key in ("train.sequence_parallel_size", "train.expert_parallel_size"):
             done = current >= value
         elif key == "lora.rank":
             done = current > 0
@@ -76,9 +81,13 @@ def remedies(cfg, world: World, source: str) -> list[dict]:
     of the ones before it that were not enough, with the peak it gives; the first that fits ends the list. A change
     the config checks refuse (sequence parallelism with rollout.tools, say) is listed with the checks' own words and
     not applied: every change printed as a remedy is one the trainer accepts."""
+    from app.planning.costs import shape_of
+    from app.planning.planner import model_of
+
     found, current = [], cfg
+    moe = bool(shape_of(model_of(source)[0]).experts)
     for name, overrides in REMEDIES:
-        if already_done(current, overrides):
+        if already_done(current, overrides) or ("train.expert_parallel_size" in overrides and not moe):
             continue
         trial = with_overrides(current, overrides)
         refused = refusal(trial)
@@ -95,8 +104,49 @@ def remedies(cfg, world: World, source: str) -> list[dict]:
             result = plan(trial, world, source)
         except PlanError:
             continue
-        found.append({"change": name, "overrides": overrides, "peak_gib": result["peak"] / GiB, "fits": result["fits"]})
+        kept = result["fits"] or "train.expert_parallel_size" not in overrides
+        found.append({"change": name, "overrides": overrides, "peak_gib": result["peak"] / GiB, "fits": result["fits"],
+                      "kept": kept})
         if result["fits"]:
             break
-        current = trial
+        if kept:
+            current = trial
     return found
+
+
+def expert_parallel_options(cfg, world: World, source: str) -> list[dict]:
+    """A mixture-of-experts config planned at each EP the model, the world and the ZeRO stage allow
+    (``parallelism.expert_parallel_sizes``): peak, fit, step and the experts' traffic per rank and step; a size the
+    trainer's config checks refuse (LoRA, say) is listed with their words. Empty for a dense model."""
+    from app.planning.costs import shape_of
+    from app.planning.parallelism import expert_parallel_sizes
+    from app.planning.planner import deepspeed_settings, model_of
+
+    shape = shape_of(model_of(source)[0])
+    out = []
+    for size in expert_parallel_sizes(cfg, shape, world.ranks, deepspeed_settings(cfg)["stage"]):
+        trial = with_overrides(cfg, {"train.expert_parallel_size": size})
+        refused = refusal(trial) if size > 1 else None
+        if refused is not None:
+            out.append({"ep": size, "refused": refused})
+            continue
+        result = plan(trial, world, source)
+        experts = result["experts"]
+        out.append({"ep": size, "peak_gib": result["peak"] / GiB, "fits": result["fits"],
+                    "step_s": result["phase_seconds"]["grouped"]["step"],
+                    "rollout_s": result["phase_seconds"]["grouped"]["rollout"],
+                    "gather_gib": experts["gather_bytes"] / GiB, "exchange_gib": experts["exchange_bytes"] / GiB})
+    return out
+
+
+def suggested_expert_parallel(options: list[dict], current: int) -> dict | None:
+    """The EP that fits with the shortest step, when it is not the config's own and beats it (None otherwise)."""
+    fitting = [o for o in options if "refused" not in o and o["fits"]]
+    if not fitting:
+        return None
+    best = min(fitting, key=lambda o: o["step_s"])
+    mine = next((o for o in options if o["ep"] == current and "refused" not in o), None)
+    if best["ep"] == current or (mine is not None and mine["fits"] and mine["step_s"] <= best["step_s"]):
+        return None
+    return best
+

@@ -29,8 +29,9 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from app.planning import flops
+from app.planning import flops, traffic
 from app.planning.costs import Shape, Workload
+from app.planning.traffic import expert_parallel  # noqa: F401  (the phases' EP)
 from app.rollout.registry import memory_kind
 
 PHASES = ("tower", "prefill", "decode", "rollout_overhead", "reference", "old_policy", "update", "weight_sync")
@@ -258,7 +259,7 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
     prefill = flops.forward_flops(shape, family, "flash")["total"] * rank.families_here * rank.share
     prompts_here = min(rank.prompts, rank.families_here * k)
     samples, steps = prompts_here * work.group_size, work.completion
-    from app.planning.layers import kv_bytes_per_token, state_bytes, unread_expert_params
+    from app.planning.layers import expert_params, experts_read, kv_bytes_per_token, state_bytes
 
     kv_token = kv_bytes_per_token(shape, b)  # the attention layers' (a hybrid's GDN layers keep a state instead)
     shared = work.prefix - work.question if k > 1 else 0
@@ -266,20 +267,25 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
     kind = memory_kind(cfg.rollout.engine)
     copies = work.group_size if kind == "per_sample" else 1  # HF generate: every sample its own prompt copy
     weights = b * (shape.layers * counts.decoder_layer + shape.vocab * shape.hidden)
-    read = weights - b * unread_expert_params(shape, samples)  # a decode step reads the experts its samples meet
+    ep = expert_parallel(cfg, shape)
+    experts = b * expert_params(shape)  # all sparse layers' routed experts, E of them a layer
+    # a decode step reads the experts its samples meet: under EP the rank's E / EP, met by every rank's samples
+    read = weights - experts + experts / ep * experts_read(shape, samples * ep)
     kv = kv_token * (prefixes * copies + samples * steps / 2) * kv_share(shape, rank)  # the completions': half
     # each step reads and writes every sample's GDN states (this rank's heads under a spread rollout)
     kv += 2 * samples * state_bytes(shape, b) * kv_share(shape, rank)
-    graph = (ds["stage"] != 3 or cfg.rollout.zero3_gather == "full") and copies == 1
+    # a graph replays fixed addresses and no collective: not under EP (its all-to-all needs host-side split sizes)
+    graph = (ds["stage"] != 3 or cfg.rollout.zero3_gather == "full") and copies == 1 and ep == 1
     tower_copies = 1 if cfg.forward.vision_cache in ("step", "run") and not tower_trains else copies
     # ZeRO-3 gathering during the rollout (layerwise: each decoder layer per step; per_step: everything per step),
     # what the other ranks hold crossing the link; "full" gathers once, before the rollout
     share = 1 - 1 / world.ranks
-    gathered = {"full": weights, "layerwise": b * shape.layers * counts.decoder_layer,
-                "per_step": weights}.get(cfg.rollout.zero3_gather, 0.0) * share if ds["stage"] == 3 else 0.0
+    # the routed experts' gathers are priced apart (``traffic.expert_traffic``: under EP a rank gathers its E / EP)
+    gathered = ({"full": weights, "layerwise": b * shape.layers * counts.decoder_layer,
+                 "per_step": weights}.get(cfg.rollout.zero3_gather, 0.0) - experts) * share if ds["stage"] == 3 else 0.0
     per_step_gather = 0.0 if cfg.rollout.zero3_gather == "full" else gathered
     link = world.link_tbs * 1e12
-    spread = spread_exchanges(shape, work, rank, b, steps=steps, samples=samples,
+    spread = traffic.spread_exchanges(shape, work, rank, b, steps=steps, samples=samples,
                               chunk=cfg.rollout.prefill_chunk_size) if rank.spread else {}
     # the training forwards: every micro-batch's packed row, split over the S ranks
     batches, size, mu = rank.micro_batches, rank.size, cfg.grpo.num_iterations
@@ -295,6 +301,8 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
     cached = keeps and (size == 1 or rank.spread)
     forward_calls = 0.0 if cached else calls * families_step
     update_calls = 0.0 if keeps else calls * families_step
+    experts_moved = traffic.expert_traffic(cfg, shape, work, rank, ranks=world.ranks, stage=ds["stage"],
+                                           lora=lora, b=b)
     terms = {
         "tower": {"prefill_efficiency": tower * rank.videos_here * tower_copies * rank.share / peak,
                   "tower_call_ms": rollout_calls * rank.videos_here * tower_copies / 1e3,
@@ -317,39 +325,14 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
                    "update_layer_s": shape.layers * batches * mu},
         "weight_sync": {},
     }
+    for phase, moved in experts_moved.items():  # the routed experts' gathers, EP's all-to-alls
+        if terms[phase] and (moved["gather"] or moved["exchange"] or moved["calls"]):
+            terms[phase]["link_efficiency"] = terms[phase].get("link_efficiency", 0.0) + (
+                moved["gather"] + moved["exchange"]) / link
+            terms[phase]["collective_ms"] = terms[phase].get("collective_ms", 0.0) + moved["calls"] / 1e3
     if kind == "reserved":  # vLLM: the weights pushed into the engine (LoRA: merged, whole), a device copy
         terms["weight_sync"] = {"weight_efficiency": b * counts.total / bandwidth}
     return terms
-
-
-def spread_exchanges(shape: Shape, work: Workload, rank: Rank, b: int, *, steps: int, samples: int,
-                     chunk: int) -> dict:
-    """What a spread rollout moves between the S ranks of its group (``app.grouping.decoding.spread``), per rank:
-
-    - the tower's table of embeddings summed over the group (a ring all-reduce: 2 (S - 1) / S of it);
-    - the prefills' all-to-alls: per layer and position, q and the output over all query heads and k, v over the
-      KV heads (repeated up to S), (S - 1) / S of them leaving the rank; four exchanges per layer and chunk;
-    - each decode step's gather of the heads' outputs: one per layer, (S - 1) / S of the samples' outputs.
-
-    Bytes, and collective calls (each also paying a latency: ``collective_ms``, an assumption)."""
-    size = rank.size
-    away = (size - 1) / size
-    positions = rank.families_here * (work.prefix + (rank.questions - 1) * work.question)
-    from app.planning.layers import conv_channels
-
-    per_position = (2 * shape.heads + 2 * max(shape.kv_heads, size)) * shape.head_dim * b
-    # a GDN layer's exchange: its conv input (q|k|v channels), b and a there; its heads' output back
-    per_gdn_position = (conv_channels(shape) + 2 * shape.linear_value_heads
-                        + shape.linear_value_heads * shape.linear_head_dim) * b
-    moved = per_position * shape.attention_layers + per_gdn_position * shape.linear_layers
-    chunks = rank.families_here * max(1, math.ceil(work.prefix / chunk)) if chunk else rank.families_here
-    step_out = shape.heads * shape.head_dim * shape.attention_layers + (
-        shape.linear_value_heads * shape.linear_head_dim * shape.linear_layers)
-    return {"tower_bytes": 2 * away * work.visual * shape.hidden * b * rank.videos_here,
-            "prefill_bytes": away * positions * moved / size,
-            "prefill_collectives": 4.0 * shape.layers * (chunks + rank.families_here),
-            "decode_bytes": away * steps * samples * step_out * b,
-            "decode_collectives": float(steps * shape.layers)}
 
 
 def seconds(terms: dict, calibration: Calibration = CALIBRATION) -> dict:

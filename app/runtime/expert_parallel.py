@@ -66,11 +66,12 @@ def problems(*, size: int, model_type: str, experts: int, world: int, sequence_p
         sizes = [d for d in range(1, experts + 1) if experts % d == 0 and d <= world]
         out.append(f"does not divide the {experts} routed experts of each sparse layer (each rank holds "
                    f"E / EP of them); sizes that do and fit {world} rank(s): {sizes}")
-    replicas = world // max(sequence_parallel, 1)
-    if world % size or replicas % size:
-        out.append(f"does not divide the data-parallel world ({world} rank(s)"
-                   f"{f' / S={sequence_parallel}' if sequence_parallel > 1 else ''}): every expert-parallel group is "
-                   f"{size} ranks of it")
+    if world % size:
+        out.append(f"does not divide the data-parallel world ({world} rank(s)): every expert-parallel group is {size} "
+                   "ranks of it")
+    if sequence_parallel > 1:
+        out.append(f"cannot be combined with train.sequence_parallel_size={sequence_parallel} yet (the expert-parallel "
+                   "groups are not laid out against the sequence-parallel ones)")
     if zero_stage != 3:
         out.append(f"runs under ZeRO-3 (train.deepspeed_config with stage 3, e.g. deepspeed_configs/zero3.json"
                    f"), not stage {zero_stage}: under ZeRO-1/2 DeepSpeed needs the optimizer's parameter groups split "
