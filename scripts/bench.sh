@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Benchmarks: each prints a table and writes JSON (+ PNG where it plots) under OUT (default outputs/bench/NAME).
-#   scripts/bench.sh grid|attention|rollout|decode_step|e2e|flex_shapes|scale|lora|vision_cache|long_video|long_prefill|judge|tree|real_width|hybrid|moe|mismatch|replay|shared_video|long_rehearsal|host_decode|planner_accuracy|planner_calibration|gpu_real_shape|all [--out DIR] [--quick]
+#   scripts/bench.sh grid|attention|rollout|decode_step|e2e|flex_shapes|scale|lora|vision_cache|long_video|long_prefill|judge|tree|real_width|hybrid|moe|mismatch|replay|shared_video|long_rehearsal|host_decode|planner_accuracy|planner_calibration|gpu_real_shape|ep|all [--out DIR] [--quick]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
@@ -12,6 +12,7 @@ module_of() {  # benchmark name -> its module (app/bench/; decoding/, video/, gp
   case "$1" in
     rollout|decode_step|long_prefill|mismatch) echo "app.bench.decoding.$1" ;;
     gpu_real_shape) echo "app.bench.gpu.real_shape" ;;
+    ep) echo "app.bench.parallel.experts" ;;  # expert parallelism against ZeRO-3 alone, 2 processes
     planner_accuracy) echo "app.bench.planning.accuracy" ;;
     planner_calibration) echo "app.bench.planning.calibrate" ;;
     vision_cache|shared_video|long_rehearsal|host_decode) echo "app.bench.video.$1" ;;
@@ -19,7 +20,7 @@ module_of() {  # benchmark name -> its module (app/bench/; decoding/, video/, gp
     *) return 1 ;;
   esac
 }
-usage="usage: $0 grid|attention|rollout|decode_step|e2e|flex_shapes|scale|lora|vision_cache|long_video|long_prefill|judge|tree|real_width|hybrid|moe|mismatch|replay|shared_video|long_rehearsal|host_decode|planner_accuracy|planner_calibration|gpu_real_shape|all [--out DIR] [--quick]"
+usage="usage: $0 grid|attention|rollout|decode_step|e2e|flex_shapes|scale|lora|vision_cache|long_video|long_prefill|judge|tree|real_width|hybrid|moe|mismatch|replay|shared_video|long_rehearsal|host_decode|planner_accuracy|planner_calibration|gpu_real_shape|ep|all [--out DIR] [--quick]"
 case "$name" in
   moe) exec "$PY" -m app.bench.hybrid --moe "$@" ;;  # the mixture-of-experts families (app/bench/hybrid.py)
   replay) exec "$PY" -m app.bench.decoding.mismatch --replay "$@" ;;  # routing replay off / r3 (MoE)

@@ -111,3 +111,15 @@ def test_the_moe_part_runs_quick_here(tmp_path):
     assert check["passed"] and check["real_tokens"] > 0 and check["flipped_tokens"] is not None
     assert moe["train"][0]["max_logprob_diff"] < 1e-4 and moe["train"][0]["time_ratio"] > 0
     assert "Qwen3-VL-MoE at tiny width" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_the_expert_parallel_part_says_so_on_a_host_without_two_gpus(tmp_path):
+    """app.bench.gpu.expert_parallel (scripts/gpu_check.sh --parts ep) off --quick on a host with fewer than 2 GPUs
+    (this CPU: none) runs nothing and writes a report saying why; its --quick is scripts/bench.sh ep --quick
+    (tests/test_bench.py)."""
+    from app.bench.gpu.expert_parallel import run
+
+    payload = run(tmp_path, quick=False)
+    assert payload["skipped"].startswith("expert parallelism needs 2 or more GPUs; this host has")
+    assert "nothing was run" in (tmp_path / "gpu_ep.md").read_text()
+

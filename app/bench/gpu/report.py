@@ -19,7 +19,8 @@ from app.bench.common import environment, markdown_table
 
 RESULTS = (("qwen3_5", "gpu_hybrid"), ("varlen", "gpu_varlen"), ("full_depth", "full_depth"),
            ("train", "gpu_real_shape"), ("decode", "gpu_decode"), ("rehearsal", "rehearsal"),
-           ("hf_compiled", "gpu_decode_hf_compiled"), ("host_decode", "host_decode"), ("moe", "gpu_moe"))
+           ("hf_compiled", "gpu_decode_hf_compiled"), ("host_decode", "host_decode"), ("moe", "gpu_moe"),
+           ("ep", "gpu_ep"))
 
 
 def test_results(junit: Path) -> list[dict]:
