@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -183,29 +184,36 @@ def test_the_config_checks_refuse_what_expert_parallelism_does_not_run(override,
     assert re.search(words, str(error.value)), str(error.value)
 
 
-def test_preflight_stops_before_any_weight_naming_the_experts_the_world_and_the_stage(tiny_checkpoints, tmp_path):
-    """scripts/train.sh with 2 processes: the checks config.json, the world and the DeepSpeed JSON decide run once,
-    before torchrun; one line each, exit 1, nothing loaded (the weights are garbage)."""
+def test_preflight_stops_before_any_weight_naming_the_experts_the_world_and_the_stage(tiny_checkpoints, tmp_path,
+                                                                                      monkeypatch):
+    """What config.json, the world being launched and the DeepSpeed JSON decide, checked before any weight is read:
+    through scripts/train.sh with 2 processes once (one line, exit 1, before torchrun, the weights garbage), and the
+    other cases in this process (``preflight.check``, what scripts/train.sh and every recipe run first)."""
+    from app.training import preflight
+
     checkpoint = build_tiny_checkpoint(tmp_path / "moe", "qwen3_5_moe")
     (checkpoint / "model.safetensors").write_bytes(b"not a tensor file")
-    cases = {"train.expert_parallel_size=2 train.deepspeed_config=deepspeed_configs/zero2.json": "runs under ZeRO-3",
-             "train.expert_parallel_size=3": "does not divide the 4 routed experts",
-             "train.expert_parallel_size=4": "does not divide the data-parallel world (2 rank(s))"}
-    for overrides, words in cases.items():
-        result = subprocess.run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", f"model.path={checkpoint}",
-                                 "train.deepspeed_config=deepspeed_configs/zero3.json", *overrides.split(),
-                                 f"train.output_dir={tmp_path / 'out'}"], cwd=ROOT, capture_output=True, text=True,
-                                env={**os.environ, "NPROC_PER_NODE": "2"}, timeout=120)
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 1 and len(lines) == 1, result.stderr[-2000:]
-        assert lines[0].startswith("config error: 'train.expert_parallel_size'=") and words in lines[0], lines[0]
-    dense = build_tiny_checkpoint(tmp_path / "dense", "qwen2_5_vl")
-    result = subprocess.run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", f"model.path={dense}",
-                             "train.deepspeed_config=deepspeed_configs/zero3.json", "train.expert_parallel_size=2"],
-                            cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NPROC_PER_NODE": "2"},
-                            timeout=120)
-    assert result.returncode == 1 and "needs a mixture-of-experts model" in result.stderr
+    result = subprocess.run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", f"model.path={checkpoint}",
+                             "train.deepspeed_config=deepspeed_configs/zero2.json", "train.expert_parallel_size=2",
+                             f"train.output_dir={tmp_path / 'out'}"], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "NPROC_PER_NODE": "2"}, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("config error: 'train.expert_parallel_size'=2 runs under ZeRO-3"), lines[0]
     assert not (tmp_path / "out").exists()
+    common = ["configs/demo_cpu.yaml", f"model.path={checkpoint}", "train.deepspeed_config=deepspeed_configs/zero3.json"]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    for overrides, words in (("train.expert_parallel_size=3", "does not divide the 4 routed experts"),
+                             ("train.expert_parallel_size=4", "does not divide the data-parallel world (2 rank(s))")):
+        with pytest.raises(SystemExit, match=r"config error: 'train.expert_parallel_size'=\d " + re.escape(words)):
+            preflight.check([*common, overrides])
+    monkeypatch.setenv("NNODES", "2")  # scripts/train_multinode.sh: the world is the nodes' ranks
+    preflight.check([*common, "train.expert_parallel_size=4"])
+    monkeypatch.delenv("NNODES")
+    with pytest.raises(SystemExit, match="needs a mixture-of-experts model; this qwen2_5_vl checkpoint"):
+        preflight.check(["configs/demo_cpu.yaml", f"model.path={tiny_checkpoints['qwen2_5_vl']}",
+                         "train.deepspeed_config=deepspeed_configs/zero3.json", "train.expert_parallel_size=2"])
 
 
 def test_a_checkpoint_is_resumed_at_the_expert_parallel_size_it_was_written_with(tmp_path):
