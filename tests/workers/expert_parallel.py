@@ -6,7 +6,8 @@ Each rank has its own prompts (its own video question, its own group size), so t
 decode for different numbers of steps; under EP = 2 every sparse layer is an all-to-all between them, so a rank
 that finished must keep stepping with the other. Writes rank{r}.json: the two models' rollouts (grouped engine
 greedy with an early stop on rank 0, chunked prefill, seeded sampling with the routing recorded; hf generate
-seeded), their log-probs with that record replayed (grouped, and repeated on each), and one SGD step (lr 1: the
+seeded), their log-probs with that record replayed (grouped, and repeated on each), two questions on one video packed
+as one family against apart on each, and one SGD step (lr 1: the
 change is the gradient) on the same loss with the router statistics' gradient in it, compared in transformers' names
 and layout (``zero.gathered_state_dict``).
 """
@@ -98,6 +99,19 @@ def main(checkpoint: str, video: str, out: str) -> None:
             repeated = completion_logprobs(engine, prompts, ids, mask, size, mode="repeated", routing=record)
             grouped = completion_logprobs(engine, prompts, ids, mask, size, routing=record)
         result[f"repeated_max_abs_{ep}"] = float((repeated.logprobs - grouped.logprobs).abs().max())
+    # two questions on one video, packed as one family [V; Q1; R1*; Q2; R2*] against apart, on both models
+    family = encode_prompts(processor, [conversation, [{"role": "user", "content": [
+        conversation[0]["content"][0], {"type": "text", "text": "Is anything moving?"}]}]])
+    generator = torch.Generator().manual_seed(50 + rank)
+    family_ids = torch.randint(10, 400, (4, 6), generator=generator)
+    family_mask = torch.ones_like(family_ids)
+    shared = {}
+    for ep, engine in engines.items():
+        with torch.no_grad():
+            shared[ep] = completion_logprobs(engine, family, family_ids, family_mask, [2, 2], families=[2]).logprobs
+            apart = completion_logprobs(engine, family, family_ids, family_mask, [2, 2]).logprobs
+        result[f"family_vs_apart_{ep}"] = float((shared[ep] - apart).abs().max())
+    result["family_max_abs"] = float((shared[1] - shared[2]).abs().max())
     scores, deltas, weights_after = {}, {}, {}
     for ep, engine in engines.items():
         before = zero.gathered_state_dict(engine)
