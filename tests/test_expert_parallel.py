@@ -408,3 +408,13 @@ def test_the_plan_prices_each_expert_parallel_size_and_suggests_the_one_that_fit
     fixes = remedies(whole, world, "qwen3_vl_30b_a3b")
     ep_fixes = [f for f in fixes if "expert parallelism" in f["change"]]
     assert ep_fixes and "refused" not in ep_fixes[-1] and ep_fixes[-1]["fits"]
+
+
+def test_a_reference_model_gets_its_own_section_and_a_dense_one_none(tiny_checkpoints):
+    """model.reference_path under EP: the policy's expert_parallel section made again for the reference's config at
+    the same size, and left out for a dense reference (AutoEP refuses a model without sparse blocks)."""
+    policy = {"zero_optimization": {"stage": 3}, "expert_parallel": {"autoep_size": 2, "top_k": 99}}
+    moe = load_model(tiny_checkpoints["qwen3_5_moe"])
+    got = expert_parallel.reference_section(policy, moe)
+    assert got["expert_parallel"] == expert_parallel.section(moe.config, 2) and policy["expert_parallel"]["top_k"] == 99
+    assert "expert_parallel" not in expert_parallel.reference_section(policy, load_model(tiny_checkpoints["qwen2_5_vl"]))

@@ -48,6 +48,19 @@ def section(config, size: int) -> dict:
             "top_k": int(text.num_experts_per_tok), "route_norm": True, "use_grouped_mm": grouped_mm_available()}
 
 
+def reference_section(ds_config: dict, model) -> dict:
+    """``ds_config`` (the policy's, with its ``expert_parallel`` section) for a frozen reference ``model``: the section
+    made for the reference's own config at the policy's size, or none for a dense reference (a separate
+    ``model.reference_path``), which AutoEP would refuse for having no sparse blocks."""
+    from app.grouping.experts.blocks import is_moe
+
+    config = dict(ds_config)
+    size = config.pop("expert_parallel")["autoep_size"]
+    if is_moe(model):
+        config["expert_parallel"] = section(model.config, size)
+    return config
+
+
 def problems(*, size: int, model_type: str, experts: int, world: int, sequence_parallel: int = 1,
              zero_stage: int = 3) -> list[str]:
     """Why ``size`` expert-parallel ranks cannot run this model in this world, one phrase each, to follow

@@ -148,6 +148,10 @@ def build_reference(model, ds_config: dict, device: torch.device):
     deepspeed = _deepspeed()
     mark_leaf_modules(model)
     config = copy.deepcopy(ds_config)
+    if "expert_parallel" in config:  # the policy's section, made again for this model (model.reference_path)
+        from app.runtime.expert_parallel import reference_section
+
+        config = reference_section(config, model)
     config.pop("optimizer", None)
     config.pop("scheduler", None)
     config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items()
