@@ -245,12 +245,13 @@ def test_a_save_the_engine_itself_refuses_is_not_called_a_lack_of_space(tmp_path
 
 
 # ---- under torchrun ---------------------------------------------------------------------------------------------
-@pytest.mark.slow  # one launch of 2 processes per family (about 15 s each)
+@pytest.mark.slow  # one launch of 2 processes per family (about 15 s each), one of 4 (about 25 s)
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_two_processes_at_ep2_sample_score_and_step_as_ep1(family, tmp_path, videos):
-    """2 processes, ZeRO-3, each rank its own prompt and group size: the model at EP = 2 (AutoEP, an all-to-all per
-    sparse layer) against the same model at EP = 1 in the same processes. Rollouts: greedy with rank 0 stopping at
+@pytest.mark.parametrize("family, world", [("qwen3_vl_moe", 2), ("qwen3_5_moe", 2), ("qwen3_5_moe", 4)])
+def test_processes_at_ep2_sample_score_and_step_as_ep1(family, world, tmp_path, videos):
+    """2 processes (and 4: two expert-parallel groups, each rank's experts partitioned by ZeRO-3 over the 2 ranks that
+    hold the same ones), ZeRO-3, each rank its own prompt and group size: the model at EP = 2 (AutoEP, an all-to-all
+    per sparse layer) against the same model at EP = 1 in the same processes. Rollouts: greedy with rank 0 stopping at
     its third token while rank 1 decodes on (lock step), chunked prefill, seeded sampling and hf generate: the same
     tokens; the routing records agree on every token. The record replayed: log-probs 1e-5 apart; grouped ==
     repeated on both (1e-5); two questions on one video packed as one family: equal to apart and across the sizes
@@ -258,14 +259,15 @@ def test_two_processes_at_ep2_sample_score_and_step_as_ep1(family, tmp_path, vid
     apart, every weight 1e-4 apart, in the checkpoint's names and layout."""
     checkpoint = build_tiny_checkpoint(tmp_path / family, family)
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             "-m", "tests.workers.expert_parallel", str(checkpoint), str(videos[0]), str(out)],
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                             str(world), "-m", "tests.workers.expert_parallel", str(checkpoint), str(videos[0]),
+                             str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     for info in ranks:
-        assert info["world"] == 2 and info["ep_of"] == {"1": 1, "2": 2}
+        assert info["world"] == world and info["ep_of"] == {"1": 1, "2": 2}
         assert info["collective_2"] and not info["collective_1"]  # EP's forwards are collectives, full gather or not
         assert all(info[f"{name}_equal"] for name in ("greedy", "chunked", "sampled", "hf")), info
         assert info["record_tokens_apart"] == 0 and info["record_tokens"] > 0

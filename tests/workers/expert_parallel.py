@@ -1,9 +1,9 @@
-"""Run under torchrun with 2 processes: a tiny mixture-of-experts model under ZeRO-3, once as transformers builds it
-(EP = 1) and once with its sparse blocks split over the 2 ranks by DeepSpeed's AutoEP (EP = 2, the section the
-trainer writes: ``app.runtime.expert_parallel.section``), both in this process.
+"""Run under torchrun with 2 or 4 processes: a tiny mixture-of-experts model under ZeRO-3, once as transformers builds
+it (EP = 1) and once with its sparse blocks split over groups of 2 ranks by DeepSpeed's AutoEP (EP = 2, the section
+the trainer writes: ``app.runtime.expert_parallel.section``), both in this process.
 
-Each rank has its own prompts (its own video question, its own group size), so the ranks route differently and
-decode for different numbers of steps; under EP = 2 every sparse layer is an all-to-all between them, so a rank
+Each rank has its own prompts (its own video question, its own group size; an even and an odd rank differ), so the
+ranks route differently and decode for different numbers of steps; under EP = 2 every sparse layer is an all-to-all between them, so a rank
 that finished must keep stepping with the other. Writes rank{r}.json: the two models' rollouts (grouped engine
 greedy with an early stop on rank 0, chunked prefill, seeded sampling with the routing recorded; hf generate
 seeded), their log-probs with that record replayed (grouped, and repeated on each), two questions on one video packed
@@ -66,11 +66,11 @@ def main(checkpoint: str, video: str, out: str) -> None:
     processor = load_processor(checkpoint)
     tokenizer = processor.tokenizer
     question = ["What colour is the square?", "How many squares are there, counting the small ones in the corners "
-                "and the large one in the middle, if any of them moves at all during the clip?"][rank]
+                "and the large one in the middle, if any of them moves at all during the clip?"][rank % 2]
     conversation = [{"role": "user", "content": [video_element(video, fps=2, min_pixels=3136, max_pixels=3136),
                                                  {"type": "text", "text": question}]}]
     prompts = encode_prompts(processor, [conversation])
-    size = 2 + rank
+    size = 2 + rank % 2
     free = None
     result = {"world": world, "ep_of": {str(ep): expert_parallel.size_of(e) for ep, e in engines.items()},
               "keep": keep is not None, "prefill_chunks": -(-prompts["input_ids"].shape[1] // CHUNK)}
@@ -81,7 +81,7 @@ def main(checkpoint: str, video: str, out: str) -> None:
             with zero.gathered_for_inference(engine, "full") as (module, collective):
                 free = generate_groups(module, prompts, size, SamplingConfig(temperature=0, max_new_tokens=10),
                                        tokenizer=tokenizer, eos_ids=[], synced=collective)
-        eos = [int(free.completion_ids[0, 2])] if rank == 0 else []
+        eos = [int(free.completion_ids[0, 2])] if rank % 2 == 0 else []
         runs[ep] = rollouts(engine, prompts, size, tokenizer, eos)
         result[f"collective_{ep}"] = runs[ep]["collective"]
         result[f"greedy_steps_{ep}"] = runs[ep]["greedy"].completion_ids.shape[1]
