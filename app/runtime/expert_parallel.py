@@ -107,11 +107,16 @@ def ep_blocks(module) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in module.named_modules() if is_ep_block(m)}
 
 
-def full_experts(block) -> dict[str, torch.Tensor]:
+def full_experts(block) -> dict[str, torch.Tensor] | None:
     """One AutoEP block's experts gathered over its expert-parallel group, in transformers' fused layout:
-    ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows) and ``down_proj`` [E, H, I], on the CPU. Collective over
-    the block's group (every rank of it calls it); under ZeRO-3 inside a ``GatheredParameters`` of its weights."""
+    ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows) and ``down_proj`` [E, H, I], on the CPU of global rank 0
+    (None elsewhere). Only rank 0's group gathers (every rank of it calls this; the other groups hold copies of the
+    same experts and skip it); under ZeRO-3 inside a ``GatheredParameters`` of its weights."""
     import torch.distributed as dist
+
+    if block.ep_size > 1 and 0 not in dist.get_process_group_ranks(block.ep_group):
+        return None
+    mine = block.ep_size == 1 or dist.get_rank() == 0
 
     def whole(param):
         local = param.detach().contiguous()
@@ -119,16 +124,17 @@ def full_experts(block) -> dict[str, torch.Tensor]:
             return local.cpu()
         parts = [torch.empty_like(local) for _ in range(block.ep_size)]
         dist.all_gather(parts, local, group=block.ep_group)  # rank r holds experts [r E/EP, (r + 1) E/EP)
-        return torch.cat(parts).cpu()
+        return torch.cat(parts).cpu() if mine else None
 
     gate, up, down = (whole(block.experts.w1), whole(block.experts.w3), whole(block.experts.w2))
-    return {"gate_up_proj": torch.cat([gate, up], dim=1), "down_proj": down}
+    return {"gate_up_proj": torch.cat([gate, up], dim=1), "down_proj": down} if mine else None
 
 
 def hf_state_dict(module, state: dict | None) -> dict | None:
     """``state`` (``module``'s state dict gathered on rank 0, None elsewhere) in transformers' names and layout: each
-    AutoEP block's experts whole (``full_experts``, collective: every rank calls this inside the gather of the
-    module's parameters), its router and shared expert renamed (``RENAMED``), AutoEP's alias and buffers dropped.
+    AutoEP block's experts whole (``full_experts``, collective over rank 0's expert-parallel group: every rank calls
+    this inside the gather of the module's parameters), its router and shared expert renamed (``RENAMED``), AutoEP's
+    alias and buffers dropped.
     A module without AutoEP blocks: ``state`` unchanged."""
     blocks = ep_blocks(module)
     if not blocks:

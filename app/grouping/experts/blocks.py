@@ -135,7 +135,7 @@ def experts_implementation(model) -> str | None:
     parallelism AutoEP's own (``autoep``: its grouped experts over the rank's share)."""
     if not is_moe(model):
         return None
-    if expert_parallel_size(model) > 1 or is_ep_block(sparse_layers(model)[0].block):
+    if is_ep_block(sparse_layers(model)[0].block):
         return "autoep"
     config = getattr(model, "module", model).config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
