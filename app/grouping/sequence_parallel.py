@@ -158,8 +158,22 @@ def sequence_parallel_scores(model, prompts: Mapping, completion_ids: torch.Tens
     with aligned_vision_calls(model, prompts if vision is None else vision, vision_calls):
         logprobs, entropy, layout = _through_wrapper(model, work)
     router, recorded = (None, None) if routed is None else _shard_routing(routed, layout, sp)
+    differs, gap = (None, None) if routed is None else _shard_replay(routed, sp)
     return CompletionScores(logprobs=logprobs, mask=completion_mask.bool(), layout=layout, entropy=entropy,
-                            router=router, routing=recorded)
+                            router=router, routing=recorded, tie_gap=gap, replay_differs=differs)
+
+
+def _shard_replay(routed, sp: SequenceParallel):
+    """A replayed forward's (tokens routed otherwise, tokens replayed) summed over the group's shards, and the
+    largest tie gap of any shard (``Routed.replay_differs``, ``experts.routing.tie_gap``); (None, None) without."""
+    differs = routed.replay_differs()
+    if differs is None:
+        return None, None
+    gap = routed.plan.overruled if routed.plan.overruled is not None else differs.new_zeros(())
+    gap = gap.detach().float().reshape(1).clone()
+    dist.all_reduce(differs, group=sp.group)
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX, group=sp.group)
+    return differs, float(gap[0])
 
 
 def _shard_routing(routed, layout: GroupLayout, sp: SequenceParallel):

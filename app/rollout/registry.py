@@ -61,7 +61,8 @@ def build_rollout_engine(name: str, setup: EngineSetup) -> RolloutEngine:
         return VLLMEngine(setup.model_path, setup.rollout, setup.dtype, max_model_len=setup.max_model_len,
                           seed=setup.seed, device_type=setup.device.type, world=setup.world,
                           sleep_level=setup.sleep_level, sampling=setup.sampling, eos_ids=setup.eos_ids,
-                          pad_id=setup.pad_id)
+                          pad_id=setup.pad_id,
+                          record_routing=getattr(setup.rollout, "routing_replay", "off") == "r3")
     if name == "replay":
         from app.rollout.replay import ReplayEngine
 

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from app.rollout import vllm_moe
 from app.rollout.base import RolloutEngine
+from app.rollout.vllm_weights import policy_weights
 
 
 def collapse_placeholders(ids: list[int], placeholder_ids: set[int]) -> list[int]:
@@ -188,66 +189,6 @@ def suppressed_words(config, tokenizer) -> list[str]:
     return words
 
 
-# vLLM layers that load several checkpoint tensors at once: a layer must get all of them or none (a partial reload
-# leaves the rest uninitialized), so frozen tensors are skipped only when their whole layer is frozen
-FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
-
-
-def layer_key(name: str) -> str:
-    """The vLLM layer a checkpoint tensor loads into: its module, with q/k/v and gate/up fused."""
-    module = name.rsplit(".", 1)[0]
-    parent, _, last = module.rpartition(".")
-    return f"{parent}.{FUSED[last]}" if last in FUSED else module
-
-
-def _gathered(params: list):
-    """Under ZeRO-3, these parameters whole for the block (every rank must enter it, in the same order)."""
-    import contextlib
-
-    if any(getattr(p, "ds_id", None) is not None for p in params):
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-    return contextlib.nullcontext()
-
-
-def policy_weights(model, frozen: bool = True):
-    """(name, tensor) for every weight of the policy as its checkpoint names it, one module at a time, each a copy
-    handed on before the next is made: under ZeRO-3 each is gathered alone (every rank in the same order, never the
-    whole model). With LoRA each adapted linear goes as its merged weight W + B A * scaling (PEFT's
-    ``get_delta_weight``, computed from the gathered tensors; the model itself is not touched) and the adapter
-    tensors are not sent. ``frozen=False`` leaves out the tensors that cannot have changed: frozen ones whose whole
-    vLLM layer (``layer_key``) is frozen too (a frozen tower, LoRA's unadapted base weights)."""
-    from app.grouping.modules import unwrap
-
-    module = unwrap(model)
-    base = module.get_base_model() if hasattr(module, "get_base_model") else module  # a PeftModel, else as is
-    adapted = {name for name, layer in base.named_modules()
-               if hasattr(layer, "base_layer") and hasattr(layer, "lora_A") and hasattr(layer, "get_delta_weight")}
-    changing = {layer_key(f"{name}.weight") for name in adapted}
-    changing |= {layer_key(name) for name, param in base.named_parameters()
-                 if param.requires_grad and "lora_" not in name}
-    sent: set[int] = set()
-    for name, layer in base.named_modules():
-        if name not in adapted:
-            continue
-        params = list(layer.parameters())
-        with _gathered(params):
-            weight = layer.base_layer.weight.data.detach().clone()
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A:
-                    weight += layer.get_delta_weight(adapter).to(weight.dtype)
-            yield f"{name}.weight", weight
-            if getattr(layer.base_layer, "bias", None) is not None:
-                yield f"{name}.bias", layer.base_layer.bias.data.detach().clone()
-        sent.update(id(p) for p in params)
-    for name, param in base.named_parameters():
-        if id(param) in sent or (not frozen and layer_key(name) not in changing):
-            continue
-        with _gathered([param]):
-            yield name, param.data.detach().clone()
-
-
 def checkpoint_eos_ids(model_dir, tokenizer) -> list[int]:
     """The end-of-sequence ids a checkpoint's generation config names (else the tokenizer's), without loading the
     model."""
@@ -275,15 +216,19 @@ class VLLMEngine(RolloutEngine):
     name = "vllm"
 
     def __init__(self, model_path: str, rollout_cfg, dtype: str, *, max_model_len: int, seed: int,
-                 device_type: str, sampling, eos_ids, pad_id: int, world: int = 1, sleep_level: int = 0):
+                 device_type: str, sampling, eos_ids, pad_id: int, world: int = 1, sleep_level: int = 0,
+                 record_routing: bool = False):
         import os
 
+        from app.common.options import OptionError
+
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process (colocated)
+        refused = vllm_moe.routing_refusal(device_type) if record_routing else None
+        if refused is not None:
+            raise OptionError(*refused)
         if device_type != "cuda":
             import json
             from pathlib import Path
-
-            from app.common.options import OptionError
 
             refused = cpu_refusal(json.loads((Path(model_path) / "config.json").read_text()), dtype)
             if refused is not None:
@@ -322,6 +267,15 @@ class VLLMEngine(RolloutEngine):
                           kv_cache_memory_bytes=int(rollout_cfg.vllm_cpu_kv_cache_gib * (1 << 30)))
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's legacy variable would override the config
         kwargs.update(vllm_moe.engine_settings(config))  # a mixture of experts: what vLLM's MoE classes read
+        self.routing_shape = None  # rollout.routing_replay=r3: the sparse layers whose routed experts vLLM returns
+        if record_routing:
+            from app.grouping.experts.blocks import config_expert_shape
+
+            self.routing_shape = config_expert_shape(config)
+            if self.routing_shape is None:
+                raise OptionError("rollout.routing_replay", f"=r3 needs a mixture-of-experts model; {model_path} is "
+                                  "dense")
+            kwargs["enable_return_routed_experts"] = True
         self.model_type = config.model_type
         if not same_normalization(processor):
             kwargs["mm_device_do_normalize"] = False  # video pixels normalized by the video processor's own values
@@ -365,10 +319,14 @@ class VLLMEngine(RolloutEngine):
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         finally:
             self._sleep()
-        for b, (prompt, out) in enumerate(zip(prompts, outputs)):
+        names = [f"prompt {b} ({prompt.record.get('id', '?')})" for b, prompt in enumerate(prompts)]
+        for prompt, out, name in zip(prompts, outputs, names):
             ours = prompt.inputs["input_ids"][0][prompt.inputs["attention_mask"][0].bool()].tolist()
-            check_same_prompt(ours, out.prompt_token_ids, f"prompt {b} ({prompt.record.get('id', '?')})")
-        return rollout_from_outputs(outputs, group_size, self.pad_id, sum(p.length for p in prompts))
+            check_same_prompt(ours, out.prompt_token_ids, name)
+        rollout = rollout_from_outputs(outputs, group_size, self.pad_id, sum(p.length for p in prompts))
+        if self.routing_shape is not None:  # routing replay: vLLM's own experts of every token it computed
+            rollout.routing = vllm_moe.routing_record(outputs, self.routing_shape, names)
+        return rollout
 
     def push_weights(self, weights) -> int:
         """Load (name, tensor) pairs into vLLM's model in place and reset the prefix cache, whose K/V came from

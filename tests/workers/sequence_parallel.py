@@ -132,6 +132,31 @@ def _compare(spec: dict, model, prompts, families, sizes) -> None:
                            for k in ("load", "probability", "entropy", "tokens")),
                 aux=abs(float(load_balancing_loss(ours)) - float(load_balancing_loss(theirs))),
                 flipped=disagreements(mine.routing, scores.routing, prompts["attention_mask"], mask)["tokens"])
+        if moe and not report.get("replay"):  # routing replay (r3) under SP, first backend: a record that sends
+            # every completion token to a neighbouring expert (so replay changes the log-probs), on both sides
+            from app.grouping.experts.routing import Routing
+
+            record = scores.routing
+            shifted = Routing(record.prompt, torch.where(record.completion >= 0, (record.completion + 1) %
+                                                         expert_shape(model).experts, record.completion), record.layers)
+            replay = {"routing": shifted, "router_statistics": "loss"}
+            model.zero_grad(set_to_none=True)
+            alone = completion_logprobs(model, prompts, ids, mask, sizes, backend=backend, families=families, **replay)
+            objective(alone).backward()
+            alone_grads = {n: p.grad.clone() for n, p in params.items()}
+            model.zero_grad(set_to_none=True)
+            spread = completion_logprobs(model, prompts, ids, mask, sizes, backend=backend, families=families,
+                                         sequence_parallel=sp, chunk_size=spec.get("chunk_size", 1024), **replay)
+            objective(spread).backward()
+            differs = spread.replay_differs  # summed over the group's shards
+            worst = 0.0
+            for n, p in params.items():
+                g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(g)
+                worst = max(worst, max_rel_diff(g, alone_grads[n]))
+            report["replay"] = {"logprob": max_rel_diff(spread.logprobs.detach(), alone.logprobs.detach()),
+                                "moved": float((alone.logprobs - ref).abs().max()), "grad": worst,
+                                "differs": differs.tolist(), "alone_differs": alone.replay_differs.tolist()}
         if families:  # against the one-rank forward of each question on its own (k = 1)
             k1, k1_grads = one_rank(backend if backend in ("split", "masked", "flash") else "split", None)
             worst = max(params, key=lambda n: max_rel_diff(grads[n], k1_grads[n]))

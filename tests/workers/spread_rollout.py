@@ -7,7 +7,8 @@ Argument: a JSON file {"family", "checkpoint", "videos", "plan", "out", "chunk",
 replicas, each sampling the same prompts); ``setup``: "plain", "lora" or "frozen" (the tower frozen, LoRA on the
 language model). Every rank writes its report to out.RANK.json: whether its tokens, masks and stop reasons equal
 the plain rollout's, the largest log-prob difference, and its own work: the tower's patch rows, the prompt
-positions it ran through the layers, the K/V bytes it holds after the prefill.
+positions it ran through the layers, the K/V bytes it holds after the prefill; on a mixture-of-experts family both
+rollouts record their routing (``routing_replay``), and the report says where the records part.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from app.grouping.families import family_sizes
 from app.grouping.sequence_parallel import SequenceParallel
 from app.rollout.generate import SamplingConfig, generate_groups
 from app.runtime.distributed import exit_worker
+from app.runtime.models import MOE_FAMILIES
 from tests.helpers import load
 from tests.test_families import family_conversations
 
@@ -59,6 +61,9 @@ def run_case(spec: dict, case: dict, sp: SequenceParallel) -> dict:
     common = dict(tokenizer=tok, eos_ids=case.get("eos", []), pad_id=tok.pad_token_id, prompt_seeds=seeds,
                   prefill_chunk_size=case.get("chunk", 0), synced=False, families=family_sizes(shares),
                   decode=case.get("decode", "eager"))
+    moe = family in MOE_FAMILIES  # routing replay: the experts of every token recorded, spread and plain
+    if moe:
+        common["record_routing"] = True
     patches = []
     visual = getattr(getattr(model, "model", model), "visual", None)
     hook = visual.register_forward_pre_hook(lambda m, args: patches.append(int(args[0].shape[0]))) \
@@ -98,7 +103,17 @@ def run_case(spec: dict, case: dict, sp: SequenceParallel) -> dict:
         decoding.GroupedDecoder.__init__ = original
         if hook is not None:
             hook.remove()
-    return {"tokens_equal": bool(torch.equal(spread.completion_ids, plain.completion_ids)),
+    routing = {}
+    if moe:
+        from app.grouping.experts.routing import disagreements
+
+        real, record = inputs["attention_mask"].bool(), spread.routing
+        fed = plain.completion_mask.bool() & (torch.arange(plain.completion_mask.shape[1])[None]
+                                              < (plain.completion_mask.sum(1) - 1)[:, None])
+        routing = {"routing_differs": disagreements(record, plain.routing, real, fed),
+                   "routing_complete": bool((record.prompt[real] >= 0).all() and (record.prompt[~real] == -1).all()
+                                            and (record.completion[fed] >= 0).all())}
+    return {**routing, "tokens_equal": bool(torch.equal(spread.completion_ids, plain.completion_ids)),
             "mask_equal": bool(torch.equal(spread.completion_mask, plain.completion_mask)),
             "reasons_equal": spread.stop_reasons == plain.stop_reasons, "reasons": spread.stop_reasons,
             "logprob": float((spread.logprobs - plain.logprobs).abs().max()), "mine": mine, "whole": whole,

@@ -65,7 +65,7 @@ class GroupedDecoder:
         self.mode = decode_mode(decode, device, synced)
         self.routing = None  # ``routing.DecodeRouting``: the experts every token went to (rollout.routing_replay)
         if record_routing:
-            self.routing, self.mode = self._recording(model, group_sizes, max_new_tokens, families, spread, device)
+            self.routing, self.mode = self._recording(model, group_sizes, max_new_tokens, device)
         self.graph, self.graph_error = None, None
         self.clock = clock if clock is not None else PartClock(device)
         self.kept_steps, self.kept, self.replayed, self.compiled_now, self.made = keep, None, False, False, False
@@ -117,15 +117,11 @@ class GroupedDecoder:
         self.state_bytes = self.cache.recurrent.nbytes()  # a hybrid model's GDN states, one copy per sample
         set_text_attention(model, attention.ATTENTION_NAME)
 
-    def _recording(self, model, group_sizes, limit: int, families, spread, device):
+    def _recording(self, model, group_sizes, limit: int, device):
         """The routing recorder, and the decode mode it runs in: eager steps (a captured or compiled step does not
-        run the Python that records). Refused where the prefill is not the plain (or chunked) one."""
+        run the Python that records)."""
         from app.grouping.decoding.routing import DecodeRouting
 
-        if spread is not None or (families and any(size > 1 for size in families)):
-            raise ValueError("rollout.routing_replay=r3 records the plain (or chunked) prefill; not yet a rollout "
-                             "spread over a sequence-parallel group or questions sharing a video "
-                             "(train.sequence_parallel_size, data.questions_per_video)")
         if self.mode != "eager":
             log.info("rollout.routing_replay=r3: decode steps run eagerly (rollout.decode=%s would not record)",
                      self.mode)
@@ -140,13 +136,14 @@ class GroupedDecoder:
 
             past, mask, roots, logits, self.prefill_tokens = spread_prefill(
                 model, prompts, families or [1] * prompts["input_ids"].shape[0], positions, head=self.head,
-                chunk_size=chunk_size, sp=self.spread)
+                chunk_size=chunk_size, sp=self.spread, routing=self.routing)
             return past, mask, roots, logits
         if self.shares:
             from app.grouping.decoding.shared import shared_prefill
 
             past, mask, roots, logits, root_tokens = shared_prefill(
-                model, prompts, families, positions, head=self.head, chunk_size=chunk_size, synced=synced)
+                model, prompts, families, positions, head=self.head, chunk_size=chunk_size, synced=synced,
+                routing=self.routing)
             self.prefill_tokens = root_tokens + int(mask.sum())
             return past, mask, roots, logits
         from app.grouping.media import expanded

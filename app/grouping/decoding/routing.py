@@ -5,7 +5,10 @@ depends on its routing). The record is ``experts.routing.Routing`` (int16), layo
 forwards replay it in either layout.
 
 ``DecodeRouting`` hands a recording ``RoutePlan`` to the prefill (every chunk of a chunked prefill appends) and to
-each decode step, and follows the decoder's batch as finished samples leave it.
+each decode step, and follows the decoder's batch as finished samples leave it. A prefill in two parts (questions
+sharing a video: the roots V once, then each question on top, ``shared.py``; the same spread over a
+sequence-parallel group, each rank routing its piece of every chunk, ``spread.py``) records each part and hands the
+pieces to ``composed``: a family's V is routed once and its record copied into each member's prompt record.
 """
 
 from __future__ import annotations
@@ -45,12 +48,29 @@ class DecodeRouting:
             per_layer.append(torch.cat([c.reshape(rows, -1, self.shape.top_k) for c in calls], dim=1))
         return torch.stack(per_layer, dim=2)
 
-    def prefilled(self, attention_mask: torch.Tensor) -> None:
-        """After the prefill of the left-padded prompts: their record, -1 at the pads (a synced prefill's idle
-        calls come after the real chunks and are dropped)."""
-        batch, width = attention_mask.shape
+    def taken(self, mask: torch.Tensor) -> torch.Tensor:
+        """[rows, width, S, k] of the forward just run over left-padded rows ``mask`` [rows, width] (0/1), -1 at the
+        pads (a synced prefill's idle calls come after the real chunks and are dropped)."""
+        batch, width = mask.shape
         ids = self._stacked(batch)[:, :width]
-        self.prompt = ids.masked_fill(~attention_mask.bool().to(ids.device)[..., None, None], -1)
+        return ids.masked_fill(~mask.bool().to(ids.device)[..., None, None], -1)
+
+    def prefilled(self, attention_mask: torch.Tensor) -> None:
+        """After the prefill of the left-padded prompts: their record."""
+        self.prompt = self.taken(attention_mask)
+
+    def composed(self, roots, root_records, questions: torch.Tensor, lengths, width: int) -> None:
+        """After a prefill in two parts: each prompt's record [B, width, S, k] (left-padded, -1) from its root's
+        (``root_records[r]`` [V_r, S, k], the first V_r tokens of each of root r's members) and its question's
+        (``questions`` [B, Lq, S, k], left-padded: the rest of the prompt)."""
+        shape = questions.shape[-2:]
+        prompt = questions.new_full((len(lengths), width, *shape), -1)
+        for (members, v), root in zip(roots, root_records):
+            for m in members:
+                first, own = width - lengths[m], lengths[m] - v
+                prompt[m, first : first + v] = root.to(prompt.device)
+                prompt[m, width - own :] = questions[m, questions.shape[1] - own :]
+        self.prompt = prompt
 
     def stepped(self, step: int) -> None:
         """After decode step ``step`` (it fed completion token ``step`` of every sample in the batch)."""

@@ -198,10 +198,11 @@ class QuestionPrefill:
 
 
 def shared_prefill(model, prompts: dict, families: Sequence[int], positions: torch.Tensor, *, head,
-                   chunk_size: int = 0, synced: bool = False):
+                   chunk_size: int = 0, synced: bool = False, routing=None):
     """Prefill the roots once and the questions on top: (the questions' cache, their 0/1 mask [B, Lq], the
     ``SharedRoots``, logits of each group's last prompt position [B, V], roots' prompt tokens processed).
-    ``head``: the decoder's ``DecodingHead`` (installed around both forwards)."""
+    ``head``: the decoder's ``DecodingHead`` (installed around both forwards). ``routing``: a
+    ``routing.DecodeRouting`` that records both forwards' experts (a family's V once) as each prompt's record."""
     from app.grouping import attention
     from app.grouping.decoding.prefill import chunked_prefill
     from app.grouping.families import media_items, vision_of_items
@@ -233,10 +234,12 @@ def shared_prefill(model, prompts: dict, families: Sequence[int], positions: tor
         root_types = [types[members[0], width - lengths[members[0]]:][:v] for members, v in roots]
         root_batch["mm_token_type_ids"] = _left_padded(root_types)
     set_text_attention(model, "sdpa")
+    routed = routing.kwargs() if routing is not None else {}
     with head.installed(), chunked_prefill(model, chunk_size, synced):
         pos = root_batch.pop("position_ids")
         out = model(**root_batch, position_ids=pos if pos.shape[0] > 1 else pos[0], use_cache=True,
-                    logits_to_keep=1, **vision_of_items(root_items))
+                    logits_to_keep=1, **vision_of_items(root_items), **routed)
+    root_record = routing.taken(root_mask) if routing is not None else None
     from app.grouping.decoding.cache import is_recurrent_layer, prompt_states_of
 
     layers = out.past_key_values.layers
@@ -252,10 +255,14 @@ def shared_prefill(model, prompts: dict, families: Sequence[int], positions: tor
         kwargs["mm_token_type_ids"] = _left_padded([q_types[m] for m in order])
     set_text_attention(model, attention.ATTENTION_NAME)
     plan = QuestionPrefill(shared, q_mask)
+    routed = routing.kwargs() if routing is not None else {}
     with head.installed():
         out = model(input_ids=_left_padded([q_ids[m] for m in order]), attention_mask=None,
                     position_ids=pos if pos.shape[0] > 1 else pos[0], use_cache=True, logits_to_keep=1,
-                    **{attention.PLAN_KWARG: plan}, **kwargs)
+                    **{attention.PLAN_KWARG: plan}, **kwargs, **routed)
+    if routing is not None:  # V's record (the roots' last v columns: left-padded) in each member's prompt
+        routing.composed(roots, [root_record[r, root_record.shape[1] - v:] for r, (_, v) in enumerate(roots)],
+                         routing.taken(q_mask), lengths, width)
     past = out.past_key_values
     if plan.states:  # the questions' GDN states: what each sample continues
         from app.grouping.recurrent.state import RecurrentStates

@@ -151,20 +151,40 @@ def _local_extra(extra: dict, start: int, end: int) -> dict:
             "deepstack_visual_embeds": [d[before : before + count] for d in extra["deepstack_visual_embeds"]]}
 
 
-def _run_language(model, embeds, positions, plan, extra: dict):
-    """The decoder stack on some positions under ``plan`` (no cache, no mask: the plan is the attention)."""
+def _run_language(model, embeds, positions, plan, extra: dict, *, routing=None, lengths: list[int] | None = None):
+    """The decoder stack on some positions under ``plan`` (no cache, no mask: the plan is the attention): (the last
+    hidden states, and with ``routing`` (``routing.DecodeRouting``) the experts of the rank pieces ``lengths``
+    gathered over the group ([rows, sum(lengths), S, k] on every rank; else None))."""
     from app.grouping import attention
 
     language = _language_model(model)
     pos = positions if positions.shape[0] > 1 else positions[0]
-    return language(inputs_embeds=embeds, position_ids=pos, attention_mask=None, use_cache=False,
-                    **{attention.PLAN_KWARG: plan}, **extra).last_hidden_state
+    routed = routing.kwargs() if routing is not None else {}
+    hidden = language(inputs_embeds=embeds, position_ids=pos, attention_mask=None, use_cache=False,
+                      **{attention.PLAN_KWARG: plan}, **extra, **routed).last_hidden_state
+    if routing is None:
+        return hidden, None
+    rows = embeds.shape[0]
+    return hidden, gather_positions(routing.taken(embeds.new_ones((rows, embeds.shape[1]))), plan.sp, lengths)
+
+
+def gather_positions(local: torch.Tensor, sp: SequenceParallel, lengths: list[int]) -> torch.Tensor:
+    """Every rank's ``local`` [rows, lengths[rank], ...] (its piece of the positions), concatenated in rank order
+    on every rank: [rows, sum(lengths), ...] (a spread prefill's routing record)."""
+    if sp.size == 1:
+        return local
+    padded = local.new_full((local.shape[0], max(lengths), *local.shape[2:]), -1, dtype=torch.int32)
+    padded[:, : local.shape[1]] = local
+    parts = [torch.empty_like(padded) for _ in range(sp.size)]
+    dist.all_gather(parts, padded, group=sp.group)
+    return torch.cat([part[:, :n] for part, n in zip(parts, lengths)], dim=1).to(local.dtype)
 
 
 def root_prefill(model, ids: torch.Tensor, positions: torch.Tensor, vision: dict, *, sp: SequenceParallel,
-                 chunk_size: int) -> tuple[RootStore, int]:
+                 chunk_size: int, routing=None) -> tuple[RootStore, int]:
     """One root (ids [V], positions [axes, V]) prefilled spread over ``sp``: its K/V of this rank's heads, and the
-    positions this rank ran through the layers."""
+    positions this rank ran through the layers. ``routing``: its experts recorded, the whole root's
+    [V, S, k] on every rank (``store.routing``)."""
     from app.grouping.modules import unwrap
     from app.grouping.vision.frames import insert_vision
 
@@ -175,16 +195,20 @@ def root_prefill(model, ids: torch.Tensor, positions: torch.Tensor, vision: dict
         embeds, extra = insert_vision(model, vision, ids, (0, ids.shape[0]), embeds, sp)
     from app.grouping.recurrent.spread import RootStates
 
-    store, ran = RootStore(ids.shape[0]), 0
+    store, ran, records = RootStore(ids.shape[0]), 0, []
     store.states = RootStates()  # a hybrid's GDN states of this rank's heads, chunk to chunk
     for start, end in _pieces(ids.shape[0], chunk_size, sp.size):
         bounds = shard_bounds(end - start, sp.size)
         lo, hi = bounds[sp.rank]
-        plan = UlyssesPlan(sp, [b - a for a, b in bounds], store.attend, store.states.core)
-        _run_language(model, embeds[:, start + lo : start + hi], positions[:, None, start + lo : start + hi], plan,
-                      _local_extra(extra, start + lo, start + hi))
+        lengths = [b - a for a, b in bounds]
+        plan = UlyssesPlan(sp, lengths, store.attend, store.states.core)
+        _, record = _run_language(model, embeds[:, start + lo : start + hi], positions[:, None, start + lo : start + hi],
+                                  plan, _local_extra(extra, start + lo, start + hi), routing=routing,
+                                  lengths=lengths)
+        records.append(record)
         store.end = end
         ran += hi - lo
+    store.routing = torch.cat(records, dim=1)[0] if routing is not None else None
     return store, ran
 
 
@@ -219,11 +243,12 @@ class _Past:
 
 
 def spread_prefill(model, prompts: dict, families: Sequence[int], positions: torch.Tensor, *, head, chunk_size: int,
-                   sp: SequenceParallel):
+                   sp: SequenceParallel, routing=None):
     """``shared.shared_prefill`` spread over ``sp``: (the questions' K/V of this rank's heads as a cache, their 0/1
     mask [B, Lq], the roots (this rank's heads), each prompt's last logits [B, V] (the same on every rank), the
     prompt positions this rank ran through the layers). Every prompt is a root (a family's video, or a prompt's all
-    but its last token) with questions on top that hold no media."""
+    but its last token) with questions on top that hold no media. ``routing``: the experts of every prompt token
+    recorded (each rank routes its pieces; the record is gathered, whole on every rank)."""
     from app.grouping.decoding.static import padded_left
     from app.grouping.families import media_items, vision_of_items
     from app.grouping.modules import set_text_attention, unwrap
@@ -240,14 +265,15 @@ def spread_prefill(model, prompts: dict, families: Sequence[int], positions: tor
     from app.grouping.recurrent.state import RecurrentStates
 
     layer_count = text_config(model).num_hidden_layers
-    keys, values, root_masks, group_root, ran, root_states = [], [], [], {}, 0, []
+    keys, values, root_masks, group_root, ran, root_states, root_records = [], [], [], {}, 0, [], []
     q_ids, q_pos = {}, {}
     for r, (members, v) in enumerate(roots):
         first = width - lengths[members[0]]
         root_items = [e for e in items[members[0]] if e["first"] < v]
         store, done = root_prefill(model, ids[members[0], first : first + v], positions[:, members[0], first : first + v],
-                                   vision_of_items(root_items), sp=sp, chunk_size=chunk_size)
+                                   vision_of_items(root_items), sp=sp, chunk_size=chunk_size, routing=routing)
         ran += done
+        root_records.append(store.routing)
         # per layer: the attention layers' K/V of this rank's heads, None for a hybrid's GDN layers (their states)
         keys.append([store.keys[layer][0] if layer in store.keys else None for layer in range(layer_count)])
         values.append([store.values[layer][0] if layer in store.keys else None for layer in range(layer_count)])
@@ -293,8 +319,13 @@ def spread_prefill(model, prompts: dict, families: Sequence[int], positions: tor
     plan = UlyssesPlan(sp, [b - a for a, b in bounds], questions.attend,
                        question_core(gdn, shared.group_root, q_mask, kept_states))
     embeds = unwrap(model).get_input_embeddings()(q_rows[:, lo:hi])
-    hidden = _run_language(model, embeds, pos[..., lo:hi], plan, {})
+    hidden, record = _run_language(model, embeds, pos[..., lo:hi], plan, {}, routing=routing,
+                                   lengths=[b - a for a, b in bounds])
     ran += int(q_mask[:, lo:hi].sum())  # the questions' real tokens in this rank's piece
+    if routing is not None:
+        pad = record.new_full((), -1)
+        routing.composed(roots, root_records, torch.where(q_mask.bool()[..., None, None], record, pad), lengths,
+                         width)
     last = hidden[:, -1].contiguous()
     if sp.size > 1:
         holder = dist.get_global_rank(sp.group, sp.size - 1) if sp.group is not None else sp.size - 1

@@ -122,6 +122,19 @@ class ExpertShape:
         return len(self.layers) * self.top_k * torch.empty((), dtype=dtype).element_size()
 
 
+def config_expert_shape(config) -> ExpertShape | None:
+    """``expert_shape`` from a (composite or text) config alone, as transformers builds the layers: a layer is sparse
+    unless ``mlp_only_layers`` names it, every ``decoder_sparse_step``-th (Qwen3.5-MoE: every layer)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = int(getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0) or 0)
+    if not experts:
+        return None
+    step = int(getattr(text, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(text, "mlp_only_layers", None) or ())
+    layers = tuple(i for i in range(text.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+    return ExpertShape(layers, experts, int(text.num_experts_per_tok))
+
+
 def expert_shape(model) -> ExpertShape | None:
     found = sparse_layers(model)
     if not found:
