@@ -212,6 +212,36 @@ def test_routing_replay_trains_through_the_rollouts_experts_in_both_layouts(fami
     assert "routing/replay_differs" not in metrics(tmp_path / "off")[-1]
 
 
+@pytest.mark.slow  # one run in this process, one launch of 2 processes
+@pytest.mark.distributed
+def test_routing_replay_with_a_shared_video_spread_over_two_ranks_trains_like_one_process(moe_assets, tmp_path,
+                                                                                         monkeypatch):
+    """rollout.routing_replay=r3 with k = 2 questions on one video and S = 2 (the rollout spread over the group:
+    each rank routes its pieces of the video's and the questions' prefill, the record gathered; the update replays
+    each rank's shard of the packed row): scripts/train.sh on 2 processes reaches the one-process run's weights
+    (1e-4), every step replaying the rollouts' experts with the video held once."""
+    from app.training.trainer import main
+
+    common = {"train.max_steps": 2, "data.questions_per_video": 2, "data.train_file": moe_assets["shared_train"],
+              "train.prompts_per_rank": 2, "train.groups_per_micro_batch": 2, "rollout.routing_replay": "r3",
+              "rollout.sp_split": "spread", "rollout.prefill_chunk_size": 32}
+    family = "qwen3_5_moe"
+    with world_of_one(monkeypatch):
+        main(["configs/demo_cpu.yaml", *moe_overrides(moe_assets, family, tmp_path / "one", **common)])
+    two = run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml",
+               *moe_overrides(moe_assets, family, tmp_path / "two", **common, **{"train.sequence_parallel_size": 2})],
+              env={"NPROC_PER_NODE": "2"})
+    assert two.stderr.count("each spread over the group") == 1, two.stderr[-3000:]
+    initial = weights(moe_assets["checkpoints"][family])
+    assert_close_weights(weights(tmp_path / "two" / "final"), weights(tmp_path / "one" / "final"), initial, 1e-4)
+    for name in ("one", "two"):
+        rows = metrics(tmp_path / name)
+        assert len(rows) == 2 and all(0 <= r["routing/replay_differs"] <= 1 and r["tokens/shared_video"] > 0
+                                      for r in rows), rows
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [r["reward/mean"] for r in one] == [r["reward/mean"] for r in two]
+
+
 @pytest.mark.slow  # three launches of 2 processes (about a minute on 2 cores)
 def test_routing_replay_through_the_launcher_under_zero3_resumes_after_kill_and_is_drawn(moe_assets, tmp_path):
     """scripts/train.sh, 2 processes under ZeRO-3, Qwen3-VL-MoE, rollout.routing_replay=r3, 3 steps: every step logs
