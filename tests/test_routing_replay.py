@@ -51,8 +51,9 @@ def test_the_grouped_engine_samples_moe_models_as_hf_and_every_decode_setting_do
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_a_rollout_records_the_experts_the_forward_routes_each_prompt_once(family, tiny_checkpoints, videos):
     """float32: the record of the prefill and of every decode step equals the experts a full forward of [P;Ri]
-    routes (no near-tie on these weights); the prompt's is held once per group; chunked prefill and a static decode
-    setting (run eagerly to record) record the same; sampling is unchanged by recording."""
+    routes (no near-tie on these weights); the prompt's is held once per group; chunked prefill and static decode
+    steps (recording into a fixed buffer, as a captured or compiled step does; kept across two rollouts) record the
+    same; sampling is unchanged by recording."""
     model, prompts, tok = setup(family, tiny_checkpoints, videos)
     plain = generate_groups(model, prompts, [3, 2], SAMPLING, tokenizer=tok)
     rollout = generate_groups(model, prompts, [3, 2], SAMPLING, tokenizer=tok, record_routing=True)
@@ -70,7 +71,11 @@ def test_a_rollout_records_the_experts_the_forward_routes_each_prompt_once(famil
     used = fed(rollout.completion_mask)
     assert used.any() and torch.equal(record.completion[used].sort(-1).values, free.completion[used].sort(-1).values)
     assert bool((record.completion[~rollout.completion_mask.bool()] == -1).all())  # past each completion: nothing
-    for settings in ({"prefill_chunk_size": 4}, {"decode": "static"}):
+    from app.grouping import StaticSteps
+
+    kept = StaticSteps()
+    for settings in ({"prefill_chunk_size": 4}, {"decode": "static"}, {"decode": "static", "static_steps": kept},
+                     {"decode": "static", "static_steps": kept}):
         again = generate_groups(model, prompts, [3, 2], SAMPLING, tokenizer=tok, record_routing=True, **settings)
         assert torch.equal(again.completion_ids, rollout.completion_ids), settings
         assert torch.equal(again.routing.prompt[real].sort(-1).values, record.prompt[real].sort(-1).values)
@@ -242,3 +247,26 @@ def test_vllms_routed_experts_become_the_record_the_update_replays(family, tiny_
     assert torch.equal(rollout.completion_ids, ours.completion_ids)
     assert torch.equal(rollout.routing.prompt, ours.routing.prompt)
     assert torch.equal(rollout.routing.completion[used], ours.routing.completion[used])
+
+
+@pytest.mark.slow  # compiling the step on this CPU
+def test_a_compiled_step_records_the_experts_the_eager_steps_record(tiny_checkpoints, videos, caplog):
+    """rollout.decode=compiled with r3 (the step the GPU captures as a graph after compiling it): compiled, not
+    fallen back, kept across two rollouts without recompiling, the same tokens and routing record as eager steps."""
+    from app.grouping import StaticSteps
+
+    family = "qwen3_5_moe"
+    model, prompts, tok = setup(family, tiny_checkpoints, videos)
+    eager = generate_groups(model, prompts, [3, 2], SAMPLING, tokenizer=tok, record_routing=True)
+    kept = StaticSteps()
+    used = fed(eager.completion_mask)
+    with caplog.at_level("WARNING"):
+        for i in range(2):
+            compiled = generate_groups(model, prompts, [3, 2], SAMPLING, tokenizer=tok, record_routing=True,
+                                       decode="compiled", static_steps=kept)
+            assert torch.equal(compiled.completion_ids, eager.completion_ids), i
+            assert torch.equal(compiled.routing.prompt, eager.routing.prompt)
+            assert torch.equal(compiled.routing.completion[used].sort(-1).values,
+                               eager.routing.completion[used].sort(-1).values), i
+            assert compiled.parts["kept/compiles"] == float(i == 0) and compiled.parts["recompiles"] == 0, i
+    assert "could not be compiled" not in caplog.text

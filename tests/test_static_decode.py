@@ -225,17 +225,22 @@ class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"])
 def test_a_static_step_never_waits_for_the_device(family, tiny_checkpoints, videos):
     """What CUDA graph capture needs from the step it records: no operator that reads a value back to the host or
-    sizes its output by the data (checked on CPU, operator by operator), with prompts of unequal lengths."""
+    sizes its output by the data (checked on CPU, operator by operator), with prompts of unequal lengths. A mixture
+    of experts recording its routing (rollout.routing_replay=r3) too: the step and the copy of its record."""
     from app.grouping import GroupedDecoder
 
     model, processor = load(family, tiny_checkpoints)
     prompts = prompt_batch(family, processor, videos, KINDS[family])
-    with torch.no_grad():
-        decoder = GroupedDecoder(model, prompts, [3, 2], 8, decode="static")
-        tokens = torch.full((5,), 7, dtype=torch.long)
-        decoder.step(tokens)
-        spy = _HostSyncs()
-        with spy:
-            decoder._runner()()
-        decoder.close()
-    assert spy.calls == [], f"the static step syncs with the host: {spy.calls}"
+    for record in (False, True) if family.endswith("_moe") else (False,):
+        with torch.no_grad():
+            decoder = GroupedDecoder(model, prompts, [3, 2], 8, decode="static", record_routing=record)
+            tokens = torch.full((5,), 7, dtype=torch.long)
+            decoder.step(tokens)
+            spy = _HostSyncs()
+            with spy:
+                decoder._runner()()
+                if record:
+                    decoder.step(tokens)
+            decoder.close()
+        assert spy.calls == [], f"the static step syncs with the host (recording: {record}): {spy.calls}"
+        assert not record or bool((decoder.routing.completion[:, :2] >= 0).all())

@@ -64,8 +64,10 @@ class GroupedDecoder:
         device = prompts["input_ids"].device
         self.mode = decode_mode(decode, device, synced)
         self.routing = None  # ``routing.DecodeRouting``: the experts every token went to (rollout.routing_replay)
-        if record_routing:
-            self.routing, self.mode = self._recording(model, group_sizes, max_new_tokens, device)
+        if record_routing:  # a static step records into a fixed buffer: captured or compiled, it records too
+            from app.grouping.decoding.routing import DecodeRouting
+
+            self.routing = DecodeRouting(model, sum(group_sizes), max_new_tokens, device)
         self.graph, self.graph_error = None, None
         self.clock = clock if clock is not None else PartClock(device)
         self.kept_steps, self.kept, self.replayed, self.compiled_now, self.made = keep, None, False, False, False
@@ -116,16 +118,6 @@ class GroupedDecoder:
                                         if x is not None))
         self.state_bytes = self.cache.recurrent.nbytes()  # a hybrid model's GDN states, one copy per sample
         set_text_attention(model, attention.ATTENTION_NAME)
-
-    def _recording(self, model, group_sizes, limit: int, device):
-        """The routing recorder, and the decode mode it runs in: eager steps (a captured or compiled step does not
-        run the Python that records)."""
-        from app.grouping.decoding.routing import DecodeRouting
-
-        if self.mode != "eager":
-            log.info("rollout.routing_replay=r3: decode steps run eagerly (rollout.decode=%s would not record)",
-                     self.mode)
-        return DecodeRouting(model, sum(group_sizes), limit, device), "eager"
 
     def _prefill(self, model, prompts, families, positions, chunk_size: int, synced: bool):
         """The prompts' K/V (or the shared roots' and the questions'), their mask, and each group's first logits."""
@@ -180,14 +172,23 @@ class GroupedDecoder:
         else:
             self._tokens.copy_(tokens)
             logits = self._static_logits()
+            if self.routing is not None:
+                self.routing.static_stepped(self._holder, self.steps)
         self.steps += 1
         return logits
+
+    @property
+    def _holder(self):
+        """What keeps the static step's state: the bucket kept across rollouts, else this decoder."""
+        return self.kept if self.kept is not None else self
 
     def _static_logits(self) -> torch.Tensor:
         """One static-shape step: the kept graph replayed (its weights where they were at capture), else the step
         run (compiled in ``compiled`` mode) and, on CUDA in ``graph`` / ``compiled`` mode, captured after its first
         run for the rest of the rollout and, with ``keep``, for every later rollout of the bucket."""
         kept, steps = self.kept, self.kept_steps
+        if kept is not None and self.routing is not None and getattr(kept, "route_plan", None) is None:
+            kept.graph, kept.logits, kept.compiled = None, None, None  # made without recording: made again with it
         if kept is not None and kept.graph is not None:
             if kept.pointers == weight_pointers(self.model):
                 kept.graph.replay()
@@ -212,15 +213,17 @@ class GroupedDecoder:
     def _runner(self):
         """The static step as a callable: plain (the CPU head packed around it) or compiled (once per kept bucket:
         its tensors are the same objects every rollout: dynamo's guards hold, nothing recompiles)."""
+        holder = self._holder
+        routed = self.routing.static_plan(holder) if self.routing is not None else None
         if self.mode != "compiled":
             def plain():
                 with self.head.installed():
-                    return static_step(self.model, self.cache, self._last_position, self._tokens, self._plan_kwarg)
+                    return static_step(self.model, self.cache, self._last_position, self._tokens, self._plan_kwarg,
+                                       routed)
             return plain
-        holder = self.kept if self.kept is not None else self
         if getattr(holder, "compiled", None) is None:
             step = functools.partial(static_step, self.model, self.cache, self._last_position, self._tokens,
-                                     self._plan_kwarg)
+                                     self._plan_kwarg, routed)
             compiled = torch.compile(step, dynamic=False)
 
             def guarded():

@@ -72,6 +72,25 @@ class DecodeRouting:
                 prompt[m, width - own :] = questions[m, questions.shape[1] - own :]
         self.prompt = prompt
 
+    def static_plan(self, holder) -> dict:
+        """The forward keyword argument of a static decode step: one plan per static state ``holder`` (the bucket
+        kept across rollouts, or the decoder), copying each layer's ids into its fixed buffer, so the step captured
+        as a CUDA graph or compiled records too (``static_stepped`` reads the buffer after each step)."""
+        from app.grouping.experts.routing import ROUTING_KWARG, RoutePlan
+
+        plan = getattr(holder, "route_plan", None)
+        rows = len(self.rows)
+        if plan is None or plan.into.shape[0] != rows:
+            plan = RoutePlan(self.shape.layers, into=torch.full((rows, len(self.shape.layers), self.shape.top_k), -1,
+                                                                dtype=torch.int16, device=self.completion.device))
+            holder.route_plan = plan
+        return {ROUTING_KWARG: plan}
+
+    def static_stepped(self, holder, step: int) -> None:
+        """After static step ``step`` (every sample stays in a static batch; a finished one's ids are dropped by
+        ``record``)."""
+        self.completion[:, step] = holder.route_plan.into
+
     def stepped(self, step: int) -> None:
         """After decode step ``step`` (it fed completion token ``step`` of every sample in the batch)."""
         self.completion[self.rows, step] = self._stacked(len(self.rows))[:, 0].to(self.completion.device)

@@ -197,14 +197,16 @@ class StaticSteps:
         return out
 
 
-def static_step(model, cache, last_position: torch.Tensor, tokens: torch.Tensor, plan_kwarg: str) -> torch.Tensor:
+def static_step(model, cache, last_position: torch.Tensor, tokens: torch.Tensor, plan_kwarg: str,
+                routed: dict | None = None) -> torch.Tensor:
     """One static-shape decode step on ``tokens``: only device tensors change between steps (the step number lives
-    in ``cache.written``), so a CUDA graph of it replays every later step and a compiled one never re-traces."""
+    in ``cache.written``), so a CUDA graph of it replays every later step and a compiled one never re-traces.
+    ``routed``: the routing record's keyword argument (``routing.DecodeRouting.static_plan``: a fixed buffer)."""
     cache.begin_step()
     positions = (last_position + 1 + cache.written)[:, :, None]  # [axes, N, 1]
     out = model(input_ids=tokens[:, None], attention_mask=None,
                 position_ids=positions if positions.shape[0] > 1 else positions[0],
-                past_key_values=cache, use_cache=True, **{plan_kwarg: cache})
+                past_key_values=cache, use_cache=True, **{plan_kwarg: cache}, **(routed or {}))
     cache.end_step()
     return out.logits[:, -1]
 

@@ -227,7 +227,10 @@ class RoutePlan:
     (``differs``: [T] bool; the rollout-against-update routing agreement)."""
 
     def __init__(self, layers: Sequence[int], *, replay: torch.Tensor | None = None,
-                 weights: torch.Tensor | None = None, grad: bool = False, record: bool = False):
+                 weights: torch.Tensor | None = None, grad: bool = False, record: bool = False,
+                 into: torch.Tensor | None = None):
+        self.into = into  # [T, S, k] int16: each layer's ids copied in (a static decode step's record: the copy is
+        # part of the step, so a captured or compiled step keeps recording)
         self.layers = tuple(layers)
         self.slot = {layer: s for s, layer in enumerate(self.layers)}
         self.replay, self.weights, self.grad, self.record = replay, weights, grad, record
@@ -271,6 +274,8 @@ class RoutePlan:
             sums = layer_sums(logits, indices, self.weights, self.grad)
             if first:
                 self.sums[s] = sums
+        if self.into is not None:
+            self.into[:, s].copy_(indices.detach())
         if self.record == "append":
             self.calls[s].append(indices.detach().to(torch.int16))
         elif self.record and first:
