@@ -89,6 +89,9 @@ for _family, _size, _variant, _slow in SHARING_CASES:
 job("rollout-families", 2, "sp_rollout", family="qwen2_5_vl", plan=[0, 0, 0, 1, 1, 1, -1], chunk=0)
 job("rollout-spread", 2, "sp_rollout", family="qwen2_5_vl", plan=[0, 0, 0, 1, -1], chunk=24)
 job("rollout-fewer-families", 2, "sp_rollout", family="qwen2_5_vl", plan=[0, 0, 0], chunk=24)
+for _name, _plan in (("moe", [0, 0, 1, -1]), ("moe-one-family", [0, 0])):  # whole families per rank, one idle
+    job(f"rollout-families-{_name}", 2, "sp_rollout", family="qwen3_vl_moe", plan=_plan, setting="families",
+        record=True)
 job("spread-qwen2_5_vl-2", 2, "spread_rollout", family="qwen2_5_vl", sp=2, cases=SPREAD_CASES)
 job("spread-qwen3_5-2", 2, "spread_rollout", family="qwen3_5", sp=2, cases=SPREAD_CASES)
 job("spread-qwen3_5-4", 4, "spread_rollout", True, family="qwen3_5", sp=4, cases=SPREAD_CASES)
@@ -230,6 +233,19 @@ def test_a_sequence_parallel_groups_rollout_prefills_each_family_once(split, lau
     assert r["logprob"] <= 1e-5, r
     assert all(p > 0 for p in r["prefilled_per_rank"]), r  # both ranks sampled a share
     assert sum(r["prefilled_per_rank"]) == r["prefill_whole"] == r["prefill_group"] < r["prompt_tokens"], str(r)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["moe", "moe-one-family"])
+def test_whole_families_per_rank_carry_their_routing_records(name, launched):
+    """Routing replay under S = 2 with whole families per rank (rollout.sp_split=families): each rank's record
+    gathered with its rollout, in prompt order, equals one rank's rollout of every prompt token for token, a rank
+    without a family included (it sends an empty record)."""
+    r = json.loads(launched(f"rollout-families-{name}").read_text())
+    assert r["split"] == "families" and r["tokens_equal"], r
+    routing = r["routing"]
+    assert routing["shapes_equal"] and routing["layers_equal"] and routing["real_tokens"] > 0, routing
+    assert routing["tokens"] == 0, routing
 
 
 @pytest.mark.distributed

@@ -181,9 +181,16 @@ class SharedInGroup(RolloutEngine):
         device = rollout.completion_ids.device
         codes = torch.tensor([STOP_REASONS.index(r) for r in rollout.stop_reasons], dtype=torch.long, device=device)
         counts = torch.tensor([*rollout.group_sizes, rollout.prefill_tokens, rollout.prompt_tokens], device=device)
-        parts = self.group.gather_in_group([rollout.completion_ids, rollout.completion_mask, rollout.logprobs, codes,
-                                            counts])
+        tensors = [rollout.completion_ids, rollout.completion_mask, rollout.logprobs, codes, counts]
+        if getattr(self.inner, "records_routing", False):  # routing replay: each rank's record travels too
+            empty = torch.zeros(0, 0, 0, 0, dtype=torch.int32)
+            record = rollout.routing
+            tensors += [empty, empty, torch.zeros(0, dtype=torch.long)] if record is None else [
+                record.prompt.int(), record.completion.int(), torch.tensor(record.layers, dtype=torch.long)]
+        parts = self.group.gather_in_group(tensors)
         whole = _in_prompt_order(parts, owners, self.pad_id)
+        if len(tensors) > 5:
+            whole.routing = _routing_in_prompt_order(parts, owners, whole.completion_ids.shape[1])
         whole.parts = dict(rollout.parts)  # where this rank's time went
         return whole
 
@@ -265,6 +272,30 @@ def _in_prompt_order(parts: list[list[torch.Tensor]], owners: list[int], pad_id:
                    group_sizes=group_sizes, stop_reasons=reasons,
                    prefill_tokens=sum(int(part[4][-2]) for part in parts),
                    prompt_tokens=sum(int(part[4][-1]) for part in parts))
+
+
+def _routing_in_prompt_order(parts: list[list[torch.Tensor]], owners: list[int], width: int):
+    """The routing record of ``_in_prompt_order``'s rollout: each rank's (prompt [b, Lp, S, k], completion
+    [n, Lc, S, k], sparse layers) records (``parts[rank][5:8]``), prompts left-padded to the widest, completions
+    cut or padded to ``width`` (-1), groups in prompt order."""
+    from app.grouping.experts.routing import MISSING, Routing
+
+    sampled = next(p for p in parts if p[5].numel())  # a rank that sampled (one always does)
+    prompt_width = max(part[5].shape[1] for part in parts if part[5].numel())
+    shape = sampled[5].shape[2:]
+    sizes = [part[4].tolist()[:-2] for part in parts]
+    taken = [0] * len(parts)
+    prompts, completions = [], []
+    for rank in owners:
+        k = taken[rank]
+        taken[rank] += 1
+        start = sum(sizes[rank][:k])
+        p = parts[rank][5][k]
+        prompts.append(torch.cat([p.new_full((prompt_width - p.shape[0], *shape), MISSING), p]))
+        c = parts[rank][6][start : start + sizes[rank][k], :width]
+        completions.append(torch.cat([c, c.new_full((c.shape[0], width - c.shape[1], *shape), MISSING)], dim=1))
+    return Routing(torch.stack(prompts).to(torch.int16), torch.cat(completions).to(torch.int16),
+                   tuple(sampled[7].tolist()))
 
 
 def prompt_identity(prompt) -> str:

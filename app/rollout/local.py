@@ -28,6 +28,8 @@ class LocalEngine(RolloutEngine):
         self.name, self.setup = name, setup
         self.kept = StaticSteps(guard=setup.capture_guard)
         self.spreads = name == "grouped"
+        # rollout.routing_replay=r3: every rollout carries its routing record (``SharedInGroup`` gathers it too)
+        self.records_routing = name == "grouped" and getattr(setup.rollout, "routing_replay", "off") == "r3"
 
     def generate(self, prompts, group_size: int, seeds, sampling=None, *, spread=None) -> Rollout:
         """``spread``: the sequence-parallel group every rank of which samples these prompts together (``generate_groups``);
@@ -56,7 +58,7 @@ class LocalEngine(RolloutEngine):
                                       prefill_chunk_size=getattr(s.rollout, "prefill_chunk_size", 0), decode=decode,
                                       families=family_sizes([getattr(p, "share", None) for p in prompts]),
                                       static_steps=self.kept, clock=clock, spread=spread,
-                                      record_routing=getattr(s.rollout, "routing_replay", "off") == "r3")
+                                      record_routing=self.records_routing)
             release = PartClock(s.device)
         release.lap("gather")  # the parameters released (ZeRO-3: partitioned again)
         rollout.parts["gather"] = rollout.parts.get("gather", 0.0) + release.seconds().get("gather", 0.0)

@@ -267,6 +267,7 @@ class VLLMEngine(RolloutEngine):
                           kv_cache_memory_bytes=int(rollout_cfg.vllm_cpu_kv_cache_gib * (1 << 30)))
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's legacy variable would override the config
         kwargs.update(vllm_moe.engine_settings(config))  # a mixture of experts: what vLLM's MoE classes read
+        self.records_routing = record_routing
         self.routing_shape = None  # rollout.routing_replay=r3: the sparse layers whose routed experts vLLM returns
         if record_routing:
             from app.grouping.experts.blocks import config_expert_shape

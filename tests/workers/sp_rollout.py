@@ -3,7 +3,8 @@ grouped engine) against one rank's rollout of every prompt, greedy.
 
 Argument: a JSON file {"family", "checkpoint", "videos", "plan", "out", "chunk"}: ``plan`` as in
 ``tests.test_families`` (per prompt the video it asks about; consecutive equal entries are a family sharing it);
-``chunk``: rollout.prefill_chunk_size. Rank 0 writes whether tokens, masks and stop reasons are equal, the largest
+``chunk``: rollout.prefill_chunk_size; ``setting``: rollout.sp_split; ``record``: routing replay's record (a MoE
+family), gathered with the rollout. Rank 0 writes whether tokens, masks and stop reasons are equal, the largest
 log-prob difference, and how many prompt tokens each rank prefilled.
 """
 
@@ -47,7 +48,9 @@ def run(spec: dict) -> None:
                                        length=int(inputs["attention_mask"].sum()), record={"problem_id": i}))
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=12)
     seeds = [11 * i + 3 for i in range(len(prompts))]
-    rollout_cfg = SimpleNamespace(zero3_gather="full", decode="auto", prefill_chunk_size=spec.get("chunk", 0))
+    record = bool(spec.get("record"))  # routing replay on a MoE family: the record travels with the rollout
+    rollout_cfg = SimpleNamespace(zero3_gather="full", decode="auto", prefill_chunk_size=spec.get("chunk", 0),
+                                  routing_replay="r3" if record else "off")
     setup = EngineSetup(policy=model, tokenizer=tok, sampling=sampling, device=torch.device("cpu"), eos_ids=[],
                         pad_id=tok.pad_token_id, rollout=rollout_cfg)
     group = ParallelContext(rank=rank, world=size, sp=SequenceParallel(rank=rank, size=size, group=None))
@@ -61,7 +64,7 @@ def run(spec: dict) -> None:
         return out
 
     inner.generate = counting
-    adapter = SharedInGroup(inner, group, pad_id=tok.pad_token_id)
+    adapter = SharedInGroup(inner, group, pad_id=tok.pad_token_id, setting=spec.get("setting", "auto"))
     got = adapter.generate(prompts, 2, seeds)
     from app.data.prompts import collate_prompts
     from app.grouping.families import family_sizes
@@ -69,7 +72,7 @@ def run(spec: dict) -> None:
     whole = generate_groups(model, collate_prompts([p.inputs for p in prompts], tok.pad_token_id, torch.device("cpu")),
                             2, sampling, tokenizer=tok, eos_ids=[], pad_id=tok.pad_token_id, prompt_seeds=seeds,
                             prefill_chunk_size=spec.get("chunk", 0), synced=False,
-                            families=family_sizes([p.share for p in prompts]))
+                            families=family_sizes([p.share for p in prompts]), record_routing=record)
     prefilled = [torch.zeros(1, dtype=torch.long) for _ in range(size)]
     dist.all_gather(prefilled, torch.tensor([sum(seen)]))
     if rank == 0:
@@ -79,6 +82,15 @@ def run(spec: dict) -> None:
                   "logprob": float((got.logprobs - whole.logprobs).abs().max()),
                   "prefilled_per_rank": [int(p) for p in prefilled], "prefill_whole": whole.prefill_tokens,
                   "prefill_group": got.prefill_tokens, "prompt_tokens": got.prompt_tokens, "split": adapter.split}
+        if record:
+            from app.grouping.experts.routing import disagreements
+
+            mask = whole.completion_mask
+            fed = mask.bool() & (torch.arange(mask.shape[1])[None] < (mask.sum(1) - 1)[:, None])
+            real = collate_prompts([p.inputs for p in prompts], tok.pad_token_id, torch.device("cpu"))["attention_mask"]
+            report["routing"] = {**disagreements(got.routing, whole.routing, real, fed),
+                                 "shapes_equal": got.routing.prompt.shape == whole.routing.prompt.shape,
+                                 "layers_equal": got.routing.layers == whole.routing.layers}
         with open(spec["out"], "w") as f:
             json.dump(report, f)
 
