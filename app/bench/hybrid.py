@@ -39,13 +39,22 @@ MOE_SIZES = {"qwen3_vl_moe": dict(experts=16, experts_per_token=4, moe_intermedi
              "qwen3_5_moe": dict(experts=16, experts_per_token=4, moe_intermediate=192, shared_expert_intermediate=256)}
 
 
-def tiny_model(family: str, vocab: int = 32768):
-    """The reduced-width model of ``family`` (random weights, the real transformers class)."""
+# The released routing regime at the same width (``--replay``'s wide rows): 128 experts, 8 per token, of 32 (Qwen3-VL-
+# MoE over 8 sparse layers; Qwen3.5-MoE keeps its 4 layers and shared expert).
+WIDE_ROUTING = {"qwen3_vl_moe": dict(experts=128, experts_per_token=8, moe_intermediate=32, moe_layers=8,
+                                     mlp_only_layers=()),
+                "qwen3_5_moe": dict(experts=128, experts_per_token=8, moe_intermediate=32,
+                                    shared_expert_intermediate=256)}
+
+
+def tiny_model(family: str, vocab: int = 32768, routing: str = "tiny"):
+    """The reduced-width model of ``family`` (random weights, the real transformers class); a mixture of experts
+    with ``MOE_SIZES``'s experts, or ``WIDE_ROUTING``'s with ``routing="wide"``."""
     from app.runtime.models import HYBRID_FAMILIES, TinySizes, build_tokenizer, model_class, tiny_config
 
+    experts = (WIDE_ROUTING if routing == "wide" else MOE_SIZES).get(family, {})
     sizes = TinySizes(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64 if family not in HYBRID_FAMILIES else 32,
-                      intermediate=1024, hybrid_layers=4, linear_heads=(4, 8, 64), max_positions=65536,
-                      **MOE_SIZES.get(family, {}))
+                      intermediate=1024, hybrid_layers=4, linear_heads=(4, 8, 64), max_positions=65536, **experts)
     config = tiny_config(family, build_tokenizer(), sizes, vocab_size=vocab)
     torch.manual_seed(0)
     return model_class(config).from_config(config, dtype=torch.float32)

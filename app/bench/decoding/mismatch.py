@@ -107,7 +107,8 @@ def table(rows: list[dict]) -> str:
             "prompt length and dtype." + failed_points(errors))
 
 
-REPLAY_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe")
+# each family at the tiny routing (16 experts top-4) and at the released regime's (128 experts top-8: ``WIDE_ROUTING``)
+REPLAY_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "qwen3_vl_moe:wide", "qwen3_5_moe:wide")
 
 
 def measure_replay(family: str, prefix: int, group: int, completion: int, dtype: str) -> dict:
@@ -119,7 +120,8 @@ def measure_replay(family: str, prefix: int, group: int, completion: int, dtype:
     from app.objectives.grpo import mismatch_metrics
     from app.rollout.generate import SamplingConfig, generate_groups
 
-    model = tiny_model(family).to(getattr(torch, dtype)).eval()
+    family, _, routing = family.partition(":")  # "family:wide": the released routing regime (``WIDE_ROUTING``)
+    model = tiny_model(family, routing=routing or "tiny").to(getattr(torch, dtype)).eval()
     ids = torch.randint(10, 30000, (1, prefix), generator=torch.Generator().manual_seed(0))
     prompts = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": torch.zeros_like(ids)}
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=completion, suppress_token_ids=())
@@ -155,7 +157,8 @@ def measure_replay(family: str, prefix: int, group: int, completion: int, dtype:
 def run_replay(out: Path, quick: bool = False) -> dict:
     """Routing replay (``--replay``): replay off against r3, both MoE families, float32 and bfloat16."""
     payload, rows, failed = sweep(
-        out, quick, name="replay", target="app.bench.decoding.mismatch:measure_replay", families=REPLAY_FAMILIES,
+        out, quick, name="replay", target="app.bench.decoding.mismatch:measure_replay",
+        families=("qwen3_vl_moe", "qwen3_5_moe:wide") if quick else REPLAY_FAMILIES,
         prefixes=(128,) if quick else (2048,), table_of=replay_table,
         said=lambda r: (f"mean off {r['mean_off']:.2e} r3 {r['mean_r3']:.2e}, routed apart off "
                         f"{r['routed_apart_off']:.3f}"))
@@ -173,7 +176,8 @@ def replay_table(rows: list[dict]) -> str:
                "rollout_s": ".1f", "recording_s": ".1f"}
     errors = [f"- {r['family']} P={r['prefix']} {r['dtype']}: {r['error']}" for r in rows if "error" in r]
     return ("## Routing replay: the rollout's log-probs against the trainer's, routing afresh (off) and replayed "
-            "(r3), grouped engine, hidden 256, 4 sparse layers, 16 experts top-4, CPU\n\n"
+            "(r3), grouped engine, hidden 256, 4 sparse layers, 16 experts top-4 (family:wide: 128 experts top-8 of "
+            "32, Qwen3-VL-MoE over 8 sparse layers), CPU\n\n"
             + markdown_table(rows, columns, formats)
             + "\n\nmean_*/max_ratio_*: mismatch/* with replay off and r3; routed_apart_*: the fraction of tokens "
             "(prompt and completion) the trainer's forward sends through other experts than the rollout did in at "
