@@ -176,3 +176,49 @@ def test_sft_with_tools_trains_the_models_turns_of_written_trajectories(assets, 
     assert skipped == 1 and len(kept) == 2 and all("turns" in p.record for p in kept)
     call_tokens = len(recipe.tokenizer(call("get_frames", start=0.0, end=1.0))["input_ids"])
     assert metrics["tokens/target"] > 4 * call_tokens  # both turns of each copy are trained, not the observation
+
+
+def test_grpo_with_tools_replays_each_trees_routing_on_a_mixture_of_experts(assets, tiny_checkpoints, tmp_path,  # noqa: F811
+                                                                           monkeypatch):
+    """rollout.routing_replay=r3 with tools on Qwen3-VL-MoE, one step in this process: the trees carry the
+    rollout's experts (the written first turns' as their forward routed them, the sampled turns' as the grouped
+    engine recorded them) and every forward of the update replays them; the step says how many replayed tokens the
+    update's routers would have sent elsewhere (none on the rollout's own weights) and the weights move."""
+    from app.training.train import recipe_for
+
+    settings = {**TOOLS, "rollout.routing_replay": "r3", "model.path": tiny_checkpoints["qwen3_vl_moe"],
+                "model.train_router": True}
+    cfg = load_config("configs/demo_cpu.yaml", overrides(assets, tmp_path / "run", **settings))
+    with world_of_one(monkeypatch):
+        trainer_ = recipe_for(cfg)
+        next_prompts = trainer_.stream.next_prompts
+
+        def remember(n):
+            trainer_.first_turn = True
+            return next_prompts(n)
+
+        trainer_.stream.next_prompts = remember
+        written = scripted_first_turns(trainer_)
+
+        def recording(asked, group_size, seeds, max_new_tokens):  # the written turns' experts, as a forward routes
+            first = trainer_.first_turn
+            rollout = written(asked, group_size, seeds, max_new_tokens)
+            if first:
+                from app.data.prompts import collate_prompts
+                from app.grouping import completion_logprobs
+
+                batch = collate_prompts([p.inputs for p in asked], trainer_.tokenizer.pad_token_id)
+                with torch.no_grad():
+                    rollout.routing = completion_logprobs(trainer_.engine.module, batch, rollout.completion_ids,
+                                                          rollout.completion_mask, group_size,
+                                                          record_routing=True).routing
+            assert rollout.routing is not None
+            return rollout
+
+        trainer_.sampler = recording
+        before = {n: p.detach().clone() for n, p in trainer_.engine.module.named_parameters()}
+        metrics = trainer_.train_step(0)
+        after = dict(trainer_.engine.module.named_parameters())
+    assert metrics["routing/replay_differs"] == 0 and metrics["tools/calls"] == 4, metrics
+    moved = [n for n in before if not torch.equal(before[n], after[n].detach())]
+    assert len(moved) > len(before) // 2 and any(".mlp.gate." in n for n in moved)

@@ -252,7 +252,6 @@ def test_the_config_reference_page_is_generated_from_the_declarations():
 @pytest.mark.parametrize(("overrides", "message"), [
     (["rollout.engine=hf"], "'rollout.routing_replay' =r3 records routing in rollout.engine=grouped or vllm (its "
      "routed experts, on a GPU), not hf"),
-    (["rollout.tools=[get_frames]"], "'rollout.routing_replay' =r3 is not available with rollout.tools"),
     (["rollout.routing_replay=r2"], "'rollout.routing_replay' must be one of"),
 ])
 def test_routing_replay_is_refused_by_name_where_its_record_is_not_made(overrides, message):
@@ -261,6 +260,7 @@ def test_routing_replay_is_refused_by_name_where_its_record_is_not_made(override
     for path in [*MOE_CONFIGS, "configs/qwen3_vl_30b_a3b_video.yaml"]:
         assert load_config(path).rollout.routing_replay == "r3"  # the MoE configs replay
     for overrides in (["train.sequence_parallel_size=2"], ["rollout.engine=vllm", "lora.target_parameters=[]"],
+                      ["rollout.tools=[get_frames]"],
                       ["data.questions_per_video=2", "train.prompts_per_rank=2", "train.groups_per_micro_batch=2"]):
         load_config("configs/qwen3_vl_30b_a3b_video_lora.yaml", ["rollout.routing_replay=r3", *overrides])
     assert load_config("configs/demo_cpu.yaml").rollout.routing_replay == "off"

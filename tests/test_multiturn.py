@@ -175,3 +175,74 @@ def test_answers_are_read_as_plain_grpo_reads_completions(setting):
     rollout = tree_rollout(sampler, prompts[:1], [context], tools={}, encode=observation_encoder(processor),
                            limits=TurnLimits(max_turns=1), tokenizer=tok)
     assert rollout.answers == [["<think>a</think><answer>B</answer>"]]
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_routing_replay_on_trees_routes_every_token_as_its_rollout_did(family, tiny_checkpoints, videos):
+    """rollout.routing_replay=r3 with tools: turn 1 a fixed call (teacher-forced, its experts recorded by the
+    forward), turn 2 sampled by the grouped engine recording its experts from [P; turn 1; the clip]. The trees carry
+    a record for every token but each leaf's last (the prompt's and the observation's from the prefill that first
+    computed them); replayed, the tree forward equals its paths run one by one (log-probs 1e-5, gradients 1e-4,
+    routers included) and, on the same weights, the free forward (no router would choose otherwise); a record
+    sending tokens elsewhere changes the log-probs and is counted; a missing one stops naming the tree and node."""
+    from app.data.prompts import collate_prompts
+    from app.grouping import completion_logprobs
+    from app.grouping.experts.routers import RoutingError
+    from app.grouping.tree.forward import forest_logprobs
+    from app.rollout.generate import SamplingConfig, generate_groups
+    from tests.helpers import max_rel_diff
+
+    model, processor, prompts, context = make_setting(family, tiny_checkpoints, videos)
+    tok = tokenizer_of(processor)
+    scripted = Scripted(tok, [[call("get_frames", start=0.0, end=2.0)] * 2])
+
+    def generate(asked, group_size, seeds, max_new_tokens):
+        batch = collate_prompts([p.inputs for p in asked], tok.pad_token_id)
+        if scripted.turns:
+            rollout = scripted(asked, group_size, seeds, max_new_tokens)
+            with torch.no_grad():
+                forced = completion_logprobs(model, batch, rollout.completion_ids, rollout.completion_mask,
+                                             group_size, record_routing=True)
+            rollout.logprobs, rollout.routing = forced.logprobs, forced.routing
+            return rollout
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=min(max_new_tokens, 6))
+        return generate_groups(model, batch, group_size, sampling, tokenizer=tok, eos_ids=[], prompt_seeds=seeds,
+                               record_routing=True)
+
+    rollout = tree_rollout(generate, prompts[:1], [context], tools=build_tools(["get_frames"]),
+                           encode=observation_encoder(processor), limits=TurnLimits(max_turns=2, branching=(2, 2)),
+                           tokenizer=tok, seeds=[11])
+    tree = rollout.trees[0]
+    record = tree.packed_routing()
+    assert record is not None and record.shape[0] == tree.total_len and record.dtype == torch.int16
+    lasts = [tree.starts[n] + tree.lengths[n] - 1 for n in tree.leaves]
+    present = (record >= 0).all(-1).all(-1)
+    assert bool(present[[i for i in range(tree.total_len) if i not in lasts]].all())
+
+    def run(mode, trees, replay=True):
+        model.zero_grad(set_to_none=True)
+        scores = forest_logprobs(model, trees, mode, replay=replay)
+        (scores.logprobs * torch.linspace(0.5, 1.5, scores.logprobs.shape[1])[None]).sum().backward()
+        return scores, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    packed, grads = run("tree", [tree])
+    paths, ref = run("paths", [tree])
+    assert max_rel_diff(packed.logprobs, paths.logprobs) <= 1e-5
+    assert set(grads) == set(ref) and any("gate" in n for n in grads)
+    assert max(max_rel_diff(grads[n], ref[n]) for n in grads) <= 1e-4
+    assert packed.replay_differs[0] == 0 and packed.replay_differs[1] >= tree.total_len - len(lasts)
+    free, _ = run("tree", [tree], replay=False)
+    torch.testing.assert_close(packed.logprobs, free.logprobs, rtol=0, atol=1e-6)
+
+    import copy
+
+    from app.grouping.experts.blocks import expert_shape
+
+    moved = copy.deepcopy(tree)
+    for node in moved.nodes:
+        node.routing = torch.where(node.routing >= 0, (node.routing + 1) % expert_shape(model).experts, node.routing)
+    shifted, _ = run("tree", [moved])
+    assert shifted.replay_differs[0] > 0 and not torch.allclose(shifted.logprobs, packed.logprobs, atol=1e-4)
+    moved.nodes[0].routing[0] = -1
+    with pytest.raises(RoutingError, match="tree 0: the routing record of its token .* \\(node 0\\) is missing"):
+        forest_logprobs(model, [moved], "tree", replay=True)

@@ -183,8 +183,6 @@ def _validate_routing_replay(config: Config, need) -> None:
     r = config.rollout
     need(r.engine in ("grouped", "vllm"), "rollout.routing_replay", f"=r3 records routing in rollout.engine=grouped "
          f"or vllm (its routed experts, on a GPU), not {r.engine} (hf generate and replayed rollouts keep none)")
-    need(not r.tools, "rollout.routing_replay", "=r3 is not available with rollout.tools (prefix trees: a tree's "
-         "turns are not recorded yet)")
 
 
 def _validate_expert_parallel(config: Config, need) -> None:

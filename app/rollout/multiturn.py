@@ -126,6 +126,7 @@ def tree_rollout(generate: Callable, prompts: Sequence[EncodedPrompt], contexts:
     results: list[dict[int, ToolResult]] = [{} for _ in prompts]
     answers: list[dict[int, str]] = [{} for _ in prompts]
     stats = ToolStats()
+    records = TreeRecords(len(prompts))  # routing replay: the experts each tree token went to (when recorded)
     frontier = [(t, -1) for t in range(len(prompts))]
     for turn in range(limits.max_turns):
         busy = keep_pace(bool(frontier)) if keep_pace is not None else bool(frontier)
@@ -142,6 +143,7 @@ def tree_rollout(generate: Callable, prompts: Sequence[EncodedPrompt], contexts:
                                _path_view(prompts[t], nodes[t], path)) for (t, _), path in zip(frontier, paths)]
         turn_seeds = [derive_seed(seeds[t], "turn", turn, n) for t, n in frontier]
         rollout = generate(asked, width, turn_seeds, max(1, room))
+        records.prefilled(rollout.routing, frontier, paths, nodes, asked)
         opened = []
         for i, (t, parent) in enumerate(frontier):
             for j in range(width):
@@ -154,7 +156,8 @@ def tree_rollout(generate: Callable, prompts: Sequence[EncodedPrompt], contexts:
                 last_turn = turn + 1 == limits.max_turns
                 result = run_call(text, tools, contexts[t]) if reason == "stop_string" and not last_turn else None
                 node = TreeNode(parent, ids, torch.ones(len(ids), dtype=torch.bool), torch.zeros_like(ids),
-                                view={"prompt_ids": ids.tolist(), "media": []})
+                                view={"prompt_ids": ids.tolist(), "media": []},
+                                routing=records.sampled(rollout.routing, k, keep))
                 index = len(nodes[t])
                 answers[t][index] = tokenizer.decode(ids.tolist(), skip_special_tokens=True)  # as rewards read
                 if result is None:
@@ -175,7 +178,7 @@ def tree_rollout(generate: Callable, prompts: Sequence[EncodedPrompt], contexts:
                                         {key: observation[key].cpu() for key in VISION_KEYS
                                          if observation.get(key) is not None},
                                         {"prompt_ids": ids.tolist() + list(view["prompt_ids"]),
-                                         "media": list(view["media"])})
+                                         "media": list(view["media"])}, records.extended(node.routing, len(seen)))
                         logprobs = torch.cat([logprobs, torch.zeros(len(seen))])
                         results[t][index] = result
                         opened.append((t, index))
@@ -184,11 +187,55 @@ def tree_rollout(generate: Callable, prompts: Sequence[EncodedPrompt], contexts:
         frontier = opened
     for t, n in frontier:  # open after the last turn (cannot happen: the last turn's calls end their rollouts)
         ended[t][n] = "max_turns"
-    trees = [PrefixTree(prompts[t].inputs, nodes[t]) for t in range(len(prompts))]
+    trees = [PrefixTree(prompts[t].inputs, nodes[t], records.prompts[t], records.layers) for t in range(len(prompts))]
     leaf_reasons = [[ended[t][leaf] for leaf in tree.leaves] for t, tree in enumerate(trees)]
     calls = [[[results[t][n] for n in path if n in results[t]] for path in tree.paths] for t, tree in enumerate(trees)]
     texts = [[answers[t][leaf] for leaf in tree.leaves] for t, tree in enumerate(trees)]
     return TreeRollout(trees, sampled, leaf_reasons, calls, texts, stats)
+
+
+class TreeRecords:
+    """Routing replay on trees (rollout.routing_replay=r3): each turn's rollout record (``Rollout.routing``) becomes
+    the trees' (``PrefixTree.routing``, ``TreeNode.routing``). A model token's experts are those of the decode step
+    that fed it; a token first computed in a prefill (the prompt, an observation, a turn's last token, fed in the
+    next turn's prefill) keeps the first prefill's. Later turns prefill a path again; what they route there only
+    fills what is still missing (a leaf's last token is never fed: no record, as in a plain rollout)."""
+
+    def __init__(self, count: int):
+        self.prompts: list[torch.Tensor | None] = [None] * count
+        self.layers: tuple[int, ...] = ()
+
+    def prefilled(self, routing, frontier, paths, nodes, asked) -> None:
+        """After a turn's rollout: each asked [P; path]'s prompt record, cut into P's and each path node's."""
+        if routing is None:
+            return
+        self.layers = tuple(routing.layers)
+        for i, ((t, _), path) in enumerate(zip(frontier, paths)):
+            length = int(asked[i].inputs["input_ids"].shape[1])
+            record = routing.prompt[i, routing.prompt.shape[1] - length:].cpu()
+            start = length - sum(int(nodes[t][m].input_ids.numel()) for m in path)
+            self.prompts[t] = _filled(self.prompts[t], record[:start])
+            for m in path:
+                end = start + int(nodes[t][m].input_ids.numel())
+                nodes[t][m].routing = _filled(nodes[t][m].routing, record[start:end])
+                start = end
+
+    @staticmethod
+    def sampled(routing, row: int, keep: torch.Tensor) -> torch.Tensor | None:
+        """A new node's model tokens: the experts of the decode steps that fed them."""
+        return None if routing is None else routing.completion[row, : keep.shape[0]][keep.to(
+            routing.completion.device)].cpu()
+
+    @staticmethod
+    def extended(record: torch.Tensor | None, count: int) -> torch.Tensor | None:
+        """A node's record with ``count`` observation tokens after it (none yet: the next turn's prefill fills
+        them)."""
+        return None if record is None else torch.cat([record, record.new_full((count, *record.shape[1:]), -1)])
+
+
+def _filled(record: torch.Tensor | None, fresh: torch.Tensor) -> torch.Tensor:
+    """``record`` with its missing entries (-1) taken from ``fresh`` (or ``fresh`` where there is no record)."""
+    return fresh.clone() if record is None else torch.where(record >= 0, record, fresh)
 
 
 def answer_sampler(engine, cfg, processor, sampling) -> Callable:

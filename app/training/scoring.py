@@ -52,9 +52,11 @@ class TreeScorer:
                  router_statistics: str = "off"):  # a tree shares within itself; no router sums (RouterTerm says so)
         mode = "tree" if self.cfg.grouping == "grouped" else "paths"
         backend = tree_backend(self.cfg.attention_backend)
-        return forest_logprobs(model, inputs["trees"], mode, temperature=temperature,
+        trees = inputs["trees"]
+        return forest_logprobs(model, trees, mode, temperature=temperature,
                                chunk_size=self.cfg.logprob_chunk_size, return_entropy=return_entropy,
-                               vision_calls=vision_calls, backend=backend)
+                               vision_calls=vision_calls, backend=backend,
+                               replay=any(t.routing is not None for t in trees))  # rollout.routing_replay=r3
 
 
 @torch.no_grad()

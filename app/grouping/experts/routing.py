@@ -300,7 +300,7 @@ class Routed:
     """What a forward asks of a MoE model's sparse layers (``completion_logprobs``'s ``routing``,
     ``router_statistics``, ``record_routing``), and what it got back."""
 
-    replay: Routing | None = None
+    replay: Routing | bool | None = None  # the record; True: the forward hands ``plan_for`` its ids (prefix trees)
     statistics: str = "off"
     record: bool = False
     shape: object = None  # the model's experts.blocks.ExpertShape

@@ -36,6 +36,7 @@ class TreeScores:
     entropy: torch.Tensor | None = None
     packed_tokens: int = 0
     repeated_tokens: int = 0
+    replay_differs: torch.Tensor | None = None  # routing replay: (tokens routed otherwise, tokens replayed)
 
     @property
     def mask(self) -> torch.Tensor:
@@ -62,8 +63,9 @@ def forest_vision(trees: Sequence[PrefixTree]) -> dict:
 
 
 def _forest_forward(model, trees: Sequence[PrefixTree], temperature: float, chunk_size: int, entropy: bool,
-                    backend: str):
-    """Per tree, per node: (log-probs, entropy) of its tokens, from ONE packed row holding every tree."""
+                    backend: str, *, routed=None):
+    """Per tree, per node: (log-probs, entropy) of its tokens, from ONE packed row holding every tree. ``routed``:
+    the trees' routing records replayed (``routing.tree_replay``)."""
     device = trees[0].prompt["input_ids"].device
     set_text_attention(model, ATTENTION_NAME)
     positions = torch.cat([tree_positions(model, t).to(device) for t in trees], dim=1)
@@ -77,6 +79,10 @@ def _forest_forward(model, trees: Sequence[PrefixTree], temperature: float, chun
     predict = torch.cat([t.predict_index + off for t, off in zip(trees, offsets)]).to(device)
     targets = torch.cat([t.path_tokens(range(len(t.nodes))) for t in trees]).to(device)
     input_ids = torch.cat([t.packed("input_ids") for t in trees], dim=1)
+    if routed is not None:
+        from app.grouping.tree.routing import forest_record
+
+        kwargs.update(routed.plan_for(forest_record(trees, device), None))
     with head_returns_logprobs(unwrap(model), targets, None, temperature, chunk_size or 1024, entropy):
         both = model(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False,
                      logits_to_keep=predict, **{PLAN_KWARG: TreeAttentionPlan(trees, backend)}, **kwargs).logits[0]
@@ -85,9 +91,9 @@ def _forest_forward(model, trees: Sequence[PrefixTree], temperature: float, chun
             for t, c, e in zip(trees, torch.split(both[:, 0], counts), torch.split(both[:, 1], counts))]
 
 
-def _paths_forward(model, tree: PrefixTree, temperature: float, chunk_size: int, entropy: bool):
+def _paths_forward(model, tree: PrefixTree, temperature: float, chunk_size: int, entropy: bool, *, routed=None):
     """Every path of ``tree`` as its own row [P; path] (right-padded), its own copy of P's media: the reference.
-    Per path, per node on it: (log-probs, entropy)."""
+    Per path, per node on it: (log-probs, entropy). ``routed``: the tree's routing record replayed on every row."""
     set_text_attention(model, "sdpa")
     prompt_ids = tree.prompt["input_ids"][0]
     device = prompt_ids.device
@@ -111,6 +117,10 @@ def _paths_forward(model, tree: PrefixTree, temperature: float, chunk_size: int,
     valid = mask[:, tree.prompt_len:].bool()
     select = torch.cat([valid, valid.new_zeros(len(rows), 1)], dim=1)
     targets = input_ids[:, tree.prompt_len:][valid]
+    if routed is not None:
+        from app.grouping.tree.routing import paths_record
+
+        batch.update(routed.plan_for(paths_record(tree, width, device), None))
     with head_returns_logprobs(unwrap(model), targets, select, temperature, chunk_size or 1024, entropy):
         both = model(**batch, use_cache=False, logits_to_keep=keep).logits[:, :-1]
     out = []
@@ -127,26 +137,35 @@ def _paths_forward(model, tree: PrefixTree, temperature: float, chunk_size: int,
 @keeps_attention_unless_grad
 def forest_logprobs(model, trees: Sequence[PrefixTree], mode: str = "tree", *, temperature: float = 1.0,
                     chunk_size: int = 1024, return_entropy: bool = False, vision_calls=None,
-                    backend: str | None = None) -> TreeScores:
+                    backend: str | None = None, replay: bool = False) -> TreeScores:
     """Log-probs of every path's node tokens for several trees (their paths one after another): ``tree`` packs
     them all into ONE row (each node once, trees never seeing each other), ``paths`` runs each path as its own row
     (the reference). Differentiable; keep the model's attention setting until the backward has finished.
     ``vision_calls``: the tower calls this forward must make (ZeRO-3, ``app.grouping.aligned_vision_calls``);
-    ``backend``: the tree attention (``TREE_BACKENDS``; default ``masked``)."""
+    ``backend``: the tree attention (``TREE_BACKENDS``; default ``masked``); ``replay``: route every token through
+    the trees' routing records (``routing.tree_replay``; ``replay_differs`` says how many routers would not)."""
     if mode not in TREE_MODES:
         raise ValueError(f"unknown tree mode {mode!r}; expected one of {TREE_MODES}")
-    logprobs, entropies, trained = [], [], []
+    logprobs, entropies, trained, differs = [], [], [], []
+    routed = None
+    if replay:
+        from app.grouping.tree.routing import tree_replay
+
+        routed = tree_replay(model, trees)
     with aligned_vision_calls(model, forest_vision(trees), vision_calls):
         if mode == "tree":
-            per_tree = _forest_forward(model, trees, temperature, chunk_size, return_entropy, backend or "masked")
+            per_tree = _forest_forward(model, trees, temperature, chunk_size, return_entropy, backend or "masked",
+                                       routed=routed)
+            differs.append(routed.replay_differs() if routed is not None else None)
             for tree, (values, ents) in zip(trees, per_tree):
                 logprobs += [torch.cat([values[n] for n in p]) for p in tree.paths]
                 entropies += [torch.cat([ents[n] for n in p]) for p in tree.paths]
         else:
             for tree in trees:
-                for pieces in _paths_forward(model, tree, temperature, chunk_size, return_entropy):
+                for pieces in _paths_forward(model, tree, temperature, chunk_size, return_entropy, routed=routed):
                     logprobs.append(torch.cat([v for v, _ in pieces]))
                     entropies.append(torch.cat([e for _, e in pieces]))
+                differs.append(routed.replay_differs() if routed is not None else None)
     for tree in trees:
         trained += [tree.path_tokens(p, "trained").bool() for p in tree.paths]
     values = _rows(logprobs)
@@ -154,7 +173,8 @@ def forest_logprobs(model, trees: Sequence[PrefixTree], mode: str = "tree", *, t
         logprobs=values, trained=_rows(trained).to(values.device), lengths=[len(r) for r in logprobs],
         paths=[p for t in trees for p in t.paths], entropy=_rows(entropies) if return_entropy else None,
         packed_tokens=sum(t.total_len for t in trees),
-        repeated_tokens=sum(t.prompt_len + sum(t.lengths[n] for n in p) for t in trees for p in t.paths))
+        repeated_tokens=sum(t.prompt_len + sum(t.lengths[n] for n in p) for t in trees for p in t.paths),
+        replay_differs=torch.stack(differs).sum(0) if differs and differs[0] is not None else None)
 
 
 def tree_logprobs(model, tree: PrefixTree, mode: str = "tree", *, temperature: float = 1.0,

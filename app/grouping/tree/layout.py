@@ -56,6 +56,9 @@ class TreeNode:
     # for an engine with its own processor (vLLM): these tokens unexpanded and their media (``encode_prompts``'
     # engine view); not used by the forward
     view: dict | None = None
+    # routing replay (rollout.routing_replay=r3): the experts each token went to in the rollout, [n, S, k] int16
+    # (-1: none; a leaf's last token is never fed back)
+    routing: torch.Tensor | None = None
 
 
 @dataclass
@@ -65,6 +68,8 @@ class PrefixTree:
 
     prompt: Mapping[str, torch.Tensor]
     nodes: Sequence[TreeNode]
+    routing: torch.Tensor | None = None  # routing replay: the prompt's experts [Lp, S, k] int16 (``TreeNode.routing``)
+    layers: tuple[int, ...] = ()  # the sparse layers the records are of
 
     def __post_init__(self) -> None:
         ids = self.prompt.get("input_ids")
@@ -91,8 +96,15 @@ class PrefixTree:
         prompt = {k: v.to(device) for k, v in self.prompt.items()}
         nodes = [TreeNode(n.parent, n.input_ids.to(device), n.trained.to(device),
                           None if n.mm_token_type_ids is None else n.mm_token_type_ids.to(device),
-                          {k: v.to(device) for k, v in n.vision.items()}, n.view) for n in self.nodes]
-        return PrefixTree(prompt, nodes)
+                          {k: v.to(device) for k, v in n.vision.items()}, n.view,
+                          None if n.routing is None else n.routing.to(device)) for n in self.nodes]
+        return PrefixTree(prompt, nodes, None if self.routing is None else self.routing.to(device), self.layers)
+
+    def packed_routing(self) -> torch.Tensor | None:
+        """Routing replay: [T, S, k], the prompt's record then every node's in row order (None without records)."""
+        if self.routing is None or any(n.routing is None for n in self.nodes):
+            return None
+        return torch.cat([self.routing, *[n.routing.to(self.routing.device) for n in self.nodes]])
 
     # ---- geometry -------------------------------------------------------------------------------------------
     @property
