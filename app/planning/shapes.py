@@ -108,6 +108,8 @@ class Counts:
     decoder_layer: int  # one decoder layer
     layers: int
     active: int = 0  # met by one token: the total less each sparse layer's unchosen routed experts (= total if dense)
+    tensors: int = 0  # parameter tensors (the routed experts fused: two a sparse layer)
+    pushed: int = 0  # tensors a vLLM weight push sends: the released layout, each expert's gate, up and down apart
 
 
 def meta_model(config):
@@ -156,11 +158,14 @@ def count_parameters(config) -> Counts:
     parts = {"vision": 0, "projector": 0, "embedding": 0, "head": 0, "layers": 0, "other": 0}
     text = config.get_text_config()
     chosen = getattr(text, "num_experts_per_tok", 0) / max(getattr(text, "num_experts", 0) or 1, 1)
-    unchosen = 0
+    unchosen, tensors, pushed = 0, 0, 0
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:
             continue
         seen.add(id(p))
+        tensors += 1
+        fused = ".mlp.experts." in name and p.dim() == 3  # [E, ...]: gate_up_proj is two tensors an expert
+        pushed += (p.shape[0] * (2 if name.endswith("gate_up_proj") else 1)) if fused else 1
         if part_of(name) != "language":
             parts[part_of(name)] += p.numel()
         elif "embed_tokens" in name:
@@ -177,7 +182,7 @@ def count_parameters(config) -> Counts:
     return Counts(total=total, vision=parts["vision"], projector=parts["projector"],
                   embedding=parts["embedding"], head=parts["head"],
                   decoder_layer=parts["layers"] // text.num_hidden_layers, layers=text.num_hidden_layers,
-                  active=total - unchosen)
+                  active=total - unchosen, tensors=tensors, pushed=pushed)
 
 
 def build_real_width_checkpoint(out_dir: str | Path, preset: str, *, layers: int = 1, vision_layers: int = 1,

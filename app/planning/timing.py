@@ -56,6 +56,7 @@ class Calibration:
     eager_launch_ms: float  # decode: per layer and step, eager steps (ZeRO-3 gathering during the rollout)
     link_efficiency: float  # ZeRO-3 gathers during a rollout: share of the link's bandwidth (not measured)
     collective_ms: float  # one collective call between GPUs (a spread rollout's exchanges): its latency
+    push_tensor_ms: float  # vLLM's in-place reload, per checkpoint tensor pushed (its loader's work beside the copy)
 
     def changed(self, **values) -> Calibration:
         return replace(self, **values)
@@ -82,6 +83,8 @@ SOURCES = {  # where each constant comes from (docs/gpu/points.json holds the nu
                      "of a few hundred KB within one NVLink node takes about 30 microseconds",
     "link_efficiency": "an assumption (nothing gathered across GPUs has been measured): NCCL all-gathers reach about "
                        "70% of NVLink's bandwidth",
+    "push_tensor_ms": "an assumption (no push into vLLM's CUDA build has been timed): its reload maps each tensor's "
+                      "name and calls its layer's loader in Python, about 0.1 ms a tensor beside the copy",
 }
 COMMITTED = json.loads((Path(__file__).with_name("calibration.json")).read_text())
 CALIBRATION = Calibration(**COMMITTED["constants"])
@@ -330,8 +333,20 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
             terms[phase]["link_efficiency"] = terms[phase].get("link_efficiency", 0.0) + (
                 moved["gather"] + moved["exchange"]) / link
             terms[phase]["collective_ms"] = terms[phase].get("collective_ms", 0.0) + moved["calls"] / 1e3
-    if kind == "reserved":  # vLLM: the weights pushed into the engine (LoRA: merged, whole), a device copy
-        terms["weight_sync"] = {"weight_efficiency": b * counts.total / bandwidth}
+    if kind == "reserved":  # vLLM: every weight pushed into the engine (LoRA: merged, whole)
+        terms["weight_sync"] = weight_sync_terms(counts, b, ranks=world.ranks, stage=ds["stage"],
+                                                 bandwidth=bandwidth, link=link)
+    return terms
+
+
+def weight_sync_terms(counts, b: float, *, ranks: int, stage: int, bandwidth: float, link: float) -> dict:
+    """A push of every weight into vLLM (``vllm_weights.policy_weights``): under ZeRO-3 each parameter tensor
+    gathered alone (one collective each, (ranks - 1) / ranks of its bytes over the link), then each tensor of the
+    released layout (a MoE's experts one by one: ``Counts.pushed``) through vLLM's loader and copied in."""
+    terms = {"weight_efficiency": b * counts.total / bandwidth, "push_tensor_ms": (counts.pushed or counts.tensors) / 1e3}
+    if stage == 3 and ranks > 1:
+        terms.update(link_efficiency=b * counts.total * (ranks - 1) / ranks / link,
+                     collective_ms=counts.tensors / 1e3)
     return terms
 
 
