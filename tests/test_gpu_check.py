@@ -97,7 +97,8 @@ def test_the_whole_acceptance_runs_quick_here(tmp_path):
 @pytest.mark.slow  # one part at toy sizes in its own process (about 20 s)
 def test_the_moe_part_runs_quick_here(tmp_path):
     """scripts/gpu_check.sh --quick --parts moe: grouped_mm against eager experts (equal log-probs), the self-check on
-    the MoE model (passed, the tokens routed elsewhere counted), grouped vs repeated; its report in report.md."""
+    the MoE model (passed, the tokens routed elsewhere counted), grouped vs repeated, routing replay's recording
+    rollout and mismatch; its report in report.md."""
     result = subprocess.run(["bash", "scripts/gpu_check.sh", "--quick", "--parts", "moe", "--raw", str(tmp_path / "raw"),
                              "--report", str(tmp_path / "report")], cwd=ROOT, capture_output=True, text=True,
                             timeout=600)
@@ -110,6 +111,9 @@ def test_the_moe_part_runs_quick_here(tmp_path):
     check = moe["self_check"][0]
     assert check["passed"] and check["real_tokens"] > 0 and check["flipped_tokens"] is not None
     assert moe["train"][0]["max_logprob_diff"] < 1e-4 and moe["train"][0]["time_ratio"] > 0
+    replay = moe["replay"][0]  # routing replay: static steps record as eager ones do; fp32: no token routed apart
+    assert replay["tokens_equal"] and replay["records_apart"] == 0 and replay["routed_apart_off"] == 0, replay
+    assert replay["recording_s"] > 0 and replay["mean_r3"] < 1e-4
     assert "Qwen3-VL-MoE at tiny width" in (tmp_path / "report" / "report.md").read_text()
 
 

@@ -9,7 +9,12 @@
   (``app.bench.gpu.hybrid.train_rows``): time, the allocator's peak, the largest log-prob difference;
 - **self_check**: the bf16 self-check on a 2k prompt with G = 8 completions of 64 (``verify_grouping``): whether it
   passed, how many tokens met other experts in the two layouts, and whether it had to replay the routing; the
-  planner's constants for MoE (docs/scaling.md) wait for these figures.
+  planner's constants for MoE (docs/scaling.md) wait for these figures;
+- **replay**: routing replay (rollout.routing_replay=r3) on a 2k prompt, G = 8 samples of 128: the grouped rollout
+  with CUDA-graph decode steps, plain and recording (each layer's ids copied into a fixed buffer inside the captured
+  step), and recording with eager steps: times, whether the tokens and the records agree, then the trainer's
+  forward routing afresh (off) and replaying the record (r3): the bf16 mismatch and the tokens routed apart (issue
+  89's goal: r3's mean at most half of off's).
 
 ``--quick`` runs the same code on this CPU at the reduced width of ``scripts/bench.sh moe`` (float32).
 """
@@ -85,6 +90,48 @@ def self_check_row(model, dev, prefix: int, group: int, completion: int) -> dict
     return row
 
 
+def replay_rows(model, dev, prefix: int, group: int, completion: int, decode: str) -> list[dict]:
+    """Routing replay's rollout and mismatch rows (see the module doc); ``decode``: the recording rollout's steps."""
+    from app.grouping import completion_logprobs
+    from app.grouping.experts.routing import disagreements
+    from app.objectives.grpo import mismatch_metrics
+    from app.rollout.generate import SamplingConfig, generate_groups
+
+    prompts, _, _ = text_batch(dev, prefix, 1, 1, seed=5)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=completion, suppress_token_ids=())
+    runs, row = {}, {"prefix": prefix, "G": group, "completion": completion, "decode": decode}
+    for name, record, mode in (("plain", False, decode), ("recording", True, decode), ("eager", True, "eager")):
+        def one(name=name, record=record, mode=mode):
+            runs[name] = generate_groups(model, prompts, group, sampling, eos_ids=[], pad_id=0, prompt_seeds=[0],
+                                         record_routing=record, decode=mode)
+        try:
+            with torch.no_grad():
+                timed(one, dev)  # warm-up (the graph's capture)
+                row[f"{name}_s"] = timed(one, dev)
+        except Exception as error:  # noqa: BLE001 - a row that says why
+            row[f"{name}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+    if "recording" not in runs:
+        return [row]
+    rollout, mask = runs["recording"], runs["recording"].completion_mask
+    record = rollout.routing
+    fed = mask.bool() & (torch.arange(mask.shape[1], device=mask.device)[None] < (mask.sum(1) - 1)[:, None])
+    real = prompts["attention_mask"]
+    row["tokens_equal"] = bool(torch.equal(rollout.completion_ids, runs["plain"].completion_ids))
+    if "eager" in runs:
+        row["records_apart"] = disagreements(record, runs["eager"].routing, real, fed)["tokens"]
+    with torch.no_grad():
+        free = completion_logprobs(model, prompts, rollout.completion_ids, mask, group, record_routing=True)
+        replayed = completion_logprobs(model, prompts, rollout.completion_ids, mask, group, routing=record)
+    for name, scores in (("off", free), ("r3", replayed)):
+        metrics = mismatch_metrics(scores.logprobs.float(), rollout.logprobs.float(), mask)
+        row[f"mean_{name}"], row[f"max_ratio_{name}"] = (metrics["mismatch/mean_abs_logprob_diff"],
+                                                         metrics["mismatch/max_ratio"])
+    apart = disagreements(record, free.routing, real, fed)
+    row["routed_apart_off"] = apart["tokens"] / max(apart["real_tokens"], 1)
+    row["mean_r3_over_off"] = row["mean_r3"] / row["mean_off"] if row["mean_off"] else None
+    return [row]
+
+
 def run(out: Path, quick: bool = False) -> dict:
     dev = device()
     dtype = torch.float32 if quick else torch.bfloat16
@@ -95,6 +142,9 @@ def run(out: Path, quick: bool = False) -> dict:
     write_report(out, "gpu_moe", payload, table(payload), quiet=True)
     payload["self_check"] = [self_check_row(model, dev, 256 if quick else 2048, 4 if quick else GROUP,
                                             16 if quick else 64)]
+    write_report(out, "gpu_moe", payload, table(payload), quiet=True)
+    payload["replay"] = replay_rows(model, dev, 128 if quick else 2048, 4 if quick else GROUP, 8 if quick else 128,
+                                    "static" if quick else "graph")  # static: the captured step's code, on a CPU
     write_report(out, "gpu_moe", payload, table(payload), quiet=True)
     payload["train"] = train_rows(model, dev, (256,) if quick else PREFIXES, 4 if quick else GROUP,
                                   16 if quick else COMPLETION)
@@ -112,6 +162,14 @@ def table(payload: dict) -> str:
         parts.append("\n### bf16 self-check\n\n" + markdown_table(
             payload["self_check"], ["prefix", "G", "completion", "dtype", "passed", "replayed", "flipped_tokens",
                                     "real_tokens"], {}) + "\n\n(each check's full sentence: gpu_moe.json)")
+    if payload.get("replay"):
+        columns = ["prefix", "G", "completion", "decode", "plain_s", "recording_s", "eager_s", "tokens_equal",
+                   "records_apart", "mean_off", "mean_r3", "mean_r3_over_off", "max_ratio_off", "max_ratio_r3",
+                   "routed_apart_off"]
+        parts.append("\n### routing replay: recording in the rollout, the mismatch off / r3\n\n" + markdown_table(
+            payload["replay"], columns, {"plain_s": ".3f", "recording_s": ".3f", "eager_s": ".3f", "mean_off": ".2e",
+                                         "mean_r3": ".2e", "mean_r3_over_off": ".2f", "max_ratio_off": ".4f",
+                                         "max_ratio_r3": ".4f", "routed_apart_off": ".3f"}))
     if payload.get("train"):
         columns = ["prefix", "G", "completion", "seconds_grouped", "seconds_repeated", "time_ratio",
                    "peak_gib_grouped", "peak_gib_repeated", "max_logprob_diff"]
