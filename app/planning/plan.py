@@ -207,7 +207,7 @@ def report(result: dict, frames_by_size: dict, fixes: list[dict], experts: list[
 
 BOUNDS = {"tower": "FLOPs + attention calls", "prefill": "FLOPs", "decode": "bandwidth + launches",
           "rollout_overhead": "fixed", "reference": "FLOPs", "old_policy": "FLOPs", "update": "FLOPs + per layer",
-          "weight_sync": "bandwidth", "rollout": "", "step": ""}
+          "weight_sync": "tensors + bandwidth", "rollout": "", "step": ""}
 
 
 def time_table(result: dict) -> list[str]:
