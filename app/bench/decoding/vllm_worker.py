@@ -36,8 +36,13 @@ def main(checkpoint: str, root: str, max_model_len: str) -> None:
     hybrid = family["dtype"] == "bfloat16"  # Qwen3.5: its GDN states cached only at block boundaries ("align")
     # max_num_batched_tokens = the longest prompt: the encoder cache must hold a whole video (8,192 tokens at the
     # largest point; vLLM's default budget refused it), and every point prefills in one chunk as ours does
+    from transformers import AutoConfig
+
+    from app.rollout.vllm_moe import engine_settings
+
     llm = LLM(model=checkpoint, dtype=family["dtype"], enable_prefix_caching=not hybrid, max_model_len=int(max_model_len),
-              max_num_batched_tokens=int(max_model_len), seed=0, limit_mm_per_prompt={"image": 0, "video": 1})
+              max_num_batched_tokens=int(max_model_len), seed=0, limit_mm_per_prompt={"image": 0, "video": 1},
+              **engine_settings(AutoConfig.from_pretrained(checkpoint)))  # a mixture of experts: norm_topk_prob
     prompt_of: dict[str, dict] = {}
 
     def prompt(point: dict) -> dict:
