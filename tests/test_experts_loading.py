@@ -64,6 +64,19 @@ def test_both_layouts_load_under_zero3(layouts):
     found = json.loads(run.stdout.strip().splitlines()[-1])
     for path in paths:
         assert found[path]["partitioned"] and found[path]["equal"], (path, found[path])
+        assert found[path]["pushed_equal"] and found[path]["pushed_tensors"] > 0, (path, found[path])
     saved_vl = str(layouts["qwen3_vl_moe"][0])
     # transformers 5.19 alone: the save_pretrained layout is transposed under ZeRO-3
     assert "size mismatch for model.language_model.layers.0.mlp.experts" in found[saved_vl]["transformers_alone"]
+
+
+def test_a_released_layout_that_would_load_ambiguously_is_refused(tmp_path):
+    """Qwen3-VL-MoE experts as wide as the hidden size: transformers transposes a released down_proj only where its
+    shape tells, so a square one would load untransposed (vLLM transposes it: the rollout benchmark's engines ran
+    other weights, 0.16 apart per log-prob, until its experts were made narrower). Writing that layout stops."""
+    from app.runtime.models import TinySizes
+
+    square = build_tiny_checkpoint(tmp_path / "square", "qwen3_vl_moe", seed=0,
+                                   sizes=TinySizes(hidden=64, moe_intermediate=64))
+    with pytest.raises(ValueError, match="as wide as the hidden size \\(64\\) make the released layout ambiguous"):
+        write_expert_layout(square, "released")

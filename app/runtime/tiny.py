@@ -380,9 +380,17 @@ def write_expert_layout(checkpoint: str | Path, layout: str) -> Path:
     if layout not in EXPERT_LAYOUTS:
         raise ValueError(f"unknown expert layout {layout!r}; expected one of {EXPERT_LAYOUTS}")
     checkpoint = Path(checkpoint)
-    family = json.loads((checkpoint / "config.json").read_text())["model_type"]
+    config = json.loads((checkpoint / "config.json").read_text())
+    family = config["model_type"]
     if family not in MOE_FAMILIES:
         raise ValueError(f"{checkpoint} is a {family} checkpoint; only {MOE_FAMILIES} store experts")
+    text = config.get("text_config", config)
+    if family == "qwen3_vl_moe" and layout == "released" and text["moe_intermediate_size"] == text["hidden_size"]:
+        # transformers transposes a released down_proj [E, I, H] only where its shape tells (Transpose with
+        # check_dims): a square one would load untransposed, other weights than vLLM's (measured: 0.16 a log-prob)
+        raise ValueError(f"{checkpoint}: Qwen3-VL-MoE experts as wide as the hidden size "
+                         f"({text['hidden_size']}) make the released layout ambiguous on load; choose another "
+                         "moe_intermediate")
     path = checkpoint / "model.safetensors"
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata()

