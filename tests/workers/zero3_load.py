@@ -13,9 +13,9 @@ import sys
 import torch
 
 import app  # noqa: F401
-from app.runtime import distributed, zero
 from app.rollout.vllm_moe import released
 from app.rollout.vllm_weights import policy_weights
+from app.runtime import distributed, zero
 from app.runtime.models import load_model, model_class
 
 

@@ -213,6 +213,7 @@ def measure_vllm(family: str, prefix: int, group: int, completion: int, root: st
     length = prefix + completion + 16  # a whole prompt per step, never chunked (a seeded CPU generator cannot
     llm = LLM(model=str(checkpoint), dtype=dtype, seed=0, max_model_len=length, max_num_batched_tokens=length,
               enable_chunked_prefill=False,  # rewind: "CPU Generator does not use offset", measured)
+              enable_prefix_caching=False,  # one request: nothing to reuse (a hybrid's "align" cache needs chunks)
               enforce_eager=True, kv_cache_memory_bytes=2 << 30, logprobs_mode="raw_logprobs",
               limit_mm_per_prompt={"image": 0, "video": 0}, **engine_settings(AutoConfig.from_pretrained(checkpoint)))
     params = SamplingParams(n=group, temperature=1.0, max_tokens=completion, ignore_eos=True, logprobs=0, seed=0)
@@ -243,7 +244,7 @@ def run_vllm(out: Path, quick: bool = False) -> dict:
     for family in REPLAY_FAMILIES[:2]:
         row = {"family": family, **point("app.bench.decoding.mismatch:measure_vllm", quick, family=family,
                                          prefix=128 if quick else 2048, group=4 if quick else 8,
-                                         completion=8 if quick else 128, root=str(out / "checkpoints"))}
+                                         completion=8 if quick else 128, root=str(out))}
         print(f"{family}: " + (row.get("error") or f"mean vLLM {row['mean_vllm']:.2e}, grouped "
                                                    f"{row['mean_grouped']:.2e}"), flush=True)
         rows.append(row)
