@@ -47,9 +47,14 @@ WIDE_ROUTING = {"qwen3_vl_moe": dict(experts=128, experts_per_token=8, moe_inter
                                     shared_expert_intermediate=256)}
 
 
+SHARP_EXPERTS_STD = 0.05  # ``routing="sharp"``: routed experts and routers drawn wider than the initializer's 0.02
+
+
 def tiny_model(family: str, vocab: int = 32768, routing: str = "tiny"):
     """The reduced-width model of ``family`` (random weights, the real transformers class); a mixture of experts
-    with ``MOE_SIZES``'s experts, or ``WIDE_ROUTING``'s with ``routing="wide"``."""
+    with ``MOE_SIZES``'s experts, ``WIDE_ROUTING``'s with ``routing="wide"``, or ``MOE_SIZES``'s with their routed
+    experts and routers drawn at ``SHARP_EXPERTS_STD`` with ``routing="sharp"`` (experts that differ more from one
+    another, as trained ones do)."""
     from app.runtime.models import HYBRID_FAMILIES, TinySizes, build_tokenizer, model_class, tiny_config
 
     experts = (WIDE_ROUTING if routing == "wide" else MOE_SIZES).get(family, {})
@@ -57,7 +62,14 @@ def tiny_model(family: str, vocab: int = 32768, routing: str = "tiny"):
                       intermediate=1024, hybrid_layers=4, linear_heads=(4, 8, 64), max_positions=65536, **experts)
     config = tiny_config(family, build_tokenizer(), sizes, vocab_size=vocab)
     torch.manual_seed(0)
-    return model_class(config).from_config(config, dtype=torch.float32)
+    model = model_class(config).from_config(config, dtype=torch.float32)
+    if routing == "sharp":
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".mlp.experts." in name or name.endswith("mlp.gate.weight"):
+                    param.normal_(0.0, SHARP_EXPERTS_STD, generator=generator)
+    return model
 
 
 def measure(family: str, prefix: int, group: int, completion: int, mode: str) -> dict:

@@ -108,8 +108,10 @@ def table(rows: list[dict]) -> str:
             "prompt length and dtype." + failed_points(errors))
 
 
-# each family at the tiny routing (16 experts top-4) and at the released regime's (128 experts top-8: ``WIDE_ROUTING``)
-REPLAY_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "qwen3_vl_moe:wide", "qwen3_5_moe:wide")
+# each family at the tiny routing (16 experts top-4), at the released regime's (128 experts top-8: ``WIDE_ROUTING``),
+# and with experts that differ more (drawn at 0.05: ``hybrid.SHARP_EXPERTS_STD``)
+REPLAY_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "qwen3_vl_moe:wide", "qwen3_5_moe:wide", "qwen3_vl_moe:sharp",
+                   "qwen3_5_moe:sharp")
 
 
 def measure_replay(family: str, prefix: int, group: int, completion: int, dtype: str) -> dict:
@@ -121,7 +123,7 @@ def measure_replay(family: str, prefix: int, group: int, completion: int, dtype:
     from app.objectives.grpo import mismatch_metrics
     from app.rollout.generate import SamplingConfig, generate_groups
 
-    family, _, routing = family.partition(":")  # "family:wide": the released routing regime (``WIDE_ROUTING``)
+    family, _, routing = family.partition(":")  # "family:wide" / "family:sharp": ``hybrid.tiny_model``'s routing
     model = tiny_model(family, routing=routing or "tiny").to(getattr(torch, dtype)).eval()
     ids = torch.randint(10, 30000, (1, prefix), generator=torch.Generator().manual_seed(0))
     prompts = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": torch.zeros_like(ids)}
@@ -178,7 +180,8 @@ def replay_table(rows: list[dict]) -> str:
     errors = [f"- {r['family']} P={r['prefix']} {r['dtype']}: {r['error']}" for r in rows if "error" in r]
     return ("## Routing replay: the rollout's log-probs against the trainer's, routing afresh (off) and replayed "
             "(r3), grouped engine, hidden 256, 4 sparse layers, 16 experts top-4 (family:wide: 128 experts top-8 of "
-            "32, Qwen3-VL-MoE over 8 sparse layers), CPU\n\n"
+            "32, Qwen3-VL-MoE over 8 sparse layers; family:sharp: routed experts and routers drawn at std 0.05), "
+            "CPU\n\n"
             + markdown_table(rows, columns, formats)
             + "\n\nmean_*/max_ratio_*: mismatch/* with replay off and r3; routed_apart_*: the fraction of tokens "
             "(prompt and completion) the trainer's forward sends through other experts than the rollout did in at "
