@@ -109,8 +109,8 @@ def test_benchmark_runs_quick(name, tmp_path):
             assert r["tokens"] == 4 * 16 and 0 <= r["mean_abs"] < bound and 1 <= r["max_ratio"], r
     if name == "replay":  # routing replay off / r3 on both MoE families and dtypes: every recorded token replayed
         rows = report["rows"]
-        assert {(r["family"], r["dtype"]) for r in rows} == {(f, d) for f in ("qwen3_vl_moe", "qwen3_5_moe:wide")
-                                                            for d in ("float32", "bfloat16")}  # wide: 128 experts
+        assert {(r["family"], r["dtype"]) for r in rows} == {(f, d) for f in ("qwen3_vl_moe:sharp", "qwen3_5_moe:wide")
+                                                            for d in ("float32", "bfloat16")}  # wide: 128 experts; sharp: experts drawn wider
         for r in rows:
             top_k = 8 if r["family"].endswith(":wide") else 4  # 4 sparse layers either way; int16 ids
             assert r["record_bytes"] == (128 + 4 * 16) * 4 * top_k * 2, r

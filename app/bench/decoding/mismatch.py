@@ -161,7 +161,7 @@ def run_replay(out: Path, quick: bool = False) -> dict:
     """Routing replay (``--replay``): replay off against r3, both MoE families, float32 and bfloat16."""
     payload, rows, failed = sweep(
         out, quick, name="replay", target="app.bench.decoding.mismatch:measure_replay",
-        families=("qwen3_vl_moe", "qwen3_5_moe:wide") if quick else REPLAY_FAMILIES,
+        families=("qwen3_vl_moe:sharp", "qwen3_5_moe:wide") if quick else REPLAY_FAMILIES,
         prefixes=(128,) if quick else (2048,), table_of=replay_table,
         said=lambda r: (f"mean off {r['mean_off']:.2e} r3 {r['mean_r3']:.2e}, routed apart off "
                         f"{r['routed_apart_off']:.3f}"))
