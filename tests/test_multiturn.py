@@ -107,20 +107,14 @@ def test_a_rollout_stops_at_its_token_budget(setting):
         TurnLimits(max_turns=1, branching=(2, 2))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
-def test_sampled_logprobs_equal_the_tree_forward_with_a_clip_inside(family, tiny_checkpoints, videos):
-    """Turn 1 is a fixed call (its log-probs teacher-forced on the real model); turn 2 is sampled by the grouped
-    engine from [P; turn 1; the clip] prompts. The tree forward of the resulting tree gives every model token the
-    log-prob the sampler reported (1e-5): the engine and the trainer see the same positions, media and attention
-    (Qwen3.5: each turn's GDN states are those the path left, and the tree forward hands each node its parent's)."""
-    setting = make_setting(family, tiny_checkpoints, videos)
+def call_then_sampled(model, tok, most: int, record_routing: bool = False):
+    """A turn sampler: turn 1 a fixed get_frames call (its log-probs teacher-forced on ``model``; with
+    ``record_routing`` its experts as the forward routed them), later turns sampled by the grouped engine (at most
+    ``most`` tokens, recording its experts with ``record_routing``)."""
     from app.data.prompts import collate_prompts
     from app.grouping import completion_logprobs
-    from app.grouping.tree.forward import tree_logprobs
     from app.rollout.generate import SamplingConfig, generate_groups
 
-    model, processor, prompts, context = setting
-    tok = tokenizer_of(processor)
     scripted = Scripted(tok, [[call("get_frames", start=0.0, end=2.0)] * 2])
 
     def generate(asked, group_size, seeds, max_new_tokens):
@@ -128,12 +122,29 @@ def test_sampled_logprobs_equal_the_tree_forward_with_a_clip_inside(family, tiny
         if scripted.turns:
             rollout = scripted(asked, group_size, seeds, max_new_tokens)
             with torch.no_grad():
-                rollout.logprobs = completion_logprobs(model, batch, rollout.completion_ids, rollout.completion_mask,
-                                                       group_size).logprobs
+                forced = completion_logprobs(model, batch, rollout.completion_ids, rollout.completion_mask,
+                                             group_size, record_routing=record_routing)
+            rollout.logprobs, rollout.routing = forced.logprobs, forced.routing
             return rollout
-        sampling = SamplingConfig(temperature=1.0, max_new_tokens=min(max_new_tokens, 8))
-        return generate_groups(model, batch, group_size, sampling, tokenizer=tok, eos_ids=[], prompt_seeds=seeds)
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=min(max_new_tokens, most))
+        return generate_groups(model, batch, group_size, sampling, tokenizer=tok, eos_ids=[], prompt_seeds=seeds,
+                               record_routing=record_routing)
 
+    return generate
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_sampled_logprobs_equal_the_tree_forward_with_a_clip_inside(family, tiny_checkpoints, videos):
+    """Turn 1 is a fixed call (its log-probs teacher-forced on the real model); turn 2 is sampled by the grouped
+    engine from [P; turn 1; the clip] prompts. The tree forward of the resulting tree gives every model token the
+    log-prob the sampler reported (1e-5): the engine and the trainer see the same positions, media and attention
+    (Qwen3.5: each turn's GDN states are those the path left, and the tree forward hands each node its parent's)."""
+    setting = make_setting(family, tiny_checkpoints, videos)
+    from app.grouping.tree.forward import tree_logprobs
+
+    model, processor, prompts, context = setting
+    tok = tokenizer_of(processor)
+    generate = call_then_sampled(model, tok, 8)
     rollout = tree_rollout(generate, prompts[:1], [context], tools=build_tools(["get_frames"]),
                            encode=observation_encoder(processor), limits=TurnLimits(max_turns=2, branching=(2, 3)),
                            tokenizer=tok, seeds=[11])
@@ -185,30 +196,13 @@ def test_routing_replay_on_trees_routes_every_token_as_its_rollout_did(family, t
     computed them); replayed, the tree forward equals its paths run one by one (log-probs 1e-5, gradients 1e-4,
     routers included) and, on the same weights, the free forward (no router would choose otherwise); a record
     sending tokens elsewhere changes the log-probs and is counted; a missing one stops naming the tree and node."""
-    from app.data.prompts import collate_prompts
-    from app.grouping import completion_logprobs
     from app.grouping.experts.routers import RoutingError
     from app.grouping.tree.forward import forest_logprobs
-    from app.rollout.generate import SamplingConfig, generate_groups
     from tests.helpers import max_rel_diff
 
     model, processor, prompts, context = make_setting(family, tiny_checkpoints, videos)
     tok = tokenizer_of(processor)
-    scripted = Scripted(tok, [[call("get_frames", start=0.0, end=2.0)] * 2])
-
-    def generate(asked, group_size, seeds, max_new_tokens):
-        batch = collate_prompts([p.inputs for p in asked], tok.pad_token_id)
-        if scripted.turns:
-            rollout = scripted(asked, group_size, seeds, max_new_tokens)
-            with torch.no_grad():
-                forced = completion_logprobs(model, batch, rollout.completion_ids, rollout.completion_mask,
-                                             group_size, record_routing=True)
-            rollout.logprobs, rollout.routing = forced.logprobs, forced.routing
-            return rollout
-        sampling = SamplingConfig(temperature=1.0, max_new_tokens=min(max_new_tokens, 6))
-        return generate_groups(model, batch, group_size, sampling, tokenizer=tok, eos_ids=[], prompt_seeds=seeds,
-                               record_routing=True)
-
+    generate = call_then_sampled(model, tok, 6, record_routing=True)
     rollout = tree_rollout(generate, prompts[:1], [context], tools=build_tools(["get_frames"]),
                            encode=observation_encoder(processor), limits=TurnLimits(max_turns=2, branching=(2, 2)),
                            tokenizer=tok, seeds=[11])
