@@ -81,13 +81,13 @@ def kinds(shape) -> list[Kind]:
 def moe_shape(text) -> dict:
     """A mixture-of-experts text config's sparse layers (``decoder_sparse_step`` / ``mlp_only_layers`` as
     transformers reads them; Qwen3.5-MoE: every layer), and the intermediate one token meets on average."""
-    experts = int(getattr(text, "num_experts", 0) or 0)
-    if not experts:
+    from app.grouping.experts.blocks import config_expert_shape
+
+    found = config_expert_shape(text)
+    if found is None:
         return {}
-    layers, step = text.num_hidden_layers, int(getattr(text, "decoder_sparse_step", 1) or 1)
-    dense_only = set(getattr(text, "mlp_only_layers", None) or ())
-    sparse = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
-    k, moe = int(text.num_experts_per_tok), int(text.moe_intermediate_size)
+    layers, sparse, experts, k = text.num_hidden_layers, len(found.layers), found.experts, found.top_k
+    moe = int(text.moe_intermediate_size)
     shared = int(getattr(text, "shared_expert_intermediate_size", 0) or 0)
     dense = int(getattr(text, "intermediate_size", 0) or 0)
     active = (sparse * (k * moe + shared) + (layers - sparse) * dense) / layers

@@ -276,26 +276,23 @@ def _in_prompt_order(parts: list[list[torch.Tensor]], owners: list[int], pad_id:
 
 def _routing_in_prompt_order(parts: list[list[torch.Tensor]], owners: list[int], width: int):
     """The routing record of ``_in_prompt_order``'s rollout: each rank's (prompt [b, Lp, S, k], completion
-    [n, Lc, S, k], sparse layers) records (``parts[rank][5:8]``), prompts left-padded to the widest, completions
-    cut or padded to ``width`` (-1), groups in prompt order."""
-    from app.grouping.experts.routing import MISSING, Routing
+    [n, Lc, S, k], sparse layers) records (``parts[rank][5:8]``; a rank that sampled nothing sent empty ones) joined
+    group by group in prompt order (``Routing.picked``: prompts left-padded, completions cut or padded to ``width``)."""
+    from app.grouping.experts.routing import Routing
 
     sampled = next(p for p in parts if p[5].numel())  # a rank that sampled (one always does)
-    prompt_width = max(part[5].shape[1] for part in parts if part[5].numel())
-    shape = sampled[5].shape[2:]
+    layers = tuple(sampled[7].tolist())
+    records = [Routing(part[5].to(torch.int16), part[6].to(torch.int16), layers) if part[5].numel() else
+               Routing(sampled[5][:0].to(torch.int16), sampled[6][:0].to(torch.int16), layers) for part in parts]
     sizes = [part[4].tolist()[:-2] for part in parts]
-    taken = [0] * len(parts)
-    prompts, completions = [], []
+    taken, groups, rows = [0] * len(parts), [], []
     for rank in owners:
         k = taken[rank]
         taken[rank] += 1
         start = sum(sizes[rank][:k])
-        p = parts[rank][5][k]
-        prompts.append(torch.cat([p.new_full((prompt_width - p.shape[0], *shape), MISSING), p]))
-        c = parts[rank][6][start : start + sizes[rank][k], :width]
-        completions.append(torch.cat([c, c.new_full((c.shape[0], width - c.shape[1], *shape), MISSING)], dim=1))
-    return Routing(torch.stack(prompts).to(torch.int16), torch.cat(completions).to(torch.int16),
-                   tuple(sampled[7].tolist()))
+        groups.append((rank, k))
+        rows.append((rank, start, start + sizes[rank][k]))
+    return Routing.picked(records, groups, rows, width)
 
 
 def prompt_identity(prompt) -> str:

@@ -26,8 +26,9 @@ from collections.abc import Iterable, Iterator, Sequence
 
 
 def is_moe(config) -> bool:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return bool(getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0))
+    from app.grouping.experts.blocks import config_expert_shape
+
+    return config_expert_shape(config) is not None
 
 
 def engine_settings(config) -> dict:

@@ -151,10 +151,10 @@ def _local_extra(extra: dict, start: int, end: int) -> dict:
             "deepstack_visual_embeds": [d[before : before + count] for d in extra["deepstack_visual_embeds"]]}
 
 
-def _run_language(model, embeds, positions, plan, extra: dict, *, routing=None, lengths: list[int] | None = None):
+def _run_language(model, embeds, positions, plan, extra: dict, *, routing=None):
     """The decoder stack on some positions under ``plan`` (no cache, no mask: the plan is the attention): (the last
-    hidden states, and with ``routing`` (``routing.DecodeRouting``) the experts of the rank pieces ``lengths``
-    gathered over the group ([rows, sum(lengths), S, k] on every rank; else None))."""
+    hidden states, and with ``routing`` (``routing.DecodeRouting``) the experts of the plan's rank pieces gathered
+    over the group ([rows, sum(plan.lengths), S, k] on every rank; else None))."""
     from app.grouping import attention
 
     language = _language_model(model)
@@ -165,7 +165,7 @@ def _run_language(model, embeds, positions, plan, extra: dict, *, routing=None, 
     if routing is None:
         return hidden, None
     rows = embeds.shape[0]
-    return hidden, gather_positions(routing.taken(embeds.new_ones((rows, embeds.shape[1]))), plan.sp, lengths)
+    return hidden, gather_positions(routing.taken(embeds.new_ones((rows, embeds.shape[1]))), plan.sp, plan.lengths)
 
 
 def gather_positions(local: torch.Tensor, sp: SequenceParallel, lengths: list[int]) -> torch.Tensor:
@@ -200,11 +200,9 @@ def root_prefill(model, ids: torch.Tensor, positions: torch.Tensor, vision: dict
     for start, end in _pieces(ids.shape[0], chunk_size, sp.size):
         bounds = shard_bounds(end - start, sp.size)
         lo, hi = bounds[sp.rank]
-        lengths = [b - a for a, b in bounds]
-        plan = UlyssesPlan(sp, lengths, store.attend, store.states.core)
+        plan = UlyssesPlan(sp, [b - a for a, b in bounds], store.attend, store.states.core)
         _, record = _run_language(model, embeds[:, start + lo : start + hi], positions[:, None, start + lo : start + hi],
-                                  plan, _local_extra(extra, start + lo, start + hi), routing=routing,
-                                  lengths=lengths)
+                                  plan, _local_extra(extra, start + lo, start + hi), routing=routing)
         records.append(record)
         store.end = end
         ran += hi - lo
@@ -319,8 +317,7 @@ def spread_prefill(model, prompts: dict, families: Sequence[int], positions: tor
     plan = UlyssesPlan(sp, [b - a for a, b in bounds], questions.attend,
                        question_core(gdn, shared.group_root, q_mask, kept_states))
     embeds = unwrap(model).get_input_embeddings()(q_rows[:, lo:hi])
-    hidden, record = _run_language(model, embeds, pos[..., lo:hi], plan, {}, routing=routing,
-                                   lengths=[b - a for a, b in bounds])
+    hidden, record = _run_language(model, embeds, pos[..., lo:hi], plan, {}, routing=routing)
     ran += int(q_mask[:, lo:hi].sum())  # the questions' real tokens in this rank's piece
     if routing is not None:
         pad = record.new_full((), -1)
