@@ -23,9 +23,10 @@ import torch
 
 from app.config.loading import ConfigError, load_config
 from app.grouping import completion_logprobs
-from app.grouping.experts.blocks import expert_parallel_size, expert_shape, is_ep_block, sparse_layers
+from app.grouping.experts.blocks import expert_parallel_size, expert_shape, sparse_layers
 from app.rollout.generate import SamplingConfig, generate_groups
 from app.runtime import expert_parallel
+from app.runtime.expert_parallel import is_ep_block
 from app.runtime.models import MOE_FAMILIES, build_tiny_checkpoint, load_model
 from tests.helpers import load, max_rel_diff, prompt_batch, tokenizer_of
 
@@ -131,7 +132,8 @@ def test_the_routers_weights_stay_finite_where_every_replayed_expert_underflows(
 
 
 def test_an_autoep_router_with_another_rule_is_refused_by_name():
-    from app.grouping.experts.routers import EPRouter, RoutingError
+    from app.grouping.experts.routers import RoutingError
+    from app.runtime.expert_parallel import EPRouter
 
     class Router(torch.nn.Module):
         def __init__(self, score_func, groups=None):

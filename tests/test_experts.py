@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from app.grouping import completion_logprobs
+from app.grouping.checks.routing import disagreements
 from app.grouping.experts.blocks import choose_experts_implementation, expert_shape, sparse_layers
-from app.grouping.experts.routing import Routing, RoutingError, disagreements
+from app.grouping.experts.record import Routing
+from app.grouping.experts.routers import RoutingError
 from app.objectives.router import load_balancing_loss, router_metrics
 from app.runtime.models import MOE_FAMILIES, enable_activation_checkpointing
 from tests.helpers import max_rel_diff
@@ -181,13 +183,13 @@ def test_a_routing_record_that_does_not_cover_the_tokens_names_the_prompt(tiny_c
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_grouped_mm_experts_equal_eager_ones(family, tiny_checkpoints, videos):
-    """``grouped_mm`` (what ``model.experts_implementation=auto`` picks where torch has it) against ``eager``:
-    the same log-probs and gradients, grouped and repeated."""
+    """``grouped_mm`` (what ``model.experts_implementation=auto`` picks where torch has it) and ``batched_mm``
+    against ``eager``: the same log-probs and gradients, grouped and repeated."""
     model, prompts, ids, mask, sizes = make_case(family, tiny_checkpoints, videos, seed=6)
     assert choose_experts_implementation("auto") == "grouped_mm"
     assert model.config.get_text_config()._experts_implementation == "grouped_mm"  # load_model's choice
     runs = {}
-    for impl in ("grouped_mm", "eager"):
+    for impl in ("grouped_mm", "eager", "batched_mm"):
         model.set_experts_implementation(impl)
         assert model.config.get_text_config()._experts_implementation == impl
         for mode in ("grouped", "repeated"):
@@ -196,9 +198,10 @@ def test_grouped_mm_experts_equal_eager_ones(family, tiny_checkpoints, videos):
             scores.logprobs.sum().backward()
             runs[impl, mode] = scores.logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
     for mode in ("grouped", "repeated"):
-        (a, a_grads), (b, b_grads) = runs["grouped_mm", mode], runs["eager", mode]
-        assert max_rel_diff(a, b) <= 1e-6
-        assert all(max_rel_diff(a_grads[n], b_grads[n]) <= 1e-5 for n in a_grads if a_grads[n] is not None)
+        for impl in ("grouped_mm", "batched_mm"):
+            (a, a_grads), (b, b_grads) = runs[impl, mode], runs["eager", mode]
+            assert max_rel_diff(a, b) <= 1e-6, impl
+            assert all(max_rel_diff(a_grads[n], b_grads[n]) <= 1e-5 for n in a_grads if a_grads[n] is not None), impl
 
 
 def _grouped_only(monkeypatch, change):
@@ -227,7 +230,7 @@ def test_the_bf16_self_check_tells_a_router_tie_from_a_routing_defect_and_names_
     import contextlib
 
     from app.grouping import GroupingMismatchError, verify_grouping
-    from app.grouping.experts import routing as routing_module
+    from app.grouping.experts import plan as routing_module
     from tests.test_bf16 import bf16_rounded
     from tests.test_bf16 import case as bf16_case
 

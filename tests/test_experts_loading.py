@@ -1,7 +1,7 @@
 """MoE checkpoints load in both expert layouts (as released, and fused as the model holds them; save_pretrained
 writes the fused one for Qwen3-VL-MoE and the released one for Qwen3.5-MoE), without ZeRO and under ZeRO-3, to the
 same weights; transformers' own ZeRO-3 load of Qwen3-VL-MoE's fused layout fails (the reason
-``app.runtime.zero3_load`` exists: when this stops failing, the workaround can go)."""
+``app.runtime.expert_layouts`` exists: when this stops failing, the workaround can go)."""
 
 from __future__ import annotations
 

@@ -272,7 +272,7 @@ def test_a_family_in_bf16_is_as_close_to_float32_as_the_repeated_layout(family, 
     import copy
 
     from app.grouping import compare_to_reference
-    from app.grouping.experts.routing import disagreements
+    from app.grouping.checks.routing import disagreements
     from tests.test_bf16 import grad_excess
 
     model, prompts, ids, mask, sizes = family_case(family, tiny_checkpoints, videos, [0, 0, 0, 1], seed=7)

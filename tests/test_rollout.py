@@ -337,13 +337,10 @@ def test_a_sequence_parallel_group_spreads_whole_families_and_gets_the_rollout_i
         owners = spread_families(prompts, size)
         share = {r: PerPrompt().generate([p for p, o in zip(prompts, owners) if o == r], 2,
                                          [s for s, o in zip(seeds, owners) if o == r]) for r in range(size)}
-        from app.rollout.generate import STOP_REASONS
+        from app.rollout.rows import sent
 
-        def gathered(tensors, share=share, size=size):
-            return [[share[r].completion_ids, share[r].completion_mask, share[r].logprobs,
-                     torch.tensor([STOP_REASONS.index(x) for x in share[r].stop_reasons]),
-                     torch.tensor([*share[r].group_sizes, share[r].prefill_tokens, share[r].prompt_tokens])]
-                    for r in range(size)]
+        def gathered(tensors, share=share, size=size):  # each rank's rollout as it sends it
+            return [sent(share[r], 99) for r in range(size)]
 
         group = SimpleNamespace(sp=SimpleNamespace(size=size, rank=0), gather_in_group=gathered)
         got = SharedInGroup(PerPrompt(), group, pad_id=99).generate(prompts, 2, seeds)

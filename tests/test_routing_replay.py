@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from app.grouping import completion_logprobs
-from app.grouping.experts.routing import Routing
-from app.rollout.generate import SamplingConfig, generate_groups, select_groups
+from app.grouping.experts.record import Routing
+from app.rollout.generate import SamplingConfig, generate_groups
+from app.rollout.rows import select_groups
 from app.runtime.models import MOE_FAMILIES
 from tests.helpers import load, prompt_batch, tokenizer_of
 

@@ -13,7 +13,7 @@ from app.config.sections import (
     ConfigError,
     RolloutConfig,
 )
-from app.rollout.registry import TRAINING_ONLY
+from app.rollout.registry import IN_PROCESS, TRAINING_ONLY
 
 OPTION_FIELDS = {"max_new_tokens": "max_completion_length"}  # an options field -> its config key, where they differ
 
@@ -180,35 +180,23 @@ def _validate_routing_replay(config: Config, need) -> None:
     """rollout.routing_replay=r3: where the record is made and carried so far, refused by name elsewhere."""
     if config.rollout.routing_replay == "off":
         return
-    r = config.rollout
-    need(r.engine in ("grouped", "vllm"), "rollout.routing_replay", f"=r3 records routing in rollout.engine=grouped "
-         f"or vllm (its routed experts, on a GPU), not {r.engine} (hf generate and replayed rollouts keep none)")
+    from app.rollout.base import replay_problems
+
+    for problem in replay_problems(engine=config.rollout.engine):
+        need(False, "rollout.routing_replay", f"={config.rollout.routing_replay} {problem}")
 
 
 def _validate_expert_parallel(config: Config, need) -> None:
-    """train.expert_parallel_size > 1 (DeepSpeed AutoEP): what it runs with so far, refused by name elsewhere (what
-    the checkpoint, the world and the DeepSpeed config decide: ``app.runtime.expert_parallel.problems``)."""
+    """train.expert_parallel_size > 1 (DeepSpeed AutoEP): what the settings alone decide
+    (``app.runtime.expert_parallel.problems``, the one rule; the checkpoint, the world and the DeepSpeed JSON are the
+    preflight's)."""
+    from app.runtime.expert_parallel import problems
+
     ep = config.train.expert_parallel_size
-    need(ep >= 1, "train.expert_parallel_size", f"must be >= 1, got {ep}")
-    if ep == 1:
-        return
-    need(config.train.sequence_parallel_size == 1, "train.expert_parallel_size",
-         f"={ep} cannot be combined with train.sequence_parallel_size={config.train.sequence_parallel_size} yet "
-         "(the expert-parallel groups are not laid out against the sequence-parallel ones)")
-    need(not config.lora.target_parameters, "train.expert_parallel_size",
-         f"={ep} cannot be combined with LoRA on the routed experts (lora.target_parameters="
-         f"{config.lora.target_parameters}): AutoEP replaces the fused expert tensors by its own, so the adapters "
-         "would be dropped")
-    need(not config.lora.rank, "train.expert_parallel_size",
-         f"={ep} trains full weights only, not LoRA (lora.rank={config.lora.rank}): LoRA leaves the routed experts "
-         "frozen, and DeepSpeed 0.19.8's AutoEP cannot checkpoint frozen expert weights under ZeRO-3 (\"does not "
-         "support frozen expert parameters yet\"); set lora.rank=0 or train.expert_parallel_size=1")
-    need(config.rollout.engine in ("grouped", "hf", "replay"), "train.expert_parallel_size",
-         f"={ep} samples with rollout.engine grouped or hf (through the expert-parallel layers), not "
-         f"{config.rollout.engine} (vLLM's own expert parallelism, enable_expert_parallel, is vLLM's: the push of "
-         "an expert-parallel policy into it is not built)")
-    need(not config.rollout.tools, "train.expert_parallel_size", f"={ep} is not available with rollout.tools "
-         "(prefix trees through expert-parallel layers are not tested)")
+    for problem in problems(size=ep, sequence_parallel=config.train.sequence_parallel_size, lora_rank=config.lora.rank,
+                            lora_targets=config.lora.target_parameters, engine=config.rollout.engine,
+                            in_process=config.rollout.engine in IN_PROCESS, tools=bool(config.rollout.tools)):
+        need(False, "train.expert_parallel_size", problem if ep < 1 else f"={ep} {problem}")
 
 
 def validate_vllm_ranges(r: RolloutConfig) -> None:

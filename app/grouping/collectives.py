@@ -60,3 +60,33 @@ class SumScored(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (grad * ctx.scale if ctx.scale != 1.0 else grad), None, None
+
+
+def gather(tensors: list[torch.Tensor], group, device=None) -> list[list[torch.Tensor]]:
+    """Every rank's ``tensors`` (the same count on each; dimensions, sizes and dtypes per position alike, sizes free),
+    per rank of ``group`` in group order, on every rank: shapes first, then each tensor padded to the largest, gathered
+    and cut back. The one gather of variable-size tensors (a rollout's rows, a spread prefill's routing record, a
+    sequence-parallel shard's record). Collectives on ``device`` (the GPU under nccl); results on each input's device
+    and dtype; gloo and nccl do not gather int16/bool alike, so those travel as int32."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [tensors]
+    device = device or (tensors[0].device if tensors else torch.device("cpu"))
+    most = max([1] + [t.dim() for t in tensors])
+    shapes = torch.tensor([[t.dim(), *t.shape, *[0] * (most - t.dim())] for t in tensors], dtype=torch.long,
+                          device=device).reshape(len(tensors), most + 1)
+    every = [torch.empty_like(shapes) for _ in range(size)]
+    dist.all_gather(every, shapes, group=group)
+    rows = [s.tolist() for s in every]
+    out: list[list[torch.Tensor]] = [[] for _ in range(size)]
+    for i, t in enumerate(tensors):
+        dims = rows[0][i][0]
+        largest = [max(r[i][1 + d] for r in rows) for d in range(dims)]
+        wire = torch.int32 if t.dtype in (torch.int16, torch.int8, torch.uint8, torch.bool) else t.dtype
+        padded = torch.zeros(largest, dtype=wire, device=device)
+        padded[tuple(slice(0, n) for n in t.shape)] = t.to(device, wire)
+        parts = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(parts, padded, group=group)
+        for r, part in enumerate(parts):
+            out[r].append(part[tuple(slice(0, n) for n in rows[r][i][1: 1 + dims])].to(t.device, t.dtype))
+    return out

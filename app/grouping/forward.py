@@ -17,8 +17,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from app.grouping import attention
-from app.grouping.experts.routing import ROUTER_STATISTICS, Routed, Routing, check_routing
-from app.grouping.experts.routing import install as install_routing
+from app.grouping.experts.patch import install as install_routing
+from app.grouping.experts.plan import ROUTER_STATISTICS, Routed
+from app.grouping.experts.record import Routing, check_routing
 from app.grouping.experts.statistics import token_repeats
 from app.grouping.families import check_shared_positions, family_layout
 from app.grouping.layout import GroupLayout, LayoutError, normalize_group_sizes
@@ -255,7 +256,7 @@ def completion_logprobs(
     Repeated mode ignores it (its rows are [P;Ri] either way).
     Mixture-of-experts models (``experts``; ignored by a dense model): ``routing`` (a ``Routing``) routes every
     token to its recorded experts (the gate weights recomputed over them from the current router); checked first
-    (``experts.routing.check_routing``: a token without a record stops it, naming the prompt).
+    (``experts.record.check_routing``: a token without a record stops it, naming the prompt).
     ``router_statistics``: ``metrics`` or ``loss`` (differentiable probabilities) returns the router's sums per
     sparse layer over the repeated layout's tokens (``scores.router``: a shared prompt token counts once per
     response, the same numbers in both modes). ``record_routing`` returns the experts each token went to

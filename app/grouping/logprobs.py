@@ -33,8 +33,8 @@ class CompletionScores:
     layout: Any = None  # the GroupLayout
     entropy: torch.Tensor | None = None  # [N, Lc] entropy of each token's (tempered) distribution, no gradient
     router: Any = None  # a MoE model's experts.statistics.RouterStatistics, when asked
-    routing: Any = None  # a MoE model's experts.routing.Routing (the experts each token went to), when asked
-    tie_gap: float | None = None  # a replayed routing: experts.routing.tie_gap over the forward's sparse layers
+    routing: Any = None  # a MoE model's experts.record.Routing (the experts each token went to), when asked
+    tie_gap: float | None = None  # a replayed routing: experts.plan.tie_gap over the forward's sparse layers
     replay_differs: torch.Tensor | None = None  # a replay: [tokens routed otherwise by this forward, tokens replayed]
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from app.grouping import attention
-from app.grouping.collectives import SumScored, exchange
+from app.grouping.collectives import SumScored, exchange, gather
 from app.grouping.families import check_shared_positions, family_layout
 from app.grouping.layout import GroupLayout, LayoutError
 from app.grouping.modules import patched, set_text_attention, text_config, unwrap
@@ -140,7 +140,7 @@ def sequence_parallel_scores(model, prompts: Mapping, completion_ids: torch.Tens
     calls agreed over the world under ZeRO-3; each rank of ``sp`` makes one call per modality either way).
     ``chunk_size``: as ``completion_logprobs`` (> 0: the output head never holds [tokens, vocab] logits).
     ``families``: as ``completion_logprobs`` (questions sharing a video: the family's row, V and its media once).
-    ``routed``: a MoE forward's replay, record and router statistics (``experts.routing.Routed``): each rank routes
+    ``routed``: a MoE forward's replay, record and router statistics (``experts.plan.Routed``): each rank routes
     its shard; the statistics are summed over the group (the probabilities' gradient back to each shard, as the
     scores'), the record gathered (every rank holds the whole row's)."""
     from app.grouping.layout import normalize_group_sizes
@@ -165,7 +165,7 @@ def sequence_parallel_scores(model, prompts: Mapping, completion_ids: torch.Tens
 
 def _shard_replay(routed, sp: SequenceParallel):
     """A replayed forward's (tokens routed otherwise, tokens replayed) summed over the group's shards, and the
-    largest tie gap of any shard (``Routed.replay_differs``, ``experts.routing.tie_gap``); (None, None) without."""
+    largest tie gap of any shard (``Routed.replay_differs``, ``experts.plan.tie_gap``); (None, None) without."""
     differs = routed.replay_differs()
     if differs is None:
         return None, None
@@ -178,7 +178,7 @@ def _shard_replay(routed, sp: SequenceParallel):
 
 def _shard_routing(routed, layout: GroupLayout, sp: SequenceParallel):
     """The whole row's router statistics and routing record from each rank's shard."""
-    from app.grouping.experts.routing import Routing
+    from app.grouping.experts.record import Routing
     from app.grouping.experts.statistics import RouterStatistics
 
     if routed.plan is None:
@@ -192,14 +192,9 @@ def _shard_routing(routed, layout: GroupLayout, sp: SequenceParallel):
         router = RouterStatistics(local.layers, summed[0], SumScored.apply(local.probability, sp.group, sp.grad_scale),
                                   summed[1], summed[2], local.top_k)
     recorded = None
-    if routed.record:
-        bounds = shard_bounds(layout.total_len, sp.size)
-        mine = routed.plan.recorded()
-        pieces = [mine.new_full((end - start, *mine.shape[1:]), 0) for start, end in bounds]
-        pieces[sp.rank] = mine
-        row = torch.cat(pieces).to(torch.int32)  # neither gloo nor NCCL reduces int16
-        dist.all_reduce(row, group=sp.group)  # each rank's shard, zero elsewhere
-        recorded = Routing.from_packed(layout, row.to(mine.dtype), routed.shape.layers)
+    if routed.record:  # each rank's shard of the row, gathered in rank order (the shards are consecutive)
+        row = torch.cat([part[0] for part in gather([routed.plan.recorded()], sp.group)])
+        recorded = Routing.from_packed(layout, row, routed.shape.layers)
     return router, recorded
 
 
@@ -250,7 +245,7 @@ def _sequence_parallel_forward(model, prompts, completion_ids, layout: GroupLayo
         local_positions = local_positions[0]
     body = inner.model.language_model if hasattr(inner.model, "language_model") else inner.model
     if routed is not None and routed.shape is not None:
-        from app.grouping.experts.routing import ROUTING_KWARG
+        from app.grouping.experts.plan import ROUTING_KWARG
         from app.grouping.experts.statistics import token_repeats
 
         routed.plan_for(routed.replay.for_packed(layout) if routed.replay is not None else None,

@@ -48,6 +48,13 @@ STATISTICS_KEY = "router_sums"  # step metrics: the routers' sums, added over mi
 # into router/* by ``step_router_metrics``
 
 
+def counting_passes(moe: bool, coef: float, iterations: int = 1) -> int:
+    """No-gradient forwards per micro-batch a step spends counting its expert loads (``RouterTerm.start_step``): one
+    per update pass on a mixture-of-experts policy with a load-balancing loss, none otherwise. The planner prices
+    them (``app.planning.timing``, phase ``router_counts``)."""
+    return int(iterations) if moe and coef > 0 else 0
+
+
 class RouterTerm:
     """The routers' part of a GRPO step on a mixture-of-experts policy (nothing on a dense one): what the update's
     forward asks for (``forward_kwargs``: detached sums for the metrics, or differentiable ones when the
@@ -73,7 +80,7 @@ class RouterTerm:
 
     @property
     def needs_counts(self) -> bool:
-        return self.moe and self.coef > 0
+        return counting_passes(self.moe, self.coef) > 0
 
     def start_step(self, counted: list, micro_batches: int, world_size: int = 1, reduce_sum=None) -> None:
         """``counted``: each micro-batch's router sums (no gradient needed) at the weights its update will see."""
@@ -99,35 +106,33 @@ class RouterTerm:
 
 def declare_sums(metrics, stats) -> None:
     """The step's router sums (``RouterStatistics``, already added over its micro-batches) as summed step metrics,
-    so ranks add them before anything nonlinear is taken (``step_router_metrics``)."""
+    so ranks add them before anything nonlinear is taken (``step_router_metrics``): one tensor [tokens, entropy [S],
+    load [S x E], probability [S x E]] and its sparse layers, which reach the host in one copy with the step's other
+    metrics and cross ranks in its one collective."""
     if stats is None:
         return
     stats = stats.detached()
-    metrics.sum(f"{STATISTICS_KEY}/tokens", float(stats.tokens))
+    metrics.sum(STATISTICS_KEY, torch.cat([stats.tokens.reshape(1).to(stats.load), stats.entropy.to(stats.load),
+                                           stats.load.flatten(), stats.probability.flatten().to(stats.load)]))
+    metrics.local(f"{STATISTICS_KEY}/layers", torch.tensor([float(layer) for layer in stats.layers]))
     metrics.local(f"{STATISTICS_KEY}/top_k", float(stats.top_k))
-    for s, layer in enumerate(stats.layers):
-        metrics.sum(f"{STATISTICS_KEY}/{layer}/entropy", float(stats.entropy[s]))
-        for e in range(stats.load.shape[-1]):
-            metrics.sum(f"{STATISTICS_KEY}/{layer}/load/{e}", float(stats.load[s, e]))
-            metrics.sum(f"{STATISTICS_KEY}/{layer}/probability/{e}", float(stats.probability[s, e]))
 
 
 def step_router_metrics(values: dict) -> dict:
     """Pops the reduced router sums out of ``values`` and returns ``router_metrics`` of them (empty for a dense
-    model)."""
+    model): per sparse layer, not per expert."""
     from types import SimpleNamespace
 
-    keys = [k for k in values if k.startswith(STATISTICS_KEY + "/")]
-    if not keys:
+    if STATISTICS_KEY not in values:
         return {}
-    raw = {k[len(STATISTICS_KEY) + 1:]: values.pop(k) for k in keys}
-    layers = sorted({int(k.split("/")[0]) for k in raw if k.split("/")[0].isdigit()})
-    experts = 1 + max(int(k.split("/")[2]) for k in raw if "/load/" in k)
-    table = lambda what: torch.tensor([[raw[f"{layer}/{what}/{e}"] for e in range(experts)]  # noqa: E731
-                                       for layer in layers], dtype=torch.float64)
-    stats = SimpleNamespace(layers=tuple(layers), load=table("load"), probability=table("probability"),
-                            entropy=torch.tensor([raw[f"{layer}/entropy"] for layer in layers], dtype=torch.float64),
-                            tokens=torch.tensor(raw["tokens"], dtype=torch.float64), top_k=int(raw["top_k"]))
+    summed = torch.tensor(values.pop(STATISTICS_KEY), dtype=torch.float64)
+    layers = tuple(int(v) for v in values.pop(f"{STATISTICS_KEY}/layers"))
+    top_k = int(values.pop(f"{STATISTICS_KEY}/top_k"))
+    s = len(layers)
+    experts = (summed.numel() - 1 - s) // (2 * s)
+    load, probability = summed[1 + s:].view(2, s, experts)
+    stats = SimpleNamespace(layers=layers, load=load, probability=probability, entropy=summed[1: 1 + s],
+                            tokens=summed[0], top_k=top_k)
     return router_metrics(stats)
 
 

@@ -28,13 +28,11 @@ def check_sequence_parallel(config, ranks: int, size: int) -> None:
 def check_expert_parallel(cfg, shape, ranks: int, stage: int, size: int | None = None) -> None:
     """The model, the world and the ZeRO stage allow EP = ``size`` (default train.expert_parallel_size), in the
     trainer's own words (``app.runtime.expert_parallel.problems``)."""
-    from app.runtime.expert_parallel import FAMILIES, problems
+    from app.runtime.expert_parallel import problems
 
     size = cfg.train.expert_parallel_size if size is None else size
     found = problems(size=size, model_type=shape.family if shape.experts else "dense", experts=shape.experts,
                      world=ranks, sequence_parallel=cfg.train.sequence_parallel_size, zero_stage=stage)
-    if shape.experts and shape.family not in FAMILIES:
-        found = [f for f in found if not f.startswith("runs the Qwen")]  # a text-only preset plans as its family
     if found:
         raise PlanError(f"train.expert_parallel_size={size}: {'; it also '.join(found)}")
 

@@ -206,7 +206,8 @@ def report(result: dict, frames_by_size: dict, fixes: list[dict], experts: list[
 
 
 BOUNDS = {"tower": "FLOPs + attention calls", "prefill": "FLOPs", "decode": "bandwidth + launches",
-          "rollout_overhead": "fixed", "reference": "FLOPs", "old_policy": "FLOPs", "update": "FLOPs + per layer",
+          "rollout_overhead": "fixed", "reference": "FLOPs", "old_policy": "FLOPs", "router_counts": "FLOPs",
+          "update": "FLOPs + per layer",
           "weight_sync": "tensors + bandwidth", "rollout": "", "step": ""}
 
 
@@ -222,8 +223,8 @@ def time_table(result: dict) -> list[str]:
     lines = [f"step time per rank, by phase (at {w['peak_tflops']:g} TFLOP/s and {w['bandwidth_tbs']:g} TB/s, the "
              "calibration's efficiencies: docs/planner.md); TRL-style = [P;Ri] rows and HF generate",
              f"    {'phase':<20}{'bound':<24}{'this config':>12}{'TRL, SDPA':>12}{'TRL, flash':>12}"]
-    for phase in (*("tower", "prefill", "decode", "rollout_overhead"), "rollout", "reference", "old_policy", "update",
-                  "weight_sync", "step"):
+    for phase in (*("tower", "prefill", "decode", "rollout_overhead"), "rollout", "reference", "old_policy",
+                  "router_counts", "update", "weight_sync", "step"):
         if phase in ("rollout", "step") or sec[phase] or sdpa[phase] or flash[phase]:
             label = f"  {phase}" if phase in ("tower", "prefill", "decode", "rollout_overhead") else phase
             lines.append(f"    {label:<20}{BOUNDS[phase]:<24}{sec[phase]:>10.2f} s{sdpa[phase]:>10.2f} s"

@@ -8,10 +8,10 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from pathlib import Path
 
-from app.planning import costs, flops, shapes, timing, traffic
+from app.objectives.router import counting_passes
+from app.planning import costs, flops, timing, traffic
 from app.planning.costs import GiB, Shape, Workload
 from app.planning.host import data_phase
 from app.planning.inputs import cached_outputs, disk, distinct_videos, host_memory, pixel_bytes
@@ -30,6 +30,7 @@ from app.planning.parallelism import (  # noqa: F401  (re-exported: the planner'
     check_sequence_parallel,
     sequence_parallel_sizes,
 )
+from app.planning.shapes import model_of, model_source  # noqa: F401  (re-exported: the planner's face)
 from app.rollout.registry import BASELINE_ENGINE, memory_kind
 
 TEXT_TOKENS = 200  # system prompt, question and template around the video (Video-R1's prompt is about 150)
@@ -68,39 +69,6 @@ class World:
         for name, value in asdict(self.calibration).items():
             if not value > 0:
                 raise PlanError(f"--calibration {name} must be > 0, got {value}")
-
-
-@lru_cache(maxsize=8)
-def model_of(source: str):
-    """(transformers config, parameter counts, the model on the meta device) of a preset name, a preset cut to N
-    decoder layers and N vision blocks (``preset@N``: what a rehearsal at full width runs) or a checkpoint folder."""
-    from transformers import AutoConfig
-
-    if Path(source).is_dir():
-        config = AutoConfig.from_pretrained(source)
-    elif "@" in source:
-        name, layers = source.split("@", 1)
-        config = shapes.hf_config(name, layers=int(layers), vision_layers=int(layers))
-    else:
-        config = shapes.hf_config(source)
-    return config, shapes.count_parameters(config), shapes.meta_model(config)
-
-
-def model_source(cfg, override: str = "") -> str:
-    """``--model``, else ``model.path`` when it is a checkpoint folder here, else the preset its name matches."""
-    if override:
-        name, _, layers = override.partition("@")
-        if Path(override).is_dir() or (name in shapes.preset_names() and (not layers or layers.isdigit())):
-            return override
-        raise PlanError(f"--model {override!r} is neither a checkpoint folder nor a preset (or PRESET@LAYERS); "
-                        f"presets: {', '.join(shapes.preset_names())}")
-    if (Path(cfg.model.path) / "config.json").is_file():
-        return cfg.model.path
-    preset = shapes.preset_for_path(cfg.model.path)
-    if preset is None:
-        raise PlanError(f"model.path {cfg.model.path!r} is not a checkpoint here and names no preset; pass --model "
-                        f"with one of: {', '.join(shapes.preset_names())}")
-    return preset
 
 
 def lora_parameters(cfg, meta) -> int:
@@ -400,6 +368,7 @@ def step_flops(cfg, shape: Shape, work: Workload, layout: str) -> dict:
     return {"vision_tower": vision,
             "rollout_prefill": prefill, "rollout_decode": flops.decode_flops(shape, one) / k,
             "reference": forward if cfg.grpo.beta > 0 else 0.0, "old_policy": forward if iterations > 1 else 0.0,
+            "router_counts": forward * counting_passes(bool(shape.sparse_layers), cfg.grpo.router_aux_loss_coef, iterations),
             "policy": train * iterations}
 
 

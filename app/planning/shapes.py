@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from app.planning.parallelism import PlanError
 from app.runtime.lora import part_of
-from app.runtime.models import build_processor, build_qwen_tokenizer, model_class
+from app.runtime.models import build_processor, build_qwen_tokenizer, family_problem, model_class
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
@@ -206,3 +208,41 @@ def build_real_width_checkpoint(out_dir: str | Path, preset: str, *, layers: int
     (out / "real_width_checkpoint.json").write_text(json.dumps({"preset": preset, "layers": layers,
                                                                 "vision_layers": vision_layers, "seed": seed}))
     return out
+
+
+@lru_cache(maxsize=8)
+def model_of(source: str):
+    """(transformers config, parameter counts, the model on the meta device) of a preset name, a preset cut to N
+    decoder layers and N vision blocks (``preset@N``: what a rehearsal at full width runs) or a checkpoint folder."""
+    from transformers import AutoConfig
+
+    folder = Path(source).is_dir()
+    model_type = (json.loads((Path(source) / "config.json").read_text()) if folder else
+                  load_preset(source.split("@", 1)[0])["config"]).get("model_type", "?")
+    if family_problem(model_type):  # the trainer's own allow-list, before transformers reads the config
+        raise PlanError(f"model {source} {family_problem(model_type)}")
+    if folder:
+        config = AutoConfig.from_pretrained(source)
+    elif "@" in source:
+        name, layers = source.split("@", 1)
+        config = hf_config(name, layers=int(layers), vision_layers=int(layers))
+    else:
+        config = hf_config(source)
+    return config, count_parameters(config), meta_model(config)
+
+
+def model_source(cfg, override: str = "") -> str:
+    """``--model``, else ``model.path`` when it is a checkpoint folder here, else the preset its name matches."""
+    if override:
+        name, _, layers = override.partition("@")
+        if Path(override).is_dir() or (name in preset_names() and (not layers or layers.isdigit())):
+            return override
+        raise PlanError(f"--model {override!r} is neither a checkpoint folder nor a preset (or PRESET@LAYERS); "
+                        f"presets: {', '.join(preset_names())}")
+    if (Path(cfg.model.path) / "config.json").is_file():
+        return cfg.model.path
+    preset = preset_for_path(cfg.model.path)
+    if preset is None:
+        raise PlanError(f"model.path {cfg.model.path!r} is not a checkpoint here and names no preset; pass --model "
+                        f"with one of: {', '.join(preset_names())}")
+    return preset

@@ -29,12 +29,14 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from app.objectives.router import counting_passes
 from app.planning import flops, traffic
 from app.planning.costs import Shape, Workload
 from app.planning.traffic import expert_parallel  # noqa: F401  (the phases' EP)
 from app.rollout.registry import memory_kind
 
-PHASES = ("tower", "prefill", "decode", "rollout_overhead", "reference", "old_policy", "update", "weight_sync")
+PHASES = ("tower", "prefill", "decode", "rollout_overhead", "reference", "old_policy", "router_counts", "update",
+          "weight_sync")
 ROLLOUT_PHASES = ("tower", "prefill", "decode", "rollout_overhead")
 
 
@@ -292,6 +294,7 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
                               chunk=cfg.rollout.prefill_chunk_size) if rank.spread else {}
     # the training forwards: every micro-batch's packed row, split over the S ranks
     batches, size, mu = rank.micro_batches, rank.size, cfg.grpo.num_iterations
+    counting = counting_passes(bool(shape.sparse_layers), cfg.grpo.router_aux_loss_coef, mu)
     forward = flops.forward_flops(shape, work, backend)["total"] * batches / size
     train = flops.train_flops(shape, work, backend, checkpointing=cfg.model.gradient_checkpointing,
                               chunk=cfg.forward.logprob_chunk_size, deepspeed_linear=ds["stage"] == 3,
@@ -323,6 +326,9 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
                       if cfg.grpo.beta > 0 else {}),
         "old_policy": ({"forward_efficiency": forward / peak * mu, "tower_call_ms": forward_calls * mu / 1e3}
                        if mu > 1 else {}),
+        # a load-balancing loss: each update pass first counts the step's expert loads (no gradient, every micro-batch)
+        "router_counts": ({"forward_efficiency": forward / peak * counting, "tower_call_ms": forward_calls * counting / 1e3}
+                          if counting else {}),
         "update": {"train_efficiency": train / peak,
                    "tower_call_ms": (3 * calls * families_step if tower_trains else update_calls) * mu / 1e3,
                    "update_layer_s": shape.layers * batches * mu},

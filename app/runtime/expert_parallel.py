@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from app.grouping.experts.blocks import expert_parallel_size, is_ep_block
+from app.grouping.experts.blocks import BlockKind, expert_parallel_size, register_kind
+from app.grouping.experts.routers import RoutingError, renormalised
 
 PRESET = "qwen3_moe"  # AutoEP's preset whose block is the Qwen VL families' (see the module's doc)
 LAYER_PATTERN = r"(?:.+\.)?language_model\.layers\.\d+\.mlp"  # a VL model's sparse blocks (AutoEP's: model.layers.N.mlp)
@@ -36,6 +37,72 @@ FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe")
 # of the same router for transformers' output recorders, dropped on the way out)
 RENAMED = {"router.gate.weight": "gate.weight", "shared_experts.": "shared_expert.",
            "shared_experts_gate.": "shared_expert_gate."}
+
+
+def is_ep_router(module) -> bool:
+    """AutoEP's token-choice router (``deepspeed.moe.ep_router.TokenChoiceTopKRouter``): a linear ``gate`` [E, H],
+    ``top_k``, ``num_experts`` and its scoring (``score_func``, ``route_norm``, ``route_scale``)."""
+    return isinstance(getattr(module, "gate", None), torch.nn.Linear) and hasattr(module, "top_k") \
+        and hasattr(module, "num_experts") and hasattr(module, "score_func") and hasattr(module, "route_norm")
+
+
+def is_ep_block(module) -> bool:
+    """AutoEP's replacement of a sparse block (``AutoEPMoELayer``): an expert-parallel ``router`` and the rank's
+    share of the experts as ``experts.w1`` / ``w2`` / ``w3`` ([E / EP, I, H], [E / EP, H, I], [E / EP, I, H])."""
+    experts = getattr(module, "experts", None)
+    return is_ep_router(getattr(module, "router", None)) and all(
+        isinstance(getattr(experts, name, None), torch.nn.Parameter) for name in ("w1", "w2", "w3"))
+
+
+class EPRouter:
+    """AutoEP's token-choice router (``is_ep_router``) as a plan routes it, by its own rule: the softmax of its
+    ``gate``'s logits in float32, the top-k, their probabilities renormalised (``route_norm``, with AutoEP's 1e-20)
+    and scaled (``route_scale``), kept in float32. The Qwen families' rule only: a router with another score function,
+    a load-balancing or score-correction bias, or group-limited routing is refused, never routed otherwise."""
+
+    def __init__(self, module, expert_bias=None):
+        unsupported = [what for what, present in (
+            (f"score_func={module.score_func!r}", module.score_func != "softmax"),
+            ("a load-balancing expert bias", expert_bias is not None),
+            ("a score-correction bias", getattr(module, "e_score_correction_bias", None) is not None),
+            ("group-limited routing", getattr(module, "num_expert_groups", None) is not None)) if present]
+        if unsupported:
+            raise RoutingError(f"this expert-parallel router has {', '.join(unsupported)}: routing replay and router "
+                               "statistics follow the Qwen mixture-of-experts rule (softmax top-k) only")
+        self.module, self.top_k = module, int(module.top_k)
+
+    def logits(self, hidden_states):
+        return self.module.gate(hidden_states.reshape(-1, self.module.gate.in_features))
+
+    def weights(self, logits, probs, indices):
+        top = probs.gather(-1, indices)
+        if self.module.route_norm:
+            top = renormalised(top, top.sum(dim=-1, keepdim=True) + 1e-20, logits, indices)
+        return top * self.module.route_scale
+
+    def fresh(self, hidden_states):
+        logits = self.logits(hidden_states)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        indices = torch.topk(probs, self.top_k, dim=-1).indices
+        return logits, self.weights(logits, probs, indices), indices
+
+    def tokens_per_expert(self, indices) -> torch.Tensor:
+        """[E] int32: the routed (token, slot) pairs each expert receives, as AutoEP's router returns them."""
+        return torch.bincount(indices.reshape(-1), minlength=int(self.module.num_experts)).to(torch.int32)
+
+
+def _route(plan, index, router, original, hidden_states, expert_bias=None):
+    """AutoEP's router patched for a plan: AutoEP's own return, (gate weights, expert ids, tokens per expert)."""
+    adapter = EPRouter(router, expert_bias)
+    _, scores, indices = plan.route(adapter, hidden_states, index)
+    return scores, indices, adapter.tokens_per_expert(indices)
+
+
+# the grouping core routes AutoEP's blocks through this kind (its router is ``router``, the logits its ``gate``'s;
+# its experts see the tokens in expert order, so the whole block's output is the experts' contribution)
+AUTOEP = BlockKind("autoep", is_ep_block, router=lambda block: block.router, logits_module=lambda block: block.router.gate,
+                   experts_output=lambda block: block, route=_route, group_size=lambda block: int(block.ep_size))
+register_kind(AUTOEP)
 
 
 def section(config, size: int) -> dict:
@@ -61,34 +128,51 @@ def reference_section(ds_config: dict, model) -> dict:
     return config
 
 
-def problems(*, size: int, model_type: str, experts: int, world: int, sequence_parallel: int = 1,
-             zero_stage: int = 3) -> list[str]:
-    """Why ``size`` expert-parallel ranks cannot run this model in this world, one phrase each, to follow
-    "train.expert_parallel_size=N" (empty: they can).
-    ``experts``: the routed experts of each sparse layer (0: a dense model); ``world``: the ranks of the run."""
+def problems(*, size: int, model_type: str | None = None, experts: int | None = None, world: int | None = None,
+             sequence_parallel: int = 1, zero_stage: int | None = None, lora_rank: int = 0, lora_targets=(),
+             engine: str | None = None, in_process: bool = True, tools: bool = False) -> list[str]:
+    """Why ``size`` expert-parallel ranks cannot run, one phrase each, to follow "train.expert_parallel_size=N"
+    (empty: they can): the one rule, asked by the config checks (the settings alone), the preflight (the checkpoint's
+    config.json, the world being launched, the DeepSpeed JSON) and the planner. Each caller passes what it knows
+    (None: not known there). ``experts``: the routed experts of each sparse layer (0: a dense model); ``engine`` /
+    ``in_process``: the rollout engine and whether it samples from the policy in this process (through its
+    expert-parallel layers: ``app.rollout.registry.IN_PROCESS``)."""
     if size == 1:
         return []
-    out = []
     if size < 1:
-        return ["must be >= 1"]
-    if not experts:
+        return [f"must be >= 1, got {size}"]
+    out = []
+    if experts is not None and not experts:
         out.append(f"needs a mixture-of-experts model; this {model_type} checkpoint has no routed experts")
-    elif model_type not in FAMILIES:
+    elif experts is not None and model_type is not None and model_type not in FAMILIES:
         out.append(f"runs the Qwen mixture-of-experts VL families {list(FAMILIES)}, not {model_type}")
-    elif experts % size:
-        sizes = [d for d in range(1, experts + 1) if experts % d == 0 and d <= world]
+    elif experts is not None and experts % size:
+        sizes = [d for d in range(1, experts + 1) if experts % d == 0 and d <= (world or experts)]
         out.append(f"does not divide the {experts} routed experts of each sparse layer (each rank holds "
                    f"E / EP of them); sizes that do and fit {world} rank(s): {sizes}")
-    if world % size:
+    if world is not None and world % size:
         out.append(f"does not divide the data-parallel world ({world} rank(s)): every expert-parallel group is {size} "
                    "ranks of it")
     if sequence_parallel > 1:
         out.append(f"cannot be combined with train.sequence_parallel_size={sequence_parallel} yet (the expert-parallel "
                    "groups are not laid out against the sequence-parallel ones)")
-    if zero_stage != 3:
+    if zero_stage is not None and zero_stage != 3:
         out.append(f"runs under ZeRO-3 (train.deepspeed_config with stage 3, e.g. deepspeed_configs/zero3.json"
                    f"), not stage {zero_stage}: under ZeRO-1/2 DeepSpeed needs the optimizer's parameter groups split "
                    "by expert group, which this trainer does not build")
+    if lora_targets:
+        out.append(f"cannot be combined with LoRA on the routed experts (lora.target_parameters={list(lora_targets)}): "
+                   "AutoEP replaces the fused expert tensors by its own, so the adapters would be dropped")
+    elif lora_rank:
+        out.append(f"trains full weights only, not LoRA (lora.rank={lora_rank}): LoRA leaves the routed experts "
+                   "frozen, and DeepSpeed 0.19.8's AutoEP cannot checkpoint frozen expert weights under ZeRO-3 (\"does "
+                   "not support frozen expert parameters yet\"); set lora.rank=0 or train.expert_parallel_size=1")
+    if engine is not None and not in_process:
+        out.append(f"samples with rollout.engine grouped or hf (through the expert-parallel layers), not {engine} "
+                   "(vLLM's own expert parallelism, enable_expert_parallel, is vLLM's: the push of an expert-parallel "
+                   "policy into it is not built)")
+    if tools:
+        out.append("is not available with rollout.tools (prefix trees through expert-parallel layers are not tested)")
     return out
 
 

@@ -66,14 +66,27 @@ class CheckpointPathError(ValueError):
     """A model path that is not a readable Hugging Face checkpoint directory (the message names the path)."""
 
 
-# Variants of the supported families that this trainer has not made exact or tested: refused by name at start-up
-# (train, SFT, evaluation, the judge), never run on numbers nobody checked.
-REFUSED_MODEL_TYPES = {
+# The families this trainer has made exact and tested (``tiny.FAMILIES``, each with its tiny checkpoints and tests) are
+# the only model types it runs; any other is refused at start-up (train, SFT, evaluation, the judge, the planner),
+# before a weight is read, with the nearest supported family where one is known.
+NEAREST_FAMILY = {
     "qwen3_5_moe_text": "the text-only Qwen3.5-MoE backbone is not covered; the released Qwen3.5-MoE checkpoints "
                         "(model_type qwen3_5_moe, with their vision tower) are",
     "qwen3_next": "Qwen3-Next (hybrid Gated DeltaNet + MoE) is not covered; its nearest supported family is the dense "
                   "Qwen3.5 (model_type qwen3_5)",
 }
+
+
+def family_problem(model_type: str) -> str | None:
+    """Why a checkpoint of ``model_type`` is refused (one phrase naming the type and the supported families), or
+    None for a supported family (``FAMILIES``)."""
+    if model_type in FAMILIES:
+        return None
+    hint = NEAREST_FAMILY.get(model_type)
+    return (f"is a {model_type} checkpoint, which this trainer refuses{f' ({hint})' if hint else ''}: it runs the "
+            f"families it has made exact and tested (model_type): {', '.join(FAMILIES)}")
+
+
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
@@ -97,10 +110,9 @@ def check_checkpoint(path: str | Path, key: str = "model.path") -> Path:
         raise CheckpointPathError(f"{where}: config.json cannot be read as JSON ({error})") from None
     if not isinstance(parsed, dict) or "model_type" not in parsed:
         raise CheckpointPathError(f"{where}: config.json has no model_type, so it is not a model's config")
-    refused = REFUSED_MODEL_TYPES.get(parsed["model_type"])
+    refused = family_problem(parsed["model_type"])
     if refused is not None:
-        raise CheckpointPathError(f"{where} is a {parsed['model_type']} checkpoint, which this trainer refuses: "
-                                  f"{refused}")
+        raise CheckpointPathError(f"{where} {refused}")
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
         raise CheckpointPathError(f"{where} holds no weights (no *.safetensors or *.bin files)")
     for weights in path.glob("*.safetensors"):
@@ -155,14 +167,14 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, attn_implem
     (``model.vision_attention``): transformers' name, or ``auto`` / ``torch_flash_varlen``, which load with sdpa
     and then point the vision tower at the attention chosen (``app.grouping.vision.attention``).
     A mixture-of-experts checkpoint loads in either expert layout (the released one, or what ``save_pretrained``
-    writes), under ZeRO-3 too (``zero3_load.partitioned_shapes_seen``: transformers' ZeRO-3 load transposes an
+    writes), under ZeRO-3 too (``expert_layouts.partitioned_shapes_seen``: transformers' ZeRO-3 load transposes an
     expert tensor already in the model's layout); its experts run ``experts_implementation``
     (``model.experts_implementation``; ``auto``: ``grouped_mm`` where torch has it, ``eager`` else)."""
     from transformers import AutoConfig
 
-    from app.grouping.experts.blocks import choose_experts_implementation, sparse_layers
+    from app.grouping.experts.blocks import choose_experts_implementation, config_expert_shape, sparse_layers
     from app.grouping.vision.attention import TOWER_ATTENTION, use_vision_attention
-    from app.runtime.zero3_load import partitioned_shapes_seen
+    from app.runtime.expert_layouts import partitioned_shapes_seen
 
     path = Path(path)
     if not (path / "config.json").exists():
@@ -170,7 +182,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, attn_implem
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     ours = attn_implementation in ("auto", TOWER_ATTENTION)
     extra = {}
-    if is_moe_config(config):
+    if config_expert_shape(config) is not None:
         extra["experts_implementation"] = choose_experts_implementation(experts_implementation)
     with partitioned_shapes_seen():
         model = model_class(config).from_pretrained(
@@ -183,12 +195,6 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, attn_implem
                                   "decoder layers holds a sparse block this trainer knows (a router `mlp.gate` with "
                                   "top_k beside fused `mlp.experts`)")
     return model
-
-
-def is_moe_config(config) -> bool:
-    """A mixture-of-experts model's config (routed experts in its text config)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return bool(getattr(text, "num_experts", 0))
 
 
 def _is_vl(config_dict: dict) -> bool:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from app.grouping.collectives import gather
 from app.grouping.sequence_parallel import SequenceParallel
 from app.runtime.distributed import local_device, rank, world_size
 
@@ -123,28 +124,9 @@ class ParallelContext:
 
     def gather_in_group(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Every rank's ``tensors`` (the same count on each, shapes and sizes free), per rank of the SP group in
-        group order, on every rank of it: shapes first, then each tensor padded to the largest and cut back. Tensor
-        collectives on the backend's device (the GPU under nccl); results on the input's device and dtype."""
-        sp = self.sp
-        if sp.size == 1:
+        group order, on every rank of it (``app.grouping.collectives.gather``: collectives on the backend's device,
+        the GPU under nccl; results on the input's device and dtype)."""
+        if self.sp.size == 1:
             return [tensors]
         device = local_device() if dist.get_backend() == "nccl" else torch.device("cpu")
-        most = 4
-        if any(t.dim() > most for t in tensors):
-            raise ValueError(f"gather_in_group takes tensors of at most {most} dimensions")
-        shapes = torch.tensor([[t.dim(), *t.shape, *[0] * (most - t.dim())] for t in tensors], dtype=torch.long,
-                              device=device)
-        every = [torch.empty_like(shapes) for _ in range(sp.size)]
-        dist.all_gather(every, shapes, group=sp.group)
-        rows = [s.tolist() for s in every]
-        out: list[list[torch.Tensor]] = [[] for _ in range(sp.size)]
-        for i, t in enumerate(tensors):
-            dims = rows[0][i][0]
-            largest = [max(r[i][1 + d] for r in rows) for d in range(dims)]
-            padded = torch.zeros(largest, dtype=t.dtype, device=device)
-            padded[tuple(slice(0, n) for n in t.shape)] = t.to(device)
-            parts = [torch.empty_like(padded) for _ in range(sp.size)]
-            dist.all_gather(parts, padded, group=sp.group)
-            for r, part in enumerate(parts):
-                out[r].append(part[tuple(slice(0, n) for n in rows[r][i][1 : 1 + dims])].to(t.device))
-        return out
+        return gather(tensors, self.sp.group, device)

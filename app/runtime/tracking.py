@@ -8,6 +8,7 @@ import os
 import uuid
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 
@@ -26,19 +27,24 @@ class StepMetrics:
     """
 
     REDUCTIONS = ("mean", "sum", "max", "min", "fraction", "local", "each")
+    VECTORS = ("sum", "local")  # reductions that also take a 1-D tensor (one key for a table: router sums)
 
     def __init__(self):
-        self._declared: dict[str, tuple[str, float, float]] = {}
+        self._declared: dict[str, tuple] = {}
 
-    def _add(self, how: str, key: str, value: float, total: float = 0.0) -> None:
+    def _add(self, how: str, key: str, value, total: float = 0.0) -> None:
         if key in self._declared:
             raise KeyError(f"metric {key!r} declared twice")
-        self._declared[key] = (how, float(value), float(total))
+        if isinstance(value, torch.Tensor) and how in self.VECTORS:
+            self._declared[key] = (how, value.detach().reshape(-1), None)  # copied with the others in ``reduce``
+        else:
+            self._declared[key] = (how, float(value), float(total))
 
     def mean(self, key: str, value: float) -> None:
         self._add("mean", key, value)
 
-    def sum(self, key: str, value: float) -> None:
+    def sum(self, key: str, value) -> None:
+        """A float, or a 1-D tensor summed element by element (its value a list)."""
         self._add("sum", key, value)
 
     def max(self, key: str, value: float) -> None:
@@ -50,27 +56,41 @@ class StepMetrics:
     def fraction(self, key: str, count: float, total: float) -> None:
         self._add("fraction", key, count, total)
 
-    def local(self, key: str, value: float) -> None:
+    def local(self, key: str, value) -> None:
+        """A float, or a 1-D tensor (its value a list), the same on every rank."""
         self._add("local", key, value)
 
     def each(self, key: str, value: float) -> None:
         self._add("each", f"{key}/rank", value)  # its own name: a key may also be declared with another reduction
 
-    def reduce(self, gather=None, copies: int = 1) -> dict[str, float]:
+    def reduce(self, gather=None, copies: int = 1) -> dict:
         """Combine over ranks: ``gather(values) -> [values of rank 0, of rank 1, ...]`` is called once (None: one
         process). ``copies``: ranks in a row that hold one replica's values (the S ranks of a sequence-parallel
         group): means, sums, fractions and ``local`` count each replica once (its first rank); ``max``, ``min`` and
-        ``each`` see every rank (memory differs within a group)."""
+        ``each`` see every rank (memory differs within a group). Tensor values (``sum``, ``local``) reach the host
+        in one copy, whatever their number and size."""
         keys = sorted(self._declared)
-        flat = [v for k in keys for v in self._declared[k][1:]]
+        tensors = [self._declared[k][1] for k in keys if self._declared[k][2] is None]
+        host = iter(torch.cat([t.to(torch.float64) for t in tensors]).tolist() if tensors else [])
+        flat, spans = [], {}
+        for key in keys:
+            _, value, total = self._declared[key]
+            start = len(flat)
+            flat += [value, total] if total is not None else [next(host) for _ in range(value.numel())]
+            spans[key] = (start, len(flat))
         every = gather(flat) if gather is not None else [flat]
         replicas = every[::copies]
         out = {}
-        for i, key in enumerate(keys):
-            how = self._declared[key][0]
+        for key in keys:
+            how, _, total = self._declared[key]
+            a, b = spans[key]
             ranks = every if how in ("max", "min", "each") else replicas
-            values = [r[2 * i] for r in ranks]
-            totals = [r[2 * i + 1] for r in ranks]
+            if total is None:  # a tensor: its elements, summed or rank 0's
+                rows = [r[a:b] for r in ranks]
+                out[key] = [sum(column) for column in zip(*rows)] if how == "sum" else list(rows[0])
+                continue
+            values = [r[a] for r in ranks]
+            totals = [r[a + 1] for r in ranks]
             if how == "mean":
                 out[key] = sum(values) / len(values)
             elif how == "sum":

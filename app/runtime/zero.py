@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from app.grouping import unwrap
+from app.runtime import expert_parallel  # noqa: F401  (registers AutoEP's sparse blocks with the core)
 from app.runtime.distributed import rank, world_size
 
 

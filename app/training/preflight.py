@@ -27,16 +27,29 @@ def text_config(path: str | Path) -> SimpleNamespace:
     return SimpleNamespace(**parsed.get("text_config", parsed))
 
 
+def expert_shape_of(path: str | Path):
+    """The checkpoint's ``ExpertShape`` from its config.json (``experts.blocks.config_expert_shape``, the one rule of
+    what is a mixture of experts); None for a dense model."""
+    from app.grouping.experts.blocks import config_expert_shape
+
+    return config_expert_shape(text_config(path))
+
+
 def check_model_settings(cfg: Config) -> None:
     """Settings that the checkpoint's shape must allow, from its config.json: ``ConfigError`` naming the key."""
     from app.grouping.sequence_parallel import check_heads
 
     if cfg.rollout.routing_replay != "off":
-        text = text_config(cfg.model.path)
-        if not (getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0)):
-            raise ConfigError(f"'rollout.routing_replay'={cfg.rollout.routing_replay} needs a mixture-of-experts "
-                              f"model; {cfg.model.path} has no routed experts (its config.json has no num_experts "
-                              "or num_local_experts)")
+        from app.rollout.base import UNREAD, replay_problems
+
+        separate = cfg.model.reference_path and cfg.grpo.beta and not cfg.lora.rank  # else: the policy's own routing
+        for problem in replay_problems(shape=expert_shape_of(cfg.model.path), model=cfg.model.path,
+                                       reference=expert_shape_of(cfg.model.reference_path) if separate else UNREAD,
+                                       reference_path=cfg.model.reference_path):
+            raise ConfigError(f"'rollout.routing_replay'={cfg.rollout.routing_replay} {problem}")
+    if cfg.grpo.router_aux_loss_coef > 0 and cfg.rollout.tools and expert_shape_of(cfg.model.path) is not None:
+        raise ConfigError(f"'grpo.router_aux_loss_coef'={cfg.grpo.router_aux_loss_coef} needs router sums, which "
+                          "prefix trees (rollout.tools) do not return yet; set grpo.router_aux_loss_coef=0")
     size = cfg.train.sequence_parallel_size
     if size > 1:
         try:
@@ -73,8 +86,8 @@ def check_expert_parallel(cfg: Config) -> None:
     from app.runtime.expert_parallel import problems
 
     parsed = json.loads((Path(cfg.model.path) / "config.json").read_text())
-    text = text_config(cfg.model.path)
-    experts = int(getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0) or 0)  # Qwen3-VL-MoE: local
+    shape = expert_shape_of(cfg.model.path)
+    experts = shape.experts if shape is not None else 0
     found = problems(size=size, model_type=parsed.get("model_type", "?"), experts=experts,
                      world=launch_world(), sequence_parallel=cfg.train.sequence_parallel_size,
                      zero_stage=zero_stage_of(cfg.train.deepspeed_config))

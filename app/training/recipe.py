@@ -24,7 +24,7 @@ from app.data.shares import shares_decoded
 from app.data.stream import load_stream
 from app.data.video import SettingError
 from app.grouping import MODALITIES, present_vision_calls
-from app.grouping.experts.blocks import describe_experts, expert_shape
+from app.grouping.experts.blocks import describe_experts, expert_shape, routers_train
 from app.grouping.modules import attention_restored
 from app.grouping.vision import cache as vision_cache
 from app.rollout.registry import needs_engine_views
@@ -99,13 +99,17 @@ class Recipe:
                             experts_implementation=cfg.model.experts_implementation)
         policy = lora.prepare(policy, cfg.lora, cfg.model, seed=cfg.train.seed)  # frozen parts, adapters (if any)
         self.moe = expert_shape(policy)  # None for a dense model
-        if self.moe is not None and cfg.grpo.router_aux_loss_coef and cfg.rollout.tools:
-            raise ConfigError("grpo.router_aux_loss_coef > 0 needs router sums, which prefix trees (rollout.tools) "
-                              "do not return yet; set grpo.router_aux_loss_coef=0")
         if self.moe is not None and self.rank == 0:
             log.info("%s; load-balancing loss x %g (grpo.router_aux_loss_coef)%s", describe_experts(policy),
                      cfg.grpo.router_aux_loss_coef, "; ZeRO-3: each sparse block a leaf module, gathered whole"
                      if zero.zero_stage(self.ds_config) == 3 else "")
+        if self.moe is not None and cfg.grpo.router_aux_loss_coef > 0 and not routers_train(policy) and self.rank == 0:
+            log.warning("grpo.router_aux_loss_coef=%g with frozen routers%s: the load-balancing loss trains no router; "
+                        "its gradient reaches only the weights that train upstream of the routers (through the hidden "
+                        "states they route), pushing those toward a balanced routing. Set grpo.router_aux_loss_coef=0 "
+                        "to leave them alone, or train the routers (model.train_router=true, full-weight training only)",
+                        cfg.grpo.router_aux_loss_coef, " (LoRA keeps them frozen)" if cfg.lora.rank else
+                        " (model.train_router=false, the default)")
         if cfg.model.gradient_checkpointing:
             enable_activation_checkpointing(policy)
         optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.train.learning_rate,

@@ -14,16 +14,25 @@ the sequence-parallel forward, prefix trees) is the scorer's business.
   ``split`` when ``forward.attention_backend=split``); ``forward.grouping=repeated`` runs each root-to-leaf path as
   its own row instead;
 - ``without_grad(scorer, model, ...)``: any scorer's log-probs for the reference and the old policy (no gradient,
-  the ZeRO-3 gather, the adapters-off reference).
+  the ZeRO-3 gather, the adapters-off reference);
+- ``kl_reference``: what reference log-probs come from (nothing, the policy adapters-off, a frozen model), and
+  ``reference_replays``: whether the reference forward replays the rollout's routing (r3).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from app.grouping import completion_logprobs
+from app.grouping.experts.blocks import expert_shape
 from app.grouping.tree.forward import forest_logprobs
+from app.grouping.vision.cache import attach as attach_vision_cache
 from app.runtime import lora, zero
+from app.runtime.models import load_model
+
+log = logging.getLogger("app.training.scoring")
 
 
 class GroupScorer:
@@ -76,3 +85,35 @@ def without_grad(scorer, model, inputs, completion_ids, completion_mask, group_s
                         vision_calls=vision_calls if hooked else None, families=families, **routing)
         module.train(was_training)
     return scores.logprobs
+
+
+def kl_reference(cfg, engine, ds_config: dict, device, dtype, vision_cache=None):
+    """What reference log-probs come from, decided here only: nothing (beta 0), the policy with its adapters off
+    (LoRA: the base weights are the policy's own, frozen), or a frozen model (partitioned like the policy under
+    ZeRO-3). The trainer passes the result wherever a model goes (``lora.resolve`` tells them apart). A frozen
+    reference loaded from the policy's own checkpoint shares the policy's ``vision_cache``: its tower weights are the
+    policy's frozen ones, so what the cache holds is what its tower would compute."""
+    if cfg.grpo.beta == 0:
+        return None
+    if cfg.lora.rank:
+        return lora.AdaptersOff(engine)
+    path = cfg.model.reference_path or cfg.model.path
+    reference = load_model(path, dtype=dtype, attn_implementation=cfg.model.vision_attention,
+                           trust_remote_code=cfg.model.trust_remote_code)
+    reference = zero.build_reference(reference, ds_config, device)
+    if vision_cache is not None and vision_cache.plan != "count" and path == cfg.model.path:
+        attach_vision_cache(reference, vision_cache)
+    return reference
+
+
+def reference_replays(reference, replayed, path: str) -> bool:
+    """Whether the reference forward replays the rollout's routing (r3): the policy with its adapters off, or a
+    separate model of the policy's expert shape (the preflight refused any other MoE shape). A dense reference runs
+    without replay, said once here."""
+    if replayed is None or reference is None:
+        return False
+    shape = expert_shape(lora.resolve(reference)[0])
+    if shape is None:
+        log.info("rollout.routing_replay=r3: the reference model %s is dense, so its log-probs are computed without "
+                 "replay (the policy's forwards replay the rollout's experts)", path)
+    return shape is not None

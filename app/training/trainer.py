@@ -25,7 +25,6 @@ from app.config.loading import Config, ConfigError
 from app.data.records import EncodedPrompt
 from app.grouping import text_before_media, verify_grouping
 from app.grouping.decoding.clock import nominal_bandwidth
-from app.grouping.vision.cache import attach as attach_vision_cache
 from app.objectives.grpo import (
     GRPOLoss,
     advantages,
@@ -37,10 +36,10 @@ from app.objectives.router import RouterTerm, replay_metrics, step_router_metric
 from app.rewards.judge import build_judge
 from app.rewards.rules import RewardSet
 from app.rollout.generate import Rollout, derive_seed, eos_token_ids
-from app.runtime import lora, parallel, zero
-from app.runtime.models import load_model
+from app.runtime import parallel, zero
 from app.training.metrics import group_counts, part_timer, rollout_parts, sample_rows, step_metrics, timed
 from app.training.recipe import Recipe, run
+from app.training.scoring import kl_reference, reference_replays
 from app.training.trajectory import MicroBatch, Trajectory
 
 log = logging.getLogger("app.training.trainer")
@@ -61,6 +60,9 @@ class GRPOTrainer(Recipe):
         self.loss = GRPOLoss(cfg.grpo.to_options(cfg.rollout.max_completion_length, cfg.rollout.engine))
         log.info("objective %s, as resolved from grpo.policy_loss: %s", cfg.grpo.policy_loss, self.loss.options.settings())
         self.router = RouterTerm(cfg.grpo.router_aux_loss_coef, moe=self.moe is not None)
+        # rollout.routing_replay=r3: every micro-batch replays a whole record (or the step stops naming the prompt)
+        self.replayed = self.moe if cfg.rollout.routing_replay == "r3" else None
+        self.reference_replays = reference_replays(self.reference, self.replayed, cfg.model.reference_path)
         self.rollout_engine = training_rollout_engine(self)
         for warning in data_warnings(cfg, self.stream.records):
             log.warning("%s", warning)
@@ -81,7 +83,7 @@ class GRPOTrainer(Recipe):
         seconds["data_wait"] = self.data_wait(step)
         weights = self.loss.weights(trajectory.rollout.completion_mask, trajectory.rollout.stop_reasons)
         micro_batches = trajectory.micro_batches(cfg.train.groups_per_micro_batch, weights, self.tokenizer.pad_token_id,
-                                                 self.device, share=self.parallel.pixel_share)
+                                                 self.device, share=self.parallel.pixel_share, replay=self.replayed)
         self.agree_vision_calls(micro_batches)
         with timed(seconds, "reference"):
             self.reference_and_old_logprobs(micro_batches)
@@ -149,16 +151,17 @@ class GRPOTrainer(Recipe):
     def reference_and_old_logprobs(self, micro_batches: list[MicroBatch]) -> None:
         for mb in micro_batches:
             if self.reference is not None:
-                mb.reference_logprobs = self.logprobs_without_grad(self.reference, mb)
+                mb.reference_logprobs = self.logprobs_without_grad(self.reference, mb, self.reference_replays)
             if self.cfg.grpo.num_iterations > 1:
                 mb.old_logprobs = self.logprobs_without_grad(self.engine, mb)
 
-    def logprobs_without_grad(self, model, mb: MicroBatch) -> torch.Tensor:
+    def logprobs_without_grad(self, model, mb: MicroBatch, replay: bool = True) -> torch.Tensor:
         """Log-probs of the sampled tokens under ``model`` (policy, reference model, or the policy adapters-off), at
-        the rollout temperature like the policy forward: ratios and KL compare the same distributions."""
+        the rollout temperature like the policy forward: ratios and KL compare the same distributions; ``replay``:
+        through the rollout's experts (r3), unless the model routes otherwise (a dense reference)."""
         return self.scores_without_grad(model, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes,
                                         vision_calls=mb.vision_calls, temperature=self.cfg.rollout.temperature,
-                                        families=mb.families, **mb.replay)
+                                        families=mb.families, **(mb.replay if replay else {}))
 
     def forward(self, model, mb: MicroBatch, vision_calls=None, return_entropy: bool = False, **routing):
         return self.scores(model, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes,
@@ -257,25 +260,6 @@ def token_counts(layout, grouping: str) -> dict:
     return {"tokens": layout.packed_tokens if grouped else layout.repeated_tokens,
             "shared": getattr(layout, "shared_tokens", 0) if grouped else 0,
             "prompt_tokens": sum(getattr(layout, "prefix_lens", ()))}
-
-
-def kl_reference(cfg: Config, engine, ds_config: dict, device, dtype, vision_cache=None):
-    """What reference log-probs come from, decided here only: nothing (beta 0), the policy with its adapters off
-    (LoRA: the base weights are the policy's own, frozen), or a frozen model (partitioned like the policy under
-    ZeRO-3). The trainer passes the result wherever a model goes (``lora.resolve`` tells them apart). A frozen
-    reference loaded from the policy's own checkpoint shares the policy's ``vision_cache``: its tower weights are the
-    policy's frozen ones, so what the cache holds is what its tower would compute."""
-    if cfg.grpo.beta == 0:
-        return None
-    if cfg.lora.rank:
-        return lora.AdaptersOff(engine)
-    path = cfg.model.reference_path or cfg.model.path
-    reference = load_model(path, dtype=dtype, attn_implementation=cfg.model.vision_attention,
-                           trust_remote_code=cfg.model.trust_remote_code)
-    reference = zero.build_reference(reference, ds_config, device)
-    if vision_cache is not None and vision_cache.plan != "count" and path == cfg.model.path:
-        attach_vision_cache(reference, vision_cache)
-    return reference
 
 
 @torch.no_grad()

@@ -17,10 +17,13 @@ import torch
 
 from app.common.groups import group_slices
 from app.data.prompts import collate_prompts
-from app.data.records import EncodedPrompt
+from app.data.records import EncodedPrompt, where
+from app.grouping.experts.record import check_routing
+from app.grouping.experts.routers import RoutingError
 from app.grouping.families import family_sizes
 from app.grouping.tree.forward import forest_vision
-from app.rollout.generate import Rollout, select_groups
+from app.rollout.generate import Rollout
+from app.rollout.rows import completion_rows, prompt_rows, rollout_of, select_groups
 
 
 @dataclass
@@ -72,34 +75,51 @@ class Trajectory:
         )
 
     def micro_batches(self, groups_per_micro_batch: int, loss_weights: torch.Tensor, pad_id: int,
-                      device, share: tuple[int, int] | None = None) -> list[MicroBatch]:
+                      device, share: tuple[int, int] | None = None, replay=None) -> list[MicroBatch]:
         """Views of ``groups_per_micro_batch`` groups each: prompts collated and moved to ``device`` once, for
-        every forward of the step (reference, old, self-check, policy); ``share`` = (rank, S) under sequence
-        parallelism: only the rank's share of the videos' pixels (what its part of the split tower reads)."""
+        every forward of the step (reference, old, self-check, policy), and the rollout's per-row tensors of their
+        completions (``app.rollout.rows``: ids, mask, sampling log-probs, routing record); ``share`` = (rank, S)
+        under sequence parallelism: only the rank's share of the videos' pixels (what its part of the split tower
+        reads). ``replay`` (rollout.routing_replay=r3: the policy's ``ExpertShape``): every micro-batch carries a
+        record that covers each of its real tokens, or the step stops here, before any forward, naming the prompt
+        and the rank (``experts.record.check_routing``)."""
         slices = self.groups()
+        completions, prompts = completion_rows(self.rollout, pad_id), prompt_rows(self.rollout)
+        layers = self.rollout.routing.layers if self.rollout.routing is not None else ()
+        if replay is not None and self.trees is None and self.rollout.routing is None:  # trees carry their own
+            raise RoutingError(f"rollout.routing_replay=r3, but {rank_name()}'s rollout of {where(self.prompts[0].record)}"
+                               f"{f' and {len(self.prompts) - 1} more prompt(s)' if len(self.prompts) > 1 else ''} "
+                               "carries no routing record: its groups would train without replay")
         out = []
         for first in range(0, len(self.prompts), groups_per_micro_batch):
             groups = list(range(first, min(first + groups_per_micro_batch, len(self.prompts))))
-            rows = torch.tensor([i for g in groups for i in range(slices[g].start, slices[g].stop)])
-            mask = self.rollout.completion_mask[rows]
-            width = last_marked(mask)
+            rows = torch.tensor([i for g in groups for i in range(slices[g].start, slices[g].stop)], dtype=torch.long)
+            width = last_marked(self.rollout.completion_mask[rows])
+            inputs = (collate_prompts([self.prompts[g].inputs for g in groups], pad_id, device, share=share)
+                      if self.trees is None else tree_inputs([self.trees[g] for g in groups], device))
+            sizes = [slices[g].stop - slices[g].start for g in groups]
+            prompt_width = inputs["input_ids"].shape[1] if self.trees is None else 0
+            views = rollout_of(completions.take(rows, width).to(device), prompts.take(groups, prompt_width).to(device),
+                               layers, group_sizes=sizes, prefill_tokens=0)
             out.append(MicroBatch(
-                groups=groups,
-                rows=rows,
-                inputs=(collate_prompts([self.prompts[g].inputs for g in groups], pad_id, device, share=share)
-                        if self.trees is None else tree_inputs([self.trees[g] for g in groups], device)),
-                completion_ids=self.rollout.completion_ids[rows, :width].to(device),
-                completion_mask=mask[:, :width].to(device),
-                group_sizes=[slices[g].stop - slices[g].start for g in groups],
-                sampled_logprobs=self.rollout.logprobs[rows, :width].to(device),
-                advantages=self.advantages[rows].to(device),
+                groups=groups, rows=rows, inputs=inputs,
+                completion_ids=views.completion_ids, completion_mask=views.completion_mask, group_sizes=sizes,
+                sampled_logprobs=views.logprobs, advantages=self.advantages[rows].to(device),
                 loss_weights=loss_weights[rows, :width].to(device),
                 families=family_sizes([self.prompts[g].share for g in groups]) if self.trees is None else None,
+                routing=views.routing,  # rollout.routing_replay=r3: the record of these groups' tokens
             ))
-            if self.rollout.routing is not None:  # rollout.routing_replay=r3: the record of these groups' tokens
-                out[-1].routing = self.rollout.routing.of_groups(groups, rows, out[-1].inputs["input_ids"].shape[1],
-                                                                 width).to(device)
+            if replay is not None and self.trees is None:
+                check_routing(views.routing, replay, inputs["attention_mask"], views.completion_mask, group_sizes=sizes,
+                              name=lambda g, groups=groups: f"{rank_name()}'s prompt {where(self.prompts[groups[g]].record)}")
         return out
+
+
+def rank_name() -> str:
+    """'rank R' of the run (rank 0 in one process)."""
+    import torch.distributed as dist
+
+    return f"rank {dist.get_rank() if dist.is_available() and dist.is_initialized() else 0}"
 
 
 def last_marked(mask: torch.Tensor) -> int:
@@ -132,7 +152,7 @@ class MicroBatch:
     reference_logprobs: torch.Tensor | None = None  # [n, L], when a KL reference is used
     old_logprobs: torch.Tensor | None = None  # [n, L], when mu > 1
     families: list[int] | None = None  # runs of groups whose prompts share a video (data.questions_per_video)
-    routing: object = None  # rollout.routing_replay=r3: the rollout's experts of these tokens (experts.routing.Routing)
+    routing: object = None  # rollout.routing_replay=r3: the rollout's experts of these tokens (experts.record.Routing)
 
     @property
     def replay(self) -> dict:

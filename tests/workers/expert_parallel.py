@@ -89,7 +89,7 @@ def main(checkpoint: str, video: str, out: str) -> None:
     for name in ("greedy", "chunked", "sampled", "hf"):
         result[f"{name}_equal"] = torch.equal(one[name].completion_ids, two[name].completion_ids)
     record = one["sampled"].routing
-    from app.grouping.experts.routing import disagreements
+    from app.grouping.checks.routing import disagreements
 
     agree = disagreements(record, two["sampled"].routing, prompts["attention_mask"], one["sampled"].completion_mask)
     result["record_tokens_apart"], result["record_tokens"] = agree["tokens"], agree["real_tokens"]

@@ -78,8 +78,8 @@ def _compare(spec: dict, model, prompts, families, sizes) -> None:
     weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(3))
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     sp = SequenceParallel(rank=rank, size=size)
+    from app.grouping.checks.routing import disagreements
     from app.grouping.experts.blocks import expert_shape
-    from app.grouping.experts.routing import disagreements
     from app.objectives.router import load_balancing_loss
 
     moe = expert_shape(model) is not None
@@ -134,7 +134,7 @@ def _compare(spec: dict, model, prompts, families, sizes) -> None:
                 flipped=disagreements(mine.routing, scores.routing, prompts["attention_mask"], mask)["tokens"])
         if moe and not report.get("replay"):  # routing replay (r3) under SP, first backend: a record that sends
             # every completion token to a neighbouring expert (so replay changes the log-probs), on both sides
-            from app.grouping.experts.routing import Routing
+            from app.grouping.experts.record import Routing
 
             record = scores.routing
             shifted = Routing(record.prompt, torch.where(record.completion >= 0, (record.completion + 1) %

@@ -83,7 +83,7 @@ def run(spec: dict) -> None:
                   "prefilled_per_rank": [int(p) for p in prefilled], "prefill_whole": whole.prefill_tokens,
                   "prefill_group": got.prefill_tokens, "prompt_tokens": got.prompt_tokens, "split": adapter.split}
         if record:
-            from app.grouping.experts.routing import disagreements
+            from app.grouping.checks.routing import disagreements
 
             mask = whole.completion_mask
             fed = mask.bool() & (torch.arange(mask.shape[1])[None] < (mask.sum(1) - 1)[:, None])

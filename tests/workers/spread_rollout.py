@@ -105,7 +105,7 @@ def run_case(spec: dict, case: dict, sp: SequenceParallel) -> dict:
             hook.remove()
     routing = {}
     if moe:
-        from app.grouping.experts.routing import disagreements
+        from app.grouping.checks.routing import disagreements
 
         real, record = inputs["attention_mask"].bool(), spread.routing
         fed = plain.completion_mask.bool() & (torch.arange(plain.completion_mask.shape[1])[None]

@@ -1,5 +1,5 @@
 """Run as one process: load MoE checkpoints under transformers' DeepSpeed ZeRO-3 integration, with and without
-the project's workaround (``app.runtime.zero3_load``), and compare each gathered state dict with a plain load, and
+the project's workaround (``app.runtime.expert_layouts``), and compare each gathered state dict with a plain load, and
 what a vLLM weight push sends (each tensor gathered alone, the experts in the released layout) with the same cut of
 the plain load.
 Prints one JSON line: per checkpoint, whether the plain transformers load failed (and how) and whether ours equals

@@ -119,7 +119,7 @@ def measure_replay(family: str, prefix: int, group: int, completion: int, dtype:
     (the same tokens), then the trainer's grouped forward routing afresh and replaying the record."""
     from app.bench.hybrid import tiny_model
     from app.grouping import completion_logprobs
-    from app.grouping.experts.routing import disagreements
+    from app.grouping.checks.routing import disagreements
     from app.objectives.grpo import mismatch_metrics
     from app.rollout.generate import SamplingConfig, generate_groups
 

@@ -93,7 +93,7 @@ def self_check_row(model, dev, prefix: int, group: int, completion: int) -> dict
 def replay_rows(model, dev, prefix: int, group: int, completion: int, decode: str) -> list[dict]:
     """Routing replay's rollout and mismatch rows (see the module doc); ``decode``: the recording rollout's steps."""
     from app.grouping import completion_logprobs
-    from app.grouping.experts.routing import disagreements
+    from app.grouping.checks.routing import disagreements
     from app.objectives.grpo import mismatch_metrics
     from app.rollout.generate import SamplingConfig, generate_groups
 

@@ -93,8 +93,9 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
     (``routing.tie_gap`` within ``routing.TIE_GAP``). ``SelfCheck.flips`` says how many tokens flipped.
     ``families``: the grouped side packs them as ``completion_logprobs`` does (questions sharing a video).
     """
+    from app.grouping.checks.routing import disagreements, first_difference
     from app.grouping.experts.blocks import expert_shape
-    from app.grouping.experts.routing import TIE_GAP, disagreements, first_difference
+    from app.grouping.experts.plan import TIE_GAP
 
     previous = text_config(model)._attn_implementation
     dtype = parameter_dtype(model)

@@ -1,7 +1,7 @@
 """The experts every token of a rollout went to, recorded as the grouped engine samples (routing replay, R3: arXiv
 2510.11370): the prompts' once (each prompt is prefilled once: its record serves its G samples), each completion
 token's at the decode step that fed it (a completion's last token is never fed back: no record, and no log-prob
-depends on its routing). The record is ``experts.routing.Routing`` (int16), layout-independent: the training
+depends on its routing). The record is ``experts.record.Routing`` (int16), layout-independent: the training
 forwards replay it in either layout.
 
 ``DecodeRouting`` hands a recording ``RoutePlan`` to the prefill (every chunk of a chunked prefill appends) and to
@@ -22,7 +22,7 @@ class DecodeRouting:
     """The routing record of one grouped rollout of ``count`` samples of at most ``limit`` tokens."""
 
     def __init__(self, model, count: int, limit: int, device):
-        from app.grouping.experts.routing import install
+        from app.grouping.experts.patch import install
 
         shape = install(unwrap(model))
         if shape is None:
@@ -34,7 +34,7 @@ class DecodeRouting:
 
     def kwargs(self) -> dict:
         """The forward keyword argument of one recording forward (a prefill, or one decode step)."""
-        from app.grouping.experts.routing import ROUTING_KWARG, RoutePlan
+        from app.grouping.experts.plan import ROUTING_KWARG, RoutePlan
 
         self.plan = RoutePlan(self.shape.layers, record="append")
         return {ROUTING_KWARG: self.plan}
@@ -76,7 +76,7 @@ class DecodeRouting:
         """The forward keyword argument of a static decode step: one plan per static state ``holder`` (the bucket
         kept across rollouts, or the decoder), copying each layer's ids into its fixed buffer, so the step captured
         as a CUDA graph or compiled records too (``static_stepped`` reads the buffer after each step)."""
-        from app.grouping.experts.routing import ROUTING_KWARG, RoutePlan
+        from app.grouping.experts.plan import ROUTING_KWARG, RoutePlan
 
         plan = getattr(holder, "route_plan", None)
         rows = len(self.rows)
@@ -100,7 +100,7 @@ class DecodeRouting:
 
     def record(self, completion_mask: torch.Tensor):
         """The rollout's ``Routing``: completions cut to the rollout's width, -1 past each one's tokens."""
-        from app.grouping.experts.routing import Routing
+        from app.grouping.experts.record import Routing
 
         width = completion_mask.shape[1]
         ids = self.completion[:, :width]

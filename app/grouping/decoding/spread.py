@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from app.grouping.collectives import exchange
+from app.grouping.collectives import exchange, gather
 from app.grouping.decoding.cache import GroupedKVCache, decode_attention
 from app.grouping.decoding.prefill import PrefillChunk, _language_model, prefill_chunk_attention
 from app.grouping.decoding.shared import QuestionPrefill, SharedRoots, _left_padded, rollout_roots
@@ -165,19 +165,15 @@ def _run_language(model, embeds, positions, plan, extra: dict, *, routing=None):
     if routing is None:
         return hidden, None
     rows = embeds.shape[0]
-    return hidden, gather_positions(routing.taken(embeds.new_ones((rows, embeds.shape[1]))), plan.sp, plan.lengths)
+    return hidden, gather_positions(routing.taken(embeds.new_ones((rows, embeds.shape[1]))), plan.sp)
 
 
-def gather_positions(local: torch.Tensor, sp: SequenceParallel, lengths: list[int]) -> torch.Tensor:
-    """Every rank's ``local`` [rows, lengths[rank], ...] (its piece of the positions), concatenated in rank order
-    on every rank: [rows, sum(lengths), ...] (a spread prefill's routing record)."""
+def gather_positions(local: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """Every rank's ``local`` [rows, its piece's length, ...] (its piece of the positions), concatenated in rank
+    order on every rank: [rows, sum of the lengths, ...] (a spread prefill's routing record)."""
     if sp.size == 1:
         return local
-    padded = local.new_full((local.shape[0], max(lengths), *local.shape[2:]), -1, dtype=torch.int32)
-    padded[:, : local.shape[1]] = local
-    parts = [torch.empty_like(padded) for _ in range(sp.size)]
-    dist.all_gather(parts, padded, group=sp.group)
-    return torch.cat([part[:, :n] for part, n in zip(parts, lengths)], dim=1).to(local.dtype)
+    return torch.cat([part[0] for part in gather([local], sp.group)], dim=1)
 
 
 def root_prefill(model, ids: torch.Tensor, positions: torch.Tensor, vision: dict, *, sp: SequenceParallel,

@@ -1,14 +1,14 @@
 """A model's sparse (mixture-of-experts) layers: where they are, how many experts and how many per token, and the
 experts implementation transformers dispatches to (``eager``, ``batched_mm``, ``grouped_mm``).
 
-A sparse block is either transformers' own (a top-k router ``gate`` beside fused ``experts``) or, under expert
-parallelism (``train.expert_parallel_size`` > 1), DeepSpeed AutoEP's replacement of it (``AutoEPMoELayer``: a
-``router`` whose ``gate`` is a plain linear layer, the rank's share of the experts as ``experts.w1/w2/w3``, and an
-all-to-all between the ranks of its expert-parallel group). Both are recognised by their shape, not their class:
-this package imports neither DeepSpeed nor the runtime that builds them."""
+A sparse block is transformers' own (a top-k router ``gate`` beside fused ``experts``) or a kind another package
+registers (``BlockKind``, ``register_kind``): under expert parallelism (``train.expert_parallel_size`` > 1) DeepSpeed
+AutoEP's replacement, which ``app.runtime.expert_parallel`` alone knows. This package imports neither DeepSpeed nor
+the runtime that builds it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,36 +24,60 @@ def is_router(module) -> bool:
         and len(getattr(weight, "ds_shape", weight.shape)) == 2  # under ZeRO-3 the local shape is a partition
 
 
-def is_ep_router(module) -> bool:
-    """AutoEP's token-choice router (``deepspeed.moe.ep_router.TokenChoiceTopKRouter``): a linear ``gate`` [E, H],
-    ``top_k``, ``num_experts`` and its scoring (``score_func``, ``route_norm``, ``route_scale``)."""
-    return isinstance(getattr(module, "gate", None), torch.nn.Linear) and hasattr(module, "top_k") \
-        and hasattr(module, "num_experts") and hasattr(module, "score_func") and hasattr(module, "route_norm")
+@dataclass(frozen=True)
+class BlockKind:
+    """A kind of sparse block the core can route, registered by the package that owns it (``register_kind``):
+    transformers' own is built in; DeepSpeed AutoEP's expert-parallel replacement is ``app.runtime.expert_parallel``'s
+    (this package names none of AutoEP's attributes). ``router``: the module whose forward routes (``patch.install``
+    patches it); ``logits_module`` / ``experts_output``: whose outputs are the router logits and the routed experts'
+    contribution (the self-check's parts); ``route(plan, index, router, original, *args)``: what the patched router
+    returns for a plan (``plan.route`` through the kind's router adapter, in its own return format); ``group_size``:
+    the block's expert-parallel size."""
+
+    name: str
+    is_block: Callable
+    router: Callable
+    logits_module: Callable
+    experts_output: Callable
+    route: Callable
+    group_size: Callable = lambda block: 1
 
 
-def is_ep_block(module) -> bool:
-    """AutoEP's replacement of a sparse block (``AutoEPMoELayer``): an expert-parallel ``router`` and the rank's
-    share of the experts as ``experts.w1`` / ``w2`` / ``w3`` ([E / EP, I, H], [E / EP, H, I], [E / EP, I, H])."""
-    experts = getattr(module, "experts", None)
-    return is_ep_router(getattr(module, "router", None)) and all(
-        isinstance(getattr(experts, name, None), torch.nn.Parameter) for name in ("w1", "w2", "w3"))
+def _route_hf(plan, index, router, original, hidden_states):
+    from app.grouping.experts.routers import HFRouter
+
+    return plan.route(HFRouter(router, original.__get__(router)), hidden_states, index)
+
+
+TRANSFORMERS = BlockKind("transformers", lambda m: is_router(getattr(m, "gate", None)) and fused_experts(m) is not None,
+                         router=lambda block: block.gate, logits_module=lambda block: block.gate,
+                         experts_output=lambda block: fused_experts(block), route=_route_hf)
+KINDS: list[BlockKind] = [TRANSFORMERS]
+
+
+def register_kind(kind: BlockKind) -> None:
+    """Let the core route ``kind``'s blocks too (idempotent; a kind registered later is recognised first)."""
+    if all(k.name != kind.name for k in KINDS):
+        KINDS.insert(0, kind)
+
+
+def kind_of(block) -> BlockKind | None:
+    return next((k for k in KINDS if k.is_block(block)), None)
 
 
 def router_of(block):
-    """The module that routes a sparse block's tokens: transformers' ``gate``, or AutoEP's ``router``."""
-    return block.router if is_ep_block(block) else block.gate
+    """The module that routes a sparse block's tokens (transformers' ``gate``, or a registered kind's router)."""
+    return kind_of(block).router(block)
 
 
 def router_logits_module(block):
-    """The module whose output is the block's router logits [tokens, E]: transformers' router (its first output),
-    AutoEP's router's linear ``gate``."""
-    return block.router.gate if is_ep_block(block) else block.gate
+    """The module whose output is the block's router logits [tokens, E]."""
+    return kind_of(block).logits_module(block)
 
 
 def experts_output_module(block):
-    """The module whose output is the routed experts' contribution per token: transformers' fused experts
-    ([tokens, H]), or AutoEP's whole block ([B, L, H]; its experts see the tokens in expert order)."""
-    return block if is_ep_block(block) else fused_experts(block)
+    """The module whose output is the routed experts' contribution per token."""
+    return kind_of(block).experts_output(block)
 
 
 def fused_experts(block):
@@ -66,15 +90,15 @@ def fused_experts(block):
 
 
 def is_sparse_block(module) -> bool:
-    """A sparse block: a router ``gate`` and fused ``experts`` (``gate_up_proj`` [E, 2I, H], ``down_proj``), or
-    AutoEP's expert-parallel replacement of one (``is_ep_block``)."""
-    return (is_router(getattr(module, "gate", None)) and fused_experts(module) is not None) or is_ep_block(module)
+    """A sparse block of a known kind (``KINDS``): a router ``gate`` and fused ``experts`` (``gate_up_proj``
+    [E, 2I, H], ``down_proj``), or a registered replacement of one."""
+    return kind_of(module) is not None
 
 
 def expert_parallel_size(model) -> int:
     """The expert-parallel group size of a model's sparse blocks (1: transformers' own blocks, or a dense model)."""
     for s in sparse_layers(model):
-        return int(getattr(s.block, "ep_size", 1)) if is_ep_block(s.block) else 1
+        return int(kind_of(s.block).group_size(s.block))
     return 1
 
 
@@ -148,8 +172,9 @@ def experts_implementation(model) -> str | None:
     parallelism AutoEP's own (``autoep``: its grouped experts over the rank's share)."""
     if not is_moe(model):
         return None
-    if is_ep_block(sparse_layers(model)[0].block):
-        return "autoep"
+    kind = kind_of(sparse_layers(model)[0].block)
+    if kind is not TRANSFORMERS:
+        return kind.name  # the kind's own experts (AutoEP: its grouped experts over the rank's share)
     config = getattr(model, "module", model).config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "_experts_implementation", None) or "eager"
@@ -178,6 +203,11 @@ def set_experts_implementation(model, name: str) -> None:
         model.set_experts_implementation(name)
 
 
+def routers_train(model) -> bool:
+    """Whether any sparse block's router has a parameter that trains (LoRA freezes them)."""
+    return any(p.requires_grad for s in sparse_layers(model) for p in router_of(s.block).parameters())
+
+
 def describe_experts(model) -> str:
     """One sentence on a mixture-of-experts model: its sparse layers, experts and top-k, the experts implementation
     in use, and whether its routers and routed experts train."""
@@ -185,7 +215,7 @@ def describe_experts(model) -> str:
     shape, block = expert_shape(model), layers[0].block
     config = getattr(model, "module", model).config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    routers = any(p.requires_grad for p in router_of(block).parameters())
+    routers = routers_train(model)
     experts = any(p.requires_grad for p in block.experts.parameters())
     ep = expert_parallel_size(model)
     where = f", {shape.experts // ep} of them on each of {ep} expert-parallel ranks" if ep > 1 else ""

@@ -1,7 +1,8 @@
-"""A sparse block's router as a ``RoutePlan`` routes it (``routing.install`` patches both kinds): transformers' own
-(``HFRouter``) and DeepSpeed AutoEP's expert-parallel one (``EPRouter``). Each gives a plan the same three things by
-its own rule: its fresh choice (logits, gate weights, expert ids), its logits, and its gate weights over given experts
-(a replay), so a replayed or counted forward computes what the un-patched block would have over those experts.
+"""A sparse block's router as a ``RoutePlan`` routes it (``patch.install`` patches every kind: ``blocks.KINDS``):
+transformers' own (``HFRouter``; DeepSpeed AutoEP's is ``app.runtime.expert_parallel.EPRouter``). Each gives a plan
+the same three things by its own rule: its fresh choice (logits, gate weights, expert ids), its logits, and its gate
+weights over given experts (a replay), so a replayed or counted forward computes what the un-patched block would have
+over those experts.
 """
 
 from __future__ import annotations
@@ -42,40 +43,3 @@ class HFRouter:
     def weights(self, logits, probs, indices):
         top = probs.gather(-1, indices)
         return renormalised(top, top.sum(dim=-1, keepdim=True), logits, indices).to(logits.dtype)
-
-
-class EPRouter:
-    """AutoEP's token-choice router (``blocks.is_ep_router``) as a plan routes it, by its own rule: the softmax of its
-    ``gate``'s logits in float32, the top-k, their probabilities renormalised (``route_norm``, with AutoEP's 1e-20)
-    and scaled (``route_scale``), kept in float32. The Qwen families' rule only: a router with another score function,
-    a load-balancing or score-correction bias, or group-limited routing is refused, never routed otherwise."""
-
-    def __init__(self, module, expert_bias=None):
-        unsupported = [what for what, present in (
-            (f"score_func={module.score_func!r}", module.score_func != "softmax"),
-            ("a load-balancing expert bias", expert_bias is not None),
-            ("a score-correction bias", getattr(module, "e_score_correction_bias", None) is not None),
-            ("group-limited routing", getattr(module, "num_expert_groups", None) is not None)) if present]
-        if unsupported:
-            raise RoutingError(f"this expert-parallel router has {', '.join(unsupported)}: routing replay and router "
-                               "statistics follow the Qwen mixture-of-experts rule (softmax top-k) only")
-        self.module, self.top_k = module, int(module.top_k)
-
-    def logits(self, hidden_states):
-        return self.module.gate(hidden_states.reshape(-1, self.module.gate.in_features))
-
-    def weights(self, logits, probs, indices):
-        top = probs.gather(-1, indices)
-        if self.module.route_norm:
-            top = renormalised(top, top.sum(dim=-1, keepdim=True) + 1e-20, logits, indices)
-        return top * self.module.route_scale
-
-    def fresh(self, hidden_states):
-        logits = self.logits(hidden_states)
-        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
-        indices = torch.topk(probs, self.top_k, dim=-1).indices
-        return logits, self.weights(logits, probs, indices), indices
-
-    def tokens_per_expert(self, indices) -> torch.Tensor:
-        """[E] int32: the routed (token, slot) pairs each expert receives, as AutoEP's router returns them."""
-        return torch.bincount(indices.reshape(-1), minlength=int(self.module.num_experts)).to(torch.int32)

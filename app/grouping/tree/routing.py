@@ -1,7 +1,7 @@
 """Routing replay on prefix trees (rollout.routing_replay=r3 with rollout.tools): the trees carry the experts each
 token went to in the rollout (``PrefixTree.routing``, ``TreeNode.routing``, made by ``rollout.multiturn``), and the
 tree forward and its reference (each path as its own row) route every token through them
-(``experts.routing.RoutePlan``: the gate weights recomputed from the current router over the recorded experts).
+(``experts.plan.RoutePlan``: the gate weights recomputed from the current router over the recorded experts).
 """
 
 from __future__ import annotations
@@ -10,15 +10,16 @@ from collections.abc import Sequence
 
 import torch
 
+from app.grouping.experts.plan import Routed
+from app.grouping.experts.record import MISSING
 from app.grouping.experts.routers import RoutingError
-from app.grouping.experts.routing import MISSING, Routed
 from app.grouping.modules import unwrap
 
 
 def tree_replay(model, trees: Sequence) -> Routed:
     """The ``Routed`` of a replayed tree forward, after checking every tree's record against the model: the same
     sparse layers, expert ids in range, and a record for every token but a leaf's last (never fed back)."""
-    from app.grouping.experts.routing import install
+    from app.grouping.experts.patch import install
 
     shape = install(unwrap(model))
     if shape is None:
