@@ -200,3 +200,29 @@ def test_a_model_type_the_trainer_does_not_support_stops_at_start_up_in_one_line
     with pytest.raises(PlanError, match=re.escape(f"model {folder} is a {model_type} checkpoint, {supported}")):
         model_of(str(folder))  # scripts/plan.sh's reading of a checkpoint folder
     assert load_config("configs/demo_cpu.yaml", [f"model.path={folder}"]).model.path  # the config alone is fine
+
+
+def test_a_separate_reference_of_another_expert_shape_and_router_sums_on_trees_stop_before_the_load(
+        tiny_checkpoints, tmp_path):
+    """r3 with model.reference_path: a reference of the policy's expert shape or a dense one passes the preflight; one
+    routing other layers, experts or top-k is refused in one line before any weight is read. The load-balancing
+    coefficient with rollout.tools on a mixture of experts (prefix trees return no router sums) too."""
+    from app.runtime.models import TinySizes, build_tiny_checkpoint
+    from app.training.preflight import check
+
+    policy = tiny_checkpoints["qwen3_vl_moe"]
+    common = ["configs/demo_cpu.yaml", f"model.path={policy}", "rollout.routing_replay=r3", "grpo.beta=0.1",
+              f"train.output_dir={tmp_path / 'out'}"]
+    for reference in (tiny_checkpoints["qwen3_vl"], policy):
+        check([*common, f"model.reference_path={reference}"])
+    other = build_tiny_checkpoint(tmp_path / "other", "qwen3_vl_moe", seed=1, sizes=TinySizes(experts=6))
+    with pytest.raises(SystemExit, match=r"^config error: 'rollout.routing_replay'=r3 replays the policy's routing in "
+                                         r"the reference forward, but model.reference_path .*other routes decoder "
+                                         r"layers \[0, 2\] over 6 experts top-2 where the policy routes \[0, 2\] over 4 "
+                                         r"top-2"):
+        check([*common, f"model.reference_path={other}"])
+    check([*common, f"model.reference_path={other}", "grpo.beta=0"])  # no reference forward: nothing to replay
+    with pytest.raises(SystemExit, match=r"^config error: 'grpo.router_aux_loss_coef'=0.01 needs router sums, which "
+                                         r"prefix trees \(rollout.tools\) do not return yet"):
+        check(["configs/demo_cpu.yaml", f"model.path={policy}", "grpo.router_aux_loss_coef=0.01",
+               "rollout.tools=[get_frames]", f"train.output_dir={tmp_path / 'out'}"])
