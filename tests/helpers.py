@@ -27,7 +27,7 @@ def patch_size(family: str) -> int:
 # Qwen3.5's GDN layers turn std-0.2 weights into a recurrence that amplifies float32 rounding past the 1e-4 the
 # layouts are held to (a gradient of a 16-element norm weight 1.03e-4 apart with one kernel on both sides); 0.1 keeps
 # its attention layer's positions and its states far from uniform.
-SHARPEN = {"qwen3_5": 0.1, "qwen3_5_moe": 0.1}
+SHARPEN = {"qwen3_5": 0.1, "qwen3_5_moe": 0.1, "qwen4_exp": 0.1}
 
 
 def load(family: str, checkpoints, sharpen: float | None | str = "family"):

@@ -20,20 +20,31 @@ def text_config(model):
 
 def set_text_attention(model, name: str) -> None:
     """Switch the language model's attention implementation (the vision tower keeps its own): ``"sdpa"`` for
-    ordinary batches, ``attention.ATTENTION_NAME`` for grouped rows (registered on first use; a hybrid model's
-    linear-attention layers then read the same plan: ``recurrent.layer.install``)."""
+    ordinary batches, ``attention.ATTENTION_NAME`` for grouped rows (registered on first use; the layer kinds that
+    are not attention functions read the same plan: ``install_layer_patches``)."""
     model = unwrap(model)
+    install_layer_patches(model)
     if text_config(model)._attn_implementation == name:
         return
     if name == attention.ATTENTION_NAME:
         attention.register()
-        from app.grouping.recurrent.layer import install
-
-        install(model, attention.PLAN_KWARG)  # Gated DeltaNet layers read the same plan (none elsewhere)
     if getattr(model.config, "vision_config", None) is not None:
         model.set_attn_implementation({"text_config": name})
     else:
         model.set_attn_implementation(name)
+
+
+def install_layer_patches(model) -> None:
+    """The instance patches of the layer kinds that are not attention functions, each reading the same plan as the
+    attention (``attention.PLAN_KWARG``) and running the class's forward without one (idempotent, per module): Gated
+    DeltaNet layers (``recurrent.layer``), PLE n-gram layers (``recurrent.ngrams``), QSA indexed attention
+    (``sparse.layer``: also the vectorised indexer in ordinary batches)."""
+    from app.grouping.recurrent import layer, ngrams
+    from app.grouping.sparse import layer as sparse_layer
+
+    model = unwrap(model)
+    for install in (layer.install, ngrams.install, sparse_layer.install):
+        install(model, attention.PLAN_KWARG)
 
 
 @contextlib.contextmanager
@@ -67,6 +78,16 @@ def keeps_attention_unless_grad(function):
 
 
 # ---- instance patches: a method replaced on ONE object (the class and other instances keep theirs) ----------------
+def current_forward(module):
+    """The unbound forward ``module`` runs now: an instance patch's function (it takes the module first), else its
+    class's. A further instance patch wraps this one, so patches of one module chain instead of replacing each
+    other (and a deep copy, whose bound methods follow it, runs its own)."""
+    import types
+
+    patch = module.__dict__.get("forward")
+    return patch.__func__ if isinstance(patch, types.MethodType) else type(module).forward
+
+
 def patch_instance(obj, name: str, replacement) -> None:
     """``obj.name`` replaced by an instance attribute for good (until ``unpatch_instance``). On a module the class's
     ``__call__`` still runs, so hooks around it (ZeRO-3's gathering, DeepSpeed's) run around the replacement."""

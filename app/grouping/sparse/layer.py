@@ -1,0 +1,140 @@
+"""The instance patches of a QSA attention layer (transformers' ``Qwen4ExpTextAttention``: an ``indexer`` beside gated
+attention with q/k norms and partial M-RoPE).
+
+- In a packed row (a training plan in the forward kwargs, ``attention.PLAN_KWARG``): the layer runs over the row
+  chunk by chunk of queries, each chunk's keys the ones its queries choose (``selection``) among those their path
+  shows them (``segments_of(plan)``), so response Ri attends to what it would in [P;Ri] with [P;Ri]'s blocks.
+- In an ordinary batch (the repeated layout, HF generate, a decode step with transformers' cache): the layer's own
+  forward, its indexer replaced by the vectorised selection over transformers' 4-D mask (no loop over queries),
+  the attention and its mask left to transformers.
+
+``QUERY_CHUNK`` queries at a time: a chunk's scores are [chunk, heads, blocks], its mask [chunk, T]; never [T, T].
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+
+from app.grouping.modules import current_forward
+from app.grouping.recurrent.segments import segments_of
+from app.grouping.sparse.selection import BatchGeometry, choose, key_blocks, key_mask
+
+MARK = "_prefix_grouping_qsa"
+QUERY_CHUNK = 256
+
+
+def is_qsa(module) -> bool:
+    return hasattr(module, "indexer") and hasattr(module, "q_proj") and hasattr(module.indexer, "index_qk_proj")
+
+
+def _rotary(module):
+    """The model's own ``apply_rotary_pos_emb`` (partial rotary, as its layers apply it)."""
+    return sys.modules[type(module).__module__].apply_rotary_pos_emb
+
+
+def install(model, plan_kwarg: str) -> int:
+    """Patch every QSA layer of ``model`` (once; idempotent): grouped over a packed row when a plan arrives, the
+    vectorised indexer otherwise. Returns how many QSA layers the model has."""
+    layers = [m for m in model.modules() if is_qsa(m)]
+    for layer in layers:
+        if getattr(layer, MARK, False):
+            continue
+        original = current_forward(layer)
+
+        def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None,
+                    _original=original, **kwargs):
+            plan = kwargs.get(plan_kwarg)
+            if plan is None:
+                return _original(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+            return grouped_qsa(self, hidden_states, position_embeddings, plan), None
+
+        def indexer(self, hidden_states, position_embeddings, attention_mask, past_key_values):
+            return vectorised_indexer(self, hidden_states, position_embeddings, attention_mask, past_key_values)
+
+        object.__setattr__(layer, "forward", types.MethodType(forward, layer))
+        object.__setattr__(layer.indexer, "forward", types.MethodType(indexer, layer.indexer))
+        object.__setattr__(layer, MARK, True)
+    return len(layers)
+
+
+def index_projections(indexer, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(index queries [B, L, H, d] normed and rotated at ``cos`` / ``sin`` [B, L, r], raw keys [B, L, d]) as
+    ``Qwen4ExpTextQSAIndexer`` computes them."""
+    b, length, _ = hidden_states.shape
+    q, keys = torch.split(indexer.index_qk_proj(hidden_states),
+                          [indexer.index_n_heads * indexer.index_head_dim, indexer.index_head_dim], dim=-1)
+    q = indexer.q_layernorm(q.reshape(b, length, -1, indexer.index_head_dim))
+    q = _rotary(indexer)(q, cos=cos, sin=sin, unsqueeze_dim=2)
+    return q, keys.reshape(b, length, indexer.index_head_dim)
+
+
+@torch.no_grad()
+def vectorised_indexer(indexer, hidden_states, position_embeddings, attention_mask, past_key_values):
+    """``Qwen4ExpTextQSAIndexer.forward`` without its loop over queries: the same selection (ties to the earlier
+    block), as a mask [B, 1, L, T] of transformers' kind (bool, or 0 / min for eager)."""
+    full_cos, full_sin = position_embeddings
+    length = hidden_states.shape[1]
+    q, raw = index_projections(indexer, hidden_states, full_cos[:, -length:], full_sin[:, -length:])
+    if past_key_values is not None:
+        raw = past_key_values.update_indexer(raw, indexer.layer_idx)
+    geometry = BatchGeometry(attention_mask)
+    compress = indexer.compress_ratio
+    blocks = key_blocks(geometry.ranks, geometry.predecessors(max(compress - 1, 1)), raw.flatten(0, 1),
+                        full_cos.flatten(0, 1), full_sin.flatten(0, 1), compress, indexer.k_layernorm, _rotary(indexer))
+    batch, keys_per_row = attention_mask.shape[0], geometry.keys_per_row
+    flat_q = q.flatten(0, 1)
+    out = torch.zeros(batch * length, keys_per_row, dtype=torch.bool, device=hidden_states.device)
+    for start in range(0, batch * length, QUERY_CHUNK):
+        queries = torch.arange(start, min(start + QUERY_CHUNK, batch * length), device=hidden_states.device)
+        seen = geometry.visible(queries)
+        chosen = choose(blocks, seen, flat_q[queries], indexer.block_topk)
+        mask = key_mask(blocks, seen, geometry.query_ranks(queries), geometry.ranks, chosen, compress)
+        rows = queries // length
+        columns = rows[:, None] * keys_per_row + torch.arange(keys_per_row, device=mask.device)[None]
+        out[queries] = mask.gather(1, columns)
+    selected = out.view(batch, 1, length, keys_per_row)
+    if attention_mask.is_floating_point():
+        return torch.where(selected, attention_mask.new_zeros(()), torch.finfo(attention_mask.dtype).min)
+    return selected
+
+
+def grouped_qsa(module, hidden_states: torch.Tensor, position_embeddings, plan) -> torch.Tensor:
+    """The QSA layer over one packed row ([1, T, hidden]): q/k/v, norms, rotary and output gate as
+    ``Qwen4ExpTextAttention`` computes them; each query's keys chosen along its path (``selection``), attended to
+    chunk by chunk (softmax over exactly those keys) -> [1, T, hidden]."""
+    if hidden_states.shape[0] != 1:
+        raise ValueError(f"a grouped QSA layer takes one packed row (batch 1), got batch {hidden_states.shape[0]}")
+    segments = segments_of(plan)
+    cos, sin = position_embeddings
+    total = hidden_states.shape[1]
+    shape = (1, total, -1, module.head_dim)
+    query, gate = torch.chunk(module.q_proj(hidden_states).view(1, total, -1, module.head_dim * 2), 2, dim=-1)
+    gate = gate.reshape(1, total, -1)
+    query = module.q_norm(query.reshape(shape)).transpose(1, 2)
+    key = module.k_norm(module.k_proj(hidden_states).view(shape)).transpose(1, 2)
+    value = module.v_proj(hidden_states).view(shape).transpose(1, 2)
+    query, key = _rotary(module)(query, key, cos, sin)
+    groups = module.num_key_value_groups
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    indexer, compress = module.indexer, module.indexer.compress_ratio
+    device = hidden_states.device
+    with torch.no_grad():
+        index_q, raw = index_projections(indexer, hidden_states, cos, sin)
+        ranks = segments.path_positions.to(device)
+        blocks = key_blocks(ranks, segments.predecessors(max(compress - 1, 1)).to(device), raw[0], cos[0], sin[0],
+                            compress, indexer.k_layernorm, _rotary(indexer))
+    out = []
+    for start in range(0, total, QUERY_CHUNK):
+        queries = torch.arange(start, min(start + QUERY_CHUNK, total), device=device)
+        with torch.no_grad():
+            seen = segments.visible(queries.cpu()).to(device)
+            chosen = choose(blocks, seen, index_q[0, queries], indexer.block_topk)
+            mask = key_mask(blocks, seen, ranks[queries], ranks, chosen, compress)
+        out.append(F.scaled_dot_product_attention(query[:, :, queries], key, value, attn_mask=mask[None, None],
+                                                  dropout_p=0.0, scale=module.scaling))
+    attention = torch.cat(out, dim=2).transpose(1, 2).reshape(1, total, -1)
+    return module.o_proj(attention * torch.sigmoid(gate))
