@@ -11,7 +11,7 @@ import torch
 
 from app.grouping import GroupLayout, completion_logprobs, repeated_inputs, usable_backends
 from app.grouping.positions import continue_after_media, packed_positions, prompt_positions, use_qwen_positions
-from app.runtime.models import FAMILIES, VL_FAMILIES, enable_activation_checkpointing
+from app.runtime.models import FAMILIES, QSA_FAMILIES, VL_FAMILIES, enable_activation_checkpointing
 from tests.helpers import (
     load,
     max_rel_diff,
@@ -21,6 +21,10 @@ from tests.helpers import (
     text_layers,
     tokenizer_of,
 )
+
+# qwen4_exp's exactness is tests/test_qsa.py's: its QSA layers choose their keys (the selections compared token by
+# token) and its GDN decay gradients are held norm-relative, as that family's issue defines them
+ATTENTION_FAMILIES = [f for f in FAMILIES if f not in QSA_FAMILIES]
 
 LOGPROB_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -54,7 +58,7 @@ def make_case(family, checkpoints, videos, seed):
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 @pytest.mark.parametrize("backend", usable_backends("cpu"))
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ATTENTION_FAMILIES)
 def test_grouped_equals_repeated(family, backend, checkpointing, tiny_checkpoints, videos):
     model, prompts, ids, mask, group_sizes = make_case(family, tiny_checkpoints, videos, seed=zlib.crc32(f"{family}{backend}".encode()) % 97)
     if checkpointing:

@@ -7,13 +7,21 @@ packed row's segments (``segments.LevelIndex``), each segment from its own initi
   [N, HV, K, V]); their backwards return the initial states' gradients (``dh0``). fla may dispatch the delta rule
   to FlashQLA on sm90 and later; its ``dh0`` is not checked here, so the adapter turns it off
   (``FLA_FLASH_QLA=0``, unless the user set the variable) and says so once.
-- Elsewhere: transformers' torch fallback of the chunked delta rule (``torch_chunk_gated_delta_rule``, unwrapped
-  from its hub-kernel decorator) over the level's segments as padded rows, and the torch depthwise conv with each
-  segment's parent's last W - 1 inputs in front. Pads carry k = v = q = 0, beta = 0 and g = 0, so a state passes
+- Elsewhere: the torch chunked delta rule (``chunk_gated_delta_rule``: transformers' ``torch_chunk_gated_delta_rule``
+  with its in-chunk decays summed span by span, exact to float32 rounding however strong the decays) over the
+  level's segments as padded rows, and the torch depthwise conv with each segment's parent's last W - 1 inputs in
+  front. Pads carry k = v = q = 0, beta = 0 and g = 0, so a state passes
   through them unchanged and each row's final state is its segment's.
 
 ``level_kernels(device)`` picks one, feature-detected once; tests pass a stand-in of fla's signatures
 (``FlaKernels(conv=..., rule=...)``) to drive the varlen wiring on CPU.
+
+**One workaround, named here** (``use_accurate_fallback``): transformers' GDN layers call their modeling module's
+``torch_chunk_gated_delta_rule`` in ordinary batches too (the repeated layout, HF generate's prefill), so its float32
+loss (a decay parameter's gradient 3e-4..1e-3 from float64 on the tiny models' strong decays, where the span-sum
+rule is within 5e-5) would be what the grouped row is compared with. The modeling modules of the GDN layers a model
+holds get ``chunk_gated_delta_rule`` in its place for tensors off CUDA or without fla (transformers' own, fla
+included, everywhere else): both layouts then run one kernel, and only the layout separates them.
 """
 
 from __future__ import annotations
@@ -38,12 +46,90 @@ def rows_of(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def torch_chunk_rule():
+def transformers_chunk_rule():
     """transformers' torch chunked delta rule, unwrapped from the decorator that would hand a CUDA-only fla kernel
     to a CPU tensor when fla is installed."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     return inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+
+
+def use_accurate_fallback(module) -> None:
+    """Point the modeling module of GDN layer ``module`` at ``chunk_gated_delta_rule`` wherever it would run its torch
+    fallback (idempotent): transformers' function still runs for CUDA tensors when fla is installed."""
+    import sys
+
+    owner = sys.modules[type(module).__module__]
+    current = getattr(owner, "torch_chunk_gated_delta_rule", None)
+    if current is None or getattr(current, "_prefix_grouping_accurate", False):
+        return
+
+    def rule(query, key, value, *args, _transformers=current, **kwargs):
+        if query.device.type == "cuda" and fla_available():
+            return _transformers(query, key, value, *args, **kwargs)
+        kwargs.pop("cu_seqlens", None)  # one sequence per row here (transformers' fallback ignores it as well)
+        return torch_chunk_rule()(query, key, value, *args, **kwargs)  # the grouped row's own (a test's, patched)
+
+    rule._prefix_grouping_accurate = True
+    owner.torch_chunk_gated_delta_rule = rule
+
+
+def torch_chunk_rule():
+    """The torch chunked delta rule the grouped forward runs where fla does not: ``chunk_gated_delta_rule`` below
+    (transformers' algorithm and signature, its in-chunk decays summed span by span)."""
+    return chunk_gated_delta_rule
+
+
+def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
+                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, **kwargs):
+    """transformers' ``torch_chunk_gated_delta_rule`` (same signature, shapes and float32 arithmetic) except for how
+    it forms the decay between two positions i >= j of a chunk. transformers takes exp(c_i - c_j) of the float32
+    cumulative sums c from the chunk's start: their difference carries the rounding of |c_i| (~|c| * 6e-8), which
+    with strong decays (Qwen3.5's A up to 16: g of -10 to -100 a token) reaches hundreds or thousands, so a decay
+    near 1 between neighbours comes out 1e-5..1e-4 wrong, the more so the later in its chunk a token falls (where
+    the chunks fall is the only thing that changes it: the same rows shifted by 17 pads move a gradient 70x).
+    Here each span's log-decay is summed over that span alone (``segsum``, as Mamba2 does), so its rounding scales
+    with the decay itself: a kernel's outputs and g-gradients 1e-5 -> 2e-7 from float64 at g ~ -U(0, 30)."""
+    dtype = query.dtype
+    batch, length, _, k_dim = key.shape
+    v_heads, v_dim = value.shape[-2:]
+    query, key, value, beta, g = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                                  for x in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6)
+        key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
+    query = query * query.shape[-1] ** -0.5
+    pad = (chunk_size - length % chunk_size) % chunk_size
+    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    v_beta, k_beta = value * beta.unsqueeze(-1), key * beta.unsqueeze(-1)
+    query, key, k_beta, v_beta = (x.reshape(x.shape[0], x.shape[1], -1, chunk_size, x.shape[-1])
+                                  for x in (query, key, k_beta, v_beta))
+    g = g.reshape(g.shape[0], g.shape[1], -1, chunk_size)
+    below = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).tril(-1)
+    # span[..., i, j] = sum of g over j < t <= i (0 on and above the diagonal): one cumulative sum per span
+    span = g.unsqueeze(-1).expand(*g.shape, chunk_size).masked_fill(~below, 0.0).cumsum(-2)
+    pairwise = span.masked_fill(below.T, float("-inf")).exp()  # [.., i, j]: the decay from j to i (0 where j > i)
+    from_start = g.cumsum(-1)  # log-decay from the chunk's start (its exp is tiny wherever its rounding is large)
+    to_end = span[..., -1, :]  # log-decay from each position to the chunk's end
+    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
+    intra = (query @ key.transpose(-1, -2)) * pairwise
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, k_beta * from_start.exp().unsqueeze(-1), upper=False,
+                                               unitriangular=True)
+    state = (torch.zeros(batch, v_heads, k_dim, v_dim, dtype=new_values.dtype, device=new_values.device)
+             if initial_state is None else initial_state.to(new_values))
+    query = query * from_start.exp().unsqueeze(-1)
+    key = key * to_end.exp().unsqueeze(-1)
+    chunk_decay = from_start[..., -1].exp()[..., None, None]
+    out = torch.zeros_like(new_values)
+    for i in range(new_values.shape[2]):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
+        out[:, :, i] = query[:, :, i] @ state + intra[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(batch, v_heads, -1, v_dim)[:, :, :length]
+    return (out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format),
+            state if output_final_state else None)
 
 
 @functools.cache

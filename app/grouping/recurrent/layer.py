@@ -25,7 +25,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from app.grouping.recurrent.kernels import level_kernels
+from app.grouping.recurrent.kernels import level_kernels, use_accurate_fallback
 from app.grouping.recurrent.segments import segments_of
 
 MARK = "_prefix_grouping_gdn"
@@ -47,6 +47,7 @@ def install(model, plan_kwarg: str) -> int:
     ``modules.patch_instance`` does: hooks around the class's ``__call__`` (ZeRO-3's gathering) still run."""
     layers = linear_attention_layers(model)
     for layer in layers:
+        use_accurate_fallback(layer)  # ordinary batches run the same torch kernel as the grouped row
         if getattr(layer, MARK, False):
             continue
         original = type(layer).forward  # unbound: a deep copy of the model calls its own layer's class forward

@@ -1,0 +1,196 @@
+"""Qwen3.8-Flash-Next (``qwen4_exp``) in a packed row: sparse indexed attention (QSA) choosing, for each response
+token, the blocks it chooses in [P;Ri] (its own straddling block included), and the per-layer n-gram embedding
+(PLE) reading each response's context and conv window from P's tail, not a sibling's. The vectorised indexer
+selects what transformers' per-query loop selects (where the top-k is not a tie)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.grouping import GroupLayout, completion_logprobs
+from app.grouping.recurrent.segments import layout_segments
+from app.grouping.sparse import layer as sparse_layer
+from app.grouping.sparse.selection import BatchGeometry, reference
+from tests.helpers import load, prompt_batch, random_completions, tokenizer_of
+
+FAMILY = "qwen4_exp"
+
+
+def qsa_layers(model):
+    return [m for m in model.modules() if sparse_layer.is_qsa(m)]
+
+
+def rank_sets(mask: torch.Tensor, ranks: torch.Tensor, width: int) -> torch.Tensor:
+    """[Q, width] bool: the ranks (places along the path) of the keys each query attends to."""
+    out = torch.zeros(mask.shape[0], width + 1, dtype=torch.bool)
+    rows, keys = mask.nonzero(as_tuple=True)
+    out[rows, ranks[keys].clamp_min(0).clamp_max(width)] = True
+    return out[:, :width]
+
+
+def layer_records(records: list) -> list:
+    """Chunks of one layer's queries joined (a layer's queries: as many as its keys): (mask, ranks, seen) per layer."""
+    out, open_rows = [], 0
+    for mask, ranks, seen in records:
+        if open_rows:
+            out[-1] = (torch.cat([out[-1][0], mask]), ranks, torch.cat([out[-1][2], seen]))
+        else:
+            out.append((mask, ranks, seen))
+        open_rows = 0 if out[-1][0].shape[0] == out[-1][0].shape[1] else 1
+    return out
+
+
+def test_each_response_token_chooses_the_blocks_it_chooses_in_its_own_row(tiny_checkpoints, videos, monkeypatch):
+    """Video and text prompts longer than the budget (every late query drops blocks), prompts whose length is not a
+    multiple of the block size (a block straddles P's end and Ri's start), uneven groups: for every completion token
+    of every QSA layer, the keys attended to in the packed row are those of its row [P;Ri], as places along the
+    path; and the selection really drops keys."""
+    model, processor = load(FAMILY, tiny_checkpoints)
+    prompts = prompt_batch(FAMILY, processor, videos, ["video", "text"])
+    real = prompts["attention_mask"].sum(1).tolist()
+    assert any(n % 4 for n in real)  # a prompt whose end is inside a block: a block straddles it and each response
+    sizes = [3, 2]
+    tok = tokenizer_of(processor)
+    ids, mask = random_completions([14, 9, 17, 5, 12], len(tok), tok.pad_token_id, seed=4)
+    records = []
+    real_mask = sparse_layer.key_mask
+
+    def spy(blocks, seen, own, ranks, chosen, compress):
+        out = real_mask(blocks, seen, own, ranks, chosen, compress)
+        records.append((out.cpu(), ranks, seen.cpu()))
+        return out
+
+    monkeypatch.setattr(sparse_layer, "key_mask", spy)
+    with torch.no_grad():
+        grouped = completion_logprobs(model, prompts, ids, mask, sizes, "grouped").logprobs
+        packed, records[:] = layer_records(records), []
+        repeated = completion_logprobs(model, prompts, ids, mask, sizes, "repeated").logprobs
+        records[:] = layer_records(records)
+    torch.testing.assert_close(grouped, repeated, rtol=0, atol=1e-5)
+    layers = len(qsa_layers(model))
+    assert len(packed) == len(records) == layers
+    layout = GroupLayout.from_masks(prompts["attention_mask"], mask, sizes)
+    prompt_width, width = prompts["input_ids"].shape[1], ids.shape[1]
+    holds = layout.pack_index - layout.num_groups * prompt_width  # >= 0: completion token n * width + j
+    dropped = 0
+    for (g_mask, g_ranks, g_seen), (r_mask, r_ranks, _) in zip(packed, records):
+        limit = prompt_width + width
+        ours, theirs = rank_sets(g_mask, g_ranks.cpu(), limit), rank_sets(r_mask, r_ranks.cpu(), limit)
+        for position in (holds >= 0).nonzero().flatten().tolist():
+            n, j = divmod(int(holds[position]), width)
+            query = n * (prompt_width + width) + prompt_width + j  # its row [P;Rn], padded, flattened
+            assert torch.equal(ours[position], theirs[query]), (n, j)
+            dropped += int(g_mask[position].sum() < g_seen[position].sum())
+    assert dropped > 20  # most late tokens attend to fewer keys than they see
+
+
+def test_the_vectorised_indexer_selects_what_transformers_loop_selects(tiny_checkpoints):
+    """Left-padded rows longer than the budget: our selection equals the plain per-query reference exactly (ties to
+    the earlier block in both), and transformers' own indexer on every query whose top-k is no tie; where it is a
+    tie (relu zeroes whole blocks' scores), the keys differ only among blocks of equal score."""
+    model, _ = load(FAMILY, tiny_checkpoints)
+    attention = qsa_layers(model)[0]
+    indexer = attention.indexer
+    rotary = model.model.language_model.rotary_emb
+    generator = torch.Generator().manual_seed(0)
+    batch, length = 3, 41
+    hidden = torch.randn(batch, length, model.config.text_config.hidden_size, generator=generator)
+    real = torch.ones(batch, length, dtype=torch.bool)
+    real[1, :6], real[2, :13] = False, False  # left padding
+    positions = (real.long().cumsum(-1) - 1).clamp_min(0)
+    cos, sin = rotary(hidden, positions[None].expand(3, -1, -1))
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    mask4 = (causal[None] & real[:, None, :] & real[:, :, None])[:, None]
+    with torch.no_grad():
+        ours = sparse_layer.vectorised_indexer(indexer, hidden, (cos, sin), mask4, None)[:, 0]
+        theirs = type(indexer).forward(indexer, hidden, (cos, sin), mask4, None)[:, 0]
+        q, raw = sparse_layer.index_projections(indexer, hidden, cos, sin)
+    rotate = sparse_layer._rotary(indexer)
+    same = ties = 0
+    for b in range(batch):
+        seen = mask4[b, 0]
+        plain = reference(raw[b], cos[b], sin[b], seen, q[b], indexer.compress_ratio, indexer.block_topk,
+                          indexer.k_layernorm, rotate)
+        for i in range(length):
+            assert torch.equal(ours[b, i].nonzero().flatten(), plain[i]), (b, i)
+            if torch.equal(ours[b, i], theirs[b, i]):
+                same += 1
+                continue
+            ties += 1  # a tie: the blocks that differ score as the blocks kept
+    assert same >= 0.9 * batch * length and same + ties == batch * length
+    assert bool((ours.sum(-1) < mask4[:, 0].sum(-1)).any())  # blocks dropped
+
+
+def test_each_response_reads_its_ngram_context_and_conv_window_from_the_prompts_tail(tiny_checkpoints):
+    """Two responses whose first tokens differ, after a prompt whose last tokens hash differently from either
+    sibling's tail: the PLE layer's output for each response equals its row [P;Ri]'s, token by token, and differs
+    from what a row reading its sibling's tail would give."""
+    from app.grouping.recurrent.ngrams import grouped_ple
+
+    model, _ = load(FAMILY, tiny_checkpoints)
+    layer = next(m for m in model.modules() if getattr(m, "ple", None) is not None)
+    ple = layer.ple
+    with torch.no_grad():
+        ple.conv1d.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))  # zero at init: make it matter
+    prompt, first, second = torch.tensor([11, 12, 13, 14, 15]), torch.tensor([21, 22, 23, 24]), torch.tensor([31, 32])
+    layout = GroupLayout.from_masks(torch.ones(1, 5, dtype=torch.long), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]), [2])
+    segments = layout_segments(layout)
+    row = torch.cat([prompt, first, second])
+    hc = ple.hc_count * ple.hidden_size
+    hidden = torch.randn(1, len(row), hc, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        packed = grouped_ple(ple, hidden, row[None], segments)[0]
+        for response, span in ((first, slice(5, 9)), (second, slice(9, 11))):
+            alone = torch.cat([prompt, response])
+            rows = torch.cat([hidden[0, :5], hidden[0, span]])[None]
+            want = type(ple).forward(ple, rows, alone[None], None)[0, 5:]
+            torch.testing.assert_close(packed[span], want, rtol=0, atol=1e-6)
+        leaky = type(ple).forward(ple, hidden, row[None], None)[0, 9:]  # R2 after R1, as one row would read it
+        assert (leaky - packed[9:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("layout", ["batch"])
+def test_batch_geometry_ranks_and_predecessors_follow_the_real_tokens(layout):
+    real = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
+    mask = (torch.ones(5, 5, dtype=torch.bool).tril()[None] & real[:, None, :])[:, None]
+    geometry = BatchGeometry(mask)
+    assert geometry.ranks.tolist() == [-1, -1, 0, 1, 2, 0, 1, 2, 3, 4]
+    back = geometry.predecessors(2)
+    assert back[4].tolist() == [3, 2] and back[2].tolist() == [-1, -1] and back[9].tolist() == [8, 7]
+
+
+def norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||: the issue's gradient measure (a decay parameter's gradient, one number per head summed over
+    every token with cancellation, carries float32's rounding of each token's term: transformers computes g in
+    float32 even in a float64 model)."""
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_grouped_equals_repeated_through_every_mixer(checkpointing, tiny_checkpoints, videos):
+    """Video, image and text prompts, uneven groups (1, 3, 2), responses of 1 to 20 tokens, with and without
+    activation checkpointing: log-probs within 1e-5 and every gradient within 1e-4 (norm-relative): GDN, QSA (no
+    gradient reaches the indexer: frozen at load), PLE (its projections, norms and conv), hyper-connections,
+    routers, experts, the shared expert and the vision tower."""
+    from app.runtime.models import enable_activation_checkpointing
+    from tests.helpers import run_and_grad
+
+    model, processor = load(FAMILY, tiny_checkpoints)
+    if checkpointing:
+        enable_activation_checkpointing(model)
+        model.train()
+    prompts = prompt_batch(FAMILY, processor, videos, ["video", "image", "text"])
+    tok = tokenizer_of(processor)
+    sizes = [1, 3, 2]
+    ids, mask = random_completions([20, 1, 7, 13, 4, 16], len(tok), tok.pad_token_id, seed=9)
+    lp, _, grads = run_and_grad(model, prompts, ids, mask, sizes, "grouped")
+    ref_lp, _, ref_grads = run_and_grad(model, prompts, ids, mask, sizes, "repeated")
+    assert float((lp - ref_lp).abs().max()) <= 1e-5
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(grads) == set(ref_grads) == trained and not any(".indexer." in n for n in trained)
+    for kind in ("linear_attn.A_log", ".ple.conv1d", "hyper_connection", "mlp.gate.", "mlp.experts.", "shared_expert.",
+                 "self_attn.q_proj", ".visual."):
+        assert any(kind in n for n in grads), kind
+    worst = max(grads, key=lambda n: norm_rel(grads[n], ref_grads[n]))
+    assert norm_rel(grads[worst], ref_grads[worst]) <= 1e-4, (worst, norm_rel(grads[worst], ref_grads[worst]))
