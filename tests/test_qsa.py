@@ -194,3 +194,44 @@ def test_grouped_equals_repeated_through_every_mixer(checkpointing, tiny_checkpo
         assert any(kind in n for n in grads), kind
     worst = max(grads, key=lambda n: norm_rel(grads[n], ref_grads[n]))
     assert norm_rel(grads[worst], ref_grads[worst]) <= 1e-4, (worst, norm_rel(grads[worst], ref_grads[worst]))
+
+
+def test_the_ple_table_stays_in_host_memory_and_the_export_keeps_it_and_the_mtp_head(tiny_checkpoints, tmp_path):
+    """load_model maps each PLE n-gram table from the checkpoint (no parameter, nothing ZeRO or an optimizer sees,
+    ``.to`` leaves it on the host) and looks rows up as the module's own embedding does; the export of trained weights
+    has the source's keys and shapes (the experts one per expert, the table in its shards, an MTP head the model
+    drops on load) and loads back to the trained weights with the table unchanged."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+
+    from app.runtime.checkpoint import _export
+    from app.runtime.expert_layouts import source_shapes
+    from app.runtime.models import load_model, load_processor
+    from app.runtime.zero import HostTable
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny_checkpoints[FAMILY], source)
+    weights = load_file(str(source / "model.safetensors"))
+    save_file({**weights, "mtp.fc.weight": torch.ones(3, 2)}, str(source / "model.safetensors"),
+              metadata={"format": "pt"})
+    model, plain = load_model(source), AutoModelForImageTextToText.from_pretrained(source)
+    tables = [m.ngram_embedding for m in model.modules() if hasattr(m, "ngram_embedding")]
+    assert tables and all(isinstance(t, HostTable) for t in tables)
+    assert not any("ngram_embedding" in n for n, _ in model.named_parameters())
+    model.to(torch.float32)
+    for ours, theirs in zip(tables, [m.ngram_embedding for m in plain.modules() if hasattr(m, "ngram_embedding")]):
+        ids = torch.randint(0, theirs.num_embeddings, (2, 9, 4), generator=torch.Generator().manual_seed(0))
+        assert torch.equal(ours(ids), theirs(ids))
+    generator = torch.Generator().manual_seed(1)
+    trained = {k: v + 0.01 * torch.randn(v.shape, generator=generator) if v.is_floating_point() else v
+               for k, v in model.state_dict().items()}
+    _export(trained, tmp_path / "final", load_processor(source), source, torch.float32, None)
+    assert source_shapes(tmp_path / "final") == source_shapes(source)
+    written = load_file(str(tmp_path / "final" / "model.safetensors"))
+    assert torch.equal(written["mtp.fc.weight"], torch.ones(3, 2))
+    assert all(torch.equal(written[k], v) for k, v in weights.items() if ".ngram_embedding." in k)
+    back = load_model(tmp_path / "final").state_dict()
+    for key, value in trained.items():
+        torch.testing.assert_close(back[key], value, rtol=0, atol=0, msg=key)

@@ -197,6 +197,11 @@ def evaluate(model_dir: str | Path, data_files, overrides: list[str] = (), proto
     protocol_path = protocol_file(protocol) if protocol else None
     cfg = load_config(protocol_path, [f"model.path={model_dir}", *overrides], training=False)
     check_checkpoint(model_dir, "MODEL_DIR")
+    from app.rollout.base import family_problems
+
+    for problem in family_problems(json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", "?"),
+                                   engine=cfg.eval.engine, setting="eval.engine"):
+        raise ConfigError(problem)
     dist, rank, world = _dist()
     data_files = [Path(f) for f in ([data_files] if isinstance(data_files, (str, Path)) else data_files)]
     for data_file in data_files:

@@ -87,6 +87,27 @@ def replay_problems(*, engine: str | None = None, shape=UNREAD, model: str = "",
     return out
 
 
+def family_problems(model_type: str, *, engine: str | None = None, sequence_parallel: int = 1,
+                    setting: str = "rollout.engine") -> list[str]:
+    """What a run of a ``model_type`` checkpoint cannot do yet, one phrase each naming the setting (empty: it can):
+    asked by the preflight of train and SFT and by evaluation, before any weight is read. Qwen3.8-Flash-Next
+    (``qwen4_exp``) trains grouped and samples through HF generate (its QSA indexer vectorised); the grouped decoder
+    and vLLM do not decode its QSA, PLE and hyper-connection layers yet, and its sequence-parallel forward is not
+    built."""
+    from app.runtime.models import QSA_FAMILIES
+
+    out = []
+    if model_type in QSA_FAMILIES:
+        if engine in ("grouped", "vllm"):
+            out.append(f"'{setting}'={engine} does not sample a {model_type} checkpoint yet (its QSA, PLE and "
+                       f"hyper-connection layers have no {engine} decode here); set {setting}=hf (HF generate, "
+                       "with the vectorised QSA indexer)")
+        if sequence_parallel > 1:
+            out.append(f"'train.sequence_parallel_size'={sequence_parallel} is not built for {model_type} (its QSA "
+                       "layers' selection and PLE windows are not split over ranks); set it to 1")
+    return out
+
+
 # ---- adapters ----------------------------------------------------------------------------------------------------
 SPLITS = ("families", "spread")  # how a sequence-parallel group shares its rollout (``split_of``)
 SPLIT_SETTINGS = ("auto", *SPLITS)  # rollout.sp_split: auto prices both (``choose_split``), else that one

@@ -1,4 +1,6 @@
-"""Mixture-of-experts tensors on disk: the released checkpoints' layout and transformers' own, read under ZeRO-3
+"""Tensors on disk read or written in a layout of their own (``mapped_tensors``, ``table_keys``: a checkpoint's
+tensors memory-mapped without transformers, as the PLE n-gram table is read by ``zero.HostTable``), and
+mixture-of-experts tensors on disk: the released checkpoints' layout and transformers' own, read under ZeRO-3
 (one workaround) and written back by the export in whatever layout the source checkpoint had.
 
 **The export** (``in_source_layout``, called by ``checkpoint.export_hf`` after ``save_pretrained``): transformers
@@ -30,6 +32,11 @@ layout transposed, as without ZeRO-3. Qwen3.5-MoE's per-expert tensors (merged b
 from __future__ import annotations
 
 import contextlib
+import json
+import struct
+from pathlib import Path
+
+import torch
 
 
 @contextlib.contextmanager
@@ -107,9 +114,11 @@ def in_source_layout(written: dict, held: dict, source: dict, family: str) -> tu
 
 
 def not_held(source: dict, exported) -> list[str]:
-    """Source keys under a top-level name the export has none of (a part transformers drops on load: ``mtp.*``)."""
+    """Source keys the export lacks that the model holds outside its state dict: under a top-level name the export
+    has none of (a part transformers drops on load: ``mtp.*``), or a PLE n-gram table (``zero.HostTable``: frozen,
+    read from the source's files)."""
     tops = {k.split(".")[0] for k in exported}
-    return sorted(k for k in source if k.split(".")[0] not in tops)
+    return sorted(k for k in source if k not in exported and (k.split(".")[0] not in tops or ".ngram_embedding." in k))
 
 
 def write_source_layout(folder, model, source_path) -> list[str]:
@@ -163,3 +172,45 @@ def _is_expert_key(key: str) -> bool:
     """An expert tensor in either layout: fused (``mlp.experts.gate_up_proj``) or one per expert
     (``mlp.experts.3.down_proj.weight``)."""
     return ".mlp.experts." in key and ".lora_" not in key
+
+
+def mapped_tensors(path: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """``names`` of a checkpoint folder's safetensors files as read-only memory maps (no copy): the file's header
+    gives each tensor's dtype, shape and byte range."""
+    import warnings
+
+    import numpy as np
+
+    kinds = {"F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.uint16, torch.bfloat16),
+             "F64": (np.float64, None)}
+    out, wanted = {}, set(names)
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with open(file, "rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(size))
+        for name in wanted & set(header):
+            entry = header[name]
+            numpy_dtype, view = kinds[entry["dtype"]]
+            begin, _ = entry["data_offsets"]
+            array = np.memmap(file, dtype=numpy_dtype, mode="r", offset=8 + size + begin, shape=tuple(entry["shape"]))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only on purpose: nothing writes the table
+                tensor = torch.from_numpy(array)
+            out[name] = tensor.view(view) if view is not None else tensor
+    return out
+
+
+def table_keys(source: Path, tail: str) -> list[str]:
+    """The checkpoint's keys of one PLE table (``...{tail}.ngram_embedding.shard_{i}.weight`` in shard order, or the
+    whole table's ``weight``)."""
+    import re
+
+    found = {}
+    for file in sorted(source.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for key in header:
+            match = re.search(re.escape(tail) + r"\.ngram_embedding\.(?:shard_(\d+)\.)?weight$", key)
+            if match:
+                found[key] = int(match.group(1) or 0)
+    return sorted(found, key=found.get)

@@ -184,6 +184,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, attn_implem
     from app.grouping.experts.blocks import choose_experts_implementation, config_expert_shape, sparse_layers
     from app.grouping.vision.attention import TOWER_ATTENTION, use_vision_attention
     from app.runtime.expert_layouts import partitioned_shapes_seen
+    from app.runtime.zero import host_resident_tables
 
     path = Path(path)
     if not (path / "config.json").exists():
@@ -201,6 +202,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, attn_implem
         use_vision_attention(model, attn_implementation)
     for indexer in indexers(model):  # QSA's indexer: a hard top-k, it never gets a gradient (transformers' neither)
         indexer.requires_grad_(False)
+    host_resident_tables(model, path)  # PLE n-gram tables: frozen, memory-mapped from the checkpoint, never on a GPU
     if extra and not sparse_layers(model):  # routing, statistics and ZeRO-3 leaves would all be skipped silently
         raise CheckpointPathError(f"{path}: {type(model).__name__} is a mixture-of-experts model, but none of its "
                                   "decoder layers holds a sparse block this trainer knows (a router `mlp.gate` with "

@@ -303,3 +303,77 @@ def gathered_state_dict(engine) -> dict | None:
             state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if rank() == 0 else None
             return hf_state_dict(module, state)
     return hf_state_dict(module, {k: v.detach().cpu() for k, v in module.state_dict().items()} if rank() == 0 else None)
+
+
+# ---- a frozen table ZeRO never touches: Qwen3.8-Flash-Next's PLE n-gram embedding ------------------------------------
+class HostTable(torch.nn.Module):
+    """A frozen embedding table read where it lies in a checkpoint's safetensors files, memory-mapped read-only (its
+    pages are the OS's page cache: one copy per node, however many ranks map it), looked up on the host by the rows a
+    batch needs, the rows sent to the ids' device in ``dtype``. Neither a parameter nor a buffer: ZeRO-3 never
+    partitions or gathers it, no optimizer holds state for it, ``.to(device)`` leaves it where it is, and checkpoints
+    do not carry it (the export copies it from the source, ``expert_layouts.write_source_layout``). The shards are
+    the table's dim-0 pieces in order (``split_ngram_parts`` of them, as the checkpoint stores it)."""
+
+    def __init__(self, shards: list[torch.Tensor], dtype: torch.dtype):
+        super().__init__()
+        self.shards, self.dtype = shards, dtype
+        sizes = torch.tensor([s.shape[0] for s in shards], dtype=torch.long)
+        self.starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+        self.dim = int(shards[0].shape[1])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """What transformers' n-gram embedding reads of its table (the device it looks rows up on): an empty host
+        tensor of the table's dtype."""
+        return torch.empty(0, self.dim, dtype=self.dtype)
+
+    @property
+    def num_embeddings(self) -> int:
+        return int(self.starts[-1])
+
+    def _apply(self, fn, recurse=True):  # .to(device), .half(): the table stays in host memory as it is
+        return self
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to("cpu", torch.long)
+        if len(flat) and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"n-gram rows {int(flat.min())}..{int(flat.max())} outside the table's "
+                             f"{self.num_embeddings}")
+        shard = torch.bucketize(flat, self.starts[1:], right=True)
+        out = torch.empty(len(flat), self.dim, dtype=self.dtype)
+        for s in shard.unique().tolist():
+            picked = shard == s
+            out[picked] = self.shards[s][flat[picked] - self.starts[s]].to(self.dtype)
+        return out.view(*ids.shape, self.dim).to(ids.device)
+
+
+def host_resident_tables(model, path: str | Path) -> int:
+    """Replace each PLE n-gram table of ``model`` (``ple_embedding.ngram_embedding``) by a ``HostTable`` mapped from
+    the checkpoint at ``path`` (its ``ngram_embedding.shard_{i}.weight`` tensors, or one ``ngram_embedding.weight``).
+    Returns how many were replaced; a table the checkpoint does not hold stops naming it."""
+    import re
+
+    from app.runtime.expert_layouts import mapped_tensors, table_keys
+
+    count = 0
+    for name, module in unwrap(model).named_modules():
+        table = getattr(module, "ngram_embedding", None)
+        if not isinstance(table, torch.nn.Embedding):
+            continue
+        layer = re.search(r"layers\.\d+\.", name)
+        tail = name[layer.start():] if layer else name
+        source = Path(path)
+        keys = table_keys(source, tail)
+        if not keys:
+            raise FileNotFoundError(f"{source}: no tensor of {tail}.ngram_embedding (the PLE n-gram table) in its "
+                                    "safetensors files")
+        mapped = mapped_tensors(source, keys)
+        shards = [mapped[k] for k in keys]
+        rows = sum(s.shape[0] for s in shards)
+        if rows != table.num_embeddings or shards[0].shape[1] != table.embedding_dim:
+            raise ValueError(f"{source}: {tail}.ngram_embedding holds {rows} x {shards[0].shape[1]} rows on disk, the "
+                             f"model {table.num_embeddings} x {table.embedding_dim}")
+        module.ngram_embedding = HostTable(shards, table.weight.dtype)
+        count += 1
+    return count

@@ -47,6 +47,12 @@ def check_model_settings(cfg: Config) -> None:
                                        reference=expert_shape_of(cfg.model.reference_path) if separate else UNREAD,
                                        reference_path=cfg.model.reference_path):
             raise ConfigError(f"'rollout.routing_replay'={cfg.rollout.routing_replay} {problem}")
+    from app.rollout.base import family_problems
+
+    model_type = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("model_type", "?")
+    for problem in family_problems(model_type, engine=cfg.rollout.engine,
+                                   sequence_parallel=cfg.train.sequence_parallel_size):
+        raise ConfigError(f"{problem} ({cfg.model.path})")
     if cfg.grpo.router_aux_loss_coef > 0 and cfg.rollout.tools and expert_shape_of(cfg.model.path) is not None:
         raise ConfigError(f"'grpo.router_aux_loss_coef'={cfg.grpo.router_aux_loss_coef} needs router sums, which "
                           "prefix trees (rollout.tools) do not return yet; set grpo.router_aux_loss_coef=0")
