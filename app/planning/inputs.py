@@ -39,12 +39,14 @@ def share_of_video(cfg) -> int:
     return size if shares_decoded(cfg, size) else 1
 
 
-def host_memory(cfg, shape: Shape, work: Workload, world, states: dict, b: int) -> dict:
+def host_memory(cfg, shape: Shape, work: Workload, world, states: dict, b: int, tables: int = 0) -> dict:
     """Host (CPU) memory per node while a step runs: per rank, the step's and the prefetch's prompts' pixels (a
     family's video once, in the tower's dtype), each prefetch worker's decode at work (each decoding thread's chunk
     of source frames, ``app.data.video.CHUNK_FRAMES``, as decord gives them and as the resize copies them; the
     resized frames and the processor's output, float32, before the cast), and what ZeRO offloads to the host; times
-    the ranks of a node. Ranks that decode their shares (``share_of_video``) hold 1/S of each video.
+    the ranks of a node; plus ``tables`` parameters kept in host memory once per node (Qwen3.8-Flash-Next's PLE
+    n-gram tables, memory-mapped by every rank: one copy). Ranks that decode their shares (``share_of_video``) hold
+    1/S of each video.
     ``data.decode_threads`` = 0 is counted as 1 thread (the host's cores are not known here)."""
     from app.data.video import CHUNK_FRAMES
 
@@ -61,9 +63,9 @@ def host_memory(cfg, shape: Shape, work: Workload, world, states: dict, b: int) 
     decode = workers * (in_flight + pixel_bytes(shape, work.patches, 4) * part * HOST_WORKERS_FLOAT32)
     rank = {"pixels": held * video, "decoding": decode, "offload": states.get("host", 0.0)}
     rank["total"] = sum(rank.values())
-    per_node = rank["total"] * world.gpus_per_node
+    per_node = rank["total"] * world.gpus_per_node + tables * b
     usable = world.headroom * world.host_memory_gib * GiB
-    return {"rank": rank, "node": per_node, "usable": usable, "fits": per_node <= usable}
+    return {"rank": rank, "node": per_node, "tables": tables * b, "usable": usable, "fits": per_node <= usable}
 
 
 def disk(cfg, counts, trainable: int, b: int, stage: int, lora: bool) -> dict:

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 RULE_CHUNK = 64  # the chunked delta rule's chunk (fla's and transformers' torch fallback's)
 RULE_BACKWARD = 2.5  # the delta rule's backward against its forward, as fused attention's (a guess: not measured)
 # per token of a GDN layer, saved for the backward, in units of (hidden | conv channels | value dims): the layer's
@@ -167,9 +169,12 @@ def unread_expert_params(shape, tokens: float) -> float:
 
 
 def routing_bytes_per_token(shape) -> int:
-    """rollout.routing_replay=r3: the record of one token, an int16 expert id per sparse layer and top-k slot (0 for
-    a dense model): 768 bytes at Qwen3-VL-30B-A3B (48 sparse layers, top-8)."""
-    return 2 * shape.sparse_layers * shape.experts_per_token if shape.experts else 0
+    """rollout.routing_replay=r3: the record of one token, an expert id (``experts.record.RECORD_DTYPE``) per sparse
+    layer and top-k slot (0 for a dense model): 768 bytes at Qwen3-VL-30B-A3B (48 sparse layers, top-8)."""
+    from app.grouping.experts.record import RECORD_DTYPE
+
+    size = torch.empty((), dtype=RECORD_DTYPE).element_size()
+    return size * shape.sparse_layers * shape.experts_per_token if shape.experts else 0
 
 
 def routing_record(shape, prompts: float, prefix: float, samples: float, completion: float) -> float:

@@ -170,7 +170,7 @@ def plan(cfg, world: World, source: str, frames: int | None = None, videos: int 
                                parameters=counts.total)
     peak = states["total"] + max(rollout["total"], training["total"])
     usable = world.headroom * gpu
-    host = host_memory(cfg, shape, work, world, states, b)
+    host = host_memory(cfg, shape, work, world, states, b, tables=counts.host)
     flops = {layout: step_flops(cfg, shape, work, layout) for layout in LAYOUTS}
     terms = {layout: timing.phase_terms(layout_cfg(cfg, layout), shape, counts, work, world, ds=ds, lora=lora,
                                         tower_trains=tower_trains(cfg), backend=layout_backend(cfg, layout),

@@ -102,7 +102,7 @@ def hf_config(preset: str, layers: int | None = None, vision_layers: int | None 
 class Counts:
     """Parameters of one model, by part (counted on the meta device: nothing is allocated)."""
 
-    total: int
+    total: int  # on the GPUs: every parameter but the host-resident tables (``host``)
     vision: int  # the tower's blocks and patch embedding
     projector: int  # the merger
     embedding: int
@@ -112,6 +112,8 @@ class Counts:
     active: int = 0  # met by one token: the total less each sparse layer's unchosen routed experts (= total if dense)
     tensors: int = 0  # parameter tensors (the routed experts fused: two a sparse layer)
     pushed: int = 0  # tensors a vLLM weight push sends: the released layout, each expert's gate, up and down apart
+    host: int = 0  # frozen tables kept in host memory, one copy per node (Qwen3.8-Flash-Next's PLE n-gram tables:
+    #                 ``app.runtime.zero.HostTable``): never on a GPU, a token reads a few of their rows
 
 
 def meta_model(config):
@@ -158,6 +160,7 @@ def count_parameters(config) -> Counts:
     model = meta_model(config)
     seen: set[int] = set()
     parts = {"vision": 0, "projector": 0, "embedding": 0, "head": 0, "layers": 0, "other": 0}
+    host = 0
     text = config.get_text_config()
     chosen = getattr(text, "num_experts_per_tok", 0) / max(getattr(text, "num_experts", 0) or 1, 1)
     unchosen, tensors, pushed = 0, 0, 0
@@ -168,7 +171,9 @@ def count_parameters(config) -> Counts:
         tensors += 1
         fused = ".mlp.experts." in name and p.dim() == 3  # [E, ...]: gate_up_proj is two tensors an expert
         pushed += (p.shape[0] * (2 if name.endswith("gate_up_proj") else 1)) if fused else 1
-        if part_of(name) != "language":
+        if ".ngram_embedding." in name:  # the PLE table: host memory (runtime.zero.HostTable), not a GPU's
+            host += p.numel()
+        elif part_of(name) != "language":
             parts[part_of(name)] += p.numel()
         elif "embed_tokens" in name:
             parts["embedding"] += p.numel()
@@ -184,7 +189,7 @@ def count_parameters(config) -> Counts:
     return Counts(total=total, vision=parts["vision"], projector=parts["projector"],
                   embedding=parts["embedding"], head=parts["head"],
                   decoder_layer=parts["layers"] // text.num_hidden_layers, layers=text.num_hidden_layers,
-                  active=total - unchosen, tensors=tensors, pushed=pushed)
+                  active=total - unchosen, tensors=tensors, pushed=pushed, host=host)
 
 
 def build_real_width_checkpoint(out_dir: str | Path, preset: str, *, layers: int = 1, vision_layers: int = 1,

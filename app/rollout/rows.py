@@ -37,9 +37,6 @@ class Rows:
     fills: dict[str, float | int] = field(default_factory=dict)
     left: frozenset[str] = frozenset()
 
-    def __len__(self) -> int:
-        return int(next(iter(self.tensors.values())).shape[0]) if self.tensors else 0
-
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 

@@ -108,6 +108,8 @@ def check(argv: list[str]) -> Config:
         check_checkpoint(cfg.model.path)
         if cfg.model.reference_path:
             check_checkpoint(cfg.model.reference_path, "model.reference_path")
+        if "judge" in cfg.rewards.functions and cfg.rewards.judge_path:
+            check_checkpoint(cfg.rewards.judge_path, "rewards.judge_path")
         check_model_settings(cfg)
     except ConfigError as error:
         raise SystemExit(f"config error: {error}") from None

@@ -141,10 +141,6 @@ class ExpertShape:
     experts: int
     top_k: int
 
-    def record_bytes_per_token(self, dtype: torch.dtype = torch.int16) -> int:
-        """Bytes one token's routing record takes: one expert id per sparse layer and routed slot."""
-        return len(self.layers) * self.top_k * torch.empty((), dtype=dtype).element_size()
-
 
 def config_expert_shape(config) -> ExpertShape | None:
     """``expert_shape`` from a (composite or text) config alone, as transformers builds the layers: a layer is sparse

@@ -91,9 +91,10 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 64, ini
     Here each span's log-decay is summed over that span alone (``segsum``, as Mamba2 does), so its rounding scales
     with the decay itself: a kernel's outputs and g-gradients 1e-5 -> 2e-7 from float64 at g ~ -U(0, 30)."""
     dtype = query.dtype
+    work = torch.float64 if dtype == torch.float64 else torch.float32  # float64 stays float64: a reference's
     batch, length, _, k_dim = key.shape
     v_heads, v_dim = value.shape[-2:]
-    query, key, value, beta, g = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    query, key, value, beta, g = (x.transpose(1, 2).to(work, memory_format=torch.contiguous_format)
                                   for x in (query, key, value, beta, g))
     if use_qk_l2norm_in_kernel:
         query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6)
