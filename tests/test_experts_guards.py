@@ -170,7 +170,7 @@ def test_the_planner_prices_the_counting_pass_and_a_frozen_router_coefficient_is
         off["phase_seconds"]["grouped"]["step"] + counted, rel=1e-6)
 
 
-@pytest.mark.parametrize("model_type", ["qwen4_exp", "qwen3_omni_moe", "qwen2_5_omni"])
+@pytest.mark.parametrize("model_type", ["qwen3_omni_moe", "qwen2_5_omni", "llava"])
 def test_a_model_type_the_trainer_does_not_support_stops_at_start_up_in_one_line(model_type, tiny_checkpoints,
                                                                                   tmp_path):
     """train / SFT (the preflight every recipe runs), evaluation, the judge and the planner: one line naming the type

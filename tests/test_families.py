@@ -22,9 +22,12 @@ from app.grouping.families import (
     flash_sequences,
     shared_prefix_lengths,
 )
-from app.runtime.models import MOE_FAMILIES, VL_FAMILIES
+from app.runtime.models import MOE_FAMILIES, QSA_FAMILIES, VL_FAMILIES
 from tests.helpers import load, max_rel_diff, patch_size, random_completions, tokenizer_of
 from tests.test_attention import check_backends, qkv, sdpa_varlen
+
+# qwen4_exp's families are tests/test_qsa.py's (its gradients held norm-relative; the grouped engine does not decode it)
+FAMILY_KINDS = [f for f in VL_FAMILIES if f not in QSA_FAMILIES]
 
 LOGPROB_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -78,7 +81,7 @@ def assert_same(scores, grads, ref_scores, ref_grads):
 
 
 @pytest.mark.parametrize("backend", SHARING_CPU_BACKENDS)
-@pytest.mark.parametrize("family", VL_FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_KINDS)
 def test_a_family_equals_its_questions_one_by_one_and_repeated(family, backend, tiny_checkpoints, videos,
                                                                monkeypatch):
     """Three questions on one video, one on another, a text prompt: families [3, 1, 1]. Log-probs, entropies and
@@ -102,7 +105,7 @@ def test_a_family_equals_its_questions_one_by_one_and_repeated(family, backend, 
     assert_same(scores, grads, ref_scores, ref_grads)
 
 
-@pytest.mark.parametrize("family", VL_FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_KINDS)
 def test_the_shared_video_goes_through_the_tower_once(family, tiny_checkpoints, videos):
     model, prompts, ids, mask, sizes = family_case(family, tiny_checkpoints, videos, [1, 1, 1, 1], seed=1)
     seen = []
@@ -232,7 +235,7 @@ def some_rows_only(completions: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("decode", ["eager", "static"])
-@pytest.mark.parametrize("family", VL_FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_KINDS)
 def test_a_shared_rollout_draws_the_tokens_of_per_question_prompts(family, decode, tiny_checkpoints, videos):
     """Greedy and seeded sampling: the same tokens as the plain rollout (each question prefilled with its own
     copy of the video); log-probs within float rounding; the prefill processed the video once."""
@@ -262,7 +265,7 @@ def test_a_shared_rollout_draws_the_tokens_of_per_question_prompts(family, decod
         assert "eos" in plain.stop_reasons and "length" in plain.stop_reasons
 
 
-@pytest.mark.parametrize("family", VL_FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_KINDS)
 def test_a_family_in_bf16_is_as_close_to_float32_as_the_repeated_layout(family, tiny_checkpoints, videos):
     """bfloat16: the family's log-probs and gradients are judged against a float32 forward of the same weights,
     as every grouped forward is (``precision.compare_to_reference``; gradients within 1.5x of repeated's error plus
@@ -301,7 +304,7 @@ def test_a_family_in_bf16_is_as_close_to_float32_as_the_repeated_layout(family, 
 
 
 @pytest.mark.parametrize("setup", ["lora", "frozen_tower"])
-@pytest.mark.parametrize("family", VL_FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_KINDS)
 def test_a_family_with_lora_or_a_frozen_tower_equals_repeated(family, setup, tiny_checkpoints, videos):
     """LoRA adapters on the language model (the tower frozen, as the LoRA config trains), or a frozen tower with
     everything else training: the family's log-probs and every trainable gradient equal repeated's."""
@@ -324,7 +327,7 @@ def test_a_family_with_lora_or_a_frozen_tower_equals_repeated(family, setup, tin
     assert_same(scores, grads, ref_scores, ref_grads)
 
 
-@pytest.mark.parametrize("family", VL_FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_KINDS)
 def test_a_familys_pixels_are_held_once_in_the_batch_and_everything_reads_them_alike(family, tiny_checkpoints, videos):
     """Questions whose prompts hold the very same pixel tensors (what the stream's spliced prompts do) collate
     into a batch with the video's pixels once and each occurrence's rows beside its grid: the bytes are one copy,

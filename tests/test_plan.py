@@ -34,7 +34,8 @@ NOMINAL_BILLIONS = {"qwen3_5_0_8b": (0.75, 0.95), "qwen3_5_2b": (1.9, 2.4), "qwe
 # counts (vision tower included) must fall where its name puts them.
 MOE_NOMINAL = {"qwen3_vl_30b_a3b": ((30, 31.5), (3, 4)), "qwen3_vl_235b_a22b": ((234, 237), (22, 23.5)),
                "qwen3_5_35b_a3b": ((34.5, 36), (3, 4)), "qwen3_5_122b_a10b": ((121, 124), (10, 11)),
-               "qwen3_5_397b_a17b": ((395, 400), (17, 18))}
+               "qwen3_5_397b_a17b": ((395, 400), (17, 18)),
+               "qwen3_8_flash_next": ((125, 127.5), (7, 8.5))}  # on the GPUs: its 51.2B PLE table is host memory
 
 
 def test_every_size_has_a_preset_with_its_source_and_the_published_parameter_count():
@@ -60,6 +61,17 @@ def test_every_size_has_a_preset_with_its_source_and_the_published_parameter_cou
         assert preset["checked_against"]
         counts = shapes.count_parameters(shapes.hf_config(name))  # meta device: nothing allocated
         assert abs(counts.total / 1e9 - billions) <= 0.006 * billions + 0.005, (name, counts.total)
+
+
+def test_qwen3_8_flash_next_counts_as_its_card_says_with_the_ple_table_on_the_host():
+    """176B total (the card; 177.4B counted, its tower and embeddings included), 6B active per token in the decoder,
+    the PLE table exactly 51,200,245,760 parameters (16 heads, 320,001,536 padded rows of 160) and counted as host
+    memory, not a GPU's."""
+    counts = shapes.count_parameters(shapes.hf_config("qwen3_8_flash_next"))
+    assert counts.host == 51_200_245_760
+    assert 176 <= (counts.total + counts.host) / 1e9 <= 178
+    decoder_active = counts.active - counts.embedding - counts.head - counts.vision - counts.projector
+    assert 5.8 <= decoder_active / 1e9 <= 6.2, decoder_active
 
 
 def test_the_7b_preset_is_the_shape_the_issue_names():

@@ -110,8 +110,8 @@ def test_the_vectorised_indexer_selects_what_transformers_loop_selects(tiny_chec
     same = ties = 0
     for b in range(batch):
         seen = mask4[b, 0]
-        plain = reference(raw[b], cos[b], sin[b], seen, q[b], indexer.compress_ratio, indexer.block_topk,
-                          indexer.k_layernorm, rotate)
+        plain = reference(raw[b], cos[b], sin[b], seen, q[b], compress=indexer.compress_ratio, top=indexer.block_topk,
+                          k_norm=indexer.k_layernorm, rotate=rotate)
         for i in range(length):
             assert torch.equal(ours[b, i].nonzero().flatten(), plain[i]), (b, i)
             if torch.equal(ours[b, i], theirs[b, i]):
@@ -235,3 +235,41 @@ def test_the_ple_table_stays_in_host_memory_and_the_export_keeps_it_and_the_mtp_
     back = load_model(tmp_path / "final").state_dict()
     for key, value in trained.items():
         torch.testing.assert_close(back[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_two_questions_on_one_video_and_a_prefix_tree_equal_their_rows(tiny_checkpoints, videos):
+    """A family of two questions on one video beside a text prompt (the video prefilled and packed once, each
+    question's responses choosing among [V; Qi; Rij]'s blocks), and a prefix tree of tool turns with image and video
+    observations (each node's path its own row): log-probs within 1e-5 and every gradient within 1e-4 norm-relative
+    against the repeated rows and the paths."""
+    from app.data.prompts import encode_prompts
+    from app.grouping.families import shared_prefix_lengths
+    from app.grouping.tree.forward import tree_logprobs
+    from tests.helpers import run_and_grad
+    from tests.test_families import family_conversations
+    from tests.test_tree import build_tree
+
+    model, processor = load(FAMILY, tiny_checkpoints)
+    prompts = encode_prompts(processor, family_conversations(FAMILY, videos, [0, 0, -1]))
+    tok = tokenizer_of(processor)
+    sizes, families = [2, 3, 1], [2, 1]
+    ids, mask = random_completions([9, 3, 14, 6, 11, 5], len(tok), tok.pad_token_id, seed=6)
+    assert shared_prefix_lengths(model, prompts, families)[0] > 0
+    model.zero_grad(set_to_none=True)
+    scores = completion_logprobs(model, prompts, ids, mask, sizes, families=families, return_logits=True)
+    ((scores.logprobs * torch.linspace(0.5, 1.5, ids.shape[1])[None]).sum() + 1e-3 * (scores.logits ** 2).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert scores.layout.shares
+    ref_lp, _, ref_grads = run_and_grad(model, prompts, ids, mask, sizes, "repeated")
+    assert float((scores.logprobs - ref_lp).abs().max()) <= 1e-5
+    assert max(norm_rel(grads[n], ref_grads[n]) for n in ref_grads) <= 1e-4
+
+    tree = build_tree(FAMILY, processor, videos)
+    out = {}
+    for mode in ("tree", "paths"):
+        model.zero_grad(set_to_none=True)
+        got = tree_logprobs(model, tree, mode)
+        (got.logprobs * got.trained * torch.linspace(0.5, 1.5, got.logprobs.shape[1])[None]).sum().backward()
+        out[mode] = got.logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert float((out["tree"][0] - out["paths"][0]).abs().max()) <= 1e-5
+    assert max(norm_rel(out["tree"][1][n], out["paths"][1][n]) for n in out["paths"][1]) <= 1e-4

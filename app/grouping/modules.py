@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 from app.grouping import attention
+from app.grouping.recurrent.segments import current_forward  # noqa: F401  (the instance patches' chain)
 
 
 def unwrap(model):
@@ -78,16 +79,6 @@ def keeps_attention_unless_grad(function):
 
 
 # ---- instance patches: a method replaced on ONE object (the class and other instances keep theirs) ----------------
-def current_forward(module):
-    """The unbound forward ``module`` runs now: an instance patch's function (it takes the module first), else its
-    class's. A further instance patch wraps this one, so patches of one module chain instead of replacing each
-    other (and a deep copy, whose bound methods follow it, runs its own)."""
-    import types
-
-    patch = module.__dict__.get("forward")
-    return patch.__func__ if isinstance(patch, types.MethodType) else type(module).forward
-
-
 def patch_instance(obj, name: str, replacement) -> None:
     """``obj.name`` replaced by an instance attribute for good (until ``unpatch_instance``). On a module the class's
     ``__call__`` still runs, so hooks around it (ZeRO-3's gathering, DeepSpeed's) run around the replacement."""

@@ -39,7 +39,7 @@ def share_of_video(cfg) -> int:
     return size if shares_decoded(cfg, size) else 1
 
 
-def host_memory(cfg, shape: Shape, work: Workload, world, states: dict, b: int, tables: int = 0) -> dict:
+def host_memory(cfg, shape: Shape, work: Workload, world, states: dict, b: int, *, tables: int = 0) -> dict:
     """Host (CPU) memory per node while a step runs: per rank, the step's and the prefetch's prompts' pixels (a
     family's video once, in the tower's dtype), each prefetch worker's decode at work (each decoding thread's chunk
     of source frames, ``app.data.video.CHUNK_FRAMES``, as decord gives them and as the resize copies them; the

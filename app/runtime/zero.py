@@ -331,7 +331,8 @@ class HostTable(torch.nn.Module):
     def num_embeddings(self) -> int:
         return int(self.starts[-1])
 
-    def _apply(self, fn, recurse=True):  # .to(device), .half(): the table stays in host memory as it is
+    def _apply(self, fn, recurse=True):  # .to(device) leaves the table in host memory; .to(dtype) is the rows' dtype
+        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype
         return self
 
     @torch.no_grad()

@@ -80,7 +80,7 @@ def torch_chunk_rule():
     return chunk_gated_delta_rule
 
 
-def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
+def chunk_gated_delta_rule(query, key, value, g, beta, *, chunk_size: int = 64, initial_state=None,
                            output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, **kwargs):
     """transformers' ``torch_chunk_gated_delta_rule`` (same signature, shapes and float32 arithmetic) except for how
     it forms the decay between two positions i >= j of a chunk. transformers takes exp(c_i - c_j) of the float32

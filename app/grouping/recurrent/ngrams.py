@@ -21,8 +21,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from app.grouping.modules import current_forward
-from app.grouping.recurrent.segments import segments_of
+from app.grouping.recurrent.segments import current_forward, segments_of
 
 MARK = "_prefix_grouping_ple"
 _ACTIVE = "_prefix_grouping_ple_plan"
@@ -113,10 +112,10 @@ def grouped_ple(module, hidden_states: torch.Tensor, input_ids: torch.Tensor, pl
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
     gated_value = torch.sigmoid(gate) * value.unsqueeze(-2)
     normed = module.norm_conv(gated_value.flatten(-2))[0]  # [T, C]
-    weight = module.conv1d.weight[:, 0]  # [C, K]
-    padded = torch.cat([normed, normed.new_zeros(1, normed.shape[1])])  # row T: a zero input before a root
-    conv = normed * weight[:, kernel - 1]
+    weight = module.conv1d.weight[:, 0].float()  # [C, K]; the taps summed in float32, as a conv accumulates
+    padded = torch.cat([normed, normed.new_zeros(1, normed.shape[1])]).float()  # row T: a zero input before a root
+    conv = padded[:-1] * weight[:, kernel - 1]
     for j in range(kernel - 1):  # tap j reads (K - 1 - j) x dilation positions back along the path
         source = back[:, (kernel - 1 - j) * dilation - 1]
         conv = conv + padded[torch.where(source >= 0, source, normed.shape[0])] * weight[:, j]
-    return gated_value.flatten(-2) + F.silu(conv)[None]
+    return gated_value.flatten(-2) + F.silu(conv.to(normed.dtype))[None]

@@ -261,3 +261,14 @@ def segments_of(plan) -> Segments:
             raise TypeError(f"{type(plan).__name__} says nothing of the row's segments: the linear-attention layers "
                             "cannot tell whose state each token continues")
     return cache["row"]
+
+
+def current_forward(module):
+    """(The instance patches of a packed row's layer kinds, GDN, PLE, QSA and routers, chain through this.) The
+    unbound forward ``module`` runs now: an instance patch's function (it takes the module first), else its
+    class's. A further instance patch wraps this one, so patches of one module chain instead of replacing each
+    other (and a deep copy, whose bound methods follow it, runs its own)."""
+    import types
+
+    patch = module.__dict__.get("forward")
+    return patch.__func__ if isinstance(patch, types.MethodType) else type(module).forward

@@ -19,8 +19,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from app.grouping.modules import current_forward
-from app.grouping.recurrent.segments import segments_of
+from app.grouping.recurrent.segments import current_forward, segments_of
 from app.grouping.sparse.selection import BatchGeometry, choose, key_blocks, key_mask
 
 MARK = "_prefix_grouping_qsa"
@@ -84,7 +83,8 @@ def vectorised_indexer(indexer, hidden_states, position_embeddings, attention_ma
     geometry = BatchGeometry(attention_mask)
     compress = indexer.compress_ratio
     blocks = key_blocks(geometry.ranks, geometry.predecessors(max(compress - 1, 1)), raw.flatten(0, 1),
-                        full_cos.flatten(0, 1), full_sin.flatten(0, 1), compress, indexer.k_layernorm, _rotary(indexer))
+                        full_cos.flatten(0, 1), full_sin.flatten(0, 1), compress=compress, k_norm=indexer.k_layernorm,
+                        rotate=_rotary(indexer))
     batch, keys_per_row = attention_mask.shape[0], geometry.keys_per_row
     flat_q = q.flatten(0, 1)
     out = torch.zeros(batch * length, keys_per_row, dtype=torch.bool, device=hidden_states.device)
@@ -126,7 +126,7 @@ def grouped_qsa(module, hidden_states: torch.Tensor, position_embeddings, plan) 
         index_q, raw = index_projections(indexer, hidden_states, cos, sin)
         ranks = segments.path_positions.to(device)
         blocks = key_blocks(ranks, segments.predecessors(max(compress - 1, 1)).to(device), raw[0], cos[0], sin[0],
-                            compress, indexer.k_layernorm, _rotary(indexer))
+                            compress=compress, k_norm=indexer.k_layernorm, rotate=_rotary(indexer))
     out = []
     for start in range(0, total, QUERY_CHUNK):
         queries = torch.arange(start, min(start + QUERY_CHUNK, total), device=device)

@@ -79,7 +79,7 @@ class KeyBlocks:
 
 
 def key_blocks(ranks: torch.Tensor, predecessors: torch.Tensor, raw_keys: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, compress: int, k_norm, rotate) -> KeyBlocks:
+               sin: torch.Tensor, *, compress: int, k_norm, rotate) -> KeyBlocks:
     """The complete blocks of keys with ``ranks`` [N] (-1: nobody's key) and ``predecessors`` [N, >= C - 1] (along the
     path; -1 none), ``raw_keys`` [N, d] the indexer's unrotated keys, ``cos`` / ``sin`` [N, r] each key's rotary
     angles; ``k_norm``: the indexer's key norm; ``rotate(x [NB, 1, d], cos [NB, r], sin [NB, r])``: its rotary (``rotate(x, cos=, sin=)``)."""
@@ -131,7 +131,7 @@ def key_mask(blocks: KeyBlocks, seen: torch.Tensor, own_ranks: torch.Tensor, ran
 
 
 @torch.no_grad()
-def reference(raw_keys, cos, sin, seen_rows, index_queries, compress, top, k_norm, rotate) -> list[torch.Tensor]:
+def reference(raw_keys, cos, sin, seen_rows, index_queries, *, compress, top, k_norm, rotate) -> list[torch.Tensor]:
     """The choice written plainly, one query at a time (transformers' loop, ties to the earlier block): for query i,
     its visible keys (``seen_rows[i]``, in order) cut in blocks of ``compress``, each pooled, normed and rotated at its
     first key, scored, the top ``top`` taken with the tail. Returns each query's selected keys (sorted)."""
