@@ -48,6 +48,9 @@ def metrics(out: Path) -> list[dict]:
 def assert_close_weights(got: dict, want: dict, initial: dict, rtol: float) -> None:
     moved = 0
     for name in want:
+        if not want[name].is_floating_point():  # integer buffers (PLE's hash tables' sizes): equal or wrong
+            assert torch.equal(got[name], want[name]), name
+            continue
         scale = max(float(want[name].norm()), 1e-12)
         assert float((got[name] - want[name]).norm()) / scale <= rtol, name
         moved += int(not torch.equal(want[name], initial[name]))

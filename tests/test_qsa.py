@@ -273,3 +273,38 @@ def test_two_questions_on_one_video_and_a_prefix_tree_equal_their_rows(tiny_chec
         out[mode] = got.logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert float((out["tree"][0] - out["paths"][0]).abs().max()) <= 1e-5
     assert max(norm_rel(out["tree"][1][n], out["paths"][1][n]) for n in out["paths"][1]) <= 1e-4
+
+
+def test_lora_on_qwen4_exps_routed_experts_and_attention_is_exact_and_merges(tiny_checkpoints, videos):
+    """LoRA on attention, the GDN projections, the shared expert and every routed expert (lora.target_parameters):
+    grouped == repeated (log-probs 1e-5, every adapter's gradient 1e-4 norm-relative), the merged weights give the
+    adapted model's log-probs, the routers and the indexers stay frozen."""
+    import copy
+
+    from app.config.sections import LoRAConfig, ModelConfig
+    from app.runtime import lora
+    from tests.helpers import run_and_grad
+
+    model, processor = load(FAMILY, tiny_checkpoints)
+    base = copy.deepcopy(model)
+    prompts = prompt_batch(FAMILY, processor, videos, ["video", "text"])
+    tok = tokenizer_of(processor)
+    ids, mask = random_completions([8, 3, 12, 6], len(tok), tok.pad_token_id, seed=2)
+    cfg = LoRAConfig(rank=2, alpha=4.0, target_modules=["q_proj", "v_proj", "in_proj_qkv", "gate_proj"],
+                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    lora.prepare(model, cfg, ModelConfig(path="x"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any(".experts." in n for n in trained) and all("lora_" in n for n in trained)
+    lp, _, grads = run_and_grad(model, prompts, ids, mask, [2, 2], "grouped")
+    ref_lp, _, ref_grads = run_and_grad(model, prompts, ids, mask, [2, 2], "repeated")
+    assert float((lp - ref_lp).abs().max()) <= 1e-5 and set(grads) == set(ref_grads) == trained
+    assert max(norm_rel(grads[n], ref_grads[n]) for n in grads) <= 1e-4
+    merged = copy.deepcopy(base)
+    merged.load_state_dict(lora.merged_state_dict(model.state_dict(), lora.scaling(cfg)), strict=True)
+    with torch.no_grad():
+        as_merged = completion_logprobs(merged, prompts, ids, mask, [2, 2]).logprobs
+    assert float((as_merged - lp).abs().max()) <= 1e-5
