@@ -27,7 +27,7 @@ def test_counted_flops_equal_the_analytic_formula(prefix, suffix, group):
 # tests/test_planner_accuracy.py's and tests/test_plan.py's checks; their reports, the failed-point test below)
 @pytest.mark.parametrize("name", ["attention", "rollout", "grid", "e2e", "flex_shapes", "scale", "lora",
                                   "vision_cache", "long_video", "long_prefill", "judge", "tree", "shared_video",
-                                  "long_rehearsal", "hybrid", "moe", "mismatch", "replay",
+                                  "long_rehearsal", "hybrid", "moe", "qsa", "qsa_grouping", "mismatch", "replay",
                                   "rollout --family qwen3_5 --no-hf",
                                   "host_decode", "ep"])
 def test_benchmark_runs_quick(name, tmp_path):
@@ -47,6 +47,9 @@ def test_benchmark_runs_quick(name, tmp_path):
         assert (out / "grid_flops.png").is_file() and (out / "grid_memory.png").is_file()
     if name == "attention":
         assert report["max_abs_difference_vs_package"] < 1e-4
+    if name == "qsa":  # transformers' indexer loop, the vectorised one, the grouped layer: every point ran
+        assert {row["kind"] for row in report["rows"]} == {"reference", "ours", "grouped"}
+        assert all(row["seconds"] > 0 for row in report["rows"])
     if name == "long_rehearsal":  # 2 processes at S = 1 and 2, k = 2: 2 steps each, every rank's peaks
         rows = {(row["S"], row["k"]): row for row in report["rows"]}
         assert set(rows) == {(1, 2), (2, 2)} and all(row["exit"] == 0 and row["steps"] == 2 for row in rows.values())

@@ -308,3 +308,51 @@ def test_lora_on_qwen4_exps_routed_experts_and_attention_is_exact_and_merges(tin
     with torch.no_grad():
         as_merged = completion_logprobs(merged, prompts, ids, mask, [2, 2]).logprobs
     assert float((as_merged - lp).abs().max()) <= 1e-5
+
+
+def test_the_self_check_compares_qsa_keys_and_ngrams_exactly_and_names_the_layer(tiny_checkpoints, videos,
+                                                                                  monkeypatch):
+    """float32 and bfloat16 self-checks pass on qwen4_exp (bf16: a query whose choice flips within a tie is counted,
+    not stopped); a QSA row whose queries see their siblings' keys, or a PLE layer whose responses hash their
+    sibling's tail, stops the float32 check before any numeric comparison, naming the layer kind, the completion and
+    the token."""
+    from app.grouping import GroupingMismatchError, verify_grouping
+    from app.grouping.recurrent import ngrams
+    from app.grouping.recurrent.segments import Segments
+
+    model, processor = load(FAMILY, tiny_checkpoints)
+    prompts = prompt_batch(FAMILY, processor, videos, ["video", "text"])
+    tok = tokenizer_of(processor)
+    ids, mask = random_completions([12, 9, 14, 6], len(tok), tok.pad_token_id, seed=8)
+    assert verify_grouping(model, prompts, ids, mask, [2, 2]).max_diff < 1e-5
+    result = verify_grouping(copy_to(model, torch.bfloat16), {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                                                            for k, v in prompts.items()}, ids, mask, [2, 2])
+    assert result.dtype == torch.bfloat16
+    real_visible = Segments.visible
+
+    def leaky(self, queries):  # every token sees the whole row before it, its siblings' tokens too
+        out = real_visible(self, queries)
+        return out | (torch.arange(self.total)[None] <= queries[:, None])
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Segments, "visible", leaky)
+        with pytest.raises(GroupingMismatchError, match=r"what a sparse layer reads: QSA layer 0 \(an "
+                           r"indexed-attention layer\): completion 1, token \d+ attends to keys"):
+            verify_grouping(model, prompts, ids, mask, [2, 2])
+    real_ids = ngrams.path_ngram_ids
+
+    def row_order(embedding, input_ids, before):  # each token's two before in the row, not along its path
+        back = torch.arange(len(input_ids))[:, None] - torch.arange(1, before.shape[1] + 1)[None]
+        return real_ids(embedding, input_ids, torch.where(back >= 0, back, -1))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ngrams, "path_ngram_ids", row_order)
+        with pytest.raises(GroupingMismatchError, match=r"PLE layer 0 \(an n-gram embedding\): completion 1, token 0 "
+                           r"hashes to n-gram rows"):
+            verify_grouping(model, prompts, ids, mask, [2, 2])
+
+
+def copy_to(model, dtype):
+    import copy
+
+    return copy.deepcopy(model).to(dtype)

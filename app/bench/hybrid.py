@@ -3,6 +3,7 @@
 
     python -m app.bench.hybrid --out docs/bench/hybrid [--quick]      (scripts/bench.sh hybrid)
     python -m app.bench.hybrid --moe --out docs/bench/moe [--quick]   (scripts/bench.sh moe)
+    python -m app.bench.hybrid --qsa --out docs/bench/qsa_grouping [--quick]   (scripts/bench.sh qsa_grouping)
 
 A reduced width on this CPU: hidden 256, 4 decoder layers (Qwen3.5: 3 GDN layers, 1 gated attention layer; its GDN
 with 4 key / 8 value heads of 64; Qwen2.5-VL: 4 attention layers), 4 query / 2 KV heads of 64, MLP 1,024, a 32k
@@ -17,6 +18,10 @@ run transformers' torch fallback here (flash-linear-attention is CUDA-only); the
 with an MLP of 1,024, and Qwen3.5-MoE (16 experts, 4 per token, of 192, plus a shared expert of 256) against Qwen3.5
 with an MLP of 1,024: the same FLOPs per token in the MLPs, the routers and grouped_mm on top. The 30B-A3B-width case
 is ``scripts/gpu_check.sh``'s ``moe`` part.
+
+``--qsa``: Qwen3.8-Flash-Next (``qwen4_exp``: GDN layers with PLE, QSA layers of budget ``QSA_BUDGET``,
+hyper-connections, the same experts) beside Qwen3.5-MoE at this width; its repeated layout runs the vectorised
+indexer (transformers' loop over queries would take hours at 8k).
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ GROUP, COMPLETION = 8, 128
 # 256 (Qwen3-VL-MoE, every layer sparse), or of 192 plus a shared expert of 256 (Qwen3.5-MoE).
 MOE_SIZES = {"qwen3_vl_moe": dict(experts=16, experts_per_token=4, moe_intermediate=256, moe_layers=4,
                                   mlp_only_layers=()),
-             "qwen3_5_moe": dict(experts=16, experts_per_token=4, moe_intermediate=192, shared_expert_intermediate=256)}
+             "qwen3_5_moe": dict(experts=16, experts_per_token=4, moe_intermediate=192, shared_expert_intermediate=256),
+             "qwen4_exp": dict(experts=16, experts_per_token=4, moe_intermediate=192, shared_expert_intermediate=256)}
+QSA_BUDGET = 512  # --qsa: Qwen3.8-Flash-Next's keys a query attends to at this width (the released 2,048 at hidden 2,560)
 
 
 # The released routing regime at the same width (``--replay``'s wide rows): 128 experts, 8 per token, of 32 (Qwen3-VL-
@@ -58,9 +65,12 @@ def tiny_model(family: str, vocab: int = 32768, routing: str = "tiny"):
     from app.runtime.models import HYBRID_FAMILIES, TinySizes, build_tokenizer, model_class, tiny_config
 
     experts = (WIDE_ROUTING if routing == "wide" else MOE_SIZES).get(family, {})
-    sizes = TinySizes(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64 if family not in HYBRID_FAMILIES else 32,
+    hybrid = family in HYBRID_FAMILIES or family == "qwen4_exp"
+    sizes = TinySizes(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64 if not hybrid else 32,
                       intermediate=1024, hybrid_layers=4, linear_heads=(4, 8, 64), max_positions=65536, **experts)
     config = tiny_config(family, build_tokenizer(), sizes, vocab_size=vocab)
+    if family == "qwen4_exp":  # a budget that 2k and 8k prompts exceed, as an hour's video exceeds the released one
+        config.text_config.indexer_budget = QSA_BUDGET
     torch.manual_seed(0)
     model = model_class(config).from_config(config, dtype=torch.float32)
     if routing == "sharp":
@@ -173,6 +183,16 @@ def run_moe(out: Path, quick: bool = False) -> dict:
     return run(out, quick, families=MOE_FAMILIES, name="moe", title=MOE_TITLE)
 
 
+QSA_FAMILIES = ("qwen4_exp", "qwen3_5_moe")
+QSA_TITLE = ("Qwen3.8-Flash-Next (2 GDN layers with PLE, 2 QSA layers of budget 512, hyper-connections of 2 streams) "
+             "against Qwen3.5-MoE (3 GDN, 1 attention), both 16 experts of which 4 per token, grouped vs repeated "
+             "(hidden 256, float32, CPU; one measured forward+backward per point)")
+
+
+def run_qsa(out: Path, quick: bool = False) -> dict:
+    return run(out, quick, families=QSA_FAMILIES, name="qsa_grouping", title=QSA_TITLE)
+
+
 def main(argv: list[str] | None = None) -> None:
     import sys
 
@@ -180,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     if "--moe" in argv:
         argv.remove("--moe")
         cli(run_moe, __doc__, "outputs/bench/moe", argv)
+    elif "--qsa" in argv:
+        argv.remove("--qsa")
+        cli(run_qsa, __doc__, "outputs/bench/qsa_grouping", argv)
     else:
         cli(run, __doc__, "outputs/bench/hybrid", argv)
 

@@ -66,10 +66,16 @@ def _upcast_hooks(unit: torch.nn.Module):
                 if param is not None and param.is_floating_point() and param.dtype != torch.float32:
                     swapped.append((module, name, param))
                     module._parameters[name] = param.detach().float()
+            if getattr(module, "rows_dtype", torch.float32) != torch.float32:  # a host table's rows (no parameter)
+                swapped.append((module, "rows_dtype", module.rows_dtype))
+                module.rows_dtype = torch.float32
 
     def post(mod, args, output):
         for module, name, param in swapped:
-            module._parameters[name] = param
+            if name == "rows_dtype":
+                module.rows_dtype = param
+            else:
+                module._parameters[name] = param
         swapped.clear()
 
     return unit.register_forward_pre_hook(pre), unit.register_forward_hook(post, prepend=True)

@@ -19,7 +19,6 @@ The plan is a prediction: ``docs/planner.md`` says which parts were checked agai
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 GiB = 2**30
@@ -56,6 +55,18 @@ class Shape:
     linear_head_dim: int = 128
     conv_kernel: int = 4
     attention_gate: bool = False  # Qwen3.5's attention: q_proj also writes the output gate (twice as wide)
+    # Qwen3.8-Flash-Next: its attention layers are QSA (a query attends to at most ``index_budget`` keys: the chosen
+    # blocks and the tail; 0: full attention), scored by ``index_heads`` index heads of ``index_dim`` against blocks of
+    # ``index_compress`` keys; a residual stream of ``hc_count`` copies mixed through a rank-``hc_lowrank`` map; PLE
+    # on ``ple_layers`` layers, projecting ``ple_dim`` n-gram features (its table is host memory: ``Counts.host``)
+    index_budget: int = 0
+    index_heads: int = 0
+    index_dim: int = 0
+    index_compress: int = 4
+    hc_count: int = 1
+    hc_lowrank: int = 0
+    ple_layers: int = 0
+    ple_dim: int = 0
     # mixture of experts: sparse layers, their experts (k per token) and shared expert (``layers.moe_shape``)
     sparse_layers: int = 0
     experts: int = 0
@@ -112,6 +123,12 @@ def shape_of(config) -> Shape:
         windows = dict(vision_full_blocks=len(vision.fullatt_block_indexes), vision_window=vision.window_size)
     windows["vision_deepstack"] = len(getattr(vision, "deepstack_visual_indexes", None) or [])
     kinds = list(getattr(text, "layer_types", None) or ())
+    if getattr(text, "indexer_budget", None):  # Qwen3.8-Flash-Next: QSA, hyper-connections, PLE
+        compress = int(text.indexer_compress_ratio)
+        base.update(index_budget=int(text.indexer_budget) + compress - 1, index_heads=int(text.indexer_n_heads),
+                    index_dim=int(text.indexer_head_dim), index_compress=compress, hc_count=int(text.hc_count),
+                    hc_lowrank=int(text.hc_lowrank), ple_layers=len(text.ple_layer_ids or ()),
+                    ple_dim=int(text.ple_embed_dim or text.hidden_size))
     if "linear_attention" in kinds:  # a hybrid (Qwen3.5): its Gated DeltaNet layers' heads
         base.update(linear_layers=kinds.count("linear_attention"), linear_key_heads=text.linear_num_key_heads,
                     linear_value_heads=text.linear_num_value_heads, linear_head_dim=text.linear_key_head_dim,
@@ -164,51 +181,6 @@ class Workload:
         return self.groups * self.group_size * self.completion
 
 
-def video_tokens(shape: Shape, frames: int, max_pixels: int, *, size: tuple[int, int] | None = None,
-                 min_pixels: int = 0) -> tuple[int, int, int]:
-    """(merged visual tokens, tower patches, temporal patches) of a video of ``frames`` frames at most
-    ``max_pixels`` pixels per frame: with the source frames' ``size`` (width, height) as qwen-vl-utils resizes them
-    (``smart_resize``: each side to the grid, within [min_pixels, max_pixels]); without it the upper bound (frames
-    that fill max_pixels exactly)."""
-    temporal = max(1, -(-frames // shape.temporal_patch))
-    if size is None:
-        per_temporal = max(1, max_pixels // shape.pixels_per_token)
-    else:
-        factor = shape.patch * shape.merge
-        height, width = smart_resize(size[1], size[0], factor, min_pixels, max_pixels)
-        per_temporal = (height // factor) * (width // factor)
-    tokens = temporal * per_temporal
-    return tokens, tokens * shape.merge**2, temporal
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """A frame's size after qwen-vl-utils' resize: each side rounded to a multiple of ``factor``, the area brought
-    within [min_pixels, max_pixels] keeping the aspect (qwen_vl_utils.vision_process.smart_resize)."""
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
-def frame_pixels(max_pixels: int, min_pixels: int, frames: int, total_pixels: int, factor: int) -> int:
-    """The most pixels a frame gets, as the data path asks qwen-vl-utils (``app.data.video.video_element``):
-    ``max_pixels``, or with a whole-video budget ``total_pixels`` > 0 the budget over the frames x 2, at least
-    1.05 x min_pixels, at most 768 tokens' worth (qwen-vl-utils' own per-frame ceiling)."""
-    if not total_pixels:
-        return max_pixels
-    frames = max(2, -(-frames // 2) * 2)
-    ceiling = 768 * factor * factor
-    return min(max_pixels, max(min(ceiling, total_pixels / frames * 2), int(min_pixels * 1.05)))
-
-
-# ---------------------------------------------------------------------------------------------------- activations
 ATTENTION_BACKENDS = ("split", "flash", "flex", "packed", "paper", "repeated")
 
 
@@ -249,6 +221,9 @@ def layer_saved(shape: Shape, work: Workload, backend: str, dtype_bytes: int) ->
 
     tokens = work.repeated_tokens if backend == "repeated" else work.grouped_tokens
     per_token = 2 * norm_bytes(shape.hidden, dtype_bytes) + dtype_bytes * (shape.hidden + 4 * shape.intermediate)
+    if shape.hc_count > 1:  # hyper-connections: each of the two mixers' norms over the S-wide stream, and its mix
+        per_token += 2 * (norm_bytes(shape.hc_count * shape.hidden, dtype_bytes) - norm_bytes(shape.hidden, dtype_bytes)
+                          + dtype_bytes * (shape.hc_count * shape.hidden + 2 * shape.hc_lowrank))
     mixer = (shape.attention_layers * attention_saved(shape, work, backend, dtype_bytes)
              + shape.linear_layers * linear_saved(shape, tokens, dtype_bytes)) / shape.layers
     return tokens * per_token + mixer + experts_saved(shape, tokens, dtype_bytes)

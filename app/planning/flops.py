@@ -109,12 +109,18 @@ def forward_flops(shape: Shape, work: Workload, backend: str) -> dict:
     tokens = work.repeated_tokens if is_repeated(backend) else work.grouped_tokens
     rect, causal = attention_pairs(work, backend)
     per_pair = 4 * shape.heads * shape.head_dim * shape.attention_layers
+    index = 0.0
+    if shape.index_budget:  # QSA: each query's chosen keys (a kernel reading only those), and the indexer's scores
+        from app.planning.layers import qsa_work
+
+        rect, index = qsa_work(shape, work, is_repeated(backend))
+        causal, index = rect, index * shape.attention_layers
     linear = 2 * shape.layer_matmul_params * shape.layers * tokens
     head = 2 * shape.hidden * shape.vocab * work.scored
     rule = rule_flops(shape, tokens)  # a hybrid's GDN layers: their conv and chunked delta rule
     return {"linear": linear, "attention": rect * per_pair, "attention_causal": causal * per_pair, "head": head,
-            "rule": rule, "total": linear + rect * per_pair + rule + head,
-            "total_causal": linear + causal * per_pair + rule + head}
+            "rule": rule, "index": index, "total": linear + rect * per_pair + rule + index + head,
+            "total_causal": linear + causal * per_pair + rule + index + head}
 
 
 def train_flops(shape: Shape, work: Workload, backend: str, *, checkpointing: bool, chunk: int,
@@ -140,7 +146,7 @@ def train_flops(shape: Shape, work: Workload, backend: str, *, checkpointing: bo
     attention = 3.5 + again
     from app.planning.layers import RULE_BACKWARD
 
-    rule = (1 + RULE_BACKWARD + again) * f["rule"]
+    rule = (1 + RULE_BACKWARD + again) * f["rule"] + (1 + again) * f["index"]  # the indexer has no backward
     return {"total": linear + attention * f["attention"] + rule,
             "total_causal": linear + attention * f["attention_causal"] + rule}
 
@@ -189,5 +195,12 @@ def decode_flops(shape: Shape, work: Workload) -> float:
 
     g, c, p = work.group_size * work.groups, work.completion, work.prefix
     per_token = 2 * shape.layer_matmul_params * shape.layers + 2 * shape.hidden * shape.vocab
-    attention = 4 * shape.heads * shape.head_dim * shape.attention_layers * g * (c * p + c * (c + 1) / 2)
+    keys = c * p + c * (c + 1) / 2  # what a sample's steps attend to in all
+    if shape.index_budget:  # QSA: at most the budget, and each step scores every complete block it sees
+        from app.planning.layers import bounded_keys
+
+        index = 2 * shape.index_heads * shape.index_dim * shape.attention_layers * g * keys / shape.index_compress
+        keys = bounded_keys(p, c, shape.index_budget)
+        per_token += index / max(g * c, 1)
+    attention = 4 * shape.heads * shape.head_dim * shape.attention_layers * g * keys
     return g * c * per_token + attention + c * decode_rule_flops(shape, g)

@@ -82,3 +82,51 @@ def disk(cfg, counts, trainable: int, b: int, stage: int, lora: bool) -> dict:
     need = sizes["checkpoint"] * (cfg.train.keep_checkpoints + 1) + (sizes["export"] if cfg.train.export_hf else 0)
     return {**sizes, "keep": cfg.train.keep_checkpoints, "need": need, "free": free,
             "output_dir": cfg.train.output_dir}
+
+
+def video_tokens(shape: Shape, frames: int, max_pixels: int, *, size: tuple[int, int] | None = None,
+                 min_pixels: int = 0) -> tuple[int, int, int]:
+    """(merged visual tokens, tower patches, temporal patches) of a video of ``frames`` frames at most
+    ``max_pixels`` pixels per frame: with the source frames' ``size`` (width, height) as qwen-vl-utils resizes them
+    (``smart_resize``: each side to the grid, within [min_pixels, max_pixels]); without it the upper bound (frames
+    that fill max_pixels exactly)."""
+    temporal = max(1, -(-frames // shape.temporal_patch))
+    if size is None:
+        per_temporal = max(1, max_pixels // shape.pixels_per_token)
+    else:
+        factor = shape.patch * shape.merge
+        height, width = smart_resize(size[1], size[0], factor, min_pixels, max_pixels)
+        per_temporal = (height // factor) * (width // factor)
+    tokens = temporal * per_temporal
+    return tokens, tokens * shape.merge**2, temporal
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """A frame's size after qwen-vl-utils' resize: each side rounded to a multiple of ``factor``, the area brought
+    within [min_pixels, max_pixels] keeping the aspect (qwen_vl_utils.vision_process.smart_resize)."""
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def frame_pixels(max_pixels: int, min_pixels: int, frames: int, total_pixels: int, factor: int) -> int:
+    """The most pixels a frame gets, as the data path asks qwen-vl-utils (``app.data.video.video_element``):
+    ``max_pixels``, or with a whole-video budget ``total_pixels`` > 0 the budget over the frames x 2, at least
+    1.05 x min_pixels, at most 768 tokens' worth (qwen-vl-utils' own per-frame ceiling)."""
+    if not total_pixels:
+        return max_pixels
+    frames = max(2, -(-frames // 2) * 2)
+    ceiling = 768 * factor * factor
+    return min(max_pixels, max(min(ceiling, total_pixels / frames * 2), int(min_pixels * 1.05)))
+
+
+# ---------------------------------------------------------------------------------------------------- activations
+ATTENTION_BACKENDS = ("split", "flash", "flex", "packed", "paper", "repeated")

@@ -73,6 +73,13 @@ def gdn_params(shape) -> int:
 
 def kinds(shape) -> list[Kind]:
     out = [Kind("attention", shape.attention_layers, attention_params(shape))]
+    if shape.index_budget:  # QSA's indexer: index queries and one raw key per token
+        out.append(Kind("indexer", shape.attention_layers, shape.hidden * (shape.index_heads + 1) * shape.index_dim))
+    if shape.hc_count > 1:  # hyper-connections: two mixers a layer (down, up, inject) over the S-wide stream
+        wide = shape.hc_count * shape.hidden
+        out.append(Kind("hyper", shape.layers, 2 * (2 * wide * shape.hc_lowrank + wide * shape.hc_count)))
+    if shape.ple_layers:  # PLE's key (one per stream) and value projections of the n-gram features
+        out.append(Kind("ple", shape.ple_layers, shape.ple_dim * (shape.hc_count + 1) * shape.hidden))
     if shape.linear_layers:
         out.append(Kind("gdn", shape.linear_layers, gdn_params(shape)))
     if shape.sparse_layers:
@@ -138,8 +145,8 @@ def linear_saved(shape, tokens: float, dtype_bytes: int) -> float:
 
 
 def kv_bytes_per_token(shape, dtype_bytes: int) -> float:
-    """K/V one token keeps for decoding, over the attention layers only."""
-    return 2 * shape.kv_heads * shape.head_dim * shape.attention_layers * dtype_bytes
+    """K/V one token keeps for decoding, over the attention layers only (QSA's also its raw index key)."""
+    return (2 * shape.kv_heads * shape.head_dim + shape.index_dim) * shape.attention_layers * dtype_bytes
 
 
 def state_bytes(shape, dtype_bytes: int) -> float:
@@ -219,3 +226,23 @@ def exchange_buffer(shape, tokens: float, dtype_bytes: int, ep: int) -> float:
     return 2.0 * tokens * shape.experts_per_token * shape.hidden * dtype_bytes if ep > 1 and shape.sparse_layers \
         else 0.0
 
+
+def bounded_keys(first: int, count: int, budget: int) -> float:
+    """Keys attended to by ``count`` queries that see ``first`` + 1 .. ``first`` + ``count`` keys each, a query at most
+    ``budget`` of them (QSA: its chosen blocks and the tail)."""
+    full = max(0, min(first + count, budget) - first)  # queries below the budget see all they see
+    return full * first + full * (full + 1) / 2 + (count - full) * budget
+
+
+def qsa_work(shape, work, repeated: bool) -> tuple[float, float]:
+    """(query-key pairs a QSA model's attention layers compute, with a kernel that reads only the chosen keys; the
+    indexer's score FLOPs) of one forward over ``work``: a query attends to at most ``index_budget`` keys and scores
+    every complete block it sees (index heads x index dim per block). The grouped row runs each prompt once, the
+    repeated rows G times. Families of questions counted as their own prompts (the sharing of V aside)."""
+    p, c, g, n = work.prefix, work.completion, work.group_size, work.groups
+    budget, compress = shape.index_budget, shape.index_compress
+    prompt, response = bounded_keys(0, p, budget), bounded_keys(p, c, budget)
+    copies = g if repeated else 1
+    pairs = n * (copies * prompt + g * response)
+    scored = n * (copies * p * (p + 1) / 2 / compress + g * (c * p + c * (c + 1) / 2) / compress)
+    return pairs, 2 * shape.index_heads * shape.index_dim * scored

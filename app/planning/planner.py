@@ -14,7 +14,15 @@ from app.objectives.router import counting_passes
 from app.planning import costs, flops, timing, traffic
 from app.planning.costs import GiB, Shape, Workload
 from app.planning.host import data_phase
-from app.planning.inputs import cached_outputs, disk, distinct_videos, host_memory, pixel_bytes
+from app.planning.inputs import (
+    cached_outputs,
+    disk,
+    distinct_videos,
+    frame_pixels,
+    host_memory,
+    pixel_bytes,
+    video_tokens,
+)
 from app.planning.layers import (
     exchange_buffer,
     expert_params,
@@ -120,9 +128,9 @@ def workload(cfg, shape: Shape, frames: int, text_tokens: int = TEXT_TOKENS,
     each frame at data.max_pixels (or data.video_total_pixels' share), resized from ``video_size`` (width,
     height) as qwen-vl-utils resizes it, or filling max_pixels when the size is not given (the upper bound)."""
     d = cfg.data
-    pixels = costs.frame_pixels(d.max_pixels, d.min_pixels, frames, getattr(d, "video_total_pixels", 0),
+    pixels = frame_pixels(d.max_pixels, d.min_pixels, frames, getattr(d, "video_total_pixels", 0),
                                 shape.patch * shape.merge)
-    visual, patches, temporal = (costs.video_tokens(shape, frames, pixels, size=video_size, min_pixels=d.min_pixels)
+    visual, patches, temporal = (video_tokens(shape, frames, pixels, size=video_size, min_pixels=d.min_pixels)
                                  if shape.vision_depth else (0, 0, 0))
     groups = cfg.train.groups_per_micro_batch
     questions = max(1, min(getattr(cfg.data, "questions_per_video", 1), groups))

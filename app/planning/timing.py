@@ -277,6 +277,10 @@ def phase_terms(cfg, shape: Shape, counts, work: Workload, world, *, ds: dict, l
     # a decode step reads the experts its samples meet: under EP the rank's E / EP, met by every rank's samples
     read = weights - experts + experts / ep * experts_read(shape, samples * ep)
     kv = kv_token * (prefixes * copies + samples * steps / 2) * kv_share(shape, rank)  # the completions': half
+    if shape.index_budget:  # QSA: a step reads each sample's chosen keys (at most the budget) and scores all blocks
+        seen = work.prefix + steps / 2
+        kv = (kv_token * samples * min(seen, shape.index_budget)
+              + b * shape.index_dim * shape.attention_layers * samples * seen) * kv_share(shape, rank)
     # each step reads and writes every sample's GDN states (this rank's heads under a spread rollout)
     kv += 2 * samples * state_bytes(shape, b) * kv_share(shape, rank)
     # a graph replays fixed addresses and no collective: not under EP (its all-to-all needs host-side split sizes)

@@ -211,7 +211,7 @@ def _qwen4_exp_config(text: dict, special: dict, sizes: TinySizes, ids: dict):
             "ple_layer_ids": [i + 1 for i, kind in enumerate(kinds) if kind == "linear_attention"],
             "ple_embed_dim": 16, "ple_conv_kernel_size": 4, "ngram_size": 3, "heads_per_ngram": 2,
             "ngram_vocab_size_base": 101, "make_ngram_vocab_size_divisible_by": 8, "split_ngram_parts": 2,
-            "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+            "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": max(16, 2 * rotary_half), "indexer_budget": 8,
             "indexer_compress_ratio": 4}
     body.pop("intermediate_size")
     vision = dict(

@@ -309,14 +309,15 @@ def gathered_state_dict(engine) -> dict | None:
 class HostTable(torch.nn.Module):
     """A frozen embedding table read where it lies in a checkpoint's safetensors files, memory-mapped read-only (its
     pages are the OS's page cache: one copy per node, however many ranks map it), looked up on the host by the rows a
-    batch needs, the rows sent to the ids' device in ``dtype``. Neither a parameter nor a buffer: ZeRO-3 never
+    batch needs, the rows sent to the ids' device in ``rows_dtype`` (the model's: ``.to(dtype)`` sets it, and the
+    self-check's float32 reference, ``precision.float32_forward``, raises it for its forward). Neither a parameter nor a buffer: ZeRO-3 never
     partitions or gathers it, no optimizer holds state for it, ``.to(device)`` leaves it where it is, and checkpoints
     do not carry it (the export copies it from the source, ``expert_layouts.write_source_layout``). The shards are
     the table's dim-0 pieces in order (``split_ngram_parts`` of them, as the checkpoint stores it)."""
 
     def __init__(self, shards: list[torch.Tensor], dtype: torch.dtype):
         super().__init__()
-        self.shards, self.dtype = shards, dtype
+        self.shards, self.rows_dtype = shards, dtype
         sizes = torch.tensor([s.shape[0] for s in shards], dtype=torch.long)
         self.starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
         self.dim = int(shards[0].shape[1])
@@ -325,14 +326,14 @@ class HostTable(torch.nn.Module):
     def weight(self) -> torch.Tensor:
         """What transformers' n-gram embedding reads of its table (the device it looks rows up on): an empty host
         tensor of the table's dtype."""
-        return torch.empty(0, self.dim, dtype=self.dtype)
+        return torch.empty(0, self.dim, dtype=self.rows_dtype)
 
     @property
     def num_embeddings(self) -> int:
         return int(self.starts[-1])
 
     def _apply(self, fn, recurse=True):  # .to(device) leaves the table in host memory; .to(dtype) is the rows' dtype
-        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype
+        self.rows_dtype = fn(torch.empty(0, dtype=self.rows_dtype)).dtype
         return self
 
     @torch.no_grad()
@@ -342,10 +343,10 @@ class HostTable(torch.nn.Module):
             raise IndexError(f"n-gram rows {int(flat.min())}..{int(flat.max())} outside the table's "
                              f"{self.num_embeddings}")
         shard = torch.bucketize(flat, self.starts[1:], right=True)
-        out = torch.empty(len(flat), self.dim, dtype=self.dtype)
+        out = torch.empty(len(flat), self.dim, dtype=self.rows_dtype)
         for s in shard.unique().tolist():
             picked = shard == s
-            out[picked] = self.shards[s][flat[picked] - self.starts[s]].to(self.dtype)
+            out[picked] = self.shards[s][flat[picked] - self.starts[s]].to(self.rows_dtype)
         return out.view(*ids.shape, self.dim).to(ids.device)
 
 

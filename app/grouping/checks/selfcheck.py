@@ -14,6 +14,7 @@ import torch
 
 from app.grouping import attention
 from app.grouping.checks.positions import position_mismatch, recorded_positions
+from app.grouping.checks.sparse import choices_mismatch, recorded_choices
 from app.grouping.checks.visibility import recorded_mixers, sources_mismatch
 from app.grouping.families import family_layout
 from app.grouping.forward import completion_logprobs
@@ -34,10 +35,12 @@ class SelfCheck:
     comparison: PrecisionComparison | None = None  # low precision: both layouts against float32
     flips: dict | None = None  # mixture of experts: ``routing.disagreements`` of the two layouts' free routing
     replayed: bool = False  # compared again with the repeated layout routed as the grouped one was
+    choice_ties: int = 0  # QSA: completion tokens that chose other keys in the two layouts within a tie (bf16)
 
     def describe(self) -> str:
         text = f"{self.dtype}: max |grouped - repeated| log-prob {self.max_diff:.3g}"
         text = f"{text}; {self.comparison.describe()}" if self.comparison is not None else text
+        text = f"{text}; {self.choice_ties} QSA choices differed within a tie" if self.choice_ties else text
         if self.flips is None:
             return text
         return f"{text}; {self.routing()}" + (" (rounding near router ties)" if self.replayed else "")
@@ -104,10 +107,12 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
     record = {"record_routing": True} if moe else {}
     try:
         with torch.no_grad(), recorded_positions(model) as positions, recorded_mixers(model) as mixers:
-            grouped = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped",
-                                          backend=backend, families=families, **record)
+            with recorded_choices(model) as choices:
+                grouped = completion_logprobs(model, prompts, completion_ids, completion_mask, group_sizes, "grouped",
+                                              backend=backend, families=families, **record)
             batch = (prompts, completion_ids, completion_mask, group_sizes)
-            outcome = _against_repeated(model, batch, grouped, dtype=dtype, rtol=rtol, atol=atol, routing=record)
+            with recorded_choices(model) as repeated_choices:
+                outcome = _against_repeated(model, batch, grouped, dtype=dtype, rtol=rtol, atol=atol, routing=record)
         shifted = position_mismatch(positions[0], positions[1], grouped.layout, prompts["input_ids"].shape[1]) \
             if len(positions) >= 2 else None
         if shifted is not None:  # integers: exact at every dtype, before any numeric comparison
@@ -123,6 +128,12 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
             raise GroupingMismatchError(f"grouped and repeated layouts differ in who sees whom: {text} (model="
                                         f"{type(unwrap(model)).__name__}, backend={chosen}, dtype={dtype})."
                                         + _advice(kind))
+        chose, ties = choices_mismatch(choices, repeated_choices, grouped.layout, prompts["input_ids"].shape[1],
+                                       completion_mask, exact=dtype == torch.float32)
+        if chose is not None:  # QSA's keys and PLE's n-grams: exact (ties aside below float32)
+            raise GroupingMismatchError(f"grouped and repeated layouts differ in what a sparse layer reads: {chose} "
+                                        f"(model={type(unwrap(model)).__name__}, dtype={dtype})."
+                                        + _advice("indexed_attention"))
         with torch.no_grad():
             flips = disagreements(grouped.routing, outcome[3].routing, prompts["attention_mask"],
                                   completion_mask) if moe else None
@@ -140,7 +151,7 @@ def verify_grouping(model, prompts, completion_ids, completion_mask, group_sizes
                    f"own top-k (a gap of {repeated.tie_gap:.3g} logit standard deviations; rounding near a tie stays "
                    f"within {TIE_GAP}; the first token routed apart: {where}, grouped and repeated; a mixture-of-"
                    "experts router layer)")
-    result = SelfCheck(dtype, float(diff.max()), comparison, flips, replayed)
+    result = SelfCheck(dtype, float(diff.max()), comparison, flips, replayed, ties)
     if failure is None:
         return result
     where = f"backend={chosen}, model={type(unwrap(model)).__name__}, dtype={dtype}"
@@ -209,6 +220,11 @@ def _advice(kind: str) -> str:
         return (" The attention backend cannot change a Gated DeltaNet layer: its segments' recurrent states or "
                 "conv inputs were handed on wrongly (app.grouping.recurrent). Train with forward.grouping=repeated "
                 "until it is fixed, or skip this check only if you accept training on log-probs that may be wrong.")
+    if kind == "indexed_attention":
+        return (" The attention backend does not run a QSA or PLE layer: a query's visible keys, blocks or n-gram "
+                "context came from the wrong path (app.grouping.sparse, app.grouping.recurrent.ngrams). Train with "
+                "forward.grouping=repeated until it is fixed, or skip this check only if you accept training on "
+                "log-probs that may be wrong.")
     if kind in ("router", "experts"):
         return (" The attention backend cannot change a router or its experts, which see one token at a time: that "
                 "part computed differently in the grouped row (app.grouping.experts). Train with "

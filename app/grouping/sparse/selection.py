@@ -68,6 +68,9 @@ def packed_query_ranks(segments, queries: torch.Tensor) -> torch.Tensor:
     return segments.path_positions.to(queries.device)[queries]
 
 
+RECORDERS: list = []  # lists the self-check appends to while it records (``checks.sparse.recorded_choices``)
+
+
 @dataclass
 class KeyBlocks:
     """A row's complete key blocks: ``last`` [NB] each block's last key, ``members`` [NB, C] its keys oldest first,
@@ -108,8 +111,14 @@ def choose(blocks: KeyBlocks, seen: torch.Tensor, queries: torch.Tensor, top: in
     scores = torch.relu(scores).sum(dim=1) / math.sqrt(queries.shape[-1])
     eligible = seen[:, blocks.last]  # a block a query sees: its last key (so all its keys) visible to it
     scores = scores.masked_fill(~eligible, float("-inf"))
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top]
+    ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
+    order = ranked.indices[:, :top]
     picked = eligible.gather(1, order)
+    for record in RECORDERS:  # the self-check's: how far each query's last chosen block stands above the next one
+        values, inf = ranked.values, torch.full_like(ranked.values[:, 0], float("inf"))
+        margin = inf if values.shape[1] <= top else torch.where(torch.isfinite(values[:, top]),
+                                                                values[:, top - 1] - values[:, top], inf)
+        record.append(("margin", margin.cpu(), values[:, 0].abs().cpu()))
     return torch.where(picked, order, -1)
 
 
@@ -127,7 +136,10 @@ def key_mask(blocks: KeyBlocks, seen: torch.Tensor, own_ranks: torch.Tensor, ran
         out = out[:, :-1]
     tail_start = (own_ranks + 1) // compress * compress
     out |= seen & (ranks[None, :] >= tail_start[:, None])
-    return out & seen
+    out &= seen
+    for record in RECORDERS:
+        record.append(("keys", out.cpu(), ranks.cpu()))
+    return out
 
 
 @torch.no_grad()
