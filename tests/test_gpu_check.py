@@ -117,6 +117,20 @@ def test_the_moe_part_runs_quick_here(tmp_path):
     assert "Qwen3-VL-MoE at tiny width" in (tmp_path / "report" / "report.md").read_text()
 
 
+@pytest.mark.slow  # in process at toy sizes (about 10 s)
+def test_the_qsa_part_runs_quick_here(tmp_path):
+    """scripts/gpu_check.sh --parts qsa (Qwen3.8-Flash-Next) at toy sizes: the self-check passes with no token routed
+    apart, grouped vs repeated agree, and grouped holds less than repeated; its table names the layer kinds."""
+    from app.bench.gpu.qsa import run
+
+    payload = run(tmp_path, quick=True)
+    check = payload["self_check"][0]
+    assert check["passed"] and check["real_tokens"] > 0 and check["flipped_tokens"] == 0, check
+    train = payload["train"][0]
+    assert train["max_logprob_diff"] < 1e-4 and train["peak_gib_grouped"] < train["peak_gib_repeated"], train
+    assert "(GDN + PLE, QSA)" in (tmp_path / "gpu_qsa.md").read_text()
+
+
 def test_the_expert_parallel_part_says_so_on_a_host_without_two_gpus(tmp_path):
     """app.bench.gpu.expert_parallel (scripts/gpu_check.sh --parts ep) off --quick on a host with fewer than 2 GPUs
     (this CPU: none) runs nothing and writes a report saying why; its --quick is scripts/bench.sh ep --quick

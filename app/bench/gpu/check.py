@@ -17,6 +17,7 @@ Parts, in order (limits in seconds; a part never runs past what is left of ``--b
 | rehearsal | app.bench.gpu.rehearsal: train.sh 3 GRPO steps + plan.sh + eval.sh at 7B width, 4 layers | 150 |
 | hf_compiled | app.bench.gpu.decode --hf-compiled-only --layers 4: HF generate, static cache + torch.compile, its compile time apart | 45 |
 | moe | app.bench.gpu.moe: Qwen3-VL-30B-A3B at full width, 4 sparse layers (128 experts, top-8): grouped_mm against eager experts, the bf16 self-check (tokens routed elsewhere, replayed or not), grouped vs repeated forward+backward at 8k / 16k (G = 8), routing replay (graph-decode recording against eager, the bf16 mismatch off / r3); by --parts only (the default parts fill the budget): run it as its own call, `--parts moe` | 210 |
+| qsa | app.bench.gpu.qsa: Qwen3.8-Flash-Next at its released width, 2 layers (GDN + PLE, QSA; 512 experts top-10): the bf16 self-check (QSA keys and PLE n-grams exact, ties counted), grouped vs repeated forward+backward at 8k / 16k (G = 8); the PLE table cut to a 100k base; by --parts only | 240 |
 | ep | app.bench.gpu.expert_parallel: on a host with 2 or more GPUs, Qwen3-VL-30B-A3B at full width (2 sparse layers), ZeRO-3 alone against expert parallelism over all its GPUs: a training step, a rollout, the bytes of each collective, the peak; a row saying so on one GPU; by --parts only | 300 |
 | host_decode | app.bench.video.host_decode (no GPU): the data path per rank on the device machine's cores, S = 1, 2, 4 x 1 and 2 decoding threads; the 2-thread wall-time goal, which 2 cores cannot show | 480 |
 
@@ -61,6 +62,7 @@ PARTS = (
     Part("hf_compiled", 45, ("app.bench.gpu.decode", "--hf-compiled-only", "--layers", "4", "--out",
                              "{raw}/gpu_decode_hf_compiled")),
     Part("moe", 210, ("app.bench.gpu.moe", "--out", "{raw}/gpu_moe")),  # by --parts (issues 88's and 89's figures)
+    Part("qsa", 240, ("app.bench.gpu.qsa", "--out", "{raw}/gpu_qsa")),  # by --parts: Qwen3.8-Flash-Next (issue 99)
     # expert parallelism over every GPU of a host with 2 or more (issue 90's figures): by --parts only
     Part("ep", 300, ("app.bench.gpu.expert_parallel", "--out", "{raw}/gpu_ep")),
     # the host's decoding on the device machine's 16 cores (issue 76's 2-thread goal; no GPU used): by --parts only
