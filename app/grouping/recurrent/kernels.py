@@ -48,7 +48,7 @@ def rows_of(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def transformers_chunk_rule():
     """transformers' torch chunked delta rule, unwrapped from the decorator that would hand a CUDA-only fla kernel
-    to a CPU tensor when fla is installed."""
+    to a CPU tensor when fla is installed (and from ``use_accurate_fallback``'s, once a model was loaded)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     return inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
@@ -71,6 +71,7 @@ def use_accurate_fallback(module) -> None:
         return torch_chunk_rule()(query, key, value, *args, **kwargs)  # the grouped row's own (a test's, patched)
 
     rule._prefix_grouping_accurate = True
+    rule.__wrapped__ = current  # transformers_chunk_rule still finds transformers' own
     owner.torch_chunk_gated_delta_rule = rule
 
 
