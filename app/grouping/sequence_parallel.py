@@ -191,11 +191,10 @@ def _shard_routing(routed, layout: GroupLayout, sp: SequenceParallel):
             dist.all_reduce(tensor, group=sp.group)
         router = RouterStatistics(local.layers, summed[0], SumScored.apply(local.probability, sp.group, sp.grad_scale),
                                   summed[1], summed[2], local.top_k)
-    recorded = None
-    if routed.record:  # each rank's shard of the row, gathered in rank order (the shards are consecutive)
-        row = torch.cat([part[0] for part in gather([routed.plan.recorded()], sp.group)])
-        recorded = Routing.from_packed(layout, row, routed.shape.layers)
-    return router, recorded
+    if not routed.record:
+        return router, None
+    row = torch.cat([part[0] for part in gather([routed.plan.recorded()], sp.group)])  # the shards in rank order
+    return router, Routing.from_packed(layout, row, routed.shape.layers)
 
 
 def _through_wrapper(model, work):

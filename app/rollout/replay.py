@@ -16,6 +16,7 @@ import torch
 
 from app.rollout.base import RolloutEngine, prompt_identity, record_name, sampling_summary
 from app.rollout.generate import Rollout
+from app.rollout.rows import Rows
 
 RECORD = re.compile(r"^(?P<identity>[0-9a-f]{32})-g(?P<g>\d+)-e(?P<epoch>\d+)-s(?P<seed>-?\d+)\.pt$")
 
@@ -63,14 +64,10 @@ class ReplayEngine(RolloutEngine):
 
     def generate(self, prompts, group_size: int, seeds, sampling=None) -> Rollout:  # what was drawn, as drawn
         parts = [self._load(p, group_size, int(s)) for p, s in zip(prompts, seeds)]
-        width = max(part["completion_ids"].shape[1] for part in parts)
-
-        def stack(name, fill):
-            return torch.cat([torch.nn.functional.pad(part[name], (0, width - part[name].shape[1]), value=fill)
-                              for part in parts])
-
-        return Rollout(completion_ids=stack("completion_ids", self.pad_id), completion_mask=stack("completion_mask", 0),
-                       logprobs=stack("logprobs", 0.0), group_sizes=[part["completion_ids"].shape[0] for part in parts],
+        fills = {"completion_ids": self.pad_id, "completion_mask": 0, "logprobs": 0.0}
+        rows = Rows.joined([Rows({name: part[name] for name in fills}, fills) for part in parts])
+        return Rollout(completion_ids=rows["completion_ids"], completion_mask=rows["completion_mask"],
+                       logprobs=rows["logprobs"], group_sizes=[part["completion_ids"].shape[0] for part in parts],
                        stop_reasons=[r for part in parts for r in part["stop_reasons"]],
                        prefill_tokens=round(sum(part["prefill_share"] for part in parts)),
                        prompt_tokens=sum(int(part["prompt_tokens"]) for part in parts))

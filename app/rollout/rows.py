@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app.common.groups import group_slices
+from app.grouping.experts.record import MISSING, Routing
+from app.grouping.experts.routers import RoutingError
+from app.rollout.generate import STOP_REASONS, Rollout, summed_parts
+
 
 def fit(t: torch.Tensor, width: int, fill, left: bool = False) -> torch.Tensor:
     """``t`` padded with ``fill`` or cut along dim 1 to ``width``: right-padded rows keep their first columns,
@@ -46,7 +51,7 @@ class Rows:
     def take(self, index, width: int | None = None) -> Rows:
         """Rows ``index`` (a sequence, range or tensor of row numbers), each tensor of two or more dimensions cut or
         padded to ``width`` (None: as they are)."""
-        index = torch.as_tensor(list(index) if isinstance(index, range) else index, dtype=torch.long)
+        index = torch.as_tensor(index, dtype=torch.long)
         out = {}
         for name, t in self.tensors.items():
             t = t[index.to(t.device)]
@@ -62,8 +67,7 @@ class Rows:
                 raise KeyError(f"rows {k} hold {sorted(part.tensors)}, rows 0 hold {sorted(first.tensors)}")
         out = {}
         for name, t in first.tensors.items():
-            wide = max(p.tensors[name].shape[1] for p in parts) if t.dim() > 1 else 0
-            w = wide if width is None else width
+            w = max(p.tensors[name].shape[1] for p in parts) if width is None and t.dim() > 1 else width
             out[name] = torch.cat([fit(p.tensors[name], w, first.fills.get(name, 0), name in first.left)
                                    for p in parts])
         return Rows(out, first.fills, first.left)
@@ -76,9 +80,6 @@ class Rows:
 def completion_rows(rollout, pad_id: int = 0) -> Rows:
     """A rollout's per-completion rows: ids (``pad_id``), mask, sampling log-probs, stop code and, with routing
     replay, the completion tokens' experts (-1 where there is none)."""
-    from app.grouping.experts.record import MISSING
-    from app.rollout.generate import STOP_REASONS
-
     codes = torch.tensor([STOP_REASONS.index(r) for r in rollout.stop_reasons], dtype=torch.long)
     tensors = {"completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask,
                "logprobs": rollout.logprobs, "stop": codes.to(rollout.completion_ids.device)}
@@ -89,8 +90,6 @@ def completion_rows(rollout, pad_id: int = 0) -> Rows:
 
 def prompt_rows(rollout) -> Rows:
     """A rollout's per-prompt rows: with routing replay the prompt tokens' experts, left-padded (-1); else none."""
-    from app.grouping.experts.record import MISSING
-
     if rollout.routing is None:
         return Rows({})
     return Rows({"routing": rollout.routing.prompt}, {"routing": MISSING}, frozenset({"routing"}))
@@ -98,9 +97,6 @@ def prompt_rows(rollout) -> Rows:
 
 def rollout_of(completions: Rows, prompts: Rows, layers: Sequence[int] = (), **rest):
     """The ``Rollout`` of ``completion_rows`` / ``prompt_rows`` (``rest``: group sizes, token counts, parts)."""
-    from app.grouping.experts.record import Routing
-    from app.rollout.generate import STOP_REASONS, Rollout
-
     routing = completions.get("routing")
     return Rollout(completion_ids=completions["completion_ids"], completion_mask=completions["completion_mask"],
                    logprobs=completions["logprobs"], stop_reasons=[STOP_REASONS[c] for c in completions["stop"].tolist()],
@@ -112,22 +108,18 @@ def select_groups(rollouts: Sequence, picks: Sequence[tuple[int, int]], pad_id: 
     order wanted; every per-row tensor (``completion_rows``, ``prompt_rows``) at ``width`` (None: the widest picked
     completion). Rollouts that record routing and rollouts that do not cannot be joined: their groups would train
     without replay, so that stops naming them (``RoutingError``)."""
-    from app.grouping.experts.routers import RoutingError
-    from app.rollout.generate import summed_parts
-
     recorded = [r.routing is not None for r in rollouts]
     if any(recorded) and not all(recorded):
         raise RoutingError(f"rollouts {[k for k, on in enumerate(recorded) if not on]} of {len(rollouts)} carry no "
                            "routing record where the others do: their groups would train without routing replay")
-    starts = [[0, *torch.tensor(r.group_sizes, dtype=torch.long).cumsum(0).tolist()] for r in rollouts]
-    rows = [(k, starts[k][g], starts[k][g + 1]) for k, g in picks]
+    rows = [(k, group_slices(rollouts[k].group_sizes)[g]) for k, g in picks]
     if width is None:
-        width = max([1] + [int(rollouts[k].completion_mask[a:b].sum(1).max()) for k, a, b in rows if b > a])
-    completions = Rows.joined([completion_rows(rollouts[k], pad_id).take(range(a, b), width) for k, a, b in rows]
-                              or [completion_rows(rollouts[0], pad_id).take([], width)])
+        width = max([1] + [int(rollouts[k].completion_mask[s].sum(1).max()) for k, s in rows if s.stop > s.start])
+    completions = Rows.joined([completion_rows(rollouts[k], pad_id).take(range(s.start, s.stop), width)
+                               for k, s in rows] or [completion_rows(rollouts[0], pad_id).take([], width)])
     prompts = Rows.joined([prompt_rows(rollouts[k]).take([g]) for k, g in picks] or [prompt_rows(rollouts[0]).take([])])
     layers = next((r.routing.layers for r in rollouts if r.routing is not None and r.routing.layers), ())
-    return rollout_of(completions, prompts, layers, group_sizes=[b - a for _, a, b in rows],
+    return rollout_of(completions, prompts, layers, group_sizes=[s.stop - s.start for _, s in rows],
                       prefill_tokens=sum(r.prefill_tokens for r in rollouts),
                       prompt_tokens=sum(r.prompt_tokens for r in rollouts), parts=summed_parts(rollouts))
 
@@ -138,19 +130,14 @@ def sent(rollout, pad_id: int) -> list[torch.Tensor]:
     completions, prompts = completion_rows(rollout, pad_id), prompt_rows(rollout)
     counts = torch.tensor([rollout.prefill_tokens, rollout.prompt_tokens, *rollout.group_sizes], dtype=torch.long)
     layers = torch.tensor(rollout.routing.layers if rollout.routing is not None else (), dtype=torch.long)
-    return [counts, layers, *[completions[n] for n in sorted(completions.tensors)],
-            *[prompts[n] for n in sorted(prompts.tensors)]]
+    return [counts, layers, *[rows[n] for rows in (completions, prompts) for n in sorted(rows.tensors)]]
 
 
 def gathered(rollout, gather, pad_id: int) -> list:
     """Every rank's ``rollout`` (``gather``: a group's gather of variable-size tensors, given ``sent``), in rank
     order: its rows, group sizes, token counts and sparse layers; a rank that sampled nothing sends empty ones."""
-    completions, prompts = completion_rows(rollout, pad_id), prompt_rows(rollout)
-    names = sorted(completions.tensors), sorted(prompts.tensors)
-    out = []
-    for part in gather(sent(rollout, pad_id)):
-        c, p = part[2: 2 + len(names[0])], part[2 + len(names[0]):]
-        out.append(rollout_of(Rows(dict(zip(names[0], c)), completions.fills), Rows(dict(zip(names[1], p)),
-                              prompts.fills, prompts.left), part[1].tolist(), group_sizes=part[0][2:].tolist(),
-                              prefill_tokens=int(part[0][0]), prompt_tokens=int(part[0][1])))
-    return out
+    names = sorted(completion_rows(rollout, pad_id).tensors), sorted(prompt_rows(rollout).tensors)
+    return [rollout_of(Rows(dict(zip(names[0], rows))), Rows(dict(zip(names[1], rows[len(names[0]):]))),
+                       layers.tolist(), group_sizes=counts[2:].tolist(), prefill_tokens=int(counts[0]),
+                       prompt_tokens=int(counts[1]))
+            for counts, layers, *rows in gather(sent(rollout, pad_id))]

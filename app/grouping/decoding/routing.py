@@ -51,8 +51,7 @@ class DecodeRouting:
     def taken(self, mask: torch.Tensor) -> torch.Tensor:
         """[rows, width, S, k] of the forward just run over left-padded rows ``mask`` [rows, width] (0/1), -1 at the
         pads (a synced prefill's idle calls come after the real chunks and are dropped)."""
-        batch, width = mask.shape
-        ids = self._stacked(batch)[:, :width]
+        ids = self._stacked(mask.shape[0])[:, : mask.shape[1]]
         return ids.masked_fill(~mask.bool().to(ids.device)[..., None, None], -1)
 
     def prefilled(self, attention_mask: torch.Tensor) -> None:
@@ -102,7 +101,6 @@ class DecodeRouting:
         """The rollout's ``Routing``: completions cut to the rollout's width, -1 past each one's tokens."""
         from app.grouping.experts.record import Routing
 
-        width = completion_mask.shape[1]
-        ids = self.completion[:, :width]
+        ids = self.completion[:, : completion_mask.shape[1]]
         ids = ids.masked_fill(~completion_mask.bool().to(ids.device)[..., None, None], -1)
         return Routing(self.prompt, ids, tuple(self.shape.layers))

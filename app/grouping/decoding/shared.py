@@ -58,9 +58,9 @@ def rollout_roots(model, prompts: dict, families: Sequence[int], *,
     return roots
 
 
-def _left_padded(rows: list[torch.Tensor], fill: int = 0) -> torch.Tensor:
-    """Rows [..., n_i] -> [..., R, max n] left-padded with ``fill`` (the batch dimension second to last)."""
-    width = max(r.shape[-1] for r in rows)
+def _left_padded(rows: list[torch.Tensor], fill: int = 0, width: int = 0) -> torch.Tensor:
+    """Rows [..., n_i] -> [..., R, max(n, ``width``)] left-padded with ``fill`` (the batch dimension second to last)."""
+    width = max([width] + [r.shape[-1] for r in rows])
     return torch.stack([torch.nn.functional.pad(r, (width - r.shape[-1], 0), value=fill) for r in rows], dim=-2)
 
 

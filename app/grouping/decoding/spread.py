@@ -298,12 +298,9 @@ def spread_prefill(model, prompts: dict, families: Sequence[int], positions: tor
                          torch.tensor([group_root[m] for m in order], device=device), states=RecurrentStates(gdn))
     # the questions, left-padded to a common width of at least S (each rank a piece of every row)
     q_width = max(max(q_ids[m].shape[0] for m in order), sp.size)
-    q_mask = _left_padded([torch.ones_like(q_ids[m]) for m in order])
-    q_mask = torch.nn.functional.pad(q_mask, (q_width - q_mask.shape[1], 0))
-    q_rows = _left_padded([q_ids[m] for m in order])
-    q_rows = torch.nn.functional.pad(q_rows, (q_width - q_rows.shape[1], 0))
-    pos = _left_padded([q_pos[m] for m in order])
-    pos = torch.nn.functional.pad(pos, (q_width - pos.shape[-1], 0))
+    q_mask = _left_padded([torch.ones_like(q_ids[m]) for m in order], width=q_width)
+    q_rows = _left_padded([q_ids[m] for m in order], width=q_width)
+    pos = _left_padded([q_pos[m] for m in order], width=q_width)
     bounds = shard_bounds(q_width, sp.size)
     lo, hi = bounds[sp.rank]
     from app.grouping.recurrent.spread import question_core
@@ -316,9 +313,7 @@ def spread_prefill(model, prompts: dict, families: Sequence[int], positions: tor
     hidden, record = _run_language(model, embeds, pos[..., lo:hi], plan, {}, routing=routing)
     ran += int(q_mask[:, lo:hi].sum())  # the questions' real tokens in this rank's piece
     if routing is not None:
-        pad = record.new_full((), -1)
-        routing.composed(roots, root_records, torch.where(q_mask.bool()[..., None, None], record, pad), lengths,
-                         width)
+        routing.composed(roots, root_records, record.masked_fill(~q_mask.bool()[..., None, None], -1), lengths, width)
     last = hidden[:, -1].contiguous()
     if sp.size > 1:
         holder = dist.get_global_rank(sp.group, sp.size - 1) if sp.group is not None else sp.size - 1

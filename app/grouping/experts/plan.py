@@ -19,21 +19,20 @@ from app.grouping.experts.statistics import RouterStatistics, layer_sums
 ROUTING_KWARG = "prefix_grouping_routing"
 ROUTER_STATISTICS = ("off", "metrics", "loss")  # a forward's router sums: none, detached, differentiable
 
-
+# The largest tie gap (``tie_gap``) a replayed routing may have and still count as rounding. On the tiny models in
 # bf16, the tokens that flipped between the layouts had gaps up to 0.03; a record with 5% of its tokens sent to a
 # neighbouring expert, 0.69 and more (tests/test_experts.py). Unmeasured on the released checkpoints.
 TIE_GAP = 0.25
 
 
-def tie_gap(logits: torch.Tensor, fresh: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
-    """Over the tokens whose replayed expert set differs from the one this forward's router picks: the largest
-    (logit of the router's own k-th choice - the lowest logit among the replayed experts), in units of that token's
-    logit spread (std over the E experts). Rounding makes near-ties flip, with gaps of a few hundredths; a replayed
-    set that is not a near-tie (another token's routing, a wrong expert) is a gap of order 1. 0 if none differs.
-    A 0-dim tensor on the logits' device: taken in every replayed forward, it never waits for the device."""
+def tie_gap(logits: torch.Tensor, fresh: torch.Tensor, recorded: torch.Tensor, differs: torch.Tensor) -> torch.Tensor:
+    """Over the tokens ``differs`` (their replayed set is not the router's own pick ``fresh``): the largest (logit of
+    the router's own k-th choice - the lowest logit among the replayed experts), in units of that token's logit spread
+    (std over the E experts). Rounding makes near-ties flip, with gaps of a few hundredths; a replayed set that is not
+    a near-tie (another token's routing, a wrong expert) is a gap of order 1. 0 if none differs. A 0-dim tensor on
+    the logits' device: taken in every replayed forward, it never waits for the device."""
     if logits.shape[0] == 0:
         return logits.new_zeros((), dtype=torch.float32)
-    differs = (recorded >= 0).all(-1) & (recorded.sort(-1).values != fresh.sort(-1).values).any(-1)
     x = logits.detach().float()
     kth = x.gather(-1, fresh).min(-1).values
     worst = x.gather(-1, recorded.clamp_min(0)).min(-1).values
@@ -85,12 +84,9 @@ class RoutePlan:
                                    f"slots, the forward routes {logits.shape[0]} tokens to {router.top_k} experts")
             fresh = torch.topk(probs, router.top_k, dim=-1).indices
             indices = torch.where(recorded >= 0, recorded, fresh)
-            gap = tie_gap(logits, fresh, recorded)
             other = (recorded >= 0).all(-1) & (recorded.sort(-1).values != fresh.sort(-1).values).any(-1)
-            if self.differs is None or self.differs.shape != other.shape:
-                self.differs = other
-            else:
-                self.differs = self.differs | other
+            gap = tie_gap(logits, fresh, recorded, other)
+            self.differs = other if self.differs is None or self.differs.shape != other.shape else self.differs | other
             self.overruled = gap if self.overruled is None else torch.maximum(self.overruled, gap.to(self.overruled))
             scores = router.weights(logits, probs, indices)
         first = self.indices[s] is None and self.sums[s] is None  # a checkpoint's recompute: the same work, not kept

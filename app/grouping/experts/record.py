@@ -34,12 +34,8 @@ class Routing:
     def top_k(self) -> int:
         return int(self.prompt.shape[-1])
 
-    def to(self, device) -> Routing:
-        return Routing(self.prompt.to(device), self.completion.to(device), self.layers)
-
     def bytes(self) -> int:
-        return self.prompt.numel() * self.prompt.element_size() + self.completion.numel() * \
-            self.completion.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.prompt, self.completion))
 
     # ---- a layout's token order ----------------------------------------------------------------------------
     def for_packed(self, layout) -> torch.Tensor:
@@ -76,7 +72,7 @@ class Routing:
         it (``disagreements`` tells whether the other rows did the same). Padding is -1."""
         n = completion_mask.shape[0]
         rows = rows.view(n, -1, *rows.shape[1:])
-        firsts = torch.tensor([0, *list(torch.tensor(list(group_sizes)).cumsum(0)[:-1].tolist())])
+        firsts = torch.tensor([0, *torch.tensor(list(group_sizes)).cumsum(0)[:-1].tolist()])
         prompt = rows[firsts.to(rows.device), :prompt_width].clone()
         prompt[~prompt_mask.bool().to(rows.device)] = MISSING
         completion = rows[:, prompt_width:].clone()
@@ -116,6 +112,3 @@ def check_routing(routing: Routing, shape: ExpertShape, prompt_mask: torch.Tenso
             raise RoutingError(f"{name(int(owner[row]))}: the routing record of its {part} token {position}"
                                f"{'' if part == 'prompt' else f' (completion {row})'} {what}; nothing is replayed "
                                "from another prompt")
-
-
-# The largest tie gap (``tie_gap``) a replayed routing may have and still count as rounding. On the tiny models in

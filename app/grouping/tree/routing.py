@@ -54,8 +54,5 @@ def forest_record(trees: Sequence, device) -> torch.Tensor:
 def paths_record(tree, width: int, device) -> torch.Tensor:
     """[paths * width, S, k]: each path's row [P; path] right-padded to ``width`` (-1), flattened as the model
     flattens the rows' tokens."""
-    rows = []
-    for path in tree.paths:
-        row = torch.cat([tree.routing, *[tree.nodes[n].routing for n in path]]).to(device)
-        rows.append(torch.cat([row, row.new_full((width - row.shape[0], *row.shape[1:]), MISSING)]))
-    return torch.cat(rows)
+    rows = [torch.cat([tree.routing, *[tree.nodes[n].routing for n in path]]).to(device) for path in tree.paths]
+    return torch.cat([torch.cat([row, row.new_full((width - len(row), *row.shape[1:]), MISSING)]) for row in rows])
