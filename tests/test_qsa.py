@@ -356,3 +356,39 @@ def copy_to(model, dtype):
     import copy
 
     return copy.deepcopy(model).to(dtype)
+
+
+def test_the_varlen_path_attends_each_query_over_its_gathered_keys_as_the_masked_path_does(tiny_checkpoints, videos):
+    """Where torch's varlen flash kernel runs (CUDA, bf16), a packed row's QSA layer attends each query over its own
+    gathered keys (``sparse.layer.gathered_attention``), never a [chunk, T] mask: driven here by the stand-in kernel
+    (per-sequence SDPA, ``tests.helpers.counting_varlen``), log-probs and every gradient equal the masked path's
+    (float32, 1e-6 / 1e-5 norm-relative), each call one query a sequence against at most the budget plus the tail."""
+    import functools
+
+    from app.grouping.kernels import varlen_stand_in
+    from tests.helpers import run_and_grad, varlen_reference
+
+    model, processor = load(FAMILY, tiny_checkpoints)
+    prompts = prompt_batch(FAMILY, processor, videos, ["video", "text"])
+    tok = tokenizer_of(processor)
+    ids, mask = random_completions([9, 14, 3, 11], len(tok), tok.pad_token_id, seed=4)
+    lp, _, grads = run_and_grad(model, prompts, ids, mask, [1, 3], "grouped")
+    text = model.config.text_config
+    bound = text.indexer_budget + text.indexer_compress_ratio - 1
+    calls = []
+
+    @functools.wraps(varlen_reference)
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs):
+        calls.append((len(cu_seq_q) - 1, query.shape[0], max_q, max_k, int(cu_seq_k[-1])))
+        return varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs)
+
+    with varlen_stand_in(kernel):
+        got_lp, _, got = run_and_grad(model, prompts, ids, mask, [1, 3], "grouped")
+    assert qsa_layers(model) and calls
+    assert all(sequences == queries and max_q == 1 and 1 <= max_k <= bound and keys <= sequences * bound
+               for sequences, queries, max_q, max_k, keys in calls), (calls, bound)
+    assert any(max_k == bound for *_, max_k, _ in calls)  # queries late enough to drop blocks
+    assert float((got_lp - lp).abs().max()) <= 1e-6
+    assert set(got) == set(grads)
+    worst = max(grads, key=lambda n: norm_rel(got[n], grads[n]))
+    assert norm_rel(got[worst], grads[worst]) <= 1e-5, (worst, norm_rel(got[worst], grads[worst]))

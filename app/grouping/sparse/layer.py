@@ -9,6 +9,10 @@ attention with q/k norms and partial M-RoPE).
   the attention and its mask left to transformers.
 
 ``QUERY_CHUNK`` queries at a time: a chunk's scores are [chunk, heads, blocks], its mask [chunk, T]; never [T, T].
+Where torch's varlen flash kernel runs (CUDA, bf16/fp16: ``app.grouping.kernels.varlen_kernel``), each query of a
+chunk attends over its own gathered keys (``gathered_attention``: a sequence of one query against at most the
+indexer's budget of keys); elsewhere a masked attention over the chunk's [chunk, T] mask. The CPU tests drive the
+varlen wiring with a stand-in kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from app.grouping.kernels import varlen_kernel
 from app.grouping.recurrent.segments import current_forward, segments_of
 from app.grouping.sparse.selection import BatchGeometry, choose, key_blocks, key_mask
 
@@ -118,10 +123,12 @@ def grouped_qsa(module, hidden_states: torch.Tensor, position_embeddings, plan) 
     key = module.k_norm(module.k_proj(hidden_states).view(shape)).transpose(1, 2)
     value = module.v_proj(hidden_states).view(shape).transpose(1, 2)
     query, key = _rotary(module)(query, key, cos, sin)
-    groups = module.num_key_value_groups
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     indexer, compress = module.indexer, module.indexer.compress_ratio
     device = hidden_states.device
+    kernel = varlen_kernel(device, query.dtype, module.head_dim, use="QSA attention (a masked attention per chunk)")
+    if kernel is None:  # the masked path attends over every head's keys
+        groups = module.num_key_value_groups
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     with torch.no_grad():
         index_q, raw = index_projections(indexer, hidden_states, cos, sin)
         ranks = segments.path_positions.to(device)
@@ -134,7 +141,25 @@ def grouped_qsa(module, hidden_states: torch.Tensor, position_embeddings, plan) 
             seen = segments.visible(queries.cpu()).to(device)
             chosen = choose(blocks, seen, index_q[0, queries], indexer.block_topk)
             mask = key_mask(blocks, seen, ranks[queries], ranks, chosen, compress)
-        out.append(F.scaled_dot_product_attention(query[:, :, queries], key, value, attn_mask=mask[None, None],
-                                                  dropout_p=0.0, scale=module.scaling))
+        if kernel is None:
+            out.append(F.scaled_dot_product_attention(query[:, :, queries], key, value, attn_mask=mask[None, None],
+                                                      dropout_p=0.0, scale=module.scaling))
+        else:
+            out.append(gathered_attention(kernel, query[0, :, queries], key[0], value[0], mask, module.scaling)[None])
     attention = torch.cat(out, dim=2).transpose(1, 2).reshape(1, total, -1)
     return module.o_proj(attention * torch.sigmoid(gate))
+
+
+def gathered_attention(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """Each query over exactly its own keys through a varlen kernel (``app.grouping.kernels.Varlen``): query [H, n,
+    D], key/value [Hkv, T, D], ``mask`` [n, T] (True: attended) -> [H, n, D]. Each query is a sequence of one; its
+    keys, gathered in order, a sequence of at most budget + C - 1: no [n, T] score matrix, only the chosen keys are
+    read. Every query has a key: itself, in its tail block."""
+    queries, keys = mask.nonzero(as_tuple=True)  # row-major: query by query, each one's keys in order
+    counts = torch.bincount(queries, minlength=mask.shape[0])
+    cu_k = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+    cu_q = torch.arange(mask.shape[0] + 1, device=mask.device, dtype=torch.int32)
+    out = kernel(query.transpose(0, 1), key[:, keys].transpose(0, 1), value[:, keys].transpose(0, 1),
+                 (cu_q, cu_k, 1, int(counts.max())), scale=scale)
+    return out.transpose(0, 1)
