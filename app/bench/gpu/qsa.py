@@ -4,9 +4,9 @@ experts top-10 and a shared expert in each), bfloat16:
     python -m app.bench.gpu.qsa --out outputs/gpu/gpu_qsa [--quick]      (scripts/gpu_check.sh part qsa)
 
 - **train**: the grouped forward+backward against the repeated one at G = 8 on text prompts of 8k and 16k tokens
-  (``app.bench.gpu.hybrid.train_rows``): time, the allocator's peak, the largest log-prob difference; the QSA layers
-  run the CPU path (a masked attention per chunk of queries: the CUDA block mask is not built), its time is the
-  figure to beat;
+  (``app.bench.gpu.hybrid.train_rows``): time, the allocator's peak, the largest log-prob difference; the grouped
+  row's QSA layers run torch's varlen kernel over each query's gathered keys (``sparse.layer.gathered_attention``)
+  where it runs (bf16, sm80+), the repeated rows transformers' masked attention;
 - **self_check**: the bf16 self-check on a 2k prompt with G = 8 completions of 64 (``verify_grouping``: QSA keys and
   PLE n-grams compared exactly, ties counted): whether it passed and how many QSA choices differed within a tie.
 

@@ -12,8 +12,9 @@ keys in blocks of 4) and attention (hidden 512, 8 query / 2 KV heads of 128), ra
   pooled once, the choice chunk by chunk of queries, masked attention over each chunk's keys), one prompt and one
   response of 64 tokens; no [T, T] tensor exists at any length.
 
-Each point in its own process (peak RSS its own; ``--quick``: 256 and 512 tokens, here). CPU figures: the CUDA path
-(a block mask over the chosen blocks for flex attention or varlen) is not built.
+Each point in its own process (peak RSS its own; ``--quick``: 256 and 512 tokens, here). CPU figures, float32: the
+GPU path (torch's varlen kernel over each query's gathered keys, ``sparse.layer.gathered_attention``) is timed by
+``scripts/gpu_check.sh --parts qsa``.
 """
 
 from __future__ import annotations
