@@ -23,9 +23,10 @@ from app.runtime.models import FAMILIES, HYBRID_FAMILIES, build_tiny_checkpoint 
 # The modules that take longest (measured in make test-all: docs/testing.md), run first. Under pytest -n 2 --dist
 # loadfile (the Makefile's) each module goes whole to one worker, in collection order; starting with the longest keeps
 # one worker from finishing a long module alone at the end. A stale order costs balance only, never a result.
-LONGEST_FIRST = ("test_vllm.py", "test_trainer.py", "test_bench.py", "test_plan.py", "test_gpu_check.py",
-                 "test_shared_video_train.py", "test_planner_accuracy.py", "test_sequence_parallel.py",
-                 "test_recurrent.py", "test_evaluate.py")
+LONGEST_FIRST = ("test_vllm.py", "test_trainer.py", "test_experts_train.py", "test_bench.py", "test_plan.py",
+                 "test_gpu_check.py", "test_shared_video_train.py", "test_recurrent.py", "test_expert_parallel.py",
+                 "test_planner_accuracy.py", "test_sequence_parallel.py", "test_experts_loading.py",
+                 "test_qwen4_train.py", "test_evaluate.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -80,3 +80,51 @@ def test_a_released_layout_that_would_load_ambiguously_is_refused(tmp_path):
                                    sizes=TinySizes(hidden=64, moe_intermediate=64))
     with pytest.raises(ValueError, match="as wide as the hidden size \\(64\\) make the released layout ambiguous"):
         write_expert_layout(square, "released")
+
+
+@pytest.mark.slow  # a 2-step launch and a vLLM engine start (about 2 minutes on 2 cores)
+def test_a_trained_qwen3_vl_moe_export_serves_in_vllm_cpu_in_its_sources_layout(tmp_path):
+    """A tiny Qwen3-VL-MoE in the released expert layout (head dim 32, experts narrower than the hidden size: what
+    vllm-cpu runs; that such a source starts and samples there is tests/test_vllm.py's): after 2 GRPO steps through
+    scripts/train.sh, its export is in the source's layout, starts and samples in vllm-cpu (before
+    app/runtime/expert_layouts.py it stopped on `The size of tensor a (24) must match the size of tensor b (128)`),
+    and loads in transformers with its weights moved."""
+    from app.data.synthetic import generate
+    from app.runtime.expert_layouts import source_shapes
+    from app.runtime.models import TinySizes, load_model
+    from app.runtime.tiny import write_expert_layout
+    from tests.test_trainer import overrides, run
+    from tests.test_vllm import require_vllm
+
+    require_vllm()
+    sizes = TinySizes(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, experts=8, experts_per_token=2,
+                      moe_intermediate=96)
+    source = write_expert_layout(build_tiny_checkpoint(tmp_path / "released", "qwen3_vl_moe", seed=0, sizes=sizes),
+                                 "released")
+    data = generate(tmp_path / "data", train=8, heldout=0, seed=0)
+    plugin = tmp_path / "varied_reward.py"  # rewards that differ within every group: the weights really move
+    plugin.write_text("def varied(completions, records):\n    return [len(c) % 5 / 4 for c in completions]\n")
+    out = tmp_path / "run"
+    run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *overrides(
+        {"checkpoint": source, "train": data["train"], "plugin": f"{plugin}:varied"}, out,
+        **{"train.warmup_steps": 0})], env={"NPROC_PER_NODE": "1"})
+    export = out / "final"
+    assert source_shapes(export) == source_shapes(source)
+    trained = {k: v for k, v in load_model(export).state_dict().items()}
+    assert any(not torch.equal(trained[k], v) for k, v in load_model(source).state_dict().items())
+    child = ("import os, sys, json\nos.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'\nimport app.compat\n"
+             "from vllm import LLM, SamplingParams\nfrom transformers import AutoConfig\n"
+             "from app.rollout.vllm_moe import engine_settings\nout = {}\nfor path in sys.argv[1:]:\n"
+             "    llm = LLM(model=path, dtype='float32', enforce_eager=True, skip_mm_profiling=True, max_model_len=256,"
+             " kv_cache_memory_bytes=1 << 28, seed=0, limit_mm_per_prompt={'image': 0, 'video': 0},"
+             " **engine_settings(AutoConfig.from_pretrained(path)))\n"
+             "    got = llm.generate([{'prompt_token_ids': [5, 6, 7, 8]}], SamplingParams(max_tokens=6, temperature=0,"
+             " ignore_eos=True), use_tqdm=False)\n"
+             "    out[path] = list(got[0].outputs[0].token_ids)\n    del llm\nprint('RESULT' + json.dumps(out))\n")
+    done = subprocess.run([sys.executable, "-c", child, str(export)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    served = json.loads(done.stdout.split("RESULT", 1)[1])
+    assert list(served) == [str(export)] and len(served[str(export)]) == 6
+
+

@@ -283,7 +283,7 @@ def test_routing_replay_through_the_launcher_under_zero3_resumes_after_kill_and_
     assert (tmp_path / "curves_replay.png").stat().st_size > 10000
 
 
-@pytest.mark.slow  # two launches of 2 processes under ZeRO-3 (about a minute on 2 cores)
+@pytest.mark.slow  # two 1-step launches of 2 processes under ZeRO-3 (about a minute on 2 cores)
 def test_routing_replay_with_a_separate_dense_or_moe_reference_through_the_launcher(moe_assets, tmp_path):
     """rollout.routing_replay=r3 and grpo.beta > 0 with model.reference_path: a dense reference (Qwen3-VL) runs
     without replay, said once at start-up, while the policy's forwards replay; a reference of the policy's expert
@@ -296,7 +296,7 @@ def test_routing_replay_with_a_separate_dense_or_moe_reference_through_the_launc
         out = tmp_path / name
         result = run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *moe_overrides(
             moe_assets, "qwen3_vl_moe", out, **{"rollout.routing_replay": "r3", "model.reference_path": reference,
-                                                "grpo.beta": 0.1, "model.train_router": False,
+                                                "grpo.beta": 0.1, "model.train_router": False, "train.max_steps": 1,
                                                 "train.deepspeed_config": "deepspeed_configs/zero3.json"})],
                      env={"NPROC_PER_NODE": "2"})
         log = (out / "logs" / "rank0.log").read_text()
@@ -305,98 +305,6 @@ def test_routing_replay_with_a_separate_dense_or_moe_reference_through_the_launc
         assert "with frozen routers (model.train_router=false, the default): the load-balancing loss trains no " \
                "router" in result.stderr + log
         rows = metrics(out)
-        assert len(rows) == 2 and all("routing/replay_differs" in r and r["kl"] != 0 for r in rows)
+        assert len(rows) == 1 and all("routing/replay_differs" in r and r["kl"] != 0 for r in rows)
         final = weights(out / "final")
         assert sum(not torch.equal(final[n], initial[n]) for n in final) > len(final) // 2
-
-
-@pytest.mark.slow  # a 2-step launch and two vLLM engine starts (about 3 minutes on 2 cores)
-def test_a_trained_qwen3_vl_moe_export_serves_in_vllm_cpu_as_its_released_source_does(moe_assets, tmp_path):
-    """A tiny Qwen3-VL-MoE in the released expert layout (head dim 32, experts narrower than the hidden size: what
-    vllm-cpu runs) starts and samples in vllm-cpu; after 2 GRPO steps through scripts/train.sh its export, in the
-    source's layout, starts and samples there too, and loads in transformers to the trained weights."""
-    import subprocess
-    import sys
-
-    from app.runtime.expert_layouts import source_shapes
-    from app.runtime.models import TinySizes, load_model
-    from app.runtime.tiny import write_expert_layout
-    from tests.test_trainer import ROOT
-    from tests.test_vllm import require_vllm
-
-    require_vllm()
-    sizes = TinySizes(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, experts=8, experts_per_token=2,
-                      moe_intermediate=96)
-    source = write_expert_layout(build_tiny_checkpoint(tmp_path / "released", "qwen3_vl_moe", seed=0, sizes=sizes),
-                                 "released")
-    out = tmp_path / "run"
-    run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *overrides(
-        {**moe_assets, "checkpoint": source}, out, **{"train.warmup_steps": 0})], env={"NPROC_PER_NODE": "2"})
-    export = out / "final"
-    assert source_shapes(export) == source_shapes(source)
-    trained = {k: v for k, v in load_model(export).state_dict().items()}
-    assert any(not torch.equal(trained[k], v) for k, v in load_model(source).state_dict().items())
-    child = ("import os, sys, json\nos.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'\nimport app.compat\n"
-             "from vllm import LLM, SamplingParams\nfrom transformers import AutoConfig\n"
-             "from app.rollout.vllm_moe import engine_settings\nout = {}\nfor path in sys.argv[1:]:\n"
-             "    llm = LLM(model=path, dtype='float32', enforce_eager=True, skip_mm_profiling=True, max_model_len=256,"
-             " kv_cache_memory_bytes=1 << 28, seed=0, limit_mm_per_prompt={'image': 0, 'video': 0},"
-             " **engine_settings(AutoConfig.from_pretrained(path)))\n"
-             "    got = llm.generate([{'prompt_token_ids': [5, 6, 7, 8]}], SamplingParams(max_tokens=6, temperature=0,"
-             " ignore_eos=True), use_tqdm=False)\n"
-             "    out[path] = list(got[0].outputs[0].token_ids)\n    del llm\nprint('RESULT' + json.dumps(out))\n")
-    done = subprocess.run([sys.executable, "-c", child, str(source), str(export)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr[-4000:]
-    served = json.loads(done.stdout.split("RESULT", 1)[1])
-    assert all(len(tokens) == 6 for tokens in served.values()) and len(served) == 2
-
-
-@pytest.mark.slow  # four launches of 2 processes, an evaluation and a plan (about 2 minutes on 2 cores)
-def test_qwen4_exp_through_the_launchers_zero3_equals_zero2_resumes_after_kill_evaluates_and_plans(moe_assets,
-                                                                                                   tmp_path):
-    """Qwen3.8-Flash-Next's tiny model (GDN and QSA layers, PLE tables in host memory, hyper-connections, experts):
-    scripts/train.sh, 2 processes, k = 2 questions on one video, rollouts through HF generate, 3 steps: ZeRO-3 reaches
-    ZeRO-2's weights (1e-4), and killed with -9 at a random time and resumed ends at the uninterrupted run's weights;
-    scripts/eval.sh scores its export and scripts/plan.sh plans it."""
-    import subprocess
-
-    from tests.test_trainer import ROOT
-
-    checkpoint = build_tiny_checkpoint(moe_assets["root"] / "qwen4_exp", "qwen4_exp", seed=0)
-    common = {"train.max_steps": 3, "data.questions_per_video": 2, "data.train_file": moe_assets["shared_train"],
-              "train.prompts_per_rank": 2, "train.groups_per_micro_batch": 2, "train.save_every": 1,
-              "rollout.engine": "hf", "model.train_router": True}
-    env = {"NPROC_PER_NODE": "2"}
-    assets = {**moe_assets, "checkpoints": {**moe_assets["checkpoints"], "qwen4_exp": checkpoint}}
-    runs = {}
-    for zero in ("zero2", "zero3"):
-        out = tmp_path / zero
-        start = time.time()
-        run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *moe_overrides(
-            assets, "qwen4_exp", out, **common, **{"train.deepspeed_config": f"deepspeed_configs/{zero}.json"})],
-            env=env)
-        runs[zero] = (out, time.time() - start)
-    initial = weights(checkpoint)
-    assert_close_weights(weights(runs["zero3"][0] / "final"), weights(runs["zero2"][0] / "final"), initial, 1e-4)
-    rows = metrics(runs["zero3"][0])
-    assert rows[-1]["tokens/shared_video"] > 0 and "router/entropy" in rows[-1]
-    assert "self-check passed" in (runs["zero3"][0] / "logs" / "rank0.log").read_text()
-
-    killed = tmp_path / "killed"
-    command = ["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *moe_overrides(
-        assets, "qwen4_exp", killed, **common, **{"train.deepspeed_config": "deepspeed_configs/zero3.json"})]
-    killed_at_random(command, killed, env, runs["zero3"][1], random.Random("qwen4_exp"), (0.5, 0.9))
-    run([*command, "train.resume=true"], env=env)
-    want, got = weights(runs["zero3"][0] / "final"), weights(killed / "final")
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
-
-    run(["bash", "scripts/eval.sh", str(killed / "final"), str(moe_assets["heldout"]),
-         f"eval.output_dir={tmp_path / 'eval'}", "eval.max_new_tokens=4", "eval.engine=hf"],
-        env={"NPROC_PER_NODE": "1"})
-    assert json.loads((tmp_path / "eval" / "summary.json").read_text())
-    planned = subprocess.run(["bash", "scripts/plan.sh", "configs/qwen3_8_flash_next_video_lora.yaml",
-                              "--out", str(tmp_path / "plan")], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert planned.returncode == 0, planned.stderr[-3000:]
-    assert "host memory per node" in planned.stdout
