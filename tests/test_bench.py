@@ -49,7 +49,10 @@ def test_benchmark_runs_quick(name, tmp_path):
         assert report["max_abs_difference_vs_package"] < 1e-4
     if name == "qsa":  # transformers' indexer loop, the vectorised one, the grouped layer: every point ran
         assert {row["kind"] for row in report["rows"]} == {"reference", "ours", "grouped"}
-        assert all(row["seconds"] > 0 for row in report["rows"])
+        assert all(row["seconds"] > 0 and row["peak_memory_mb"] > 0 for row in report["rows"])
+        shown = [line.split("|")[4].strip() for line in (out / "qsa.md").read_text().splitlines()
+                 if line.startswith(("| reference", "| ours", "| grouped"))]  # the table shows every point's peak
+        assert len(shown) == len(report["rows"]) and all(shown)
     if name == "long_rehearsal":  # 2 processes at S = 1 and 2, k = 2: 2 steps each, every rank's peaks
         rows = {(row["S"], row["k"]): row for row in report["rows"]}
         assert set(rows) == {(1, 2), (2, 2)} and all(row["exit"] == 0 and row["steps"] == 2 for row in rows.values())

