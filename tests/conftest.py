@@ -133,11 +133,12 @@ def _exact_delta_rule_for_hybrid_families(request):
     own precision (``tests.helpers.exact_delta_rule``), in-process: transformers' chunked float32 kernel rounds
     differently wherever its chunks fall, by more than the 1e-5 / 1e-4 the layouts are held to (it differs from
     itself that much when a prompt is shifted by a few pad tokens). What users run, transformers' own kernel, is
-    checked on its own in tests/test_recurrent.py. Subprocesses (launchers, workers) run it unpatched."""
+    checked on its own in tests/test_recurrent.py. Subprocesses (launchers, workers) run it unpatched, and so do
+    the tests marked ``gpu`` or ``product_kernels`` (the precision comparisons: what users run is what they judge)."""
     callspec = getattr(request.node, "callspec", None)
     values = callspec.params.values() if callspec is not None else ()
-    on_cuda = request.node.get_closest_marker("gpu") is not None  # the CUDA tests run the kernels users get
-    if not on_cuda and any(isinstance(v, str) and v in HYBRID_FAMILIES for v in values):
+    as_users = any(request.node.get_closest_marker(name) is not None for name in ("gpu", "product_kernels"))
+    if not as_users and any(isinstance(v, str) and v in HYBRID_FAMILIES for v in values):
         from tests.helpers import exact_delta_rule
 
         with exact_delta_rule():
