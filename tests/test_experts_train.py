@@ -22,16 +22,21 @@ from tests.test_trainer import overrides, run, weights
 pytestmark = pytest.mark.distributed
 
 
+def train_assets(root: Path) -> dict:
+    """Video data (16 train / 4 held-out records; 4 clips x 2 questions for k = 2) and a reward plugin whose rewards
+    differ within every group, so the weights really move."""
+    files = generate(root / "data", train=16, heldout=4, seed=0)
+    shared = generate(root / "shared", train=8, heldout=0, seed=0, questions_per_video=2)
+    plugin = root / "varied_reward.py"
+    plugin.write_text("def varied(completions, records):\n    return [len(c) % 5 / 4 for c in completions]\n")
+    return {"root": root, "train": files["train"], "heldout": files["heldout"], "shared_train": shared["train"],
+            "plugin": f"{plugin}:varied"}
+
+
 @pytest.fixture(scope="module")
 def moe_assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_train")
-    files = generate(root / "data", train=16, heldout=4, seed=0)
-    shared = generate(root / "shared", train=8, heldout=0, seed=0, questions_per_video=2)  # 4 clips x 2 questions
-    plugin = root / "varied_reward.py"  # rewards that differ within every group: the weights really move
-    plugin.write_text("def varied(completions, records):\n    return [len(c) % 5 / 4 for c in completions]\n")
-    checkpoints = {f: build_tiny_checkpoint(root / f, f, seed=0) for f in MOE_FAMILIES}
-    return {"root": root, "checkpoints": checkpoints, "train": files["train"], "heldout": files["heldout"],
-            "shared_train": shared["train"], "plugin": f"{plugin}:varied"}
+    return {**train_assets(root), "checkpoints": {f: build_tiny_checkpoint(root / f, f, seed=0) for f in MOE_FAMILIES}}
 
 
 def moe_overrides(assets, family, out, **extra):

@@ -11,10 +11,9 @@ import time
 import pytest
 import torch
 
-from app.data.synthetic import generate
 from app.runtime.models import build_tiny_checkpoint
 from tests.helpers import killed_at_random
-from tests.test_experts_train import assert_close_weights, metrics, moe_overrides
+from tests.test_experts_train import assert_close_weights, metrics, moe_overrides, train_assets
 from tests.test_trainer import run, weights
 
 pytestmark = pytest.mark.distributed
@@ -22,13 +21,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen4_train")
-    files = generate(root / "data", train=16, heldout=4, seed=0)
-    shared = generate(root / "shared", train=8, heldout=0, seed=0, questions_per_video=2)  # 4 clips x 2 questions
-    plugin = root / "varied_reward.py"  # rewards that differ within every group: the weights really move
-    plugin.write_text("def varied(completions, records):\n    return [len(c) % 5 / 4 for c in completions]\n")
-    return {"root": root, "train": files["train"], "heldout": files["heldout"], "shared_train": shared["train"],
-            "plugin": f"{plugin}:varied"}
+    return train_assets(tmp_path_factory.mktemp("qwen4_train"))
 
 
 @pytest.mark.slow  # four launches of 2 processes, an evaluation and a plan (about 2 minutes on 2 cores)

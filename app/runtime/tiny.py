@@ -158,29 +158,36 @@ def _experts(sizes: TinySizes) -> dict:
                 moe_intermediate_size=sizes.moe_intermediate)
 
 
+def _hybrid_text(text: dict, sizes: TinySizes, kinds: list[str]) -> dict:
+    """The text config Qwen3.5 and Qwen4-Exp share: ``kinds`` of layer, GDN heads, a head twice the tiny size with a
+    quarter of it rotary (8 dims at the default) under interleaved M-RoPE, as the released sizes."""
+    head_dim = 2 * sizes.head_dim
+    rotary_half = head_dim // 8
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+            "mrope_section": [rotary_half - 2 * (rotary_half // 3), rotary_half // 3, rotary_half // 3]}
+    key_heads, value_heads, linear_dim = sizes.linear_heads
+    return {**text, "num_hidden_layers": len(kinds), "layer_types": kinds, "head_dim": head_dim,
+            "rope_parameters": rope, "linear_num_key_heads": key_heads, "linear_num_value_heads": value_heads,
+            "linear_key_head_dim": linear_dim, "linear_value_head_dim": linear_dim, "linear_conv_kernel_dim": 4}
+
+
+def _hybrid_vision(sizes: TinySizes) -> dict:
+    """Their tower: Qwen3-VL's without deepstack."""
+    return dict(depth=sizes.vision_depth, hidden_size=sizes.vision_hidden, intermediate_size=2 * sizes.vision_hidden,
+                num_heads=sizes.vision_heads, out_hidden_size=sizes.hidden, patch_size=16, spatial_merge_size=2,
+                temporal_patch_size=2, num_position_embeddings=64, initializer_range=sizes.init_std)
+
+
 def _qwen3_5_config(text: dict, special: dict, sizes: TinySizes, ids: dict, moe: bool = False):
     """Qwen3.5: Gated DeltaNet layers with gated full attention every 4th (interleaved M-RoPE on a quarter of the
     head dims, as the released sizes), a Qwen3-VL tower without deepstack. ``moe``: Qwen3.5-MoE, every layer's MLP
     a sparse block of routed experts plus a shared expert."""
     from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
-    layers = sizes.hybrid_layers
-    kinds = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
+    kinds = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(sizes.hybrid_layers)]
     if "full_attention" not in kinds:
         kinds[-1] = "full_attention"
-    head_dim = 2 * sizes.head_dim  # a quarter of it rotary: 8 dims at the tiny default
-    rotary_half = head_dim // 8
-    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_interleaved": True,
-            "mrope_section": [rotary_half - 2 * (rotary_half // 3), rotary_half // 3, rotary_half // 3]}
-    key_heads, value_heads, linear_dim = sizes.linear_heads
-    body = {**text, "num_hidden_layers": layers, "layer_types": kinds, "head_dim": head_dim, "rope_parameters": rope,
-            "linear_num_key_heads": key_heads, "linear_num_value_heads": value_heads,
-            "linear_key_head_dim": linear_dim, "linear_value_head_dim": linear_dim, "linear_conv_kernel_dim": 4}
-    vision = dict(
-        depth=sizes.vision_depth, hidden_size=sizes.vision_hidden, intermediate_size=2 * sizes.vision_hidden,
-        num_heads=sizes.vision_heads, out_hidden_size=sizes.hidden, patch_size=16, spatial_merge_size=2,
-        temporal_patch_size=2, num_position_embeddings=64, initializer_range=sizes.init_std,
-    )
+    body, vision = _hybrid_text(text, sizes, kinds), _hybrid_vision(sizes)
     if moe:
         body.update(shared_expert_intermediate_size=sizes.shared_expert_intermediate, **_experts(sizes))
         body.pop("intermediate_size")
@@ -196,30 +203,18 @@ def _qwen4_exp_config(text: dict, special: dict, sizes: TinySizes, ids: dict):
     interleaved M-RoPE, a Qwen3-VL-like tower without deepstack."""
     from transformers import Qwen4ExpConfig
 
-    layers = sizes.hybrid_layers
-    kinds = ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]  # full: indexed
-    head_dim = 2 * sizes.head_dim
-    rotary_half = head_dim // 8
-    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_interleaved": True,
-            "mrope_section": [rotary_half - 2 * (rotary_half // 3), rotary_half // 3, rotary_half // 3]}
-    key_heads, value_heads, linear_dim = sizes.linear_heads
-    body = {**text, "num_hidden_layers": layers, "layer_types": kinds, "head_dim": head_dim, "rope_parameters": rope,
-            "linear_num_key_heads": key_heads, "linear_num_value_heads": value_heads,
-            "linear_key_head_dim": linear_dim, "linear_value_head_dim": linear_dim, "linear_conv_kernel_dim": 4,
-            "shared_expert_intermediate_size": sizes.shared_expert_intermediate, **_experts(sizes),
-            "hc_count": 2, "hc_lowrank": 8,
-            "ple_layer_ids": [i + 1 for i, kind in enumerate(kinds) if kind == "linear_attention"],
-            "ple_embed_dim": 16, "ple_conv_kernel_size": 4, "ngram_size": 3, "heads_per_ngram": 2,
-            "ngram_vocab_size_base": 101, "make_ngram_vocab_size_divisible_by": 8, "split_ngram_parts": 2,
-            "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": max(16, 2 * rotary_half), "indexer_budget": 8,
-            "indexer_compress_ratio": 4}
+    kinds = ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(sizes.hybrid_layers)]  # full: QSA
+    body = _hybrid_text(text, sizes, kinds)
+    rotary_half = body["head_dim"] // 8
+    body.update({"shared_expert_intermediate_size": sizes.shared_expert_intermediate, **_experts(sizes),
+                 "hc_count": 2, "hc_lowrank": 8,
+                 "ple_layer_ids": [i + 1 for i, kind in enumerate(kinds) if kind == "linear_attention"],
+                 "ple_embed_dim": 16, "ple_conv_kernel_size": 4, "ngram_size": 3, "heads_per_ngram": 2,
+                 "ngram_vocab_size_base": 101, "make_ngram_vocab_size_divisible_by": 8, "split_ngram_parts": 2,
+                 "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": max(16, 2 * rotary_half),
+                 "indexer_budget": 8, "indexer_compress_ratio": 4})
     body.pop("intermediate_size")
-    vision = dict(
-        depth=sizes.vision_depth, hidden_size=sizes.vision_hidden, intermediate_size=2 * sizes.vision_hidden,
-        num_heads=sizes.vision_heads, out_hidden_size=sizes.hidden, patch_size=16, spatial_merge_size=2,
-        temporal_patch_size=2, num_position_embeddings=64, initializer_range=sizes.init_std,
-    )
-    return Qwen4ExpConfig(text_config=body, vision_config=vision, **special)
+    return Qwen4ExpConfig(text_config=body, vision_config=_hybrid_vision(sizes), **special)
 
 
 def build_processor(family: str, tokenizer, min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 16,
