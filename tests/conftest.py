@@ -18,7 +18,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n 2: two workers share the 
     # torch's default 2 threads took 105 CPU-s and 92 s, on one thread 53 CPU-s and 54 s (docs/testing.md)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-from app.runtime.models import FAMILIES, HYBRID_FAMILIES, build_tiny_checkpoint  # noqa: E402
+from app.runtime.models import FAMILIES, build_tiny_checkpoint  # noqa: E402
 
 # The modules that take longest (measured in make test-all: docs/testing.md), run first. Under pytest -n 2 --dist
 # loadfile (the Makefile's) each module goes whole to one worker, in collection order; starting with the longest keeps
@@ -125,23 +125,3 @@ def clips(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-@pytest.fixture(autouse=True)
-def _exact_delta_rule_for_hybrid_families(request):
-    """A test parametrized with a hybrid family (Qwen3.5) compares layouts on ONE delta-rule kernel of the rule's
-    own precision (``tests.helpers.exact_delta_rule``), in-process: transformers' chunked float32 kernel rounds
-    differently wherever its chunks fall, by more than the 1e-5 / 1e-4 the layouts are held to (it differs from
-    itself that much when a prompt is shifted by a few pad tokens). What users run (off CUDA, the span-sum kernel
-    ``recurrent.kernels.chunk_gated_delta_rule``) runs unpatched in subprocesses (launchers, workers) and in the
-    tests marked ``gpu`` or ``product_kernels`` (the precision comparisons: what users run is what they judge)."""
-    callspec = getattr(request.node, "callspec", None)
-    values = callspec.params.values() if callspec is not None else ()
-    as_users = any(request.node.get_closest_marker(name) is not None for name in ("gpu", "product_kernels"))
-    if not as_users and any(isinstance(v, str) and v in HYBRID_FAMILIES for v in values):
-        from tests.helpers import exact_delta_rule
-
-        with exact_delta_rule():
-            yield
-    else:
-        yield

@@ -598,7 +598,6 @@ def precision_case(family, videos, root, sharpen):
 
 
 @pytest.mark.slow  # a float64 reference and three float32 passes at 2k-token prompts, per family (about 30 s)
-@pytest.mark.product_kernels  # the chunked delta rule users run (kernels.chunk_gated_delta_rule), not the exact one
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_grouped_is_as_close_to_a_float64_reference_as_repeated_at_2k_token_prompts(family, videos, tmp_path):
     """The float32 distance of the grouped layout to a float64 run (its delta rule in float64 too) is at most 1.5x
