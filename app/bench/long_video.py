@@ -50,7 +50,7 @@ def worker(prefix: int, out: str, shape: str = "tiny") -> None:
     import torch.distributed as dist
 
     from app.grouping import completion_logprobs
-    from app.grouping.sequence_parallel import SequenceParallel, sequence_parallel_logprobs
+    from app.grouping.sequence_parallel import SequenceParallel, sequence_parallel_scores
     from app.runtime.models import TinySizes, build_tokenizer, model_class, tiny_config
 
     size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -87,8 +87,8 @@ def worker(prefix: int, out: str, shape: str = "tiny") -> None:
     start = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         if size > 1:
-            logprobs = sequence_parallel_logprobs(model, prompts, completions, mask, GROUP,
-                                                  SequenceParallel(rank=rank, size=size), backend="split")
+            logprobs = sequence_parallel_scores(model, prompts, completions, mask, GROUP,
+                                                SequenceParallel(rank=rank, size=size), backend="split").logprobs
         else:
             logprobs = completion_logprobs(model, prompts, completions, mask, GROUP, backend="split").logprobs
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}

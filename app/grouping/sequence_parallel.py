@@ -38,8 +38,7 @@ from app.grouping.modules import patched, set_text_attention, text_config, unwra
 from app.grouping.positions import check_max_positions, packed_positions, prompt_positions
 from app.grouping.vision.frames import insert_vision, shard_bounds
 
-__all__ = ["SequenceParallel", "SequenceParallelPlan", "check_heads", "sequence_parallel_logprobs",
-           "sequence_parallel_scores", "shard_bounds"]
+__all__ = ["SequenceParallel", "SequenceParallelPlan", "check_heads", "sequence_parallel_scores", "shard_bounds"]
 
 
 @dataclass(frozen=True)
@@ -92,42 +91,30 @@ class SequenceParallelPlan:
     bounds: list[tuple[int, int]]
 
     def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
-        """The attention-plan protocol (``attention.GroupedAttentionPlan.attend``): -> [1, t, H, D]."""
-        return self.shard_attention(query, key, value, scale, dropout).transpose(1, 2).contiguous()
-
-    def shard_attention(self, query, key, value, scale=None, dropout=0.0) -> torch.Tensor:
-        """q [1, H, t, D], k/v [1, Hkv, t, D] of this rank's shard -> [1, H, t, D] (Ulysses)."""
-        size = self.sp.size
-        heads, kv_heads = query.shape[1], key.shape[1]
+        """The attention-plan protocol (``attention.GroupedAttentionPlan.attend``): q [1, H, t, D], k/v [1, Hkv, t, D]
+        of this rank's shard -> [1, t, H, D] (``ulysses``)."""
+        size, heads, kv_heads = self.sp.size, query.shape[1], key.shape[1]
         if heads % size:
             raise LayoutError(f"{heads} attention heads cannot be split over {size} sequence-parallel ranks")
-        if kv_heads % size:
-            if size % kv_heads:
-                raise LayoutError(f"{kv_heads} KV heads cannot be shared out over {size} sequence-parallel ranks")
-            key = key.repeat_interleave(size // kv_heads, dim=1)  # rank r's query heads keep their KV head
-            value = value.repeat_interleave(size // kv_heads, dim=1)
-        lengths = [end - start for start, end in self.bounds]
-        mine = lengths[self.sp.rank]
+        if kv_heads % size and size % kv_heads:
+            raise LayoutError(f"{kv_heads} KV heads cannot be shared out over {size} sequence-parallel ranks")
+        return ulysses(query, key, value, self.sp, [end - start for start, end in self.bounds],
+                       lambda q, k, v: attention.grouped_attention(self.inner, q, k, v, scale, dropout))
 
-        def to_heads(x):  # [1, h, t_mine, D] -> [1, h/S, T, D]
-            return torch.cat(exchange(list(x.chunk(size, dim=1)), lengths, 2, self.sp), dim=2)
 
-        out = attention.grouped_attention(self.inner, to_heads(query), to_heads(key), to_heads(value), scale,
-                                          dropout)
-        back = exchange(list(out.split(lengths, dim=2)), [mine] * size, 2, self.sp)
-        return torch.cat(back, dim=1)
+def ulysses(query, key, value, sp: SequenceParallel, lengths: list[int], attend) -> torch.Tensor:
+    """q [B, H, t_mine, D], k/v [B, Hkv, t_mine, D] of this rank's positions -> [B, t_mine, H, D]: one all-to-all
+    turns positions into heads (this rank's H/S heads, every rank's ``lengths``), ``attend(q, k, v)`` runs on them,
+    the inverse turns its output back. With fewer KV heads than ranks each is repeated first, so rank r's query
+    heads keep theirs."""
+    if key.shape[1] % sp.size:
+        key, value = (x.repeat_interleave(sp.size // x.shape[1], dim=1) for x in (key, value))
+    q, k, v = (torch.cat(exchange(list(x.chunk(sp.size, dim=1)), lengths, 2, sp), dim=2) for x in (query, key, value))
+    out = exchange(list(attend(q, k, v).split(lengths, dim=2)), [lengths[sp.rank]] * sp.size, 2, sp)
+    return torch.cat(out, dim=1).transpose(1, 2).contiguous()
 
 
 # ---- the forward ---------------------------------------------------------------------------------------------
-
-
-def sequence_parallel_logprobs(model, prompts: Mapping, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                               group_sizes: Sequence[int] | int, sp: SequenceParallel, *, backend: str | None = None,
-                               temperature: float = 1.0):
-    """Per-token log-probs [N, Lc] of the completions (0 at padding), equal on every rank of ``sp``, from this
-    rank's shard of the packed row. Every rank of the group must pass the same inputs."""
-    return sequence_parallel_scores(model, prompts, completion_ids, completion_mask, group_sizes, sp,
-                                    backend=backend, temperature=temperature).logprobs
 
 
 def sequence_parallel_scores(model, prompts: Mapping, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
@@ -136,8 +123,9 @@ def sequence_parallel_scores(model, prompts: Mapping, completion_ids: torch.Tens
                              vision_calls: Sequence[str] | None = None, chunk_size: int = 1024,
                              families: Sequence[int] | None = None, routed=None):
     """``completion_logprobs``'s ``CompletionScores`` (log-probs, mask, layout, entropy on request), computed
-    sequence-parallel: equal on every rank of ``sp``. ``vision_calls``: as ``completion_logprobs`` (the tower
-    calls agreed over the world under ZeRO-3; each rank of ``sp`` makes one call per modality either way).
+    sequence-parallel from this rank's shard of the packed row: equal on every rank of ``sp`` (every rank of the group
+    must pass the same inputs). ``vision_calls``: as ``completion_logprobs`` (the tower calls agreed over the world
+    under ZeRO-3; each rank of ``sp`` makes one call per modality either way).
     ``chunk_size``: as ``completion_logprobs`` (> 0: the output head never holds [tokens, vocab] logits).
     ``families``: as ``completion_logprobs`` (questions sharing a video: the family's row, V and its media once).
     ``routed``: a MoE forward's replay, record and router statistics (``experts.plan.Routed``): each rank routes
@@ -244,13 +232,10 @@ def _sequence_parallel_forward(model, prompts, completion_ids, layout: GroupLayo
         local_positions = local_positions[0]
     body = inner.model.language_model if hasattr(inner.model, "language_model") else inner.model
     if routed is not None and routed.shape is not None:
-        from app.grouping.experts.plan import ROUTING_KWARG
         from app.grouping.experts.statistics import token_repeats
 
-        routed.plan_for(routed.replay.for_packed(layout) if routed.replay is not None else None,
-                        token_repeats(layout).to(device))
-        routed.plan = routed.plan.shard(start, end)
-        extra[ROUTING_KWARG] = routed.plan
+        replay = routed.replay.for_packed(layout)[start:end] if routed.replay is not None else None  # this shard's
+        extra.update(routed.plan_for(replay, token_repeats(layout)[start:end].to(device)))
     hidden = body(inputs_embeds=embeds, position_ids=local_positions, attention_mask=None, use_cache=False,
                   **{attention.PLAN_KWARG: plan}, **extra).last_hidden_state[0]  # [t, hidden]
     predict = layout.predict_index.to(device)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from app.common.groups import group_slices
+
 log = logging.getLogger("app.rollout")
 
 @dataclass
@@ -111,8 +113,6 @@ def family_problems(model_type: str, *, engine: str | None = None, sequence_para
 # ---- adapters ----------------------------------------------------------------------------------------------------
 SPLITS = ("families", "spread")  # how a sequence-parallel group shares its rollout (``split_of``)
 SPLIT_SETTINGS = ("auto", *SPLITS)  # rollout.sp_split: auto prices both (``choose_split``), else that one
-
-
 SPREAD_ABOVE = 1.1  # unpriced: whole families must load the busiest rank above this many even shares to spread
 
 
@@ -125,9 +125,7 @@ def split_of(loads: list[float], size: int, spreads: bool) -> str:
     (every rank runs each decode step's linear layers and its exchanges), which only a price sees."""
     if not spreads or size < 2 or not loads:
         return "families"
-    if len(loads) < size:
-        return "spread"
-    return "spread" if busiest_share(loads, size) > SPREAD_ABOVE else "families"
+    return "spread" if len(loads) < size or busiest_share(loads, size) > SPREAD_ABOVE else "families"
 
 
 def choose_split(loads: list[float], size: int, spreads: bool, setting: str = "auto",
@@ -144,8 +142,7 @@ def choose_split(loads: list[float], size: int, spreads: bool, setting: str = "a
     if setting != "auto":
         return setting, f"rollout.sp_split={setting}"
     if priced is None:
-        split = split_of(loads, size, spreads)
-        return split, "by the families' balance (no price)"
+        return split_of(loads, size, spreads), "by the families' balance (no price)"
     spread_s, whole_s = priced(loads, questions or [1] * len(loads), size)
     split = "spread" if spread_s < whole_s else "families"
     return split, f"the planner prices the busiest rank's rollout at {spread_s:.3g} s spread, {whole_s:.3g} s whole"
@@ -236,10 +233,7 @@ class SharedInGroup(RolloutEngine):
                               routing=Routing(empty, empty, ()) if getattr(self.inner, "records_routing", False)
                               else None)
         ranks = gathered(rollout, self.group.gather_in_group, self.pad_id)
-        taken, picks = [0] * size, []
-        for owner in owners:  # each rank's groups back in prompt order
-            picks.append((owner, taken[owner]))
-            taken[owner] += 1
+        picks = [(owner, owners[:i].count(owner)) for i, owner in enumerate(owners)]  # back in prompt order
         whole = select_groups(ranks, picks, self.pad_id, width=max(r.completion_ids.shape[1] for r in ranks))
         whole.parts = dict(rollout.parts)  # where this rank's time went
         return whole
@@ -281,10 +275,8 @@ def family_loads(prompts) -> tuple[list[range], list[int]]:
     one's load: its prompts' tokens."""
     from app.grouping.families import family_sizes
 
-    families, start = [], 0
-    for n in family_sizes([getattr(p, "share", None) for p in prompts]):
-        families.append(range(start, start + n))
-        start += n
+    shares = [getattr(p, "share", None) for p in prompts]
+    families = [range(s.start, s.stop) for s in group_slices(family_sizes(shares))]
     return families, [sum(getattr(prompts[i], "length", 1) for i in f) for f in families]
 
 
@@ -349,10 +341,9 @@ class Recorded(RolloutEngine):
 
     def generate(self, prompts, group_size, seeds, sampling=None):
         rollout = self.inner.generate(prompts, group_size, seeds, sampling)
-        starts = [0, *torch.tensor(rollout.group_sizes).cumsum(0).tolist()]
         lengths = [getattr(p, "length", 0) for p in prompts]
-        for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
-            a, b = starts[i], starts[i + 1]
+        for i, (prompt, seed, rows) in enumerate(zip(prompts, seeds, group_slices(rollout.group_sizes))):
+            a, b = rows.start, rows.stop
             width = max(1, int(rollout.completion_mask[a:b].sum(1).max())) if b > a else 1
             record = getattr(prompt, "record", {}) or {}
             path = self.folder / record_name(prompt_identity(prompt), rollout.group_sizes[i], getattr(prompt, "epoch", 0),

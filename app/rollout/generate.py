@@ -61,10 +61,8 @@ class Rollout:
 STOP_REASONS = ("eos", "length", "stop_string")
 
 
-def _all_done(done_here: bool, synced: bool, device) -> bool:
+def _all_done(done_here: bool, device) -> bool:
     """True when every rank is done; ranks keep stepping together (ZeRO-3 gathers parameters collectively)."""
-    if not synced:
-        return done_here
     import torch.distributed as dist
 
     done = torch.tensor([1.0 if done_here else 0.0], device=device)
@@ -90,9 +88,7 @@ def eos_token_ids(model, tokenizer=None) -> list[int]:
         ids = getattr(text_config(model), "eos_token_id", None)
     if ids is None and tokenizer is not None:
         ids = tokenizer.eos_token_id
-    if ids is None:
-        return []
-    return [int(i) for i in ([ids] if isinstance(ids, int) else ids)]
+    return [] if ids is None else [int(i) for i in ([ids] if isinstance(ids, int) else ids)]
 
 
 @torch.no_grad()
@@ -257,10 +253,7 @@ def _grouped_generate(model, prompts, sizes, sampling, *, tokenizer, eos_ids, pa
                     rows, tokens = rows[keep], tokens[keep]
                     generators = [generators[i] for i in keep.tolist()] if generators is not None else None
                     decoder.keep(keep)
-            if synced:
-                if look and _all_done(done_here, synced, device):
-                    break
-            elif done_here:
+            if (synced and look and _all_done(done_here, device)) or (not synced and done_here):
                 break
             if done_here:
                 decoder.idle_step()  # this rank is done; the others still gather parameters (ZeRO-3)

@@ -45,9 +45,6 @@ class Rows:
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
-    def get(self, name: str):
-        return self.tensors.get(name)
-
     def take(self, index, width: int | None = None) -> Rows:
         """Rows ``index`` (a sequence, range or tensor of row numbers), each tensor of two or more dimensions cut or
         padded to ``width`` (None: as they are)."""
@@ -97,7 +94,7 @@ def prompt_rows(rollout) -> Rows:
 
 def rollout_of(completions: Rows, prompts: Rows, layers: Sequence[int] = (), **rest):
     """The ``Rollout`` of ``completion_rows`` / ``prompt_rows`` (``rest``: group sizes, token counts, parts)."""
-    routing = completions.get("routing")
+    routing = completions.tensors.get("routing")
     return Rollout(completion_ids=completions["completion_ids"], completion_mask=completions["completion_mask"],
                    logprobs=completions["logprobs"], stop_reasons=[STOP_REASONS[c] for c in completions["stop"].tolist()],
                    routing=None if routing is None else Routing(prompts["routing"], routing, tuple(layers)), **rest)

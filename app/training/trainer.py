@@ -265,9 +265,8 @@ def token_counts(layout, grouping: str) -> dict:
 @torch.no_grad()
 def router_counts(trainer, micro_batches: list[MicroBatch]) -> list:
     """Each micro-batch's router sums at the current weights, without gradient (``RouterTerm.start_step``)."""
-    with torch.no_grad():
-        return [trainer.forward(trainer.engine, mb, vision_calls=mb.vision_calls, router_statistics="metrics").router
-                for mb in micro_batches]
+    return [trainer.forward(trainer.engine, mb, vision_calls=mb.vision_calls, router_statistics="metrics").router
+            for mb in micro_batches]
 
 
 def run_self_check(t: GRPOTrainer, mb: MicroBatch) -> None:

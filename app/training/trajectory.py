@@ -94,7 +94,8 @@ class Trajectory:
         for first in range(0, len(self.prompts), groups_per_micro_batch):
             groups = list(range(first, min(first + groups_per_micro_batch, len(self.prompts))))
             rows = torch.tensor([i for g in groups for i in range(slices[g].start, slices[g].stop)], dtype=torch.long)
-            width = last_marked(self.rollout.completion_mask[rows])
+            marked = self.rollout.completion_mask[rows].bool().any(0).nonzero()  # the width keeps every marked token
+            width = int(marked.max()) + 1 if len(marked) else 1
             inputs = (collate_prompts([self.prompts[g].inputs for g in groups], pad_id, device, share=share)
                       if self.trees is None else tree_inputs([self.trees[g] for g in groups], device))
             sizes = [slices[g].stop - slices[g].start for g in groups]
@@ -120,12 +121,6 @@ def rank_name() -> str:
     import torch.distributed as dist
 
     return f"rank {dist.get_rank() if dist.is_available() and dist.is_initialized() else 0}"
-
-
-def last_marked(mask: torch.Tensor) -> int:
-    """1 + the last column any row marks (at least 1): the width that keeps every marked token."""
-    columns = mask.bool().any(0).nonzero()
-    return int(columns.max()) + 1 if len(columns) else 1
 
 
 def tree_inputs(trees: list, device) -> dict:

@@ -148,7 +148,7 @@ class GroupedDecoder:
                         position_ids=positions if positions.shape[0] > 1 else positions[0], use_cache=True,
                         logits_to_keep=1, **vision, **routed)
         if self.routing is not None:
-            self.routing.prefilled(prompts["attention_mask"])
+            self.routing.prompt = self.routing.taken(prompts["attention_mask"])  # the left-padded prompts' record
         return out.past_key_values, prompts["attention_mask"], None, out.logits[:, -1]
 
     @property

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from app.grouping.experts.patch import install
+from app.grouping.experts.plan import ROUTING_KWARG, RoutePlan
+from app.grouping.experts.record import Routing
 from app.grouping.modules import unwrap
 
 
@@ -22,8 +25,6 @@ class DecodeRouting:
     """The routing record of one grouped rollout of ``count`` samples of at most ``limit`` tokens."""
 
     def __init__(self, model, count: int, limit: int, device):
-        from app.grouping.experts.patch import install
-
         shape = install(unwrap(model))
         if shape is None:
             raise ValueError(f"rollout.routing_replay: {type(unwrap(model)).__name__} has no routed experts to record")
@@ -34,8 +35,6 @@ class DecodeRouting:
 
     def kwargs(self) -> dict:
         """The forward keyword argument of one recording forward (a prefill, or one decode step)."""
-        from app.grouping.experts.plan import ROUTING_KWARG, RoutePlan
-
         self.plan = RoutePlan(self.shape.layers, record="append")
         return {ROUTING_KWARG: self.plan}
 
@@ -54,16 +53,11 @@ class DecodeRouting:
         ids = self._stacked(mask.shape[0])[:, : mask.shape[1]]
         return ids.masked_fill(~mask.bool().to(ids.device)[..., None, None], -1)
 
-    def prefilled(self, attention_mask: torch.Tensor) -> None:
-        """After the prefill of the left-padded prompts: their record."""
-        self.prompt = self.taken(attention_mask)
-
     def composed(self, roots, root_records, questions: torch.Tensor, lengths, width: int) -> None:
         """After a prefill in two parts: each prompt's record [B, width, S, k] (left-padded, -1) from its root's
         (``root_records[r]`` [V_r, S, k], the first V_r tokens of each of root r's members) and its question's
         (``questions`` [B, Lq, S, k], left-padded: the rest of the prompt)."""
-        shape = questions.shape[-2:]
-        prompt = questions.new_full((len(lengths), width, *shape), -1)
+        prompt = questions.new_full((len(lengths), width, *questions.shape[-2:]), -1)
         for (members, v), root in zip(roots, root_records):
             for m in members:
                 first, own = width - lengths[m], lengths[m] - v
@@ -75,13 +69,10 @@ class DecodeRouting:
         """The forward keyword argument of a static decode step: one plan per static state ``holder`` (the bucket
         kept across rollouts, or the decoder), copying each layer's ids into its fixed buffer, so the step captured
         as a CUDA graph or compiled records too (``static_stepped`` reads the buffer after each step)."""
-        from app.grouping.experts.plan import ROUTING_KWARG, RoutePlan
-
         plan = getattr(holder, "route_plan", None)
         rows = len(self.rows)
         if plan is None or plan.into.shape[0] != rows:
-            plan = RoutePlan(self.shape.layers, into=torch.full((rows, len(self.shape.layers), self.shape.top_k), -1,
-                                                                dtype=torch.int16, device=self.completion.device))
+            plan = RoutePlan(self.shape.layers, into=self.completion.new_full((rows, *self.completion.shape[2:]), -1))
             holder.route_plan = plan
         return {ROUTING_KWARG: plan}
 
@@ -99,8 +90,6 @@ class DecodeRouting:
 
     def record(self, completion_mask: torch.Tensor):
         """The rollout's ``Routing``: completions cut to the rollout's width, -1 past each one's tokens."""
-        from app.grouping.experts.record import Routing
-
         ids = self.completion[:, : completion_mask.shape[1]]
         ids = ids.masked_fill(~completion_mask.bool().to(ids.device)[..., None, None], -1)
         return Routing(self.prompt, ids, tuple(self.shape.layers))

@@ -30,15 +30,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from app.grouping.collectives import exchange, gather
+from app.grouping import attention
+from app.grouping.collectives import gather
 from app.grouping.decoding.cache import GroupedKVCache, decode_attention
 from app.grouping.decoding.prefill import PrefillChunk, _language_model, prefill_chunk_attention
 from app.grouping.decoding.shared import QuestionPrefill, SharedRoots, _left_padded, rollout_roots
-from app.grouping.sequence_parallel import SequenceParallel, shard_bounds
+from app.grouping.modules import set_text_attention, text_config, unwrap
+from app.grouping.recurrent.spread import RootStates, question_core
+from app.grouping.recurrent.state import RecurrentStates
+from app.grouping.sequence_parallel import SequenceParallel, shard_bounds, ulysses
+from app.grouping.vision.frames import insert_vision
 
 
 def head_share(sp: SequenceParallel, heads: int, kv_heads: int) -> tuple[slice, slice]:
@@ -59,17 +65,6 @@ def gather_heads(local: torch.Tensor, sp: SequenceParallel, dim: int) -> torch.T
     return torch.cat(parts, dim=dim)
 
 
-def _to_heads(x: torch.Tensor, sp: SequenceParallel, lengths: list[int]) -> torch.Tensor:
-    """[B, h, t_mine, D] (all heads, this rank's positions) -> [B, h / S, T, D] (this rank's heads, all)."""
-    return torch.cat(exchange(list(x.chunk(sp.size, dim=1)), lengths, 2, sp), dim=2)
-
-
-def _to_positions(x: torch.Tensor, sp: SequenceParallel, lengths: list[int]) -> torch.Tensor:
-    """The inverse of ``_to_heads``: [B, h / S, T, D] -> [B, h, t_mine, D]."""
-    mine = lengths[sp.rank]
-    return torch.cat(exchange(list(x.split(lengths, dim=2)), [mine] * sp.size, 2, sp), dim=1)
-
-
 @dataclass
 class UlyssesPlan:
     """The attention plan of a piece of a spread prefill: q/k/v of this rank's positions to its heads and back,
@@ -87,13 +82,9 @@ class UlyssesPlan:
         return ulysses_linear(module, hidden_states, self.sp, self.lengths, self.linear_heads)
 
     def attend(self, module, query, key, value, *, scale=None, dropout=0.0) -> torch.Tensor:
-        size = self.sp.size
-        if key.shape[1] % size:  # fewer KV heads than ranks: each repeated so rank r's query heads keep theirs
-            key = key.repeat_interleave(size // key.shape[1], dim=1)
-            value = value.repeat_interleave(size // value.shape[1], dim=1)
-        q, k, v = (_to_heads(x, self.sp, self.lengths) for x in (query, key, value))
-        out = self.attend_heads(module.layer_idx, q, k, v, query.shape[-1] ** -0.5 if scale is None else scale)
-        return _to_positions(out, self.sp, self.lengths).transpose(1, 2).contiguous()
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        return ulysses(query, key, value, self.sp, self.lengths,
+                       lambda q, k, v: self.attend_heads(module.layer_idx, q, k, v, scale))
 
 
 class RootStore:
@@ -154,9 +145,7 @@ def _local_extra(extra: dict, start: int, end: int) -> dict:
 def _run_language(model, embeds, positions, plan, extra: dict, *, routing=None):
     """The decoder stack on some positions under ``plan`` (no cache, no mask: the plan is the attention): (the last
     hidden states, and with ``routing`` (``routing.DecodeRouting``) the experts of the plan's rank pieces gathered
-    over the group ([rows, sum(plan.lengths), S, k] on every rank; else None))."""
-    from app.grouping import attention
-
+    over the group ([rows, sum(plan.lengths), S, k] on every rank, in rank order; else None))."""
     language = _language_model(model)
     pos = positions if positions.shape[0] > 1 else positions[0]
     routed = routing.kwargs() if routing is not None else {}
@@ -164,16 +153,8 @@ def _run_language(model, embeds, positions, plan, extra: dict, *, routing=None):
                       **{attention.PLAN_KWARG: plan}, **extra, **routed).last_hidden_state
     if routing is None:
         return hidden, None
-    rows = embeds.shape[0]
-    return hidden, gather_positions(routing.taken(embeds.new_ones((rows, embeds.shape[1]))), plan.sp)
-
-
-def gather_positions(local: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
-    """Every rank's ``local`` [rows, its piece's length, ...] (its piece of the positions), concatenated in rank
-    order on every rank: [rows, sum of the lengths, ...] (a spread prefill's routing record)."""
-    if sp.size == 1:
-        return local
-    return torch.cat([part[0] for part in gather([local], sp.group)], dim=1)
+    local = routing.taken(embeds.new_ones(embeds.shape[:2]))  # this rank's piece of the positions
+    return hidden, local if plan.sp.size == 1 else torch.cat([p[0] for p in gather([local], plan.sp.group)], dim=1)
 
 
 def root_prefill(model, ids: torch.Tensor, positions: torch.Tensor, vision: dict, *, sp: SequenceParallel,
@@ -181,16 +162,11 @@ def root_prefill(model, ids: torch.Tensor, positions: torch.Tensor, vision: dict
     """One root (ids [V], positions [axes, V]) prefilled spread over ``sp``: its K/V of this rank's heads, and the
     positions this rank ran through the layers. ``routing``: its experts recorded, the whole root's
     [V, S, k] on every rank (``store.routing``)."""
-    from app.grouping.modules import unwrap
-    from app.grouping.vision.frames import insert_vision
-
     inner = unwrap(model)
     embeds = inner.get_input_embeddings()(ids[None])
     extra = {}
     if vision:
         embeds, extra = insert_vision(model, vision, ids, (0, ids.shape[0]), embeds, sp)
-    from app.grouping.recurrent.spread import RootStates
-
     store, ran, records = RootStore(ids.shape[0]), 0, []
     store.states = RootStates()  # a hybrid's GDN states of this rank's heads, chunk to chunk
     for start, end in _pieces(ids.shape[0], chunk_size, sp.size):
@@ -218,22 +194,7 @@ class QuestionStore:
 
     def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
         self.keys[layer], self.values[layer] = k, v
-
-        class _Layer:
-            layer_idx = layer
-
-        return self.prefill.attend(_Layer, q, k, v, scale=scale).transpose(1, 2)
-
-
-@dataclass
-class _Layer:
-    keys: torch.Tensor
-    values: torch.Tensor
-
-
-@dataclass
-class _Past:
-    layers: list
+        return self.prefill.attend(SimpleNamespace(layer_idx=layer), q, k, v, scale=scale).transpose(1, 2)
 
 
 def spread_prefill(model, prompts: dict, families: Sequence[int], positions: torch.Tensor, *, head, chunk_size: int,
@@ -245,19 +206,13 @@ def spread_prefill(model, prompts: dict, families: Sequence[int], positions: tor
     recorded (each rank routes its pieces; the record is gathered, whole on every rank)."""
     from app.grouping.decoding.static import padded_left
     from app.grouping.families import media_items, vision_of_items
-    from app.grouping.modules import set_text_attention, unwrap
 
     ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
     width, device = ids.shape[1], ids.device
     lengths = mask.sum(1).tolist()
     roots = rollout_roots(model, prompts, families, questions_without_media=True)
     items = media_items(model, prompts)
-    from app.grouping import attention
-
     set_text_attention(model, attention.ATTENTION_NAME)
-    from app.grouping.modules import text_config
-    from app.grouping.recurrent.state import RecurrentStates
-
     layer_count = text_config(model).num_hidden_layers
     keys, values, root_masks, group_root, ran, root_states, root_records = [], [], [], {}, 0, [], []
     q_ids, q_pos = {}, {}
@@ -303,8 +258,6 @@ def spread_prefill(model, prompts: dict, families: Sequence[int], positions: tor
     pos = _left_padded([q_pos[m] for m in order], width=q_width)
     bounds = shard_bounds(q_width, sp.size)
     lo, hi = bounds[sp.rank]
-    from app.grouping.recurrent.spread import question_core
-
     questions = QuestionStore(QuestionPrefill(shared, q_mask))
     kept_states: dict = {}
     plan = UlyssesPlan(sp, [b - a for a, b in bounds], questions.attend,
@@ -320,8 +273,9 @@ def spread_prefill(model, prompts: dict, families: Sequence[int], positions: tor
         dist.broadcast(last, src=holder, group=sp.group)
     with head.installed():
         logits = unwrap(model).lm_head(last)
-    past = _Past([_Layer(questions.keys.get(layer), questions.values.get(layer)) for layer in range(layer_count)])
-    past.recurrent = RecurrentStates(kept_states)  # the questions' GDN states: what each sample continues
+    layers = [SimpleNamespace(keys=questions.keys.get(layer), values=questions.values.get(layer))
+              for layer in range(layer_count)]
+    past = SimpleNamespace(layers=layers, recurrent=RecurrentStates(kept_states))  # the questions' GDN states
     return past, q_mask, shared, logits, ran
 
 

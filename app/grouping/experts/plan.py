@@ -63,12 +63,6 @@ class RoutePlan:
         self.calls: list[list[torch.Tensor]] = [[] for _ in self.layers]
         self.differs: torch.Tensor | None = None
 
-    def shard(self, start: int, end: int) -> RoutePlan:
-        """The plan of a shard [start, end) of this forward's tokens (sequence parallelism)."""
-        return RoutePlan(self.layers, replay=None if self.replay is None else self.replay[start:end],
-                         weights=None if self.weights is None else self.weights[start:end], grad=self.grad,
-                         record=self.record)
-
     def route(self, router, hidden_states: torch.Tensor, layer: int):
         """Route one sparse layer's tokens through ``router`` (``HFRouter`` or ``EPRouter``): (logits [T, E], gate
         weights [T, k], expert ids [T, k]), replayed, recorded and counted as the plan says."""
@@ -104,8 +98,8 @@ class RoutePlan:
 
     def recorded(self) -> torch.Tensor:
         """[T, S, k] int16: the ids every sparse layer used."""
-        if any(i is None for i in self.indices):
-            missing = [layer for layer, i in zip(self.layers, self.indices) if i is None]
+        missing = [layer for layer, i in zip(self.layers, self.indices) if i is None]
+        if missing:
             raise RoutingError(f"sparse layers {missing} were not reached by the forward")
         return torch.stack(self.indices, dim=1)
 
@@ -153,9 +147,7 @@ class Routed:
         its [T, S, k] ids into a ``Routing``; the tie gap (``tie_gap``, a replay only) over every sparse layer."""
         if self.plan is None:
             return None, None, None
-        stats = self.plan.statistics(self.shape.top_k) if self.statistics != "off" else None
-        return (stats, to_record(self.plan.recorded()) if self.record else None,
-                float(self.plan.overruled if self.plan.overruled is not None else 0.0) if self.replay is not None
-                else None)
+        gap = None if self.replay is None else float(self.plan.overruled if self.plan.overruled is not None else 0.0)
+        return self.plan.statistics(self.shape.top_k), to_record(self.plan.recorded()) if self.record else None, gap
 
 

@@ -45,8 +45,7 @@ class Routing:
     def for_repeated(self, group_sizes: Sequence[int]) -> torch.Tensor:
         """[N * (Lp + Lc), S, k]: the repeated rows [P_g(n); R_n], flattened as the model flattens its tokens."""
         group = torch.repeat_interleave(torch.arange(len(group_sizes)), torch.tensor(list(group_sizes)))
-        rows = torch.cat([self.prompt[group.to(self.prompt.device)], self.completion], dim=1)
-        return rows.flatten(0, 1)
+        return torch.cat([self.prompt[group.to(self.prompt.device)], self.completion], dim=1).flatten(0, 1)
 
     @staticmethod
     def from_packed(layout, packed: torch.Tensor, layers: Sequence[int]) -> Routing:
@@ -85,9 +84,7 @@ def check_routing(routing: Routing, shape: ExpertShape, prompt_mask: torch.Tenso
     """Refuse a record that cannot be replayed on these tokens, naming the prompt: another shape, another model's
     layers or top-k, an expert id out of range, or a real token without a record (each completion's LAST token may
     lack one: the rollout never fed it back, and no log-prob depends on its routing)."""
-    b, lp = prompt_mask.shape
-    n, lc = completion_mask.shape
-    s, k = len(shape.layers), shape.top_k
+    (b, lp), (n, lc), s, k = prompt_mask.shape, completion_mask.shape, len(shape.layers), shape.top_k
     if tuple(routing.layers) != tuple(shape.layers) or routing.top_k != k:
         raise RoutingError(f"the routing record is of sparse layers {list(routing.layers)} with top-{routing.top_k}; "
                            f"this model routes layers {list(shape.layers)} with top-{k}")
