@@ -90,6 +90,13 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+def norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||: the gradient measure of the hybrid families (a decay parameter's gradient, one number per
+    head summed over every token with cancellation, carries float32's rounding of each token's term: transformers
+    computes g in float32 even in a float64 model)."""
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
 def run_and_grad(model, prompts, ids, mask, group_sizes, mode, backend=None):
     from app.grouping import completion_logprobs
 

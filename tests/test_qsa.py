@@ -14,7 +14,7 @@ from app.grouping import GroupLayout, completion_logprobs
 from app.grouping.recurrent.segments import layout_segments
 from app.grouping.sparse import layer as sparse_layer
 from app.grouping.sparse.selection import BatchGeometry, reference
-from tests.helpers import load, prompt_batch, random_completions, tokenizer_of
+from tests.helpers import load, norm_rel, prompt_batch, random_completions, tokenizer_of
 
 FAMILY = "qwen4_exp"
 
@@ -160,13 +160,6 @@ def test_batch_geometry_ranks_and_predecessors_follow_the_real_tokens(layout):
     assert geometry.ranks.tolist() == [-1, -1, 0, 1, 2, 0, 1, 2, 3, 4]
     back = geometry.predecessors(2)
     assert back[4].tolist() == [3, 2] and back[2].tolist() == [-1, -1] and back[9].tolist() == [8, 7]
-
-
-def norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b||: the issue's gradient measure (a decay parameter's gradient, one number per head summed over
-    every token with cancellation, carries float32's rounding of each token's term: transformers computes g in
-    float32 even in a float64 model)."""
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])

