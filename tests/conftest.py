@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,6 +46,9 @@ def _cpu_seconds() -> float:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     item._cpu_start = _cpu_seconds()  # from setup: a module fixture's launches count for the test that builds them
+    # where and when it ran (junit XML): the two workers' timelines, to see where a core stood idle
+    item.user_properties += [("worker", os.environ.get("PYTEST_XDIST_WORKER", "main")),
+                             ("started", round(time.time(), 1))]
     yield
 
 

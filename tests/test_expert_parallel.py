@@ -284,15 +284,16 @@ def test_processes_at_ep2_sample_score_and_step_as_ep1(family, world, tmp_path, 
     assert first["moved"][0] == first["moved"][1] and first["experts_moved"] > 0 and first["routers_moved"] > 0
 
 
-@pytest.mark.slow  # four launches of 2 processes and one of eval.sh (about 2 minutes on 2 cores)
+@pytest.mark.slow  # four launches of 2 processes (about 1.5-2 minutes on 2 cores)
 @pytest.mark.distributed
-def test_the_launcher_at_ep2_trains_as_ep1_resumes_after_kill_and_evaluates(tmp_path):
+def test_the_launcher_at_ep2_trains_as_ep1_and_resumes_after_kill(tmp_path):
     """scripts/train.sh, 2 processes under ZeRO-3, Qwen3.5-MoE (Gated DeltaNet layers, a shared expert), video data,
     the routers training with the load-balancing loss and routing replay on (r3), 3 steps: EP = 2 reaches EP = 1's
-    weights (1e-4), every step logs the routing agreement and the mismatch, and scripts/plot_metrics.sh draws them;
-    EP = 2 killed with -9 at a random time and resumed ends at the uninterrupted run's weights bit for bit; its
-    checkpoints record the size (a resume at another is refused: ``check_layout``, above); scripts/eval.sh scores
-    its export (the checkpoint's own layout). Questions sharing a video under EP: the 2-process worker above."""
+    weights (1e-4) and exports in the checkpoint's own names and layout, every step logs the routing agreement and
+    the mismatch; EP = 2 killed with -9 at a random time and resumed ends at the uninterrupted run's weights bit for
+    bit; its checkpoints record the size (a resume at another is refused: ``check_layout``, above). Questions sharing
+    a video under EP: the 2-process worker above. scripts/plot_metrics.sh drawing the replay metrics and
+    scripts/eval.sh scoring an MoE export: ``tests/test_experts_train.py``."""
     from app.data.synthetic import generate
     from tests.helpers import killed_at_random
     from tests.test_experts_train import assert_close_weights, metrics
@@ -300,7 +301,7 @@ def test_the_launcher_at_ep2_trains_as_ep1_resumes_after_kill_and_evaluates(tmp_
 
     family = "qwen3_5_moe"
     checkpoint = build_tiny_checkpoint(tmp_path / family, family)
-    data = generate(tmp_path / "data", train=8, heldout=4, seed=0)
+    data = generate(tmp_path / "data", train=8, heldout=0, seed=0)
     plugin = tmp_path / "varied.py"  # rewards that differ within every group: the weights really move
     plugin.write_text("def varied(completions, records):\n    return [len(c) % 5 / 4 for c in completions]\n")
     assets = {"checkpoint": checkpoint, "train": data["train"], "plugin": f"{plugin}:varied"}
@@ -326,9 +327,6 @@ def test_the_launcher_at_ep2_trains_as_ep1_resumes_after_kill_and_evaluates(tmp_
     rows = metrics(tmp_path / "ep2")
     assert len(rows) == 3 and all(0 <= r["routing/replay_differs"] <= 1 and r["mismatch/max_ratio"] >= 1
                                   and r["router/aux_loss"] > 0 for r in rows)
-    drawn = subprocess.run(["bash", "scripts/plot_metrics.sh", str(tmp_path / "ep2" / "metrics.jsonl"),
-                            str(tmp_path / "curves.png")], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert drawn.returncode == 0 and (tmp_path / "curves_replay.png").stat().st_size > 10000, drawn.stderr
     states = [json.loads(p.read_text()) for p in (tmp_path / "ep2" / "checkpoints").glob("step-*/trainer_state_rank*")]
     assert states and {s["expert_parallel_size"] for s in states} == {2}
 
@@ -338,9 +336,6 @@ def test_the_launcher_at_ep2_trains_as_ep1_resumes_after_kill_and_evaluates(tmp_
     got = weights(killed / "final")
     for name in ep2:
         torch.testing.assert_close(got[name], ep2[name], rtol=0, atol=0, msg=name)
-    run(["bash", "scripts/eval.sh", str(killed / "final"), str(data["heldout"]),
-         f"eval.output_dir={tmp_path / 'eval'}", "eval.max_new_tokens=4"], env={"NPROC_PER_NODE": "1"})
-    assert json.loads((tmp_path / "eval" / "summary.json").read_text())
 
 
 # ---- the planner ------------------------------------------------------------------------------------------------
