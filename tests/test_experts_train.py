@@ -98,12 +98,13 @@ def test_grouped_and_repeated_moe_training_reach_the_same_weights_and_router_met
     assert (tmp_path / "curves.png").stat().st_size > 0 and (tmp_path / "curves_router.png").stat().st_size > 10000
 
 
-@pytest.mark.slow  # two launches of 2 processes and an evaluation (about 45 s on 2 cores)
+@pytest.mark.slow  # two launches of 2 processes (and an evaluation: about 45 s on 2 cores)
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_two_processes_under_zero3_equal_zero2_with_k2_and_evaluate(family, moe_assets, tmp_path):
+def test_two_processes_under_zero3_equal_zero2_with_k2(family, moe_assets, tmp_path):
     """scripts/train.sh, 2 processes, each rank its own prompts (so the ranks route differently), k = 2 questions
-    on one video, 3 steps: ZeRO-3 reaches ZeRO-2's weights (1e-4); scripts/eval.sh scores its export. Killed with -9
-    and resumed under ZeRO-3: Qwen3-VL-MoE in
+    on one video, 3 steps: ZeRO-3 reaches ZeRO-2's weights (1e-4); scripts/eval.sh scores Qwen3.5-MoE's export
+    (Qwen3-VL-MoE's, in the released layout, loads back and serves in vLLM: ``tests/test_experts_loading.py``).
+    Killed with -9 and resumed under ZeRO-3: Qwen3-VL-MoE in
     ``test_routing_replay_through_the_launcher_under_zero3_resumes_after_kill_and_is_drawn`` (its routing record
     replayed), Qwen3.5-MoE at EP = 2 in ``tests/test_expert_parallel.py`` (replayed too), the dense Qwen3.5 in
     ``tests/test_recurrent.py``."""
@@ -118,10 +119,11 @@ def test_two_processes_under_zero3_equal_zero2_with_k2_and_evaluate(family, moe_
     assert_close_weights(weights(tmp_path / "zero3" / "final"), weights(tmp_path / "zero2" / "final"), initial, 1e-4)
     assert metrics(tmp_path / "zero3")[-1]["tokens/shared_video"] > 0
 
-    run(["bash", "scripts/eval.sh", str(tmp_path / "zero3" / "final"), str(moe_assets["heldout"]),
-         f"eval.output_dir={tmp_path / 'eval'}", "eval.max_new_tokens=4"], env={"NPROC_PER_NODE": "1"})
-    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
-    assert summary, "scripts/eval.sh wrote an empty summary"
+    if family == "qwen3_5_moe":
+        run(["bash", "scripts/eval.sh", str(tmp_path / "zero3" / "final"), str(moe_assets["heldout"]),
+             f"eval.output_dir={tmp_path / 'eval'}", "eval.max_new_tokens=4"], env={"NPROC_PER_NODE": "1"})
+        summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+        assert summary, "scripts/eval.sh wrote an empty summary"
 
 
 @pytest.mark.slow  # two launches of 2 processes (about 30 s)
