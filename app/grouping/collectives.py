@@ -1,7 +1,9 @@
 """Collectives of a sequence-parallel group with the gradients each one needs: an all-to-all of pieces that may
 differ in length (``exchange``, Ulysses' turn of sequence shards into head shards and back, for attention and for
-Gated DeltaNet layers alike) and the sum of per-rank scores (``SumScored``). ``sp`` is a
-``sequence_parallel.SequenceParallel`` (its ``group``); this module imports nothing of the grouping core.
+Gated DeltaNet layers alike), the whole row of a sharded tensor (``whole_row``: QSA's keys and values), the rows of
+other shards that a shard's windows read (``fetch_rows``: PLE's conv along each token's path) and the sum of
+per-rank scores (``SumScored``). ``sp`` is a ``sequence_parallel.SequenceParallel`` (its ``group``); this module
+imports nothing of the grouping core.
 """
 
 from __future__ import annotations
@@ -90,3 +92,25 @@ def gather(tensors: list[torch.Tensor], group, device=None) -> list[list[torch.T
         for r, part in enumerate(parts):
             out[r].append(part[tuple(slice(0, n) for n in rows[r][i][1: 1 + dims])].to(t.device, t.dtype))
     return out
+
+
+def whole_row(x: torch.Tensor, lengths: list[int], dim: int, sp) -> torch.Tensor:
+    """Every rank's shard of a row (``lengths[r]`` positions along ``dim`` on rank r) joined in rank order, on every
+    rank: the whole row. Differentiable: each shard's gradient is the sum of what every rank's use of it sends back."""
+    return torch.cat(exchange([x] * sp.size, lengths, dim, sp), dim=dim)
+
+
+def fetch_rows(local: torch.Tensor, wanted: torch.Tensor, bounds: list[tuple[int, int]], sp) -> torch.Tensor:
+    """Rows ``wanted`` (positions of the whole row, ascending, none of them this rank's) of a tensor whose rows are
+    sharded by ``bounds`` (rank r holds ``local`` = rows bounds[r][0] .. bounds[r][1] - 1), from the ranks that hold
+    them -> [len(wanted), ...]. Every rank of the group calls it (with its own ``wanted``, empty or not).
+    Differentiable: the rows' gradients go back to their holders."""
+    start, end = bounds[sp.rank]
+    marked = torch.cat([wanted.new_full((1,), -1), wanted.long()])  # never empty on the wire
+    lists = [part[0][1:] for part in gather([marked], sp.group)]
+    if not any(len(theirs) for theirs in lists):
+        return local[:0]
+    pieces = [local.index_select(0, (theirs[(theirs >= start) & (theirs < end)] - start).to(local.device))
+              for theirs in lists]
+    receive = [int(((wanted >= s) & (wanted < e)).sum()) for s, e in bounds]
+    return torch.cat(exchange(pieces, receive, 0, sp))  # holders in rank order: ``wanted``'s own order

@@ -7,6 +7,10 @@ a contiguous 1/S shard of it, and together give the log-probs the one-rank group
   With fewer KV heads than S (Qwen2.5-VL-7B: 4 KV heads, 28 query heads) each KV head is repeated S/Hkv times
   first, so rank r's query heads keep their own KV head. gloo's all-to-all needs equal pieces: shards are padded
   to the longest for the exchange and the padding is dropped on arrival (never attended to).
+- **Other layer kinds.** Gated DeltaNet layers go through the same all-to-all over their heads
+  (``recurrent.layer``); Qwen3.8-Flash-Next's QSA layers keep the shard's queries and join the whole row's keys and
+  values instead (``sparse.layer``); its PLE layer hashes along the whole row's ids and fetches the few conv inputs
+  its windows read from other shards (``recurrent.ngrams``); experts and hyper-connections act per token.
 - **Positions.** The packed row's ids (M-RoPE included) are computed once for the whole row, as on one rank, and
   each rank takes its slice: they are exact by construction.
 - **Vision tower.** Split by frames across the S ranks and summed into the full table on every rank
@@ -63,11 +67,13 @@ class SequenceParallel:
 def check_heads(config, size: int) -> None:
     """Refuse, before any work, a model whose heads cannot be shared out over ``size`` ranks: query heads must
     divide by S, and KV heads too or S by them (each KV head then repeated); a hybrid model's linear-attention
-    (Gated DeltaNet) key heads and value heads must each divide by S (``recurrent.layer``: Ulysses over them)."""
+    (Gated DeltaNet) key heads and value heads must each divide by S (``recurrent.layer``: Ulysses over them).
+    QSA layers (``indexer_budget``: Qwen3.8-Flash-Next) keep the sequence split (``sparse.layer``): no head rule."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if heads % size or (kv_heads % size and size % kv_heads):
+    qsa = getattr(text, "indexer_budget", None)
+    if not qsa and (heads % size or (kv_heads % size and size % kv_heads)):
         raise ValueError(f"sequence parallelism over {size} ranks needs the {heads} query heads divisible by {size} "
                          f"and the {kv_heads} KV heads divisible by it or dividing it; this model has "
                          f"{heads} query heads and {kv_heads} KV heads (train.sequence_parallel_size={size})")
@@ -230,6 +236,8 @@ def _sequence_parallel_forward(model, prompts, completion_ids, layout: GroupLayo
     local_positions = positions[..., start:end]
     if local_positions.shape[0] == 1:
         local_positions = local_positions[0]
+    if getattr(text_config(model), "ple_layer_ids", None):  # PLE hashes along the whole row (``recurrent.ngrams``)
+        extra["ple_input_ids"] = input_ids[None]
     body = inner.model.language_model if hasattr(inner.model, "language_model") else inner.model
     if routed is not None and routed.shape is not None:
         from app.grouping.experts.statistics import token_repeats

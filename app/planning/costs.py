@@ -265,6 +265,14 @@ def backward_transients(shape: Shape, work: Workload, *, chunk: int, dtype_bytes
             "end": end}
 
 
+def qsa_joined(shape: Shape, tokens: int, dtype_bytes: int, sequence_parallel: int) -> float:
+    """Bytes a QSA layer holds beyond its 1/S share under sequence parallelism: it joins the whole row's keys and
+    values (``grouping.sparse.layer``), saved for its backward; 0 for other layers and at S = 1."""
+    if not shape.index_budget or sequence_parallel == 1:
+        return 0.0
+    return tokens * 2 * shape.kv_heads * shape.head_dim * dtype_bytes * (1 - 1 / sequence_parallel)
+
+
 def training_activations(shape: Shape, work: Workload, *, backend: str, dtype_bytes: int, checkpointing: bool,
                          chunk: int, trains_head: bool = True, sequence_parallel: int = 1,
                          entropy: bool = True) -> dict:
@@ -275,11 +283,13 @@ def training_activations(shape: Shape, work: Workload, *, backend: str, dtype_by
     # checkpointing: each layer keeps only its input; the backward recomputes one layer at a time
     kept = shape.layers * tokens * shape.hidden * dtype_bytes if checkpointing else shape.layers * per_layer
     recompute = per_layer if checkpointing else 0.0
+    joined = qsa_joined(shape, tokens, dtype_bytes, sequence_parallel)
     saved = (kept + model_saved(shape, work, backend, dtype_bytes)) / sequence_parallel
+    saved += 0.0 if checkpointing else shape.attention_layers * joined
     t = backward_transients(shape, work, chunk=chunk, dtype_bytes=dtype_bytes, trains_head=trains_head,
                             backend=backend, entropy=entropy)
-    peak = max(saved + t["forward_head"], saved + t["head"], saved + (recompute + t["layer"]) / sequence_parallel,
-               t["end"])
+    peak = max(saved + t["forward_head"], saved + t["head"],
+               saved + (recompute + t["layer"]) / sequence_parallel + (joined if checkpointing else 0.0), t["end"])
     return {"saved": saved, "per_layer": per_layer / sequence_parallel, "recompute": recompute / sequence_parallel,
             "transients": t, "peak": peak}
 

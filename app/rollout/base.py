@@ -94,13 +94,13 @@ VLLM_QWEN4_ON_CPU = ("vLLM 0.32's Qwen4Exp runs on CUDA only: on CPU its QSA lay
                      "FlashAttention' and, before that, its PLE table with pinned host memory")
 
 
-def family_problems(model_type: str, *, engine: str | None = None, sequence_parallel: int = 1,
-                    setting: str = "rollout.engine") -> list[str]:
+def family_problems(model_type: str, *, engine: str | None = None, setting: str = "rollout.engine") -> list[str]:
     """What a run of a ``model_type`` checkpoint cannot do yet, one phrase each naming the setting (empty: it can):
     asked by the preflight of train and SFT and by evaluation, before any weight is read. Qwen3.8-Flash-Next
     (``qwen4_exp``) trains grouped and samples through HF generate (its QSA indexer vectorised); the grouped decoder
     does not decode its QSA, PLE and hyper-connection layers yet, nothing here pushes its weights to vLLM, and vLLM
-    0.32's model of it runs on CUDA only (``VLLM_QWEN4_ON_CPU``); its sequence-parallel forward is not built."""
+    0.32's model of it runs on CUDA only (``VLLM_QWEN4_ON_CPU``). Under sequence parallelism it trains (the forward
+    split over the ranks) and samples whole families per rank through HF generate (``rollout.sp_split=families``)."""
     from app.runtime.models import QSA_FAMILIES
 
     out = []
@@ -112,9 +112,6 @@ def family_problems(model_type: str, *, engine: str | None = None, sequence_para
         if engine == "vllm":
             out.append(f"'{setting}'=vllm does not sample a {model_type} checkpoint yet (no weight push for it here, "
                        f"and {VLLM_QWEN4_ON_CPU}); set {setting}=hf (HF generate, with the vectorised QSA indexer)")
-        if sequence_parallel > 1:
-            out.append(f"'train.sequence_parallel_size'={sequence_parallel} is not built for {model_type} (its QSA "
-                       "layers' selection and PLE windows are not split over ranks); set it to 1")
     return out
 
 

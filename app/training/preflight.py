@@ -50,8 +50,7 @@ def check_model_settings(cfg: Config) -> None:
     from app.rollout.base import family_problems
 
     model_type = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("model_type", "?")
-    for problem in family_problems(model_type, engine=cfg.rollout.engine,
-                                   sequence_parallel=cfg.train.sequence_parallel_size):
+    for problem in family_problems(model_type, engine=cfg.rollout.engine):
         raise ConfigError(f"{problem} ({cfg.model.path})")
     if cfg.grpo.router_aux_loss_coef > 0 and cfg.rollout.tools and expert_shape_of(cfg.model.path) is not None:
         raise ConfigError(f"'grpo.router_aux_loss_coef'={cfg.grpo.router_aux_loss_coef} needs router sums, which "

@@ -8,11 +8,14 @@ prompts (per prompt the video it asks about, -1 text) packed as families, each c
 the same families AND the one-rank per-question forward (k = 1), under "k1_logprob" / "k1_grad"; lora: a LoRA rank,
 the base frozen; "flash" among the backends runs flash-attn's varlen call played by SDPA). Every rank builds the
 same prompts and completions; rank 0 writes the largest relative log-prob and gradient differences (gradients: the
-SP ranks' parts summed) per backend, and which parameters got no gradient.
+SP ranks' parts summed) per backend, and which parameters got no gradient. A model with QSA layers (Qwen3.8-Flash-Next)
+also writes, under "selection", whether every rank's queries chose the keys the one-rank forward's chose in every
+QSA layer, and looked up the same n-gram rows in every PLE layer (first backend), and how many queries dropped keys.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -96,19 +99,25 @@ def _compare(spec: dict, model, prompts, families, sizes) -> None:
         objective(scores).backward()
         return scores, {n: p.grad.clone() for n, p in params.items()}
 
+    qsa = bool(getattr(model.config.get_text_config(), "indexer_budget", None))
     report = {}
     for backend in spec.get("backends") or usable_backends("cpu"):
-        scores, ref_grads = one_rank(backend, families)
+        probe = qsa and "selection" not in report
+        with recorded(model, probe) as ref_choices:
+            scores, ref_grads = one_rank(backend, families)
         ref = scores.logprobs
         model.zero_grad(set_to_none=True)
-        if moe:  # through completion_logprobs, as the trainer asks for the routers' sums
-            mine = completion_logprobs(model, prompts, ids, mask, sizes, backend=backend, return_entropy=True,
-                                       chunk_size=spec.get("chunk_size", 1024), families=families,
-                                       sequence_parallel=sp, router_statistics="loss", record_routing=True)
-        else:
-            mine = sequence_parallel_scores(model, prompts, ids, mask, sizes, sp, backend=backend,
-                                            return_entropy=True, chunk_size=spec.get("chunk_size", 1024),
-                                            families=families)
+        with recorded(model, probe) as sp_choices:
+            if moe:  # through completion_logprobs, as the trainer asks for the routers' sums
+                mine = completion_logprobs(model, prompts, ids, mask, sizes, backend=backend, return_entropy=True,
+                                           chunk_size=spec.get("chunk_size", 1024), families=families,
+                                           sequence_parallel=sp, router_statistics="loss", record_routing=True)
+            else:
+                mine = sequence_parallel_scores(model, prompts, ids, mask, sizes, sp, backend=backend,
+                                                return_entropy=True, chunk_size=spec.get("chunk_size", 1024),
+                                                families=families)
+        if probe:
+            report["selection"] = same_choices(ref_choices, sp_choices, mine.layout.total_len, sp)
         got = mine.logprobs
         objective(mine).backward()
         grads = {}
@@ -165,6 +174,33 @@ def _compare(spec: dict, model, prompts, families, sizes) -> None:
     if rank == 0:
         with open(spec["out"], "w") as f:
             json.dump({"size": size, "report": report}, f)
+
+
+def recorded(model, on: bool):
+    """``checks.sparse.recorded_choices`` when ``on`` (the QSA key masks and PLE lookups of the block), else None."""
+    from app.grouping.checks.sparse import recorded_choices
+
+    return recorded_choices(model) if on else contextlib.nullcontext(None)
+
+
+def same_choices(whole: dict, mine: dict, total: int, sp) -> dict:
+    """This rank's shard of every QSA layer's key masks and every PLE layer's n-gram rows against the one-rank
+    forward's rows for the same positions; the verdicts agreed over the group (every rank's must hold)."""
+    from app.grouping.checks.sparse import by_layer
+    from app.grouping.sequence_parallel import shard_bounds
+
+    start, end = shard_bounds(total, sp.size)[sp.rank]
+    ref_layers, sp_layers = by_layer(whole["qsa"], total), by_layer(mine["qsa"], end - start)
+    qsa = len(ref_layers) == len(sp_layers) > 0 and all(
+        torch.equal(a[0][start:end], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ref_layers, sp_layers))
+    ngram = len(whole["ngram"]) == len(mine["ngram"]) > 0 and all(
+        torch.equal(a.reshape(total, -1)[start:end], b.reshape(end - start, -1))
+        for a, b in zip(whole["ngram"], mine["ngram"]))
+    dropped = sum(int((m.sum(1) < ranks[:total] + 1).sum()) for m, ranks, _ in ref_layers)  # fewer than it sees
+    verdict = torch.tensor([int(qsa), int(ngram)])
+    dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+    return {"qsa_equal": bool(verdict[0]), "ngram_equal": bool(verdict[1]), "layers": len(ref_layers),
+            "ple_calls": len(whole["ngram"]), "dropped_queries": dropped}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ last tokens and convolve R1's tail. Here both read the token's path (``Segments.
 back along [ancestors; its segment], what [P;Ri] holds before it; none before a root, where transformers has its EOS
 context and zero conv inputs): the n-gram of P's last tokens and Ri's first is that of [P;Ri], for every Ri.
 
+Under sequence parallelism (a plan with ``sp`` and ``bounds``) each rank runs its shard's tokens: the n-gram ids from
+the whole row's ids (the body hands every rank all of them), the conv's inputs at path positions another rank holds
+fetched from it (``collectives.fetch_rows``: a few rows per segment start and shard edge; their gradients go back).
+
 The layer runs grouped when its decoder layer carries a training plan (``attention.PLAN_KWARG``, which survives
 activation checkpointing's recompute): ``install`` patches each decoder layer holding a PLE to hand the plan to it
 for the call, chained with the other instance patches of the layer. Without a plan the class's forward runs.
@@ -21,6 +25,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from app.grouping.collectives import fetch_rows
 from app.grouping.recurrent.segments import current_forward, segments_of
 
 MARK = "_prefix_grouping_ple"
@@ -69,16 +74,16 @@ def install(model, plan_kwarg: str) -> int:
     return count
 
 
-def path_ngram_ids(embedding, input_ids: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
-    """[T, heads] the n-gram table rows of a packed row's tokens (``input_ids`` [T]), each hashed with the tokens
-    before it along its path (``before`` [T, n - 1]: row indices b = 1 .. n - 1 steps back, -1 none), as
-    ``Qwen4ExpTextNGramEmbedding`` hashes [P;Ri]: a missing token and any token at or before the last EOS among them
-    read as EOS."""
+def path_ngram_ids(embedding, input_ids: torch.Tensor, before: torch.Tensor, own: slice = slice(None)) -> torch.Tensor:
+    """[t, heads] the n-gram table rows of a packed row's tokens ``own`` (all of them by default; ``input_ids`` [T],
+    the whole row), each hashed with the tokens before it along its path (``before`` [t, n - 1]: row indices b = 1 ..
+    n - 1 steps back, -1 none), as ``Qwen4ExpTextNGramEmbedding`` hashes [P;Ri]: a missing token and any token at or
+    before the last EOS among them read as EOS."""
     eos = embedding.eos_token_id
     ids = input_ids.long()
-    previous = torch.where(before >= 0, ids[before.clamp_min(0)], eos)  # [T, n - 1]
+    previous = torch.where(before >= 0, ids[before.clamp_min(0)], eos)  # [t, n - 1]
     reset = (previous == eos).long().cummax(dim=1).values.bool()  # an EOS b steps back resets b, b + 1, ...
-    shifted = [ids, *torch.where(reset, eos, previous).unbind(1)]
+    shifted = [ids[own], *torch.where(reset, eos, previous).unbind(1)]
     multipliers = embedding.layer_multipliers
     blocks = []
     for ngram in range(2, embedding.ngram_size + 1):
@@ -93,16 +98,23 @@ def path_ngram_ids(embedding, input_ids: torch.Tensor, before: torch.Tensor) -> 
 
 
 def grouped_ple(module, hidden_states: torch.Tensor, input_ids: torch.Tensor, plan) -> torch.Tensor:
-    """The PLE layer over one packed row (``hidden_states`` [1, T, S x H], ``input_ids`` [1, T]), every token's
-    n-gram context and conv window taken along its path (``segments_of(plan)``) -> [1, T, S x H]."""
+    """The PLE layer over one packed row (``hidden_states`` [1, t, S x H]: the whole row, or this rank's shard of it
+    under sequence parallelism; ``input_ids`` [1, T], the whole row's), every token's n-gram context and conv window
+    taken along its path (``segments_of(plan)``) -> [1, t, S x H]."""
     if hidden_states.shape[0] != 1:
         raise ValueError(f"a grouped PLE layer takes one packed row (batch 1), got batch {hidden_states.shape[0]}")
     segments = segments_of(plan)
+    sp, bounds = getattr(plan, "sp", None), getattr(plan, "bounds", None)
+    start, end = bounds[sp.rank] if sp is not None and sp.size > 1 else (0, segments.total)
+    if hidden_states.shape[1] != end - start or input_ids.shape[-1] != segments.total:
+        raise ValueError(f"the PLE layer got {hidden_states.shape[1]} positions and {input_ids.shape[-1]} ids; the "
+                         f"plan's row has {segments.total} tokens, {end - start} of them here")
     embedding = module.ple_embedding
     kernel, dilation = module.conv1d.kernel_size[0], module.conv1d.dilation[0]
     reach = max(embedding.ngram_size - 1, (kernel - 1) * dilation)
-    back = segments.predecessors(reach).to(hidden_states.device)  # [T, reach]
-    rows = path_ngram_ids(embedding, input_ids[0].to(hidden_states.device), back[:, : embedding.ngram_size - 1])
+    back = segments.predecessors(reach)[start:end].to(hidden_states.device)  # [t, reach]: positions of the row
+    rows = path_ngram_ids(embedding, input_ids[0].to(hidden_states.device), back[:, : embedding.ngram_size - 1],
+                          slice(start, end))
     table = embedding.ngram_embedding
     embeddings = table(rows.to(table.weight.device)).to(hidden_states.device).flatten(-2)[None]
     key_normed = module.norm_key(module.key_proj(embeddings)).unflatten(-1, (module.hc_count, module.hidden_size))
@@ -111,11 +123,19 @@ def grouped_ple(module, hidden_states: torch.Tensor, input_ids: torch.Tensor, pl
     gate = (key_normed * query_normed).sum(dim=-1, keepdim=True) / math.sqrt(module.hidden_size)
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
     gated_value = torch.sigmoid(gate) * value.unsqueeze(-2)
-    normed = module.norm_conv(gated_value.flatten(-2))[0]  # [T, C]
+    normed = module.norm_conv(gated_value.flatten(-2))[0]  # [t, C]
     weight = module.conv1d.weight[:, 0].float()  # [C, K]; the taps summed in float32, as a conv accumulates
-    padded = torch.cat([normed, normed.new_zeros(1, normed.shape[1])]).float()  # row T: a zero input before a root
-    conv = padded[:-1] * weight[:, kernel - 1]
+    taps = back[:, [(kernel - 1 - j) * dilation - 1 for j in range(kernel - 1)]]  # tap j's position, -1 none
+    place = taps - start  # its row in ``padded``: this shard's rows, then those fetched, then the zero row
+    elsewhere = (taps >= 0) & ((taps < start) | (taps >= end))
+    fetched = normed[:0]
+    if sp is not None and sp.size > 1:
+        wanted = torch.unique(taps[elsewhere])  # ascending
+        fetched = fetch_rows(normed, wanted, bounds, sp)
+        place = torch.where(elsewhere, len(normed) + torch.searchsorted(wanted, taps), place)
+    padded = torch.cat([normed, fetched, normed.new_zeros(1, normed.shape[1])]).float()
+    place = torch.where(taps >= 0, place, len(padded) - 1)  # a zero input before a root
+    conv = padded[: len(normed)] * weight[:, kernel - 1]
     for j in range(kernel - 1):  # tap j reads (K - 1 - j) x dilation positions back along the path
-        source = back[:, (kernel - 1 - j) * dilation - 1]
-        conv = conv + padded[torch.where(source >= 0, source, normed.shape[0])] * weight[:, j]
+        conv = conv + padded[place[:, j]] * weight[:, j]
     return gated_value.flatten(-2) + F.silu(conv.to(normed.dtype))[None]

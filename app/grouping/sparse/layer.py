@@ -8,6 +8,12 @@ attention with q/k norms and partial M-RoPE).
   forward, its indexer replaced by the vectorised selection over transformers' 4-D mask (no loop over queries),
   the attention and its mask left to transformers.
 
+Under sequence parallelism (a plan with ``sp`` and ``bounds``) each rank runs its shard's queries against the whole
+row's keys: its keys and values, few (Qwen3.8-Flash-Next: 2 KV heads against 24 query heads), joined from every
+shard (``collectives.whole_row``, their gradients sent back), and the indexer's raw keys and rotary tables likewise
+(no gradient: the choice is a hard top-k), so each query chooses among the blocks it would see on one rank. No head
+count constrains S.
+
 ``QUERY_CHUNK`` queries at a time: a chunk's scores are [chunk, heads, blocks], its mask [chunk, T]; never [T, T].
 Where torch's varlen flash kernel runs (CUDA, bf16/fp16: ``app.grouping.kernels.varlen_kernel``), each query of a
 chunk attends over its own gathered keys (``gathered_attention``: a sequence of one query against at most the
@@ -23,6 +29,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from app.grouping.collectives import whole_row
 from app.grouping.kernels import varlen_kernel
 from app.grouping.recurrent.segments import current_forward, segments_of
 from app.grouping.sparse.selection import BatchGeometry, choose, key_blocks, key_mask
@@ -108,45 +115,57 @@ def vectorised_indexer(indexer, hidden_states, position_embeddings, attention_ma
 
 
 def grouped_qsa(module, hidden_states: torch.Tensor, position_embeddings, plan) -> torch.Tensor:
-    """The QSA layer over one packed row ([1, T, hidden]): q/k/v, norms, rotary and output gate as
-    ``Qwen4ExpTextAttention`` computes them; each query's keys chosen along its path (``selection``), attended to
-    chunk by chunk (softmax over exactly those keys) -> [1, T, hidden]."""
+    """The QSA layer over one packed row ([1, t, hidden]: the whole row, or this rank's shard of it under sequence
+    parallelism): q/k/v, norms, rotary and output gate as ``Qwen4ExpTextAttention`` computes them; each query's keys
+    chosen along its path (``selection``), attended to chunk by chunk (softmax over exactly those keys) -> [1, t,
+    hidden]."""
     if hidden_states.shape[0] != 1:
         raise ValueError(f"a grouped QSA layer takes one packed row (batch 1), got batch {hidden_states.shape[0]}")
     segments = segments_of(plan)
+    sp, bounds = getattr(plan, "sp", None), getattr(plan, "bounds", None)
     cos, sin = position_embeddings
-    total = hidden_states.shape[1]
-    shape = (1, total, -1, module.head_dim)
-    query, gate = torch.chunk(module.q_proj(hidden_states).view(1, total, -1, module.head_dim * 2), 2, dim=-1)
-    gate = gate.reshape(1, total, -1)
+    local = hidden_states.shape[1]
+    start = bounds[sp.rank][0] if sp is not None and sp.size > 1 else 0
+    shape = (1, local, -1, module.head_dim)
+    query, gate = torch.chunk(module.q_proj(hidden_states).view(1, local, -1, module.head_dim * 2), 2, dim=-1)
+    gate = gate.reshape(1, local, -1)
     query = module.q_norm(query.reshape(shape)).transpose(1, 2)
     key = module.k_norm(module.k_proj(hidden_states).view(shape)).transpose(1, 2)
     value = module.v_proj(hidden_states).view(shape).transpose(1, 2)
     query, key = _rotary(module)(query, key, cos, sin)
     indexer, compress = module.indexer, module.indexer.compress_ratio
     device = hidden_states.device
+    with torch.no_grad():
+        index_q, raw = index_projections(indexer, hidden_states, cos, sin)
+    if sp is not None and sp.size > 1:
+        lengths = [end - begin for begin, end in bounds]
+        key, value = (whole_row(x, lengths, 2, sp) for x in (key, value))
+        with torch.no_grad():
+            raw, cos, sin = (whole_row(x, lengths, 1, sp) for x in (raw, cos, sin))
+    if key.shape[2] != segments.total:
+        raise ValueError(f"the QSA layer holds {key.shape[2]} keys; the plan's row has {segments.total} tokens")
     kernel = varlen_kernel(device, query.dtype, module.head_dim, use="QSA attention (a masked attention per chunk)")
     if kernel is None:  # the masked path attends over every head's keys
         groups = module.num_key_value_groups
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     with torch.no_grad():
-        index_q, raw = index_projections(indexer, hidden_states, cos, sin)
         ranks = segments.path_positions.to(device)
         blocks = key_blocks(ranks, segments.predecessors(max(compress - 1, 1)).to(device), raw[0], cos[0], sin[0],
                             compress=compress, k_norm=indexer.k_layernorm, rotate=_rotary(indexer))
     out = []
-    for start in range(0, total, QUERY_CHUNK):
-        queries = torch.arange(start, min(start + QUERY_CHUNK, total), device=device)
+    for first in range(0, local, QUERY_CHUNK):
+        mine = torch.arange(first, min(first + QUERY_CHUNK, local), device=device)  # this shard's
+        queries = mine + start  # the row's
         with torch.no_grad():
             seen = segments.visible(queries.cpu()).to(device)
-            chosen = choose(blocks, seen, index_q[0, queries], indexer.block_topk)
+            chosen = choose(blocks, seen, index_q[0, mine], indexer.block_topk)
             mask = key_mask(blocks, seen, ranks[queries], ranks, chosen, compress)
         if kernel is None:
-            out.append(F.scaled_dot_product_attention(query[:, :, queries], key, value, attn_mask=mask[None, None],
+            out.append(F.scaled_dot_product_attention(query[:, :, mine], key, value, attn_mask=mask[None, None],
                                                       dropout_p=0.0, scale=module.scaling))
         else:
-            out.append(gathered_attention(kernel, query[0, :, queries], key[0], value[0], mask, module.scaling)[None])
-    attention = torch.cat(out, dim=2).transpose(1, 2).reshape(1, total, -1)
+            out.append(gathered_attention(kernel, query[0, :, mine], key[0], value[0], mask, module.scaling)[None])
+    attention = torch.cat(out, dim=2).transpose(1, 2).reshape(1, local, -1)
     return module.o_proj(attention * torch.sigmoid(gate))
 
 
