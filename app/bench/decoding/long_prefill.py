@@ -89,9 +89,14 @@ def worker(prefix: int, setting: str, out: str, quick: bool = False) -> None:
 
 
 def point(prefix: int, setting: str, out: Path, quick: bool = False) -> dict:
+    """One point in its own process (its memory apart); under ``--quick`` (the suite's smoke run: every setting, no
+    figure read) in this one, without a child's imports."""
     target = out / f"point-{setting}-P{prefix}.json"
+    if quick:
+        worker(prefix, setting, str(target), quick)
+        return {**json.loads(target.read_text()), "logits_file": target.with_suffix(".pt").name}
     done = subprocess.run([sys.executable, "-m", "app.bench.decoding.long_prefill", "--worker", str(prefix), setting,
-                           str(target), *(["quick"] if quick else [])], cwd=ROOT, capture_output=True, text=True, timeout=3600, env=child_env())
+                           str(target)], cwd=ROOT, capture_output=True, text=True, timeout=3600, env=child_env())
     if done.returncode != 0:
         raise RuntimeError(f"{setting} P={prefix} failed:\n{done.stderr[-4000:]}")
     return {**json.loads(target.read_text()), "logits_file": target.with_suffix(".pt").name}

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from app.bench import common
 from app.bench.common import attempt, exit_if_failed
 from app.bench.video.shared_report import GROUP, PHASES, plot, write
 
@@ -330,9 +331,10 @@ def run(out: Path, quick: bool, *, sizes=("tiny", "7b"), prefixes=(4096, 8192), 
             if (r["size"], r["prefix"], r["k"], r.get("layers")) not in set(plan_points)]
     failed: list[str] = []
     for size, prefix, k, depth in plan_points:
-        result = attempt("app.bench.video.shared_video:point", size=size, prefix=prefix, k=k, root=str(work),
-                         completion=16 if quick else COMPLETION, repeats=1 if size == "7b" or quick else 5,
-                         layers=depth, phases=list(phases), checkpointing=checkpointing)
+        result = common.point("app.bench.video.shared_video:point", quick, size=size, prefix=prefix, k=k,
+                              root=str(work), completion=16 if quick else COMPLETION,
+                              repeats=1 if size == "7b" or quick else 5, layers=depth, phases=list(phases),
+                              checkpointing=checkpointing)
         if "error" in result:
             failed.append(f"{size} P={prefix} k={k} layers={depth}: {result['error']}")
             rows.append({"size": size, "prefix": prefix, "k": k, "layers": depth})
