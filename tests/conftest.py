@@ -27,7 +27,8 @@ from app.runtime.models import FAMILIES, build_tiny_checkpoint  # noqa: E402
 LONGEST_FIRST = ("test_vllm.py", "test_trainer.py", "test_experts_train.py", "test_bench.py", "test_plan.py",
                  "test_gpu_check.py", "test_shared_video_train.py", "test_recurrent.py", "test_expert_parallel.py",
                  "test_planner_accuracy.py", "test_sequence_parallel.py", "test_experts_loading.py",
-                 "test_qwen4_train.py", "test_evaluate.py")
+                 "test_qwen4_train.py", "test_evaluate.py", "test_mixed_modalities.py", "test_vision_cache.py",
+                 "test_crash.py", "test_no_mixing.py", "test_lora.py", "test_real_tokenizer.py")
 
 
 def pytest_collection_modifyitems(config, items):
