@@ -308,9 +308,9 @@ def test_lora_on_qwen4_exps_routed_experts_and_attention_is_exact_and_merges(tin
 def test_the_self_check_compares_qsa_keys_and_ngrams_exactly_and_names_the_layer(tiny_checkpoints, videos,
                                                                                   monkeypatch):
     """float32 and bfloat16 self-checks pass on qwen4_exp (bf16: a query whose choice flips within a tie is counted,
-    not stopped); a QSA row whose queries see their siblings' keys, or a PLE layer whose responses hash their
-    sibling's tail, stops the float32 check before any numeric comparison, naming the layer kind, the completion and
-    the token."""
+    not stopped); a QSA row whose queries see their siblings' keys, a PLE layer whose responses hash their sibling's
+    tail, or one whose conv window reads the row before it instead of its path (its n-grams right), stops the float32
+    check before any numeric comparison, naming the layer kind, the completion and the token."""
     from app.grouping import GroupingMismatchError, verify_grouping
     from app.grouping.recurrent import ngrams
     from app.grouping.recurrent.segments import Segments
@@ -344,6 +344,21 @@ def test_the_self_check_compares_qsa_keys_and_ngrams_exactly_and_names_the_layer
         patch.setattr(ngrams, "path_ngram_ids", row_order)
         with pytest.raises(GroupingMismatchError, match=r"PLE layer 0 \(an n-gram embedding\): completion 1, token 0 "
                            r"hashes to n-gram rows"):
+            verify_grouping(model, prompts, ids, mask, [2, 2])
+    real_back = Segments.predecessors
+    reach = max(ngrams.tap_offsets(next(m for m in model.modules() if ngrams.is_ple(m))))
+
+    def conv_in_row_order(self, count):  # the n-gram's columns along the path, the conv's further ones the row's
+        out = real_back(self, count)
+        if count < reach:
+            return out
+        row = torch.arange(self.total)[:, None] - torch.arange(1, count + 1)[None]
+        return torch.cat([out[:, :2], torch.where(row >= 0, row, -1)[:, 2:]], dim=1)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Segments, "predecessors", conv_in_row_order)
+        with pytest.raises(GroupingMismatchError, match=r"PLE layer 0 \(its dilated conv\): completion 1, token 0 "
+                           r"reads tokens"):
             verify_grouping(model, prompts, ids, mask, [2, 2])
 
 

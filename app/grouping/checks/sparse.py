@@ -1,12 +1,14 @@
 """The exact half of the self-check, part three: what a Qwen3.8-Flash-Next row's sparse layers read. Which keys a
 QSA layer's query attends to (its chosen blocks and its tail) and which n-gram rows a PLE layer looks up (the token
 hashed with the two before it) are sets of integers, so they are compared exactly against the repeated row [P;Ri],
-completion token by completion token, as places along the path (a key's rank: its index in [P;Ri]).
+completion token by completion token, as places along the path (a key's rank: its index in [P;Ri]). So are the
+tokens a PLE layer's dilated conv reads (each earlier tap's token and its place along the path, against the tokens
+transformers' conv reads at those offsets in [P;Ri]); the values they carry are the numeric comparison's.
 
 In float32 the two layouts choose alike. In lower precision a query whose last chosen block and first left-out one
 score within rounding (``TIE_MARGIN`` of its best score, in either layout) may choose differently: such a flip is a
 tie, counted and allowed (as the routers' near-ties are); any other difference stops the run naming the layer kind,
-the completion and the token. The conv windows are not probed here (the numeric comparison sees them).
+the completion and the token.
 """
 
 from __future__ import annotations
@@ -20,20 +22,33 @@ TIE_MARGIN = 0.02  # of a query's best block score: a tie below float32 (a guess
 
 @contextlib.contextmanager
 def recorded_choices(model):
-    """Every QSA key mask (with its keys' ranks and each query's margin) and every PLE table lookup of the forwards
-    in the block, in order: ``records["qsa"]``, ``records["ngram"]``."""
+    """Every QSA key mask (with its keys' ranks and each query's margin), every PLE table lookup and every PLE conv
+    window of the forwards in the block, in order: ``records["qsa"]``, ``records["ngram"]``, ``records["conv"]`` (a
+    packed row's: (tokens [t, K - 1], their places [t, K - 1], the token's own place [t], offsets); an ordinary
+    batch's: the tokens [B, L, K - 1] its conv reads)."""
     from app.grouping.modules import unwrap
+    from app.grouping.recurrent import ngrams
     from app.grouping.sparse import selection
 
-    records = {"qsa": [], "ngram": []}
+    records = {"qsa": [], "ngram": [], "conv": []}
     raw: list = []
     selection.RECORDERS.append(raw)
+    ngrams.RECORDERS.append(records["conv"])
+
+    def ordinary(module, args, kwargs):  # an ordinary batch's call (a packed row's records itself)
+        if module.__dict__.get(ngrams._ACTIVE) is None:
+            ids = kwargs.get("input_ids", args[1] if len(args) > 1 else None)
+            records["conv"].append(ngrams.row_windows(module, ids, kwargs.get("conv_mask")).cpu())
+
+    modules = unwrap(model).modules()
     handles = [m.ngram_embedding.register_forward_hook(lambda mod, args, out: records["ngram"].append(args[0].cpu()))
                for m in unwrap(model).modules() if hasattr(m, "ngram_embedding")]
+    handles += [m.register_forward_pre_hook(ordinary, with_kwargs=True) for m in modules if ngrams.is_ple(m)]
     try:
         yield records
     finally:
         selection.RECORDERS.remove(raw)
+        ngrams.RECORDERS.remove(records["conv"])
         for handle in handles:
             handle.remove()
         margin = None
@@ -79,6 +94,15 @@ def choices_mismatch(grouped: dict, repeated: dict, layout, prompt_width: int, c
                 return (f"PLE layer {layer} (an n-gram embedding): completion {n}, token {j} hashes to n-gram rows "
                         f"{packed[position].tolist()} where [P;R{n}] gives {want.tolist()} (its two tokens before are "
                         "not its path's)"), 0
+    for layer, ((ids, places, own, offsets), rows) in enumerate(zip(grouped["conv"], repeated["conv"])):
+        back = torch.tensor(offsets)
+        for position, n, j in tokens:
+            want = rows[n, prompt_width + j] if rows.dim() == 3 else rows[n * (prompt_width + width) + prompt_width + j]
+            along = torch.where(ids[position] >= 0, own[position] - back, -1)
+            if not (torch.equal(ids[position], want) and torch.equal(places[position], along)):
+                return (f"PLE layer {layer} (its dilated conv): completion {n}, token {j} reads tokens "
+                        f"{ids[position].tolist()} at places {places[position].tolist()} of its path, {offsets} back, "
+                        f"where [P;R{n}] reads {want.tolist()} (its window is not its path's)"), 0
     ours, theirs = by_layer(grouped["qsa"], layout.total_len), by_layer(repeated["qsa"],
                                                                          len(completion_mask) * (prompt_width + width))
     ties = 0

@@ -30,6 +30,7 @@ from app.grouping.recurrent.segments import current_forward, segments_of
 
 MARK = "_prefix_grouping_ple"
 _ACTIVE = "_prefix_grouping_ple_plan"
+RECORDERS: list = []  # lists the self-check appends each grouped call's conv windows to (``checks.sparse``)
 
 
 def is_ple(module) -> bool:
@@ -97,6 +98,25 @@ def path_ngram_ids(embedding, input_ids: torch.Tensor, before: torch.Tensor, own
     return torch.cat(blocks, dim=-1)
 
 
+def tap_offsets(module) -> list[int]:
+    """How far back each of the conv's earlier taps reads (tap j: (K - 1 - j) x dilation); the last tap is the token."""
+    kernel, dilation = module.conv1d.kernel_size[0], module.conv1d.dilation[0]
+    return [(kernel - 1 - j) * dilation for j in range(kernel - 1)]
+
+
+def row_windows(module, input_ids: torch.Tensor, conv_mask: torch.Tensor | None) -> torch.Tensor:
+    """[B, L, K - 1] the token each earlier conv tap reads in an ordinary batch's rows, as transformers' conv over
+    the row reads it (``tap_offsets`` back; -1 before the row or on padding, whose inputs it zeroes)."""
+    ids = input_ids.long()
+    real = torch.ones_like(ids, dtype=torch.bool) if conv_mask is None else conv_mask.bool()
+    places = torch.arange(ids.shape[1], device=ids.device)
+    out = []
+    for offset in tap_offsets(module):
+        source = (places - offset).clamp_min(0)[None].expand_as(ids)
+        out.append(torch.where((places >= offset)[None] & real.gather(1, source), ids.gather(1, source), -1))
+    return torch.stack(out, dim=-1)
+
+
 def grouped_ple(module, hidden_states: torch.Tensor, input_ids: torch.Tensor, plan) -> torch.Tensor:
     """The PLE layer over one packed row (``hidden_states`` [1, t, S x H]: the whole row, or this rank's shard of it
     under sequence parallelism; ``input_ids`` [1, T], the whole row's), every token's n-gram context and conv window
@@ -125,7 +145,7 @@ def grouped_ple(module, hidden_states: torch.Tensor, input_ids: torch.Tensor, pl
     gated_value = torch.sigmoid(gate) * value.unsqueeze(-2)
     normed = module.norm_conv(gated_value.flatten(-2))[0]  # [t, C]
     weight = module.conv1d.weight[:, 0].float()  # [C, K]; the taps summed in float32, as a conv accumulates
-    taps = back[:, [(kernel - 1 - j) * dilation - 1 for j in range(kernel - 1)]]  # tap j's position, -1 none
+    taps = back[:, [offset - 1 for offset in tap_offsets(module)]]  # tap j's position, -1 none
     place = taps - start  # its row in ``padded``: this shard's rows, then those fetched, then the zero row
     elsewhere = (taps >= 0) & ((taps < start) | (taps >= end))
     fetched = normed[:0]
@@ -133,6 +153,11 @@ def grouped_ple(module, hidden_states: torch.Tensor, input_ids: torch.Tensor, pl
         wanted = torch.unique(taps[elsewhere])  # ascending
         fetched = fetch_rows(normed, wanted, bounds, sp)
         place = torch.where(elsewhere, len(normed) + torch.searchsorted(wanted, taps), place)
+    for record in RECORDERS:  # the self-check's: the tokens each tap reads and their places along the path
+        ids, ranks = input_ids[0].to(taps.device), segments.path_positions.to(taps.device)
+        record.append((torch.where(taps >= 0, ids[taps.clamp_min(0)], -1).cpu(),
+                       torch.where(taps >= 0, ranks[taps.clamp_min(0)], -1).cpu(), ranks[start:end].cpu(),
+                       tap_offsets(module)))
     padded = torch.cat([normed, fetched, normed.new_zeros(1, normed.shape[1])]).float()
     place = torch.where(taps >= 0, place, len(padded) - 1)  # a zero input before a root
     conv = padded[: len(normed)] * weight[:, kernel - 1]
