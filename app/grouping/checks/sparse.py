@@ -40,9 +40,9 @@ def recorded_choices(model):
             ids = kwargs.get("input_ids", args[1] if len(args) > 1 else None)
             records["conv"].append(ngrams.row_windows(module, ids, kwargs.get("conv_mask")).cpu())
 
-    modules = unwrap(model).modules()
+    modules = list(unwrap(model).modules())
     handles = [m.ngram_embedding.register_forward_hook(lambda mod, args, out: records["ngram"].append(args[0].cpu()))
-               for m in unwrap(model).modules() if hasattr(m, "ngram_embedding")]
+               for m in modules if hasattr(m, "ngram_embedding")]
     handles += [m.register_forward_pre_hook(ordinary, with_kwargs=True) for m in modules if ngrams.is_ple(m)]
     try:
         yield records

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from app.grouping.recurrent.kernels import level_kernels, use_accurate_fallback
-from app.grouping.recurrent.segments import segments_of
+from app.grouping.recurrent.segments import segments_of, sequence_shard
 
 MARK = "_prefix_grouping_gdn"
 
@@ -90,13 +90,13 @@ def grouped_linear_attention(module, hidden_states: torch.Tensor, plan) -> torch
     if hidden_states.shape[0] != 1:
         raise ValueError(f"a grouped GDN layer takes one packed row (batch 1), got batch {hidden_states.shape[0]}")
     segments = segments_of(plan)
-    sp, bounds = getattr(plan, "sp", None), getattr(plan, "bounds", None)
+    sp, bounds = sequence_shard(plan)
     local = hidden_states.shape[1]
     mixed = module.in_proj_qkv(hidden_states)[0]  # [t, C]
     z = module.in_proj_z(hidden_states)
     b, a = module.in_proj_b(hidden_states)[0], module.in_proj_a(hidden_states)[0]  # [t, HV]
     weight, heads, size = module.conv1d.weight[:, 0], slice(None), 1  # [C, W]
-    if sp is not None and sp.size > 1:
+    if sp is not None:
         channels, heads = head_slices(module, sp.rank, sp.size)
         weight, size = weight[channels.to(weight.device)], sp.size
         mixed, b, a = _to_heads(module, mixed, b, a, sp, bounds)
@@ -106,7 +106,7 @@ def grouped_linear_attention(module, hidden_states: torch.Tensor, plan) -> torch
     beta = b.sigmoid()
     g = -module.A_log[heads].float().exp() * F.softplus(a.float() + module.dt_bias[heads])
     out = run_segments(module, segments, mixed, beta=beta, g=g, weight=weight, heads=(key_heads, value_heads))
-    if sp is not None and sp.size > 1:
+    if sp is not None:
         out = _to_shard(out, sp, bounds)
     core = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(1, local, -1))

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from app.grouping.collectives import fetch_rows
-from app.grouping.recurrent.segments import current_forward, segments_of
+from app.grouping.recurrent.segments import current_forward, segments_of, sequence_shard
 
 MARK = "_prefix_grouping_ple"
 _ACTIVE = "_prefix_grouping_ple_plan"
@@ -124,8 +124,8 @@ def grouped_ple(module, hidden_states: torch.Tensor, input_ids: torch.Tensor, pl
     if hidden_states.shape[0] != 1:
         raise ValueError(f"a grouped PLE layer takes one packed row (batch 1), got batch {hidden_states.shape[0]}")
     segments = segments_of(plan)
-    sp, bounds = getattr(plan, "sp", None), getattr(plan, "bounds", None)
-    start, end = bounds[sp.rank] if sp is not None and sp.size > 1 else (0, segments.total)
+    sp, bounds = sequence_shard(plan)
+    start, end = bounds[sp.rank] if sp is not None else (0, segments.total)
     if hidden_states.shape[1] != end - start or input_ids.shape[-1] != segments.total:
         raise ValueError(f"the PLE layer got {hidden_states.shape[1]} positions and {input_ids.shape[-1]} ids; the "
                          f"plan's row has {segments.total} tokens, {end - start} of them here")
@@ -149,7 +149,7 @@ def grouped_ple(module, hidden_states: torch.Tensor, input_ids: torch.Tensor, pl
     place = taps - start  # its row in ``padded``: this shard's rows, then those fetched, then the zero row
     elsewhere = (taps >= 0) & ((taps < start) | (taps >= end))
     fetched = normed[:0]
-    if sp is not None and sp.size > 1:
+    if sp is not None:
         wanted = torch.unique(taps[elsewhere])  # ascending
         fetched = fetch_rows(normed, wanted, bounds, sp)
         place = torch.where(elsewhere, len(normed) + torch.searchsorted(wanted, taps), place)

@@ -263,6 +263,13 @@ def segments_of(plan) -> Segments:
     return cache["row"]
 
 
+def sequence_shard(plan):
+    """(the sequence-parallel group, every rank's (start, end) of the row) of a plan that splits its row over S > 1
+    ranks (``sequence_parallel.SequenceParallelPlan``); (None, None) for a row held whole."""
+    sp = getattr(plan, "sp", None)
+    return (sp, plan.bounds) if sp is not None and sp.size > 1 else (None, None)
+
+
 def current_forward(module):
     """(The instance patches of a packed row's layer kinds, GDN, PLE, QSA and routers, chain through this.) The
     unbound forward ``module`` runs now: an instance patch's function (it takes the module first), else its

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from app.grouping.collectives import whole_row
 from app.grouping.kernels import varlen_kernel
-from app.grouping.recurrent.segments import current_forward, segments_of
+from app.grouping.recurrent.segments import current_forward, segments_of, sequence_shard
 from app.grouping.sparse.selection import BatchGeometry, choose, key_blocks, key_mask
 
 MARK = "_prefix_grouping_qsa"
@@ -122,10 +122,10 @@ def grouped_qsa(module, hidden_states: torch.Tensor, position_embeddings, plan) 
     if hidden_states.shape[0] != 1:
         raise ValueError(f"a grouped QSA layer takes one packed row (batch 1), got batch {hidden_states.shape[0]}")
     segments = segments_of(plan)
-    sp, bounds = getattr(plan, "sp", None), getattr(plan, "bounds", None)
+    sp, bounds = sequence_shard(plan)
     cos, sin = position_embeddings
     local = hidden_states.shape[1]
-    start = bounds[sp.rank][0] if sp is not None and sp.size > 1 else 0
+    start = bounds[sp.rank][0] if sp is not None else 0
     shape = (1, local, -1, module.head_dim)
     query, gate = torch.chunk(module.q_proj(hidden_states).view(1, local, -1, module.head_dim * 2), 2, dim=-1)
     gate = gate.reshape(1, local, -1)
@@ -137,7 +137,7 @@ def grouped_qsa(module, hidden_states: torch.Tensor, position_embeddings, plan) 
     device = hidden_states.device
     with torch.no_grad():
         index_q, raw = index_projections(indexer, hidden_states, cos, sin)
-    if sp is not None and sp.size > 1:
+    if sp is not None:
         lengths = [end - begin for begin, end in bounds]
         key, value = (whole_row(x, lengths, 2, sp) for x in (key, value))
         with torch.no_grad():
